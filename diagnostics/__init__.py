@@ -1,0 +1,1 @@
+"""Telemetry collection (``diagnostics.collect``) and pure-Python analysis of recorded runs."""

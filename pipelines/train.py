@@ -1,0 +1,32 @@
+"""``python -m train``: compose conf/ with Hydra and run one training job (see README).
+
+Kept thin on purpose: Hydra in, typed config out, and a user's mistake becomes one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
+
+# Resolved through the real path so an editable install finds conf/ from any working directory.
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def main(cfg: DictConfig) -> None:
+    from disttrain.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
+
+    try:
+        run_from_hydra(cfg, module_name="train")
+    except ConfigError as err:
+        print(f"disttrain: config error: {err}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT_CODE)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Typed config -> the objects of a run (model factory, datamodule, strategy, Trainer).
+
+This is the only place below ``pipelines/`` where configuration becomes objects; everything it calls takes
+typed arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import get_object
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from torch import nn
+
+from disttrain.callbacks import FinalValidation, StepCheckpoint, Throughput
+from disttrain.config.errors import ConfigError
+from disttrain.config.schema import CustomDataConfig, CustomModelConfig, LoggerConfig, ModelConfig, RunConfig
+from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.data.datamodule import TokenDataModule
+from disttrain.models import apply_activation_checkpointing, build_model, count_parameters, flops_per_token
+from disttrain.module import LanguageModelModule
+from disttrain.strategies import StrategyBuild, build_strategy
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    num_parameters: int
+    flops_per_token: float
+
+
+def _resolve_target(target: str, key: str) -> object:
+    try:
+        return get_object(target)
+    except Exception as err:  # hydra wraps import failures in several exception types
+        raise ConfigError(
+            key, f"cannot import '{target}' ({err})", "check the dotted path and that it is installed"
+        ) from None
+
+
+def build_model_factory(model: ModelConfig | CustomModelConfig, seed: int) -> partial[nn.Module]:
+    if isinstance(model, CustomModelConfig):
+        return partial(_build_custom_model, model, _resolve_target(model.target, "model._target_"))
+    return partial(_build_reference_model, model, seed)
+
+
+def _build_reference_model(model: ModelConfig, seed: int, device: str = "cpu") -> nn.Module:
+    module = build_model(model, seed=seed, device=device)
+    if model.compile:
+        # Per-block compilation (the torchtitan recipe) keeps FSDP's per-block hooks outside the graphs.
+        for index, block in enumerate(module.blocks):
+            module.blocks[index] = torch.compile(block)
+    return module
+
+
+def _build_custom_model(model: CustomModelConfig, factory: object, device: str = "cpu") -> nn.Module:
+    with torch.device(device):
+        module = factory(**model.kwargs)  # type: ignore[operator]
+    if not isinstance(module, nn.Module):
+        raise ConfigError("model._target_", f"'{model.target}' returned {type(module).__name__}", "return an nn.Module")
+    return torch.compile(module) if model.compile else module
+
+
+def model_facts(model: ModelConfig | CustomModelConfig, seed: int) -> ModelFacts:
+    """Parameter count and training FLOPs per token, without allocating the weights."""
+    if isinstance(model, ModelConfig):
+        return ModelFacts(count_parameters(model), flops_per_token(model))
+    meta = build_model_factory(model, seed)(device="meta")
+    count = sum(p.numel() for p in meta.parameters())
+    custom = getattr(meta, "flops_per_token", None)
+    # Without the model's own accounting only the 6N matmul term is known (attention FLOPs are not).
+    return ModelFacts(count, float(custom(model.seq_len)) if callable(custom) else 6.0 * count)
+
+
+def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
+    if isinstance(cfg.data, CustomDataConfig):
+        cls = _resolve_target(cfg.data.target, "data._target_")
+        return cls(seq_len=cfg.model.seq_len, micro_batch_size=plan.micro_batch_size, **cfg.data.kwargs)  # type: ignore[operator]
+    return TokenDataModule(
+        cfg.data, cfg.model.seq_len, plan.micro_batch_size, plan.global_batch_size, seed=cfg.trainer.seed
+    )
+
+
+def build_module(cfg: RunConfig, strategy: StrategyBuild, facts: ModelFacts) -> LanguageModelModule:
+    return LanguageModelModule(
+        build_model_factory(cfg.model, cfg.trainer.seed),
+        cfg.optimizer,
+        max_steps=cfg.trainer.max_steps,
+        parallelize=strategy.parallelize,
+        flops_per_token=facts.flops_per_token,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+    )
+
+
+def build_loggers(cfg: LoggerConfig, run_dir: Path, run_name: str) -> list[Logger]:
+    if cfg.name == "wandb":
+        # Offline unless asked: an online run with a bad key blocks for minutes before failing.
+        os.environ.setdefault("WANDB_MODE", cfg.mode)
+        logger: Logger = WandbLogger(
+            project=cfg.project, entity=cfg.entity, name=run_name, save_dir=str(run_dir), offline=cfg.mode == "offline"
+        )
+    elif cfg.name == "tensorboard":
+        logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
+    else:
+        logger = CSVLogger(save_dir=str(run_dir), name="metrics", version="")
+    return [logger]
+
+
+@dataclass
+class TrainerParts:
+    trainer: pl.Trainer
+    throughput: Throughput
+    ckpt_dir: Path
+
+
+def build_trainer(
+    cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, strategy: StrategyBuild, run_dir: Path
+) -> TrainerParts:
+    t = cfg.trainer
+    ckpt_dir = run_dir / "checkpoints"
+    throughput = Throughput(plan.global_batch_size * cfg.model.seq_len, skip_steps=min(10, t.max_steps // 10))
+    callbacks = [
+        StepCheckpoint(ckpt_dir, t.ckpt_every_n_steps),
+        FinalValidation(),
+        throughput,
+        LearningRateMonitor("step"),
+    ]
+    trainer = pl.Trainer(
+        accelerator=cfg.hw.accelerator,
+        devices=layout.devices_per_node,
+        num_nodes=layout.num_nodes,
+        strategy=strategy.strategy if layout.world_size > 1 or cfg.strategy.name == "fsdp" else "auto",
+        precision=strategy.trainer_precision,
+        max_steps=t.max_steps,
+        accumulate_grad_batches=plan.accumulation,
+        gradient_clip_val=t.grad_clip or None,
+        # The train loader is endless (step-based), so validation is scheduled in micro-batches.
+        val_check_interval=t.val_every_n_steps * plan.accumulation,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.val_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every_n_steps,
+        deterministic=t.deterministic,
+        default_root_dir=str(run_dir),
+        logger=build_loggers(cfg.logger, run_dir, run_dir.name),
+        enable_checkpointing=False,  # StepCheckpoint owns checkpoints (names, `last` link, final step)
+        callbacks=callbacks,
+        use_distributed_sampler=isinstance(cfg.data, CustomDataConfig),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return TrainerParts(trainer, throughput, ckpt_dir)
+
+
+def build_run(cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, run_dir: Path) -> tuple:
+    """Everything ``trainer.fit`` needs: (TrainerParts, module, datamodule, facts)."""
+    strategy = build_strategy(cfg, layout.world_size, apply_activation_checkpointing)
+    facts = model_facts(cfg.model, cfg.trainer.seed)
+    module = build_module(cfg, strategy, facts)
+    datamodule = build_datamodule(cfg, plan)
+    parts = build_trainer(cfg, layout, plan, strategy, run_dir)
+    return parts, module, datamodule, facts

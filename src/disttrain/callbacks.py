@@ -1,0 +1,91 @@
+"""Trainer callbacks every run gets: step checkpoints, a final validation, and train-only throughput."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step{step:06d}.ckpt"
+
+
+def relink_last(ckpt_dir: Path, target_name: str) -> None:
+    """Point ``last.ckpt`` at ``target_name`` atomically (a relative symlink survives copying the run dir)."""
+    tmp = ckpt_dir / f".last.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target_name)
+    os.replace(tmp, ckpt_dir / "last.ckpt")
+
+
+class FinalValidation(pl.Callback):
+    """At ``max_steps``, ask Lightning to validate before it stops (it does so when ``should_stop`` is set).
+
+    With a step-based endless loader Lightning would otherwise end without validating the final weights.
+    """
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step >= trainer.max_steps:
+            trainer.should_stop = True
+
+
+class StepCheckpoint(pl.Callback):
+    """``step<N>.ckpt`` every ``every_n_steps`` optimizer steps and at the last step; ``last.ckpt`` links the newest.
+
+    ``trainer.save_checkpoint`` is collective (FSDP2 writes one shard per rank), so every rank runs this.
+    """
+
+    def __init__(self, ckpt_dir: Path, every_n_steps: int) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.every_n_steps = every_n_steps
+        self.last_saved_step = -1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        step = trainer.global_step
+        # Under gradient accumulation this hook runs on every micro-batch; save once per optimizer step.
+        if step == self.last_saved_step or step == 0:
+            return
+        if step % self.every_n_steps and step < trainer.max_steps:
+            return
+        self.last_saved_step = step
+        name = checkpoint_name(step)
+        trainer.save_checkpoint(self.ckpt_dir / name)
+        if trainer.is_global_zero:
+            relink_last(self.ckpt_dir, name)
+        trainer.strategy.barrier("step-checkpoint")
+
+
+class Throughput(pl.Callback):
+    """Tokens per second over training steps only (validation and the first ``skip_steps`` excluded)."""
+
+    def __init__(self, tokens_per_step: int, skip_steps: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.skip_steps = skip_steps
+        self.start: float | None = None
+        self.start_step = 0
+        self.excluded_s = 0.0
+        self._val_start: float | None = None
+        self.tokens_per_s: float | None = None
+        self.train_time_s = 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        step = trainer.global_step
+        now = time.perf_counter()
+        if self.start is None:
+            if step >= self.skip_steps:
+                self.start, self.start_step = now, step
+            return
+        self.train_time_s = now - self.start - self.excluded_s
+        if step > self.start_step and self.train_time_s > 0:
+            self.tokens_per_s = (step - self.start_step) * self.tokens_per_step / self.train_time_s
+
+    def on_validation_start(self, *args: object) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, *args: object) -> None:
+        if self._val_start is not None and self.start is not None:
+            self.excluded_s += time.perf_counter() - self._val_start
+        self._val_start = None

@@ -1,0 +1,203 @@
+"""Typed schemas for every config group.
+
+These frozen dataclasses are what ``src/`` and ``diagnostics/`` receive; only ``pipelines/`` and
+``disttrain.build`` ever see a DictConfig. ``disttrain.config.parse`` turns the composed Hydra config into
+a ``RunConfig`` and reports unknown keys and wrong types with the dotted key that is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the reference transformer; one dataclass covers the GPT-2 and Llama families."""
+
+    name: str = "gpt-nano"
+    family: str = "gpt"  # gpt | llama: informational, behaviour comes from the fields below
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None means n_heads (multi-head); fewer means grouped-query attention
+    ffn_hidden: int = 512
+    vocab_size: int = 256
+    seq_len: int = 128
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    mlp: str = "gelu"  # gelu | swiglu
+    pos_emb: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    init_std: float = 0.02
+    compile: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class CustomModelConfig:
+    """A user's own model: ``target`` is the import path of an ``nn.Module`` class or factory.
+
+    It is called with ``kwargs`` and must map token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``.
+    ``vocab_size`` and ``seq_len`` are required because the data and the FLOPs accounting need them.
+    """
+
+    target: str
+    vocab_size: int
+    seq_len: int
+    name: str = "custom"
+    compile: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SyntheticDataConfig:
+    """Seeded order-k Markov source whose entropy rate is known exactly (the loss floor)."""
+
+    name: str = "synthetic"
+    vocab_size: int = 16
+    order: int = 2
+    concentration: float = 0.05  # Dirichlet alpha of each next-token distribution: lower = more predictable
+    num_train_tokens: int = 2_000_000
+    num_val_tokens: int = 131_072
+    source_seed: int = 1234  # fixes the Markov source itself, independent of the training seed
+    num_workers: int = 0
+    pin_memory: bool = False
+
+
+@dataclass(frozen=True)
+class TextDataConfig:
+    """Any local text file as byte-level tokens (vocab 256)."""
+
+    path: str
+    name: str = "text"
+    val_fraction: float = 0.05
+    num_workers: int = 0
+    pin_memory: bool = False
+
+
+@dataclass(frozen=True)
+class TokensDataConfig:
+    """nanoGPT-style uint16 token files: ``train_path`` (and optionally ``val_path``) as flat .bin memmaps."""
+
+    train_path: str
+    vocab_size: int
+    name: str = "tokens"
+    val_path: str | None = None  # None: the tail ``val_fraction`` of train_path is held out
+    val_fraction: float = 0.05
+    num_workers: int = 0
+    pin_memory: bool = False
+
+
+@dataclass(frozen=True)
+class CustomDataConfig:
+    """A user's own LightningDataModule: ``target`` is its import path, called with ``kwargs``."""
+
+    target: str
+    name: str = "custom"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+DataConfig = SyntheticDataConfig | TextDataConfig | TokensDataConfig | CustomDataConfig
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    name: str = "ddp"
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: int = 25
+    static_graph: bool = False
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """FSDP2 (``fully_shard`` on a DeviceMesh); parameters are sharded over the data-parallel axis."""
+
+    name: str = "fsdp"
+    reshard_after_forward: bool = True
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype under mixed precision: fp32 | bf16
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+
+StrategyConfig = DDPConfig | FSDPConfig
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | bf16-mixed | bf16-true | fp16-mixed
+
+    @property
+    def lightning(self) -> str:
+        return {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "fp16-mixed": "16-mixed"}[
+            self.name
+        ]
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype matmuls run in, which selects the hardware peak used for MFU."""
+        return {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16"}[self.name]
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    max_steps: int = 250
+    micro_batch_size: int = 16  # sequences per rank per forward/backward
+    global_batch_size: int | None = None  # sequences per optimizer step over all ranks; None: micro x dp
+    grad_clip: float = 1.0  # 0 disables clipping
+    val_every_n_steps: int = 50
+    val_batches: int = 8
+    ckpt_every_n_steps: int = 100
+    log_every_n_steps: int = 10
+    seed: int = 1337
+    deterministic: bool = False
+    num_threads: int | None = None  # torch intra-op threads per process; None: cores / local processes
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    name: str = "csv"  # csv | wandb | tensorboard
+    project: str = "disttrain"
+    mode: str = "offline"  # wandb only: offline | online
+    entity: str | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs, validated and typed."""
+
+    model: ModelConfig | CustomModelConfig
+    data: DataConfig
+    strategy: StrategyConfig
+    precision: PrecisionConfig
+    hw: Any  # disttrain.hardware.HardwareProfile (kept Any to avoid an import cycle)
+    optimizer: OptimizerConfig
+    trainer: TrainerConfig
+    logger: LoggerConfig
+    dry_run: bool = False
+    resume: str | None = None

@@ -1,0 +1,237 @@
+"""Cross-field validation and the derived quantities of a run (world layout, batch plan).
+
+Everything here is a pure function of the typed config plus, for file checks, the filesystem: it runs before
+any process is spawned so a mistake costs a second, not a cluster allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from disttrain.config.errors import ConfigError
+from disttrain.config.schema import (
+    CustomDataConfig,
+    CustomModelConfig,
+    FSDPConfig,
+    ModelConfig,
+    RunConfig,
+    SyntheticDataConfig,
+    TextDataConfig,
+    TokensDataConfig,
+)
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POS_EMBS = ("learned", "rope")
+# The Markov source keeps a dense V^order x V table in memory.
+MAX_MARKOV_TABLE = 2**26
+
+
+@dataclass(frozen=True)
+class WorldLayout:
+    num_nodes: int
+    devices_per_node: int
+    world_size: int
+    data_parallel_size: int
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch_size: int
+    micro_batch_size: int
+    data_parallel_size: int
+    accumulation: int
+
+    @property
+    def samples_per_rank_per_step(self) -> int:
+        return self.micro_batch_size * self.accumulation
+
+
+def world_layout(cfg: RunConfig) -> WorldLayout:
+    """DDP and FSDP shard data over every process, so the data-parallel size is the world size."""
+    world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+    return WorldLayout(cfg.hw.num_nodes, cfg.hw.devices_per_node, world, world)
+
+
+def batch_plan(cfg: RunConfig) -> BatchPlan:
+    t = cfg.trainer
+    dp = world_layout(cfg).data_parallel_size
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size is None:
+        return BatchPlan(per_step, t.micro_batch_size, dp, 1)
+    if t.global_batch_size % per_step != 0:
+        lower = max(per_step, t.global_batch_size // per_step * per_step)
+        raise ConfigError(
+            "trainer.global_batch_size",
+            f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
+            f"= {t.micro_batch_size} x {dp} = {per_step}",
+            f"use a multiple of {per_step} (e.g. trainer.global_batch_size={lower}) or change trainer.micro_batch_size",
+        )
+    return BatchPlan(t.global_batch_size, t.micro_batch_size, dp, t.global_batch_size // per_step)
+
+
+def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(key, f"must be {bound}, got {value}", f"set {key} to a value {bound}")
+
+
+def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(key, f"'{value}' is not one of {list(choices)}", f"use {key}={choices[0]}")
+
+
+def validate_model(m: ModelConfig | CustomModelConfig) -> None:
+    _positive("model.vocab_size", m.vocab_size)
+    _positive("model.seq_len", m.seq_len)
+    if isinstance(m, CustomModelConfig):
+        return
+    for key in ("n_layers", "d_model", "n_heads", "ffn_hidden"):
+        _positive(f"model.{key}", getattr(m, key))
+    _one_of("model.norm", m.norm, NORMS)
+    _one_of("model.mlp", m.mlp, MLPS)
+    _one_of("model.pos_emb", m.pos_emb, POS_EMBS)
+    if m.d_model % m.n_heads:
+        raise ConfigError(
+            "model.n_heads",
+            f"d_model={m.d_model} is not divisible by n_heads={m.n_heads}",
+            "pick n_heads that divides d_model",
+        )
+    if m.n_kv_heads is not None and (m.n_kv_heads < 1 or m.n_heads % m.n_kv_heads):
+        raise ConfigError(
+            "model.n_kv_heads",
+            f"n_heads={m.n_heads} is not a multiple of n_kv_heads={m.n_kv_heads}",
+            "use a divisor of n_heads (or null for multi-head attention)",
+        )
+    if m.pos_emb == "rope" and m.head_dim % 2:
+        raise ConfigError("model.pos_emb", f"rope needs an even head_dim, got {m.head_dim}", "change d_model/n_heads")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout", f"must be in [0, 1), got {m.dropout}", "use e.g. model.dropout=0.0")
+    _positive("model.init_std", m.init_std)
+
+
+def data_vocab_size(cfg: RunConfig) -> int | None:
+    d = cfg.data
+    if isinstance(d, SyntheticDataConfig | TokensDataConfig):
+        return d.vocab_size
+    if isinstance(d, TextDataConfig):
+        return 256
+    return None
+
+
+def _check_file(key: str, path: str) -> None:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise ConfigError(key, f"'{path}' {what}", f"set {key} to an existing file (absolute, or relative to the cwd)")
+    if p.stat().st_size == 0:
+        raise ConfigError(key, f"'{path}' is empty", f"set {key} to a file with data in it")
+
+
+def validate_data(cfg: RunConfig, plan: BatchPlan) -> None:
+    d = cfg.data
+    if isinstance(d, CustomDataConfig):
+        return
+    _positive("data.num_workers", d.num_workers, allow_zero=True)
+    if isinstance(d, SyntheticDataConfig):
+        _positive("data.concentration", d.concentration)
+        if d.vocab_size < 2:
+            raise ConfigError("data.vocab_size", f"must be >= 2, got {d.vocab_size}", "use data.vocab_size=64")
+        if d.order < 1:
+            raise ConfigError("data.order", f"must be >= 1, got {d.order}", "use data.order=2")
+        if d.vocab_size ** (d.order + 1) > MAX_MARKOV_TABLE:
+            raise ConfigError(
+                "data.order",
+                f"vocab_size^(order+1) = {d.vocab_size}^{d.order + 1} transition entries is too large",
+                "lower data.order or data.vocab_size",
+            )
+        windows = d.num_train_tokens // (cfg.model.seq_len + 1)
+        if windows < plan.global_batch_size:
+            raise ConfigError(
+                "data.num_train_tokens",
+                f"{d.num_train_tokens} tokens make {windows} sequences, fewer than one global batch "
+                f"({plan.global_batch_size})",
+                f"set data.num_train_tokens >= {plan.global_batch_size * (cfg.model.seq_len + 1)}",
+            )
+        if d.num_val_tokens < (cfg.model.seq_len + 1) * plan.data_parallel_size:
+            raise ConfigError(
+                "data.num_val_tokens",
+                f"{d.num_val_tokens} tokens give no validation sequence for each of {plan.data_parallel_size} ranks",
+                f"set data.num_val_tokens >= {(cfg.model.seq_len + 1) * plan.data_parallel_size}",
+            )
+    if isinstance(d, TextDataConfig):
+        _check_file("data.path", d.path)
+    if isinstance(d, TokensDataConfig):
+        _check_file("data.train_path", d.train_path)
+        if d.val_path is not None:
+            _check_file("data.val_path", d.val_path)
+        if d.vocab_size > 65536:
+            raise ConfigError("data.vocab_size", "uint16 token files hold ids < 65536", "use a vocab <= 65536")
+    if isinstance(d, TextDataConfig | TokensDataConfig) and not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", f"must be in (0, 1), got {d.val_fraction}", "use 0.05")
+
+
+def validate_run(cfg: RunConfig) -> BatchPlan:
+    """All cross-field checks; returns the batch plan they imply."""
+    validate_model(cfg.model)
+    t, o = cfg.trainer, cfg.optimizer
+    for key in ("max_steps", "micro_batch_size", "val_every_n_steps", "log_every_n_steps"):
+        _positive(f"trainer.{key}", getattr(t, key))
+    if t.global_batch_size is not None:
+        _positive("trainer.global_batch_size", t.global_batch_size)
+    _positive("trainer.ckpt_every_n_steps", t.ckpt_every_n_steps)
+    _positive("trainer.val_batches", t.val_batches, allow_zero=True)
+    _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
+    if t.num_threads is not None:
+        _positive("trainer.num_threads", t.num_threads)
+    _positive("optimizer.lr", o.lr)
+    _positive("optimizer.eps", o.eps)
+    _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(f"optimizer.{key}", f"must be in [0, 1), got {getattr(o, key)}", "use 0.9 / 0.95")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError("optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}", "use 0.1")
+    if o.warmup_steps >= t.max_steps:
+        raise ConfigError(
+            "optimizer.warmup_steps",
+            f"warmup ({o.warmup_steps} steps) does not end before trainer.max_steps={t.max_steps}",
+            f"use optimizer.warmup_steps < {t.max_steps}",
+        )
+
+    on_cpu = cfg.hw.accelerator == "cpu"
+    if cfg.precision.name == "fp16-mixed" and on_cpu:
+        raise ConfigError(
+            "precision",
+            "fp16-mixed is not supported on CPU (Lightning would silently run bf16 instead)",
+            "use precision=bf16-mixed on CPU, or a GPU hw profile for fp16",
+        )
+    if isinstance(cfg.strategy, FSDPConfig):
+        _one_of("strategy.reduce_dtype", cfg.strategy.reduce_dtype, ("fp32", "bf16"))
+        if cfg.strategy.cpu_offload and on_cpu:
+            raise ConfigError(
+                "strategy.cpu_offload",
+                "offloading to host memory needs GPUs; on hw=cpu everything is already in host memory",
+                "set strategy.cpu_offload=false, or use a GPU hw profile",
+            )
+        if cfg.precision.name == "fp16-mixed":
+            raise ConfigError(
+                "precision", "FSDP2 here supports fp32 and bf16 policies", "use precision=bf16-mixed with strategy=fsdp"
+            )
+    elif cfg.strategy.bucket_cap_mb <= 0:
+        raise ConfigError("strategy.bucket_cap_mb", "must be > 0", "use strategy.bucket_cap_mb=25")
+    if cfg.logger.name == "wandb":
+        _one_of("logger.mode", cfg.logger.mode, ("offline", "online"))
+
+    plan = batch_plan(cfg)
+    validate_data(cfg, plan)
+    vocab = data_vocab_size(cfg)
+    if vocab is not None and vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            f"{cfg.model.vocab_size} is smaller than the data's vocabulary ({vocab})",
+            f"set model.vocab_size>={vocab}",
+        )
+    return plan

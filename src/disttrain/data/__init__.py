@@ -1,0 +1,1 @@
+"""Data sources and datamodules: synthetic Markov (known loss floor), byte-level text, uint16 token files."""

@@ -1,0 +1,82 @@
+"""Human-readable text: what a run would launch (dry runs and every run's banner) and how it ended."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from disttrain.config.schema import RunConfig
+from disttrain.config.validate import BatchPlan, WorldLayout
+
+
+def _options(obj: object) -> str:
+    fields = dataclasses.asdict(obj)  # type: ignore[call-overload]
+    return ", ".join(f"{k}={v}" for k, v in fields.items() if k != "name") or "defaults"
+
+
+def human_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def describe_launch(
+    cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, num_parameters: int, flops_per_token: float
+) -> str:
+    hw = cfg.hw
+    device = "CPU process" if hw.accelerator == "cpu" else f"GPU ({hw.device_type})"
+    tokens_per_step = plan.global_batch_size * cfg.model.seq_len
+    lines = [
+        f"hardware     hw={hw.name}: {layout.num_nodes} node(s) x {layout.devices_per_node} {device}"
+        f" = world size {layout.world_size}",
+        f"strategy     {cfg.strategy.name} ({_options(cfg.strategy)}), data-parallel size {layout.data_parallel_size}",
+        f"precision    {cfg.precision.name} (compute dtype {cfg.precision.compute_dtype})",
+        f"model        {cfg.model.name}: {num_parameters:,} parameters ({human_count(num_parameters)}),"
+        f" seq_len {cfg.model.seq_len}, {human_count(flops_per_token)}FLOP/token (6N + 12LHQT)",
+        f"batch        global {plan.global_batch_size} = micro {plan.micro_batch_size} x dp {plan.data_parallel_size}"
+        f" x accumulation {plan.accumulation}; {tokens_per_step:,} tokens/step",
+        f"data         {cfg.data.name} ({_options(cfg.data)})",
+        f"optimizer    {cfg.optimizer.name}: lr {cfg.optimizer.lr:g}, warmup {cfg.optimizer.warmup_steps},"
+        f" weight decay {cfg.optimizer.weight_decay:g}",
+        f"schedule     {cfg.trainer.max_steps} steps = {human_count(tokens_per_step * cfg.trainer.max_steps)} tokens,"
+        f" val every {cfg.trainer.val_every_n_steps}, checkpoint every {cfg.trainer.ckpt_every_n_steps}",
+    ]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    steps: int
+    wall_time_s: float
+    train_loss: float | None
+    val_loss: float | None
+    loss_floor: float | None
+    entropy_rate: float | None
+    tokens_per_s: float | None
+    run_dir: str
+
+    @property
+    def gap_to_floor(self) -> float | None:
+        if self.val_loss is None or self.loss_floor is None:
+            return None
+        return self.val_loss - self.loss_floor
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def describe_result(result: RunResult) -> str:
+    lines = [
+        f"done: {result.steps} steps in {result.wall_time_s:.1f} s",
+        f"  loss        train {_fmt(result.train_loss)}   val {_fmt(result.val_loss)} (nats/token)",
+    ]
+    if result.loss_floor is not None:
+        lines.append(
+            f"  loss floor  {_fmt(result.loss_floor)} for these windows (entropy rate {_fmt(result.entropy_rate)});"
+            f" val gap to floor {_fmt(result.gap_to_floor, '+.4f')}"
+        )
+    lines.append(f"  throughput  {_fmt(result.tokens_per_s, ',.0f')} tokens/s (training steps only)")
+    lines.append(f"  run dir     {result.run_dir}")
+    return "\n".join(lines)

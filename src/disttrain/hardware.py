@@ -1,0 +1,96 @@
+"""Hardware profiles: what a run's machines are, and whether this machine can serve one.
+
+A profile is pure data (from ``conf/hw/*.yaml``). Peaks are *dense* FLOP/s (not the 2x structured-sparsity
+datasheet figures); each YAML cites its datasheet.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from disttrain.config.errors import ConfigError
+
+ACCELERATORS = ("cpu", "gpu")
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    accelerator: str  # cpu | gpu
+    num_nodes: int
+    devices_per_node: int  # GPUs per node; on CPU, training processes per node
+    device_type: str = "cpu"  # e.g. a100-sxm4-80gb; informational
+    memory_per_device_gib: float | None = None  # None on CPU: host memory is shared by the processes
+    peak_tflops: dict[str, float] = field(default_factory=dict)  # dense, per device, by dtype
+    hbm_bandwidth_gbps: float | None = None  # GB/s per device
+    intra_node_link: str = "none"  # nvlink | pcie | shm
+    intra_node_bandwidth_gbps: float | None = None  # GB/s per device, one direction
+    inter_node_bandwidth_gbps: float | None = None  # GB/s per node, one direction
+    source: str = ""  # datasheet the numbers come from
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    def peak_flops(self, dtype: str) -> float | None:
+        """Dense peak FLOP/s per device for ``dtype`` (fp32 matmuls fall back to tf32 when listed)."""
+        tflops = self.peak_tflops.get(dtype)
+        if tflops is None and dtype == "fp32":
+            tflops = self.peak_tflops.get("tf32")
+        return None if tflops is None else tflops * 1e12
+
+
+def validate_profile(hw: HardwareProfile) -> None:
+    """Reject profiles that cannot describe any machine (raised as ConfigError naming the hw key)."""
+    if hw.accelerator not in ACCELERATORS:
+        raise ConfigError("hw.accelerator", f"'{hw.accelerator}' is not one of {list(ACCELERATORS)}", "use cpu or gpu")
+    if hw.num_nodes < 1:
+        raise ConfigError("hw.num_nodes", f"must be >= 1, got {hw.num_nodes}", "set hw.num_nodes=1 or more")
+    if hw.devices_per_node < 1:
+        raise ConfigError(
+            "hw.devices_per_node", f"must be >= 1, got {hw.devices_per_node}", "set hw.devices_per_node=1 or more"
+        )
+    for dtype, tflops in hw.peak_tflops.items():
+        if dtype not in DTYPES:
+            raise ConfigError(f"hw.peak_tflops.{dtype}", f"unknown dtype '{dtype}'", f"use one of {list(DTYPES)}")
+        if tflops <= 0:
+            raise ConfigError(f"hw.peak_tflops.{dtype}", f"must be > 0, got {tflops}", "use the dense datasheet peak")
+    if hw.accelerator == "gpu" and hw.memory_per_device_gib is None:
+        raise ConfigError("hw.memory_per_device_gib", "GPU profiles need their memory", "set it from the datasheet")
+
+
+def in_cluster_job() -> bool:
+    """True when a launcher (SLURM, torchrun, Lightning's own children) already set up a multi-node world."""
+    return any(k in os.environ for k in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "NODE_RANK", "GROUP_RANK"))
+
+
+def check_machine_can_serve(hw: HardwareProfile, cuda_device_count: int) -> None:
+    """Fail fast when this machine cannot run ``hw`` for real (dry runs skip this check).
+
+    ``cuda_device_count`` is passed in so the check stays a pure function of what the caller observed.
+    """
+    if hw.accelerator == "gpu" and cuda_device_count < hw.devices_per_node:
+        raise ConfigError(
+            "hw",
+            f"hw={hw.name} needs {hw.devices_per_node} CUDA device(s) per node but this machine has "
+            f"{cuda_device_count}",
+            "run on a machine that has them, use hw=cpu to train here, or add dry_run=true to only validate "
+            "and print what would launch",
+        )
+    if hw.num_nodes > 1 and not in_cluster_job():
+        raise ConfigError(
+            "hw.num_nodes",
+            f"hw={hw.name} spans {hw.num_nodes} nodes but this process was not started by a cluster launcher "
+            "(no SLURM/torchrun environment)",
+            "launch through SLURM (hydra/launcher=slurm) or torchrun on every node, or add dry_run=true",
+        )
+    if hw.accelerator == "cpu":
+        cores = os.cpu_count() or 1
+        if hw.devices_per_node > 4 * cores:
+            raise ConfigError(
+                "hw.devices_per_node",
+                f"{hw.devices_per_node} CPU processes on {cores} core(s) would thrash this machine",
+                f"use at most {4 * cores} (hw.devices_per_node={min(2, cores)} is the default)",
+            )

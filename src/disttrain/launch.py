@@ -1,0 +1,109 @@
+"""Start the local ranks of a single-node run as child processes of rank 0.
+
+Lightning can launch children itself, but under Hydra it re-runs the original ``sys.argv``: in a multirun
+(``-m a=1,2``) every child would start a whole sweep of its own. Here each child re-runs exactly this job's
+resolved overrides in this job's run directory. Once ``LOCAL_RANK``/``WORLD_SIZE`` are in the environment,
+Lightning treats the processes as externally created and only joins them into a process group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+CHILD_ENV_FLAG = "DISTTRAIN_CHILD_RANK"
+
+
+def is_child_process() -> bool:
+    return CHILD_ENV_FLAG in os.environ
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_command(module: str, task_overrides: Sequence[str], run_dir: str, local_rank: int) -> list[str]:
+    """The command that re-runs this Hydra job as another rank, writing into the same run directory.
+
+    Only rank 0 keeps Hydra's ``.hydra/`` record; each rank logs to its own ``train_rank<N>.log``.
+    """
+    return [
+        sys.executable,
+        "-m",
+        module,
+        *task_overrides,
+        f"hydra.run.dir={run_dir}",
+        "hydra.output_subdir=null",
+        f"hydra.job.name=train_rank{local_rank}",
+    ]
+
+
+@dataclass
+class LocalRanks:
+    """Children for local ranks 1..n-1; rank 0 is the calling process."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    failed: list[tuple[int, int]] = field(default_factory=list)  # (local rank, exit code)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def watch(self, on_failure: Callable[[int, int], None], period_s: float = 1.0) -> None:
+        """Call ``on_failure`` from a daemon thread as soon as any child exits non-zero."""
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                for rank, proc in enumerate(self.procs, start=1):
+                    code = proc.poll()
+                    if code not in (None, 0) and (rank, code) not in self.failed:
+                        self.failed.append((rank, code))
+                        on_failure(rank, code)
+                        return
+                time.sleep(period_s)
+
+        threading.Thread(target=loop, name="disttrain-rank-watch", daemon=True).start()
+
+    def wait(self, timeout_s: float = 120.0) -> list[tuple[int, int]]:
+        """Wait for every child; kill the ones still alive after ``timeout_s``. Returns (rank, code) failures."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for rank, proc in enumerate(self.procs, start=1):
+            try:
+                code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            if code != 0 and (rank, code) not in self.failed:
+                self.failed.append((rank, code))
+        return self.failed
+
+    def kill(self) -> None:
+        self._stop.set()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+
+
+def spawn_local_ranks(num_processes: int, command_for_rank: Callable[[int], list[str]], cwd: str) -> LocalRanks:
+    """Set this process up as local rank 0 of ``num_processes`` and start the others with ``command``."""
+    port = os.environ.get("MASTER_PORT") or str(free_port())
+    os.environ.update(
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=port,
+        NODE_RANK="0",
+        WORLD_SIZE=str(num_processes),
+        LOCAL_RANK="0",
+    )
+    ranks = LocalRanks()
+    for local_rank in range(1, num_processes):
+        env = {**os.environ, "LOCAL_RANK": str(local_rank), CHILD_ENV_FLAG: str(local_rank)}
+        ranks.procs.append(subprocess.Popen(command_for_rank(local_rank), env=env, cwd=cwd))
+    return ranks

@@ -1,0 +1,104 @@
+"""The LightningModule: next-token loss, AdamW with warmup + cosine, and the per-token FLOPs of the model.
+
+The model is built in ``configure_model`` (not ``__init__``) so strategies that shard it (FSDP2) can apply
+their plan before the optimizer sees the parameters, and so huge models are never materialised whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.config.schema import OptimizerConfig
+
+ModelFactory = Callable[[], nn.Module]
+# Applies a strategy's parallel plan in place; receives the DeviceMesh when the strategy has one.
+Parallelize = Callable[[nn.Module, object], None]
+
+
+def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier on the peak lr: linear warmup from ~0, then cosine down to ``min_lr_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices (ndim >= 2) decay; biases and norm weights do not (they have no scale to regularise)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class LanguageModelModule(pl.LightningModule):
+    def __init__(
+        self,
+        model_factory: ModelFactory,
+        optimizer: OptimizerConfig,
+        max_steps: int,
+        parallelize: Parallelize | None = None,
+        flops_per_token: float | None = None,
+        log_every_n_steps: int = 1,
+    ) -> None:
+        super().__init__()
+        self.model_factory = model_factory
+        self.optimizer_cfg = optimizer
+        self.max_steps = max_steps
+        self.parallelize = parallelize
+        self.flops_per_token = flops_per_token
+        self.log_every_n_steps = log_every_n_steps
+        self.model: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        # Lightning may call this more than once (fit, then validate): build and shard only once.
+        if self.model is not None:
+            return
+        self.model = self.model_factory()
+        if self.parallelize is not None:
+            mesh = getattr(self, "_device_mesh", None)
+            self.parallelize(self.model, mesh)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "configure_model() builds the model"
+        return self.model(tokens)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = self(inputs)
+        # The loss is computed in fp32 whatever the compute dtype: bf16 log-softmax over a vocab loses bits.
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def is_logging_step(self) -> bool:
+        """Steps whose metrics the logger writes (Lightning's rule), plus the final one for the summary."""
+        step = self.global_step + 1
+        return step % self.log_every_n_steps == 0 or step >= self.max_steps
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        if self.is_logging_step():
+            # Averaged over data-parallel ranks (the global-batch loss); only on logged steps, because the
+            # all-reduce on every step costs measurable throughput on small models.
+            self.log("train/loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val/loss", self.loss(batch), on_step=False, on_epoch=True, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict:
+        assert self.model is not None
+        o = self.optimizer_cfg
+        optimizer = torch.optim.AdamW(
+            param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_lambda(step, o.warmup_steps, self.max_steps, o.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,64 @@
+"""strategy=fsdp: FSDP2 ``fully_shard`` on the data-parallel axis of a DeviceMesh.
+
+Lightning's ModelParallelStrategy owns the process group and the mesh; ``apply_fsdp`` is the plan it runs in
+``LightningModule.configure_model``: optional activation checkpointing, then one FSDP unit per transformer
+block (so only one block's full parameters are live at a time), then the root for embeddings and head.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from disttrain.config.schema import FSDPConfig, PrecisionConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def mixed_precision_policy(cfg: FSDPConfig, precision: PrecisionConfig) -> MixedPrecisionPolicy:
+    """bf16-mixed: bf16 all-gathers and compute, fp32 master weights, gradients reduced in reduce_dtype."""
+    if precision.name == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[cfg.reduce_dtype])
+    return MixedPrecisionPolicy()
+
+
+def trainer_precision(precision: PrecisionConfig) -> str:
+    """FSDP2 casts parameters itself under bf16-mixed, so Lightning must not autocast on top of it."""
+    return "32-true" if precision.name == "bf16-mixed" else precision.lightning
+
+
+def apply_fsdp(
+    model: nn.Module, mesh: object, cfg: FSDPConfig, precision: PrecisionConfig, apply_checkpointing: object
+) -> None:
+    dp_mesh = mesh["data_parallel"]  # type: ignore[index]
+    if cfg.activation_checkpointing:
+        apply_checkpointing(model)  # type: ignore[operator]
+    options = {
+        "mesh": dp_mesh,
+        "mp_policy": mixed_precision_policy(cfg, precision),
+        "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else None,
+    }
+    options = {k: v for k, v in options.items() if v is not None}
+    blocks = getattr(model, "blocks", None)
+    for block in blocks if blocks is not None else ():
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
+    # The root's parameters (embeddings, final norm, head) are needed right after the last block in backward,
+    # so resharding them after forward would only add an all-gather.
+    fully_shard(model, reshard_after_forward=False, **options)
+
+
+def build_fsdp(
+    cfg: FSDPConfig, precision: PrecisionConfig, world_size: int, backend: str, apply_checkpointing: object
+) -> tuple[ModelParallelStrategy, object]:
+    strategy = ModelParallelStrategy(
+        data_parallel_size=world_size,
+        tensor_parallel_size=1,
+        save_distributed_checkpoint=True,
+        process_group_backend=backend,
+    )
+    plan = partial(apply_fsdp, cfg=cfg, precision=precision, apply_checkpointing=apply_checkpointing)
+    return strategy, plan

@@ -1,0 +1,83 @@
+"""Every option of every config group composes, parses, validates and builds its objects (no fitting)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+from disttrain.build import build_datamodule, build_module, build_trainer, model_facts
+from disttrain.config.parse import parse_run_config
+from disttrain.config.validate import validate_run, world_layout
+from disttrain.describe import describe_launch
+from disttrain.models import apply_activation_checkpointing
+from disttrain.strategies import build_strategy
+from tests.conftest import compose_train, group_options
+
+GROUPS = ["model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger"]
+
+
+def needs_for(group: str, option: str, tmp_path: Path) -> list[str]:
+    """Companion overrides an option needs to be valid on its own."""
+    if group == "data" and option == "text":
+        text = tmp_path / "corpus.txt"
+        text.write_text("hello distributed world\n" * 400)
+        return [f"data.path={text}"]
+    if group == "data" and option == "tokens":
+        tokens = tmp_path / "train.bin"
+        np.random.default_rng(0).integers(0, 256, 40_000, dtype=np.uint16).tofile(tokens)
+        return [f"data.train_path={tokens}", "data.vocab_size=256"]
+    if group == "precision" and option == "fp16-mixed":
+        return ["hw=1xa100"]
+    if group == "hw" and option != "cpu":
+        # Big enough global batches for 8-16 GPUs; dry runs only on this GPU-less machine.
+        return ["dry_run=true"]
+    return []
+
+
+CASES = [(group, option) for group in GROUPS for option in group_options(group)]
+
+
+def test_every_group_has_options() -> None:
+    for group in GROUPS:
+        assert group_options(group), f"conf/{group}/ is empty"
+    assert set(group_options("model")) >= {
+        "gpt-nano", "gpt2-124m", "gpt2-350m", "llama-1b", "llama-7b", "llama-13b", "llama-70b"
+    }  # fmt: skip
+    assert set(group_options("hw")) >= {"cpu", "1xa100", "8xa100", "8xh100", "2x8xh100", "8xh200", "1xl4"}
+    assert set(group_options("precision")) == {"fp32", "bf16-mixed", "bf16-true", "fp16-mixed"}
+    assert set(group_options("strategy")) >= {"ddp", "fsdp"}
+    assert set(group_options("data")) == {"synthetic", "text", "tokens"}
+    assert set(group_options("logger")) == {"csv", "wandb", "tensorboard"}
+
+
+@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> None:
+    cfg = compose_train([f"{group}={option}", *needs_for(group, option, tmp_path)])
+    run_cfg = parse_run_config(cfg)
+    assert getattr(getattr(run_cfg, group), "name", option) == option
+    plan = validate_run(run_cfg)
+    layout = world_layout(run_cfg)
+    facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
+    text = describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token)
+    assert f"{facts.num_parameters:,} parameters" in text
+    assert plan.global_batch_size == plan.micro_batch_size * plan.data_parallel_size * plan.accumulation
+
+    strategy = build_strategy(run_cfg, layout.world_size, apply_activation_checkpointing)
+    expected = ModelParallelStrategy if run_cfg.strategy.name == "fsdp" else DDPStrategy
+    assert isinstance(strategy.strategy, expected)
+    module = build_module(run_cfg, strategy, facts)
+    assert module.flops_per_token == facts.flops_per_token
+    datamodule = build_datamodule(run_cfg, plan)
+    if run_cfg.hw.accelerator != "cpu":
+        return  # a GPU Trainer cannot be constructed without CUDA; dry runs stop before it too
+    if facts.num_parameters < 50_000_000:
+        datamodule.setup("fit")
+        x, y = datamodule.train_set[0]
+        assert x.shape == y.shape == (run_cfg.model.seq_len,)
+        assert int(y.max()) < run_cfg.model.vocab_size
+    parts = build_trainer(run_cfg, layout, plan, strategy, tmp_path / "run")
+    assert parts.trainer.max_steps == run_cfg.trainer.max_steps
+    assert parts.trainer.accumulate_grad_batches == plan.accumulation

@@ -1,0 +1,52 @@
+"""Shared helpers: compose the real conf/ tree and run the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+
+def compose_train(overrides: list[str] | None = None) -> DictConfig:
+    """``conf/train.yaml`` composed exactly as ``python -m train <overrides>`` would."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides or [])
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m train ARGS`` in ``cwd``; torch threads and output buffering set for a 2-core CI box."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run(
+        [sys.executable, "-m", "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def read_manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+@pytest.fixture
+def tiny_run_args() -> list[str]:
+    """A few-second run of the default stack: small data, few steps, no periodic validation."""
+    return [
+        "data.num_train_tokens=65536",
+        "data.num_val_tokens=8192",
+        "trainer.log_every_n_steps=1",
+        "trainer.val_every_n_steps=1000",
+        "trainer.val_batches=2",
+        "optimizer.warmup_steps=2",
+    ]

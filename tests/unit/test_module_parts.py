@@ -1,0 +1,61 @@
+"""Learning-rate schedule, weight-decay groups, and the run-dir checkpoint helpers."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from disttrain.callbacks import checkpoint_name, relink_last
+from disttrain.config.errors import ConfigError
+from disttrain.module import lr_lambda, param_groups
+from disttrain.resume import find_checkpoint, original_overrides
+
+
+def test_lr_schedule_warms_up_then_decays_to_min() -> None:
+    values = [lr_lambda(s, warmup_steps=10, max_steps=110, min_lr_ratio=0.1) for s in range(111)]
+    assert values[0] == pytest.approx(0.1)
+    assert values[9] == pytest.approx(1.0)
+    assert values[10] == pytest.approx(1.0)
+    assert values[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert values[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(values[10:]))
+
+
+def test_matrices_decay_vectors_do_not() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    decay, no_decay = param_groups(model, 0.1)
+    assert [p.shape for p in decay["params"]] == [(4, 4)]
+    assert decay["weight_decay"] == 0.1
+    assert sorted(p.numel() for p in no_decay["params"]) == [4, 4, 4]
+    assert no_decay["weight_decay"] == 0.0
+
+
+def test_find_checkpoint_prefers_last_then_newest_step(tmp_path: Path) -> None:
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    for step in (100, 20, 300):
+        (ckpts / checkpoint_name(step)).write_bytes(b"x")
+    assert find_checkpoint(str(tmp_path / "run")).name == "step000300.ckpt"
+    relink_last(ckpts, checkpoint_name(100))
+    assert find_checkpoint(str(tmp_path / "run")).name == "step000100.ckpt"
+    assert find_checkpoint(str(ckpts / "step000020.ckpt")).name == "step000020.ckpt"
+
+
+def test_find_checkpoint_errors_name_resume(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        find_checkpoint(str(tmp_path / "missing"))
+    assert info.value.key == "resume"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no checkpoint found"):
+        find_checkpoint(str(tmp_path / "empty"))
+
+
+def test_original_overrides_come_from_hydra_record(tmp_path: Path) -> None:
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- strategy=fsdp\n- trainer.max_steps=50\n")
+    assert original_overrides(str(tmp_path)) == ["strategy=fsdp", "trainer.max_steps=50"]
+    assert original_overrides(str(tmp_path / "checkpoints" / "last.ckpt")) == ["strategy=fsdp", "trainer.max_steps=50"]
