@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from torch import nn
 
-from disttrain.callbacks import FinalValidation, StepCheckpoint, Throughput
+from disttrain.callbacks import FinalValidation, ProgressPrinter, StepCheckpoint, Throughput
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import CustomDataConfig, CustomModelConfig, LoggerConfig, ModelConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
@@ -59,8 +59,13 @@ def _build_reference_model(model: ModelConfig, seed: int, device: str = "cpu") -
 
 
 def _build_custom_model(model: CustomModelConfig, factory: object, device: str = "cpu") -> nn.Module:
-    with torch.device(device):
-        module = factory(**model.kwargs)  # type: ignore[operator]
+    kwargs = {"vocab_size": model.vocab_size, "seq_len": model.seq_len, **model.kwargs}
+    try:
+        with torch.device(device):
+            module = factory(**kwargs)  # type: ignore[operator]
+    except TypeError as err:  # wrong or missing keyword arguments for the user's signature
+        problem = f"calling {model.target}(...) failed: {err}"
+        raise ConfigError("model._target_", problem, "give model the keys its signature takes") from None
     if not isinstance(module, nn.Module):
         raise ConfigError("model._target_", f"'{model.target}' returned {type(module).__name__}", "return an nn.Module")
     return torch.compile(module) if model.compile else module
@@ -124,12 +129,9 @@ def build_trainer(
     t = cfg.trainer
     ckpt_dir = run_dir / "checkpoints"
     throughput = Throughput(plan.global_batch_size * cfg.model.seq_len, skip_steps=min(10, t.max_steps // 10))
-    callbacks = [
-        StepCheckpoint(ckpt_dir, t.ckpt_every_n_steps),
-        FinalValidation(),
-        throughput,
-        LearningRateMonitor("step"),
-    ]
+    progress = ProgressPrinter(ProgressPrinter.interval(t.max_steps, t.log_every_n_steps), throughput)
+    checkpoints = StepCheckpoint(ckpt_dir, t.ckpt_every_n_steps)
+    callbacks = [checkpoints, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
     trainer = pl.Trainer(
         accelerator=cfg.hw.accelerator,
         devices=layout.devices_per_node,

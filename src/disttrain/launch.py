@@ -52,7 +52,17 @@ class LocalRanks:
 
     procs: list[subprocess.Popen] = field(default_factory=list)
     failed: list[tuple[int, int]] = field(default_factory=list)  # (local rank, exit code)
+    saved_env: dict[str, str | None] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
+
+    def restore_env(self) -> None:
+        """Undo the rank-0 environment, so the next job of a Hydra multirun in this process starts clean."""
+        for key, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self.saved_env = {}
 
     def watch(self, on_failure: Callable[[int, int], None], period_s: float = 1.0) -> None:
         """Call ``on_failure`` from a daemon thread as soon as any child exits non-zero."""
@@ -81,6 +91,7 @@ class LocalRanks:
                 code = proc.wait()
             if code != 0 and (rank, code) not in self.failed:
                 self.failed.append((rank, code))
+        self.restore_env()
         return self.failed
 
     def kill(self) -> None:
@@ -90,19 +101,20 @@ class LocalRanks:
                 proc.kill()
         for proc in self.procs:
             proc.wait()
+        self.restore_env()
 
 
 def spawn_local_ranks(num_processes: int, command_for_rank: Callable[[int], list[str]], cwd: str) -> LocalRanks:
     """Set this process up as local rank 0 of ``num_processes`` and start the others with ``command``."""
-    port = os.environ.get("MASTER_PORT") or str(free_port())
-    os.environ.update(
-        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        MASTER_PORT=port,
-        NODE_RANK="0",
-        WORLD_SIZE=str(num_processes),
-        LOCAL_RANK="0",
-    )
-    ranks = LocalRanks()
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),  # a fresh port per job: the previous job's store may linger
+        "NODE_RANK": "0",
+        "WORLD_SIZE": str(num_processes),
+        "LOCAL_RANK": "0",
+    }
+    ranks = LocalRanks(saved_env={key: os.environ.get(key) for key in env})
+    os.environ.update(env)
     for local_rank in range(1, num_processes):
         env = {**os.environ, "LOCAL_RANK": str(local_rank), CHILD_ENV_FLAG: str(local_rank)}
         ranks.procs.append(subprocess.Popen(command_for_rank(local_rank), env=env, cwd=cwd))

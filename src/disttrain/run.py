@@ -48,6 +48,13 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     task_overrides = list(hydra_cfg.overrides.task)
+    if not is_child_process() and (run_dir / "run.json").exists():
+        # Two runs started within the same second share Hydra's timestamped dir: never write over the first.
+        raise ConfigError(
+            "hydra.run.dir",
+            f"'{run_dir}' already holds a run (run.json)",
+            "start again in a moment or pass hydra.run.dir=<new dir>; to continue that run use resume=<that dir>",
+        )
     checkpoint: Path | None = None
     if cfg.get("resume"):
         checkpoint = find_checkpoint(str(cfg.resume))

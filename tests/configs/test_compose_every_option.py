@@ -81,3 +81,17 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     parts = build_trainer(run_cfg, layout, plan, strategy, tmp_path / "run")
     assert parts.trainer.max_steps == run_cfg.trainer.max_steps
     assert parts.trainer.accumulate_grad_batches == plan.accumulation
+
+
+@pytest.mark.parametrize("experiment", group_options("experiment"))
+def test_experiment_recipes_validate(experiment: str) -> None:
+    run_cfg = parse_run_config(compose_train([f"experiment={experiment}", "dry_run=true"]))
+    plan = validate_run(run_cfg)
+    assert plan.global_batch_size % (plan.micro_batch_size * plan.data_parallel_size) == 0
+
+
+def test_llama7b_recipe_layout() -> None:
+    run_cfg = parse_run_config(compose_train(["experiment=llama7b-8xa100-fsdp"]))
+    plan = validate_run(run_cfg)
+    assert (run_cfg.model.name, run_cfg.hw.name, run_cfg.strategy.name) == ("llama-7b", "8xa100", "fsdp")
+    assert (plan.micro_batch_size, plan.data_parallel_size, plan.accumulation) == (2, 8, 16)
