@@ -50,3 +50,15 @@ def tiny_run_args() -> list[str]:
         "trainer.val_batches=2",
         "optimizer.warmup_steps=2",
     ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run only where CUDA is present (a lent GPU machine), and are skipped here."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

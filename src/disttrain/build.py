@@ -91,7 +91,7 @@ def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
     )
 
 
-def build_module(cfg: RunConfig, strategy: StrategyBuild, facts: ModelFacts) -> LanguageModelModule:
+def build_module(cfg: RunConfig, plan: BatchPlan, strategy: StrategyBuild, facts: ModelFacts) -> LanguageModelModule:
     return LanguageModelModule(
         build_model_factory(cfg.model, cfg.trainer.seed),
         cfg.optimizer,
@@ -99,6 +99,7 @@ def build_module(cfg: RunConfig, strategy: StrategyBuild, facts: ModelFacts) -> 
         parallelize=strategy.parallelize,
         flops_per_token=facts.flops_per_token,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
+        accumulation=plan.accumulation,
     )
 
 
@@ -163,7 +164,7 @@ def build_run(cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, run_dir: Pat
     """Everything ``trainer.fit`` needs: (TrainerParts, module, datamodule, facts)."""
     strategy = build_strategy(cfg, layout.world_size, apply_activation_checkpointing)
     facts = model_facts(cfg.model, cfg.trainer.seed)
-    module = build_module(cfg, strategy, facts)
+    module = build_module(cfg, plan, strategy, facts)
     datamodule = build_datamodule(cfg, plan)
     parts = build_trainer(cfg, layout, plan, strategy, run_dir)
     return parts, module, datamodule, facts

@@ -106,7 +106,8 @@ class ProgressPrinter(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         step = trainer.global_step
-        if not trainer.is_global_zero or step == self.last_printed or step % self.every_n_steps:
+        due = step % self.every_n_steps == 0 or step >= trainer.max_steps
+        if not trainer.is_global_zero or step == self.last_printed or not due:
             return
         self.last_printed = step
         metrics = trainer.callback_metrics

@@ -47,6 +47,7 @@ class LanguageModelModule(pl.LightningModule):
         parallelize: Parallelize | None = None,
         flops_per_token: float | None = None,
         log_every_n_steps: int = 1,
+        accumulation: int = 1,
     ) -> None:
         super().__init__()
         self.model_factory = model_factory
@@ -55,6 +56,8 @@ class LanguageModelModule(pl.LightningModule):
         self.parallelize = parallelize
         self.flops_per_token = flops_per_token
         self.log_every_n_steps = log_every_n_steps
+        self.accumulation = accumulation
+        self._micro_losses: list[torch.Tensor] = []
         self.model: nn.Module | None = None
 
     def configure_model(self) -> None:
@@ -84,9 +87,13 @@ class LanguageModelModule(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         if self.is_logging_step():
-            # Averaged over data-parallel ranks (the global-batch loss); only on logged steps, because the
-            # all-reduce on every step costs measurable throughput on small models.
-            self.log("train/loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+            # The step's loss is the mean over its accumulated micro-batches and over data-parallel ranks (the
+            # global-batch loss). Only on logged steps: an all-reduce every step costs throughput on small models.
+            self._micro_losses.append(loss.detach())
+            if len(self._micro_losses) == self.accumulation:
+                step_loss = torch.stack(self._micro_losses).mean()
+                self._micro_losses = []
+                self.log("train/loss", step_loss, on_step=True, on_epoch=False, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

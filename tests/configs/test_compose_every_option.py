@@ -68,7 +68,7 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     strategy = build_strategy(run_cfg, layout.world_size, apply_activation_checkpointing)
     expected = ModelParallelStrategy if run_cfg.strategy.name == "fsdp" else DDPStrategy
     assert isinstance(strategy.strategy, expected)
-    module = build_module(run_cfg, strategy, facts)
+    module = build_module(run_cfg, plan, strategy, facts)
     assert module.flops_per_token == facts.flops_per_token
     datamodule = build_datamodule(run_cfg, plan)
     if run_cfg.hw.accelerator != "cpu":
