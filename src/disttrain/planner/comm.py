@@ -1,0 +1,226 @@
+"""Communication volume per step on one GPU, split by link class, and its time at link bandwidth.
+
+Ring collectives over ``n`` ranks move, per rank, ``2 (n-1)/n`` of the buffer for an all-reduce and
+``(n-1)/n`` for a reduce-scatter or all-gather (Rajbhandari et al. 2020, sec. 7; Thakur et al. 2005). A ring
+over ranks placed node by node crosses the node boundary on one of every ``g`` edges, ``g`` being the group's
+ranks per node: that share of the volume goes over the inter-node network, the rest over NVLink/PCIe.
+ZeRO-3/FSDP move 1.5x DDP's volume (forward and backward all-gathers plus a reduce-scatter, against one
+all-reduce); Megatron's tensor parallelism all-reduces activations (or all-gathers and reduce-scatters them
+under sequence parallelism, the same volume) twice per layer in forward and twice in backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from disttrain.hardware import HardwareProfile
+from disttrain.planner.memory import compute_bytes
+from disttrain.planner.shapes import ModelShape
+from disttrain.planner.spec import Layout, Workload
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
+# Activation collectives per transformer layer and micro-batch under TP (in all-reduce equivalents): two in
+# forward (after attention and after the MLP), two in backward; full recomputation repeats the forward two.
+TP_COLLECTIVES_PER_LAYER = 4
+TP_COLLECTIVES_PER_RECOMPUTED_LAYER = 2
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group: its size and how many of its ranks share a node."""
+
+    size: int
+    per_node: int
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Bytes one GPU sends over each link class."""
+
+    intra: float = 0.0  # NVLink / PCIe between GPUs of a node
+    inter: float = 0.0  # the inter-node network
+    host: float = 0.0  # PCIe to host memory (offload)
+
+    def __add__(self, other: LinkBytes) -> LinkBytes:
+        return LinkBytes(self.intra + other.intra, self.inter + other.inter, self.host + other.host)
+
+    def scale(self, k: float) -> LinkBytes:
+        return LinkBytes(self.intra * k, self.inter * k, self.host * k)
+
+    @property
+    def network(self) -> float:
+        """Bytes between GPUs (what ``comm_bytes_per_step`` reports); host traffic is separate."""
+        return self.intra + self.inter
+
+    def to_json(self) -> dict[str, int]:
+        return {"intra_node": round(self.intra), "inter_node": round(self.inter), "total": round(self.network)}
+
+
+ZERO = LinkBytes()
+
+
+def collective_factor(op: str, n: int) -> float:
+    """Bytes each rank sends per byte of the full buffer."""
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    if op == "p2p":
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}; expected one of {OPS}")
+
+
+def collective_bytes(op: str, nbytes: float, group: Group) -> LinkBytes:
+    """Per-rank traffic of ``op`` over ``nbytes`` (the full, unsharded buffer; a p2p message's size)."""
+    if group.size <= 1 or nbytes <= 0:
+        return ZERO
+    volume = collective_factor(op, group.size) * nbytes
+    if group.per_node >= group.size:
+        return LinkBytes(intra=volume)
+    inter = volume / group.per_node
+    return LinkBytes(intra=volume - inter, inter=inter)
+
+
+def link_time(traffic: LinkBytes, hw: HardwareProfile, host_gbps: float) -> float:
+    """Seconds for ``traffic``: intra- and inter-node links run concurrently (a pipelined ring), every GPU of a
+    node shares the node's inter-node bandwidth, and host copies come on top."""
+    intra = _seconds(traffic.intra, hw.intra_node_bandwidth_gbps, "hw.intra_node_bandwidth_gbps")
+    node_inter = traffic.inter * hw.devices_per_node
+    inter = _seconds(node_inter, hw.inter_node_bandwidth_gbps, "hw.inter_node_bandwidth_gbps")
+    return max(intra, inter) + _seconds(traffic.host, host_gbps, "assumptions.host_link_gbps")
+
+
+def _seconds(nbytes: float, gbps: float | None, key: str) -> float:
+    if nbytes <= 0:
+        return 0.0
+    if not gbps:
+        raise ValueError(f"{key} is not set but this layout sends {nbytes:.3g} bytes over that link")
+    return nbytes / (gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """Traffic of one optimizer step on one GPU, by when it happens and what compute can hide it."""
+
+    mb_fwd: LinkBytes = ZERO  # every micro-batch, hidden behind its forward (prefetched all-gathers)
+    mb_bwd: LinkBytes = ZERO  # every micro-batch, hidden behind its backward (gradient reduction)
+    mb_exposed: LinkBytes = ZERO  # every micro-batch, on the critical path (TP collectives, pipeline p2p)
+    step_fwd: LinkBytes = ZERO  # once, hidden behind the first micro-batch's forward (param all-gather)
+    step_bwd: LinkBytes = ZERO  # once, hidden behind the last micro-batch's backward (gradient reduction)
+    step_exposed: LinkBytes = ZERO  # once, exposed (post-step all-gathers, host optimizer traffic)
+    host_optimizer_parameters: int = 0  # parameters the host's optimizer updates per step (offload)
+
+    def per_step(self, microbatches: int) -> LinkBytes:
+        per_mb = self.mb_fwd + self.mb_bwd + self.mb_exposed
+        return per_mb.scale(microbatches) + self.step_fwd + self.step_bwd + self.step_exposed
+
+
+def process_groups(layout: Layout, hw: HardwareProfile) -> dict[str, Group]:
+    """Groups in Megatron's rank order (tp fastest, then dp, then pp); FSDP hybrid shards within a node."""
+    gpn = hw.devices_per_node
+    tp_per_node = min(layout.tp, gpn)
+    dp_per_node = max(1, min(layout.dp, gpn // layout.tp))
+    pp_per_node = max(1, min(layout.pp, gpn // (layout.tp * layout.dp)))
+    shard_per_node = min(layout.dp_shard, gpn)
+    return {
+        "tp": Group(layout.tp, tp_per_node),
+        "dp": Group(layout.dp, dp_per_node),
+        "pp": Group(layout.pp, pp_per_node),
+        "dp_shard": Group(layout.dp_shard, shard_per_node),
+        "dp_replicate": Group(layout.dp_replicate, max(1, gpn // layout.dp_shard)),
+    }
+
+
+def _ddp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
+    grad_bytes = (2 if workload.precision == "bf16-true" else 4) * shape.num_parameters
+    # Lightning skips the all-reduce on accumulation micro-batches (no_sync): once per step.
+    return CommPlan(step_bwd=collective_bytes("all_reduce", grad_bytes, groups["dp"]))
+
+
+def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
+    precision, n = workload.precision, layout.dp_shard
+    gather = compute_bytes(precision)
+    reduce = 4 if precision in ("fp32", "bf16-mixed") else 2
+    shard = shape.fsdp_shard_parameters(n)
+    block_shards = shape.n_layers * shape.fsdp_block_shard_parameters(n) if shape.known else shard
+    group = groups["dp_shard"]
+    forward = collective_bytes("all_gather", n * shard * gather, group)
+    backward = collective_bytes("reduce_scatter", n * shard * reduce, group)
+    if layout.reshard_after_forward:  # the root is never resharded, blocks are gathered again
+        backward += collective_bytes("all_gather", n * block_shards * gather, group)
+    if layout.dp_replicate > 1:  # HSDP: reduced shards are then all-reduced across replicas
+        backward += collective_bytes("all_reduce", shard * reduce, groups["dp_replicate"])
+    if not layout.offload_optimizer:
+        # Lightning's ModelParallelStrategy does not pause gradient sync while accumulating: every micro-batch.
+        return CommPlan(mb_fwd=forward, mb_bwd=backward)
+    p = 2 if precision == "bf16-true" else 4
+    gathers = 2 if layout.reshard_after_forward else 1
+    host = LinkBytes(host=p * shard * (gathers + 1))  # shards up for each all-gather, gradients down
+    return CommPlan(mb_fwd=forward, mb_bwd=backward, mb_exposed=host, host_optimizer_parameters=shard)
+
+
+def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
+    n, dp, stage = shape.num_parameters, layout.dp, layout.zero_stage
+    p16 = g16 = 4 if workload.precision == "fp32" else 2
+    group = groups["dp"]
+    reduce = collective_bytes("reduce_scatter", g16 * n, group)
+    gather = collective_bytes("all_gather", p16 * n, group)
+    shard = math.ceil(n / dp)
+    host_step, host_mb = ZERO, ZERO
+    if layout.offload_optimizer:
+        # Gradient partitions go down (every micro-batch once gradients are partitioned), params come back up.
+        grads_down = LinkBytes(host=g16 * shard)
+        host_step = LinkBytes(host=p16 * shard) + (grads_down if stage == 1 else ZERO)
+        host_mb = ZERO if stage == 1 else grads_down
+    if layout.offload_params:  # each rank fetches its partition before the forward and backward all-gathers
+        host_mb += LinkBytes(host=2 * p16 * shard)
+    host_params = shard if layout.offload_optimizer else 0
+    if stage == 1:
+        return CommPlan(
+            mb_exposed=host_mb, step_bwd=reduce, step_exposed=gather + host_step, host_optimizer_parameters=host_params
+        )
+    if stage == 2:
+        return CommPlan(
+            mb_bwd=reduce, mb_exposed=host_mb, step_exposed=gather + host_step, host_optimizer_parameters=host_params
+        )
+    return CommPlan(
+        mb_fwd=gather,
+        mb_bwd=gather + reduce,
+        mb_exposed=host_mb,
+        step_exposed=host_step,
+        host_optimizer_parameters=host_params,
+    )
+
+
+def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
+    tp, pp, precision = layout.tp, layout.pp, workload.precision
+    activation = workload.micro_batch_size * workload.seq_len * shape.d_model * compute_bytes(precision)
+    per_layer = TP_COLLECTIVES_PER_LAYER + (TP_COLLECTIVES_PER_RECOMPUTED_LAYER if layout.recompute == "full" else 0)
+    # The busiest stage also reduces the embedding output (first stage) and the head's input (last stage).
+    edge_collectives = 2 if pp == 1 else 1
+    tp_count = per_layer * (shape.n_layers // pp) + edge_collectives
+    exposed = collective_bytes("all_reduce", activation, groups["tp"]).scale(tp_count)
+    if pp > 1:
+        chunks = layout.virtual_stages if layout.schedule in ("interleaved", "zero_bubble") else 1
+        message = activation / tp if layout.sequence_parallel else activation
+        exposed += collective_bytes("p2p", message, groups["pp"]).scale(2 * chunks)  # forward and backward
+    stage_params = max(shape.stage_parameters(tp, pp, 0), shape.stage_parameters(tp, pp, pp - 1))
+    param_bytes = 4 if precision == "fp32" else 2
+    grads = collective_bytes("reduce_scatter", 4 * stage_params, groups["dp"])  # fp32 main gradients
+    params = collective_bytes("all_gather", param_bytes * stage_params, groups["dp"])
+    step_exposed = ZERO
+    if shape.tied_embeddings and pp > 1:  # the two copies of a tied embedding all-reduce their gradients
+        tied = sum(t.tp_numel(tp) for t in shape.embedding if t.kind == "tied")
+        pair = Group(2, 2 if groups["pp"].per_node >= pp else 1)
+        step_exposed = collective_bytes("all_reduce", 4 * tied, pair)
+    return CommPlan(mb_exposed=exposed, step_fwd=params, step_bwd=grads, step_exposed=step_exposed)
+
+
+def comm_plan(shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile) -> CommPlan:
+    """What ``layout`` sends per step on one GPU, phase by phase."""
+    groups = process_groups(layout, hw)
+    builders = {"ddp": _ddp, "fsdp": _fsdp, "deepspeed": _deepspeed, "megatron": _megatron}
+    if layout.strategy not in builders:
+        raise ValueError(f"unknown strategy {layout.strategy!r}")
+    return builders[layout.strategy](shape, layout, workload, groups)

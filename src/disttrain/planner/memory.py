@@ -1,0 +1,277 @@
+"""Memory per GPU, by strategy: model states, activations, communication/working buffers.
+
+Each strategy's real layout, not one generic formula:
+
+- DDP under Lightning precision: fp32 parameters, gradients and AdamW states (16 B/param); bf16/fp16-mixed adds
+  autocast's 16-bit weight copies, which matmuls save for backward.
+- FSDP2 as ``disttrain.strategies.fsdp`` applies it: dim-0 shards (padded per tensor) of fp32 parameters,
+  gradients and states; per-layer working set of gathered 16-bit parameters and unsharded gradients; the root
+  unit (embeddings, head) is never resharded.
+- DeepSpeed ZeRO-1/2/3 (Rajbhandari et al. 2020): 16-bit parameters and gradients plus K = 12 bytes of fp32
+  master weights, momentum and variance, partitioned per stage; optimizer/parameter offload; the stage-3
+  working set is at least the largest layer (DeepSpeed's own ``estimate_zero3_model_states_mem_needs`` uses
+  4 bytes x its parameters).
+- Megatron-style TP x PP x DP: the stage's tensor-parallel shard, bf16 parameters, fp32 main gradients and a
+  distributed optimizer on dp (6 + 12/d bytes per parameter, Megatron-Core "Distributed Optimizer" docs).
+
+Totals add activations and buffers to model states although gradients grow while activations are freed in
+backward: the sum is the conservative peak that DeepSpeed's and Megatron's estimators also use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from disttrain.planner.bubble import microbatches_in_flight
+from disttrain.planner.shapes import ModelShape
+from disttrain.planner.spec import Layout, Workload
+
+ADAM_STATES = 2  # momentum and variance
+# Cross-entropy saves fp32 log-probabilities (4 B per logit) and backward starts with their fp32 gradient (4 B).
+LOGITS_BYTES_PER_ELEMENT = 8
+# Lightning's DeepSpeedStrategy defaults (elements): reduce_bucket_size and allgather_bucket_size are 2e8 each;
+# overlap_comm (on by default) double-buffers the reduce bucket.
+DEEPSPEED_REDUCE_BUCKET = 200_000_000
+DEEPSPEED_ALLGATHER_BUCKET = 200_000_000
+# Megatron pipeline stages keep send/recv buffers for forward activations and backward gradients.
+PIPELINE_P2P_BUFFERS = 4
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU. ``step_temporaries`` exist only in the optimizer step, after activations are freed."""
+
+    params: int
+    grads: int
+    optimizer_states: int
+    activations: int
+    buffers: int
+    step_temporaries: int = 0
+    host: int = 0  # offloaded states kept in host memory for this GPU's rank (not part of ``total``)
+
+    @property
+    def total(self) -> int:
+        """The predicted peak: model states plus the larger of (activations + buffers) and step temporaries."""
+        states = self.params + self.grads + self.optimizer_states
+        return states + max(self.activations + self.buffers, self.step_temporaries)
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer_states": self.optimizer_states,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "total": self.total,
+        }
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of matmul inputs/outputs (activations, gathered weights)."""
+    return 4 if precision == "fp32" else 2
+
+
+def residual_bytes(strategy: str, precision: str) -> int:
+    """Bytes per element of the residual stream (norm inputs, block inputs).
+
+    Lightning's mixed precision for DDP is autocast over fp32 weights: the embedding output and residual adds
+    stay fp32. FSDP2's bf16 param_dtype, DeepSpeed and Megatron run the whole model in 16 bits.
+    """
+    mixed_autocast = strategy == "ddp" and precision in ("bf16-mixed", "fp16-mixed")
+    return 4 if mixed_autocast else compute_bytes(precision)
+
+
+def layer_activation_bytes(
+    shape: ModelShape,
+    micro_batch_size: int,
+    seq_len: int,
+    *,
+    act_bytes: int = 2,
+    res_bytes: int = 2,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    flash_attention: bool = True,
+    norm_statistics: bool = True,
+) -> float:
+    """Activation bytes one transformer layer keeps for backward, per micro-batch, on one TP rank.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4 and
+    Table 2) count, for a GPT layer with 16-bit activations: attention 11sbh + 5as^2b, MLP 19sbh, norms 4sbh.
+    The same terms are counted here for any shape (GQA's smaller k/v, SwiGLU's four ffn tensors, dropout
+    masks only when dropout > 0, flash attention's O(s) state instead of s x s scores), so that a GPT-3 shape
+    with materialized attention reproduces the paper's ``sbh(34 + 5as/h)`` and its TP/SP/recompute rows when
+    ``norm_statistics`` (the per-token mean/rstd the paper leaves out) is off. The tensors are those CUDA
+    kernels save (fused RMSNorm keeps its 16-bit input; CPU's composite RMSNorm keeps two fp32 copies).
+    """
+    if not shape.known:
+        return 0.0
+    tokens = micro_batch_size * seq_len
+    h, f = shape.d_model, shape.ffn_hidden
+    kv = shape.kv_heads * shape.head_dim
+    mask = 1 if shape.dropout > 0 else 0  # dropout keeps a 1-byte mask per element
+    if recompute == "full":
+        # Only the block input is kept; SP keeps its sequence shard.
+        return res_bytes * tokens * h / (tp if sequence_parallel else 1)
+    # Replicated over TP ranks unless sequence parallelism shards them: the two norm inputs, the inputs of the
+    # QKV and first MLP projections, the two residual-branch dropout masks.
+    replicated = tokens * h * (2 * res_bytes + 2 * act_bytes + 2 * mask)
+    if norm_statistics:
+        replicated += 2 * shape.norm_statistics * 4 * tokens
+    # Split over TP ranks by heads / ffn columns: q, k, v, the attention output (the output projection's input:
+    # flash kernels return it in a layout the reshape only views), the MLP intermediates.
+    ffn_tensors = 4 if shape.swiglu else 2  # SwiGLU: w1 out, w3 out, silu(w1 out), product; GELU: input, output
+    split = act_bytes * tokens * (h + 2 * kv + h + ffn_tensors * f)
+    if recompute != "selective":  # selective recomputation drops the attention core's saved state
+        split += attention_core_bytes(shape, micro_batch_size, seq_len, act_bytes, flash_attention)
+    return replicated / (tp if sequence_parallel else 1) + split / tp
+
+
+def attention_core_bytes(shape: ModelShape, micro_batch_size: int, seq_len: int, act_bytes: int, flash: bool) -> float:
+    """What softmax(QK^T)V keeps beyond q, k, v and its output: s x s scores (and dropout) or flash's logsumexp."""
+    heads, b, s = shape.n_heads, micro_batch_size, seq_len
+    if flash:
+        return 4 * heads * b * s
+    dropout = (1 + act_bytes) * heads * s * s * b if shape.dropout > 0 else 0  # mask + dropped-out scores
+    return act_bytes * heads * s * s * b + dropout
+
+
+def output_activation_bytes(
+    shape: ModelShape, micro_batch_size: int, seq_len: int, act_bytes: int, res_bytes: int, tp: int, sp: bool
+) -> float:
+    """The last stage's extra: final norm input, LM head input and the fp32 logits with their gradient."""
+    if not shape.known:
+        return 0.0
+    tokens = micro_batch_size * seq_len
+    hidden = tokens * shape.d_model * (res_bytes + act_bytes) / (tp if sp else 1)
+    return hidden + LOGITS_BYTES_PER_ELEMENT * tokens * math.ceil(shape.vocab_size / tp)
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stage: int, flash: bool) -> float:
+    """Peak activation bytes on pipeline rank ``stage`` (the only rank when pp == 1).
+
+    Stored layers times micro-batches in flight, the head's logits on the last stage, and the transient of
+    recomputation: in backward one layer's full activations (or attention core) exist again.
+    """
+    if not shape.known:
+        return 0.0
+    strategy, precision = layout.strategy, workload.precision
+    act, res = compute_bytes(precision), residual_bytes(strategy, precision)
+    tp, sp, pp = layout.tp, layout.sequence_parallel, layout.pp
+    b, s = workload.micro_batch_size, workload.seq_len
+    common = {"act_bytes": act, "res_bytes": res, "tp": tp, "sequence_parallel": sp, "flash_attention": flash}
+    per_layer = layer_activation_bytes(shape, b, s, recompute=layout.recompute, **common)
+    in_flight = microbatches_in_flight(layout.schedule, pp, layout.microbatches, layout.virtual_stages, stage)
+    total = in_flight * (shape.n_layers // pp) * per_layer
+    if stage == pp - 1:
+        total += in_flight * output_activation_bytes(shape, b, s, act, res, tp, sp)
+    if layout.recompute == "full":
+        total += layer_activation_bytes(shape, b, s, recompute="none", **common)
+    elif layout.recompute == "selective":
+        total += attention_core_bytes(shape, b, s, act, flash) / tp
+    return total
+
+
+def _ddp_states(shape: ModelShape, precision: str) -> MemoryBreakdown:
+    p = 2 if precision == "bf16-true" else 4  # AdamW keeps its states in the parameters' dtype
+    n = shape.num_parameters
+    # gradient_as_bucket_view (the default) makes DDP's buckets the gradients themselves: no extra copy.
+    autocast_copies = 2 * shape.linear_parameters if precision in ("bf16-mixed", "fp16-mixed") else 0
+    # torch's foreach AdamW materializes sqrt(v) for all parameters at once in the step.
+    return MemoryBreakdown(p * n, p * n, ADAM_STATES * p * n, 0, autocast_copies, step_temporaries=p * n)
+
+
+def _fsdp_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBreakdown:
+    p = 2 if precision == "bf16-true" else 4  # sharded (master) parameters, gradients and states
+    gather = compute_bytes(precision)  # MixedPrecisionPolicy(param_dtype=bf16) under bf16-mixed
+    reduce = 4 if precision in ("fp32", "bf16-mixed") else p  # reduce_dtype fp32 (the config default)
+    shard = shape.fsdp_shard_parameters(layout.dp_shard)
+    # The working set: the root unit stays gathered all step and its unsharded gradients live until the end of
+    # backward; per block, the gathered current and prefetched unit (or every block without resharding) and one
+    # block's unsharded gradient plus its reduce-scatter input.
+    block = shape.block_parameters
+    gathered_blocks = 2 if layout.reshard_after_forward else shape.n_layers
+    working = shape.root_parameters * (gather + reduce) + gathered_blocks * block * gather + block * (gather + reduce)
+    states = MemoryBreakdown(p * shard, p * shard, ADAM_STATES * p * shard, 0, working, step_temporaries=p * shard)
+    if layout.offload_optimizer:  # CPUOffloadPolicy: sharded parameters, gradients and the step live on the host
+        host = states.params + states.grads + states.optimizer_states
+        return MemoryBreakdown(0, 0, 0, 0, working, host=host)
+    return states
+
+
+def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBreakdown:
+    n, dp, stage = shape.num_parameters, layout.dp, layout.zero_stage
+    if precision == "fp32":
+        p16, g16, k, fp32_grads = 4, 4, 2 * 4, 0  # no master copy: K = 8 (momentum, variance)
+    else:
+        p16, g16, k, fp32_grads = 2, 2, 12, 4  # K = 12: fp32 master, momentum, variance
+    shard = math.ceil(n / dp)
+    params = p16 * (shard if stage == 3 else n)
+    grads = g16 * (n if stage == 1 else shard)
+    optimizer = k * shard
+    # DeepSpeed upcasts this rank's gradient partition to fp32 for the optimizer step.
+    buffers = fp32_grads * shard + 2 * g16 * min(DEEPSPEED_REDUCE_BUCKET, n)
+    if stage == 3:
+        buffers += 4 * shape.largest_module_parameters + p16 * min(DEEPSPEED_ALLGATHER_BUCKET, n)
+    else:
+        buffers += p16 * min(DEEPSPEED_ALLGATHER_BUCKET, n)
+    host = 0
+    if layout.offload_optimizer:  # states and the fp32 gradient partition move to the host (ZeRO-Offload)
+        host += optimizer + fp32_grads * shard
+        buffers -= fp32_grads * shard
+        optimizer = 0
+    if layout.offload_params:  # ZeRO-Infinity: the 16-bit parameter partition lives on the host too
+        host += params
+        params = 0
+    return MemoryBreakdown(params, grads, optimizer, 0, buffers, host=host)
+
+
+def _megatron_states(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
+    n = shape.stage_parameters(layout.tp, layout.pp, stage)
+    p = 4 if workload.precision == "fp32" else 2
+    # Main gradients are fp32 (Megatron accumulates and reduces 16-bit models' gradients in fp32); the
+    # distributed optimizer shards fp32 master weights (when params are 16-bit), momentum and variance over dp.
+    master = 0 if workload.precision == "fp32" else 4
+    optimizer = math.ceil((master + ADAM_STATES * 4) * n / layout.dp)
+    buffers = 0
+    if layout.pp > 1:
+        tokens = workload.micro_batch_size * workload.seq_len
+        per_tensor = tokens * shape.d_model * compute_bytes(workload.precision) / layout.tp
+        buffers = int(PIPELINE_P2P_BUFFERS * per_tensor)
+    return MemoryBreakdown(p * n, 4 * n, optimizer, 0, buffers)
+
+
+def model_state_bytes(shape: ModelShape, layout: Layout, workload: Workload, stage: int = 0) -> MemoryBreakdown:
+    """Parameters, gradients, optimizer states and strategy buffers on one GPU (activations left at 0)."""
+    if layout.strategy == "ddp":
+        return _ddp_states(shape, workload.precision)
+    if layout.strategy == "fsdp":
+        return _fsdp_states(shape, layout, workload.precision)
+    if layout.strategy == "deepspeed":
+        return _deepspeed_states(shape, layout, workload.precision)
+    if layout.strategy == "megatron":
+        return _megatron_states(shape, layout, workload, stage)
+    raise ValueError(f"unknown strategy {layout.strategy!r}")
+
+
+def memory_per_gpu(shape: ModelShape, layout: Layout, workload: Workload, flash_attention: bool) -> MemoryBreakdown:
+    """The peak over pipeline stages (first: embeddings, most micro-batches in flight; last: head, logits)."""
+    stages = (0, layout.pp - 1) if layout.pp > 1 else (0,)
+    best: MemoryBreakdown | None = None
+    for stage in stages:
+        states = model_state_bytes(shape, layout, workload, stage)
+        activations = int(activation_bytes(shape, layout, workload, stage, flash_attention))
+        candidate = MemoryBreakdown(
+            states.params,
+            states.grads,
+            states.optimizer_states,
+            activations,
+            states.buffers,
+            states.step_temporaries,
+            states.host,
+        )
+        if best is None or candidate.total > best.total:
+            best = candidate
+    assert best is not None
+    return best

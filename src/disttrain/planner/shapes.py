@@ -1,0 +1,233 @@
+"""The model as the planner sees it: its parameter tensors with shapes, from a ModelConfig or a raw count.
+
+Derived from the config here rather than imported from ``disttrain.models``: that package's ``__init__``
+imports the ``nn.Module`` code and so torch, and the planner must stay importable (and fast) without it. The
+unit tests keep these counts equal to ``disttrain.models.count_parameters``/``matmul_parameters`` and to the
+real model, and the per-rank FSDP2 shard equal to what ``fully_shard`` allocates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from disttrain.config.schema import ModelConfig
+
+# How tensor parallelism (Megatron-style) splits a tensor: column-parallel (output dim 0), row-parallel
+# (input dim 1), vocab-parallel (dim 0, Megatron pads the vocabulary to a multiple of tp), or replicated.
+TP_SPLITS = ("col", "row", "vocab", "rep")
+# What a tensor does per token: a matmul operand (Linear), a norm scale/shift, an embedding lookup (a
+# gather, no FLOPs) or the token embedding tied to the LM head (a lookup and a matmul).
+KINDS = ("linear", "norm", "lookup", "tied")
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    name: str  # inside its FSDP unit, e.g. "attn.wq.weight" in a block, "tok_emb.weight" in the root
+    shape: tuple[int, ...]
+    tp: str
+    kind: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def in_flops(self) -> bool:
+        """Counted in N' of 6N' (everything a token multiplies with, norms included as PaLM/nanoGPT count)."""
+        return self.kind != "lookup"
+
+    def tp_numel(self, tp: int) -> int:
+        """Elements one tensor-parallel rank holds."""
+        if self.tp == "rep" or tp == 1:
+            return self.numel
+        dim = 1 if self.tp == "row" else 0
+        return math.ceil(self.shape[dim] / tp) * (self.numel // self.shape[dim])
+
+    def fsdp_numel(self, shards: int) -> int:
+        """Elements FSDP2 allocates per rank: dim 0 chunked like ``torch.chunk``, every rank padded to chunk 0."""
+        return math.ceil(self.shape[0] / shards) * (self.numel // self.shape[0])
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter tensors and the sizes activations and FLOPs depend on; ``n_layers == 0`` means a raw count."""
+
+    name: str
+    num_parameters: int
+    n_layers: int = 0
+    d_model: int = 0
+    n_heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    ffn_hidden: int = 0
+    vocab_size: int = 0
+    seq_len: int = 0
+    swiglu: bool = False
+    norm_statistics: int = 0  # per-token fp32 values each norm saves: LayerNorm mean and rstd, RMSNorm rstd
+    dropout: float = 0.0
+    tied_embeddings: bool = False
+    block: tuple[ParamTensor, ...] = ()  # one transformer block (an FSDP unit)
+    embedding: tuple[ParamTensor, ...] = ()  # first pipeline stage: token (+ learned position) embedding
+    head: tuple[ParamTensor, ...] = ()  # last pipeline stage: final norm (+ LM head when untied)
+
+    @property
+    def known(self) -> bool:
+        """False for a raw parameter count: no layers, so no activations, TP/PP plans or per-layer buffers."""
+        return self.n_layers > 0
+
+    @cached_property
+    def block_parameters(self) -> int:
+        return sum(t.numel for t in self.block)
+
+    @cached_property
+    def root_parameters(self) -> int:
+        """Embeddings, final norm and head: the root FSDP unit (a tied head is the token embedding)."""
+        return sum(t.numel for t in self.embedding + self.head)
+
+    @cached_property
+    def matmul_parameters(self) -> int:
+        """N' of the FLOPs formula; for a raw count all parameters are taken to be matmul operands."""
+        if not self.known:
+            return self.num_parameters
+        tensors = self.block * self.n_layers + self.embedding + self.head
+        return sum(t.numel for t in tensors if t.in_flops)
+
+    @cached_property
+    def linear_parameters(self) -> int:
+        """Parameters of Linear layers (and the tied head): what autocast casts to 16 bits in forward."""
+        tensors = self.block * self.n_layers + self.embedding + self.head
+        return sum(t.numel for t in tensors if t.kind in ("linear", "tied"))
+
+    @cached_property
+    def largest_module_parameters(self) -> int:
+        """Parameters of the largest leaf module (DeepSpeed ZeRO-3 gathers at least one whole module)."""
+        if not self.known:
+            return 0
+        per_module: dict[str, int] = {}
+        for t in self.block + self.embedding + self.head:
+            per_module[t.module] = per_module.get(t.module, 0) + t.numel
+        return max(per_module.values())
+
+    def fsdp_shard_parameters(self, shards: int) -> int:
+        """Parameter elements one rank holds when every tensor is sharded over ``shards`` ranks on dim 0."""
+        if not self.known:
+            return math.ceil(self.num_parameters / shards)
+        block = sum(t.fsdp_numel(shards) for t in self.block)
+        return self.n_layers * block + sum(t.fsdp_numel(shards) for t in self.embedding + self.head)
+
+    def fsdp_block_shard_parameters(self, shards: int) -> int:
+        return sum(t.fsdp_numel(shards) for t in self.block)
+
+    def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
+        """Parameters one rank of pipeline ``stage`` holds under ``tp``-way tensor parallelism.
+
+        Layers are split evenly; the first stage also holds the embeddings, the last the final norm and head.
+        A tied embedding is copied onto the last stage when pp > 1 (Megatron keeps both copies and all-reduces
+        their gradients), so it is counted on both.
+        """
+        if not self.known:
+            return math.ceil(self.num_parameters / (tp * pp))
+        layers = self.n_layers // pp
+        total = layers * sum(t.tp_numel(tp) for t in self.block)
+        if stage == 0:
+            total += sum(t.tp_numel(tp) for t in self.embedding)
+        if stage == pp - 1:
+            total += sum(t.tp_numel(tp) for t in self.head)
+            if self.tied_embeddings and pp > 1:
+                total += sum(t.tp_numel(tp) for t in self.embedding if t.kind == "tied")
+        return total
+
+
+def _linear(name: str, d_out: int, d_in: int, bias: bool, tp: str) -> tuple[ParamTensor, ...]:
+    weight = ParamTensor(f"{name}.weight", (d_out, d_in), tp, "linear")
+    if not bias:
+        return (weight,)
+    # A row-parallel layer's bias is added after the all-reduce, so every TP rank holds all of it.
+    return (weight, ParamTensor(f"{name}.bias", (d_out,), "col" if tp == "col" else "rep", "linear"))
+
+
+def _norm(name: str, cfg: ModelConfig) -> tuple[ParamTensor, ...]:
+    weight = ParamTensor(f"{name}.weight", (cfg.d_model,), "rep", "norm")
+    if cfg.norm == "layernorm" and cfg.bias:
+        return (weight, ParamTensor(f"{name}.bias", (cfg.d_model,), "rep", "norm"))
+    return (weight,)
+
+
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    """The reference transformer's tensors for ``cfg``: the same names and shapes ``Transformer(cfg)`` has."""
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    block = (
+        *_norm("norm1", cfg),
+        *_linear("attn.wq", q_dim, cfg.d_model, cfg.bias, "col"),
+        *_linear("attn.wk", kv_dim, cfg.d_model, cfg.bias, "col"),
+        *_linear("attn.wv", kv_dim, cfg.d_model, cfg.bias, "col"),
+        *_linear("attn.wo", cfg.d_model, q_dim, cfg.bias, "row"),
+        *_norm("norm2", cfg),
+        *_linear("mlp.w1", cfg.ffn_hidden, cfg.d_model, cfg.bias, "col"),
+        *_linear("mlp.w2", cfg.d_model, cfg.ffn_hidden, cfg.bias, "row"),
+        *(_linear("mlp.w3", cfg.ffn_hidden, cfg.d_model, cfg.bias, "col") if cfg.mlp == "swiglu" else ()),
+    )
+    tok_kind = "tied" if cfg.tie_embeddings else "lookup"
+    embedding: tuple[ParamTensor, ...] = (
+        ParamTensor("tok_emb.weight", (cfg.vocab_size, cfg.d_model), "vocab", tok_kind),
+    )
+    if cfg.pos_emb == "learned":
+        # Megatron replicates learned position embeddings over tensor-parallel ranks.
+        embedding += (ParamTensor("pos_emb.weight", (cfg.seq_len, cfg.d_model), "rep", "lookup"),)
+    head = _norm("norm", cfg)
+    if not cfg.tie_embeddings:
+        head += (ParamTensor("lm_head.weight", (cfg.vocab_size, cfg.d_model), "vocab", "linear"),)
+    total = cfg.n_layers * sum(t.numel for t in block) + sum(t.numel for t in embedding + head)
+    return ModelShape(
+        name=cfg.name,
+        num_parameters=total,
+        n_layers=cfg.n_layers,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        ffn_hidden=cfg.ffn_hidden,
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        swiglu=cfg.mlp == "swiglu",
+        norm_statistics=2 if cfg.norm == "layernorm" else 1,
+        dropout=cfg.dropout,
+        tied_embeddings=cfg.tie_embeddings,
+        block=block,
+        embedding=embedding,
+        head=head,
+    )
+
+
+def count_shape(num_parameters: int, seq_len: int, name: str = "raw") -> ModelShape:
+    """A model known only by its parameter count: model states are exact, activations unknown (0)."""
+    if num_parameters < 1:
+        raise ValueError(f"num_parameters must be >= 1, got {num_parameters}")
+    return ModelShape(name=name, num_parameters=num_parameters, seq_len=seq_len)
+
+
+def model_flops_per_token(matmul_parameters: float, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+    """Model FLOPs per trained token, ``6 N + 12 L H Q T`` (Chowdhery et al. 2022, PaLM, appendix B)."""
+    return 6.0 * matmul_parameters + 12.0 * n_layers * n_heads * head_dim * seq_len
+
+
+def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) -> float:
+    """FLOPs executed per token: model FLOPs plus the forward work recomputation repeats.
+
+    Full recomputation repeats every block's forward (2 FLOPs per block parameter plus the forward attention
+    matmuls, a third of 12 L H Q T); selective recomputation repeats only the attention core (Korthikanti et
+    al. 2022). A raw parameter count has no attention term and no blocks to recompute.
+    """
+    flops = model_flops_per_token(shape.matmul_parameters, shape.n_layers, shape.n_heads, shape.head_dim, seq_len)
+    attention_forward = 4.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
+    if recompute == "full":
+        flops += 2.0 * shape.n_layers * shape.block_parameters + attention_forward
+    elif recompute == "selective":
+        flops += attention_forward
+    return flops

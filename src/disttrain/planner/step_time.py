@@ -1,0 +1,156 @@
+"""Predicted step time, throughput and utilization from FLOPs, link bandwidths and the overlap each layout allows.
+
+Compute runs at ``Assumptions.compute_efficiency`` of the dense datasheet peak. Communication a strategy can
+overlap (FSDP/ZeRO-3 prefetched all-gathers behind forward, gradient reductions behind backward) costs only
+what ``Assumptions.comm_overlap`` of that compute window cannot hide; tensor-parallel collectives and pipeline
+sends sit on the critical path and are stretched by the pipeline bubble like compute is. The optimizer step
+is memory-bound and timed at HBM bandwidth (on the host for offloaded states).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from disttrain.config.schema import PrecisionConfig
+from disttrain.hardware import HardwareProfile
+from disttrain.planner.bubble import bubble_fraction
+from disttrain.planner.comm import CommPlan, link_time
+from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token
+from disttrain.planner.spec import Assumptions, Layout, Workload
+
+# An Adam step reads parameter, gradient, momentum and variance and writes parameter, momentum and variance:
+# seven state-sized accesses per parameter, bound by HBM bandwidth rather than FLOPs.
+ADAM_STEP_ACCESSES = 7
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    step_time_s: float
+    compute_s: float  # all micro-batches' forward + backward (+ recomputation) at the achievable rate
+    exposed_comm_s: float  # communication compute could not hide, host copies included
+    bubble_s: float
+    host_optimizer_s: float
+    optimizer_step_s: float  # the GPU's own optimizer step over its parameters (HBM-bound)
+    bubble_fraction: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+
+
+@dataclass(frozen=True)
+class Utilization:
+    mfu: float  # model FLOPs (6N + 12LHQT per token) over peak
+    hfu: float  # FLOPs the hardware executed (recomputation included) over peak
+
+
+def peak_flops(hw: HardwareProfile, precision: str) -> float:
+    """Dense peak FLOP/s per device for the precision's matmul dtype; ValueError when the profile has none."""
+    dtype = PrecisionConfig(name=precision).compute_dtype
+    peak = hw.peak_flops(dtype)
+    if peak is None:
+        raise ValueError(f"hw profile '{hw.name}' has no peak_tflops for {dtype}")
+    return peak
+
+
+def model_flops(shape: ModelShape, seq_len: int) -> float:
+    """Model FLOPs per token of ``shape`` at ``seq_len``."""
+    return model_flops_per_token(shape.matmul_parameters, shape.n_layers, shape.n_heads, shape.head_dim, seq_len)
+
+
+def mfu_from_throughput(
+    tokens_per_s: float,
+    flops_per_token: float,
+    num_devices: int,
+    peak_flops_per_device: float,
+    hardware_flops_per_token: float | None = None,
+) -> Utilization:
+    """The MFU (and HFU) a measured global throughput means: achieved FLOP/s over the devices' peak."""
+    if tokens_per_s < 0 or num_devices < 1 or peak_flops_per_device <= 0:
+        raise ValueError("need tokens_per_s >= 0, num_devices >= 1 and a positive peak")
+    peak = num_devices * peak_flops_per_device
+    executed = flops_per_token if hardware_flops_per_token is None else hardware_flops_per_token
+    return Utilization(mfu=tokens_per_s * flops_per_token / peak, hfu=tokens_per_s * executed / peak)
+
+
+def gpu_optimizer_parameters(shape: ModelShape, layout: Layout) -> int:
+    """Parameters whose optimizer step runs on this GPU (offloaded ones step on the host)."""
+    if layout.offload_optimizer:
+        return 0
+    if layout.strategy == "ddp":
+        return shape.num_parameters
+    if layout.strategy == "fsdp":
+        return shape.fsdp_shard_parameters(layout.dp_shard)
+    if layout.strategy == "deepspeed":
+        return math.ceil(shape.num_parameters / layout.dp)
+    stage = max(shape.stage_parameters(layout.tp, layout.pp, s) for s in (0, layout.pp - 1))
+    return math.ceil(stage / layout.dp)  # Megatron's distributed optimizer steps its dp shard
+
+
+def optimizer_step_seconds(shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile) -> float:
+    """HBM time of the Adam step; 0 when the profile gives no memory bandwidth."""
+    if not hw.hbm_bandwidth_gbps:
+        return 0.0
+    # torch AdamW keeps states in the parameters' dtype: bf16 under bf16-true DDP/FSDP, fp32 otherwise.
+    state_bytes = 2 if workload.precision == "bf16-true" and layout.strategy in ("ddp", "fsdp") else 4
+    accessed = ADAM_STEP_ACCESSES * state_bytes * gpu_optimizer_parameters(shape, layout)
+    return accessed / (hw.hbm_bandwidth_gbps * 1e9)
+
+
+def _exposed(comm_s: float, window_s: float, overlap: float) -> float:
+    return max(0.0, comm_s - overlap * window_s)
+
+
+def estimate_step(
+    shape: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    hw: HardwareProfile,
+    comm: CommPlan,
+    assumptions: Assumptions,
+) -> StepEstimate:
+    """Step time of ``layout``: pipelined micro-batches, then what the step itself adds."""
+    peak = peak_flops(hw, workload.precision)
+    rate = peak * assumptions.compute_efficiency
+    seq = workload.seq_len
+    model_per_token = model_flops(shape, seq)
+    hardware_per_token = hardware_flops_per_token(shape, seq, layout.recompute)
+    # Per rank and micro-batch: TP splits every matmul, PP gives each rank 1/p of the layers.
+    tokens = workload.micro_batch_size * seq / (layout.tp * layout.pp)
+    forward = tokens * model_per_token / 3.0 / rate  # 2N of the 6N; recomputation belongs to backward
+    backward = tokens * hardware_per_token / rate - forward
+    overlap = assumptions.comm_overlap
+
+    def seconds(traffic):
+        return link_time(traffic, hw, assumptions.host_link_gbps)
+
+    per_mb_exposed = (
+        seconds(comm.mb_exposed)
+        + _exposed(seconds(comm.mb_fwd), forward, overlap)
+        + _exposed(seconds(comm.mb_bwd), backward, overlap)
+    )
+    m = layout.microbatches
+    bubble = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual_stages)
+    pipeline = m * (forward + backward + per_mb_exposed)
+    step_exposed = (
+        _exposed(seconds(comm.step_fwd), forward, overlap)
+        + _exposed(seconds(comm.step_bwd), backward, overlap)
+        + seconds(comm.step_exposed)
+    )
+    host_optimizer = comm.host_optimizer_parameters / assumptions.cpu_optimizer_params_per_s
+    optimizer = optimizer_step_seconds(shape, layout, workload, hw)
+    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + optimizer
+    tokens_per_s = workload.tokens_per_step / step
+    util = mfu_from_throughput(tokens_per_s, model_per_token, layout.world_size, peak, hardware_per_token)
+    return StepEstimate(
+        step_time_s=step,
+        compute_s=m * (forward + backward),
+        exposed_comm_s=m * per_mb_exposed + step_exposed,
+        bubble_s=pipeline * bubble,
+        host_optimizer_s=host_optimizer,
+        optimizer_step_s=optimizer,
+        bubble_fraction=bubble,
+        tokens_per_s=tokens_per_s,
+        mfu=util.mfu,
+        hfu=util.hfu,
+    )

@@ -1,0 +1,114 @@
+"""``python -m plan``: JSON and table output of the real CLI, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
+from disttrain.planner import JSON_KEYS
+from disttrain.planner.spec import parse_parameter_count
+from pipelines.plan import measured_tokens_per_s, plan_from_config
+from tests.conftest import CONF
+
+
+def run_plan(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run(
+        [sys.executable, "-m", "plan", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def compose_plan(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="plan", overrides=overrides)
+
+
+def test_json_output_lists_every_candidate_with_the_issue_keys(tmp_path: Path) -> None:
+    args = ["model=llama-70b", "hw=2x8xh100", "trainer.micro_batch_size=1"]
+    result = run_plan([*args, "output=json"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert (payload["model"], payload["hw"], payload["world_size"]) == ("llama-70b", "2x8xh100", 16)
+    assert payload["num_parameters"] == 68_976_648_192
+    candidates = payload["candidates"]
+    assert len(candidates) == len(plan_from_config(compose_plan(args)).candidates)
+    assert all(tuple(c) == JSON_KEYS for c in candidates)
+    recommended = payload["recommended"]
+    assert candidates[0]["fits"] and candidates[0]["strategy"] == recommended["strategy"]
+    assert candidates[0]["options"] == recommended["options"]
+    assert recommended["overrides"][0] == f"strategy={recommended['strategy']}"
+    assert list(tmp_path.iterdir()) == []  # planning writes no output directory or log
+
+
+def test_table_output_recommends_first_with_its_train_command(tmp_path: Path) -> None:
+    args = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "throughput.tokens_per_s=20000"]
+    result = run_plan(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    best = plan_from_config(compose_plan(args)).recommended
+    assert best is not None
+    assert "llama-7b on 8xa100" in out and "MFU" in out and "fits" in out
+    assert f"recommended: {best.label} (fastest predicted step among" in out
+    command = "python -m train model=llama-7b hw=8xa100 precision=bf16-mixed trainer.micro_batch_size=1 "
+    assert command + " ".join(best.overrides) in out
+    assert "measured 20,000 tokens/s on 8 x a100-sxm4-80gb means MFU" in out
+    rows = [line for line in out.splitlines() if line.startswith("│  1 │")]
+    assert rows and best.label in rows[0]
+
+
+def test_raw_parameter_count(tmp_path: Path) -> None:
+    result = run_plan(["num_parameters=7.5B", "hw=2x8xh100", "output=json", "throughput.tokens_per_s=1e5"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["num_parameters"] == 7_500_000_000 and payload["activations_known"] is False
+    assert all(c["memory_bytes"]["activations"] == 0 for c in payload["candidates"])
+    assert payload["throughput"]["mfu"] == pytest.approx(1e5 * 6 * 7.5e9 / (16 * 989.4e12))
+
+
+# (overrides, the key the error names)
+BAD = [
+    (["output=xml"], "output"),
+    (["hw=cpu"], "hw.peak_tflops"),
+    (["num_parameters=lots"], "num_parameters"),
+    (["num_parameters=-3"], "num_parameters"),
+    (["headroom=1.5"], "headroom"),
+    (["limit=0"], "limit"),
+    (["trainer.global_batch_size=7"], "trainer.global_batch_size"),
+    (["model.n_heads=5"], "model.n_heads"),
+    (["+assumptions.speedup=2"], "assumptions.speedup"),
+    (["assumptions.compute_efficiency=0"], "assumptions.compute_efficiency"),
+    (["assumptions.comm_overlap=1.5"], "assumptions.comm_overlap"),
+    (["throughput.tokens_per_s=-1"], "throughput.tokens_per_s"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_names_the_key(overrides: list[str], key: str) -> None:
+    cfg = compose_plan(overrides)
+    with pytest.raises(ConfigError) as info:
+        plan_from_config(cfg)
+        measured_tokens_per_s(cfg)
+    assert info.value.key == key
+
+
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    result = run_plan(["hw=cpu"], tmp_path)
+    assert result.returncode == USER_ERROR_EXIT_CODE
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("disttrain: config error: hw.peak_tflops:")
+    assert "hw=8xa100" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "count"),
+    [("7.5B", 7_500_000_000), (7.5e9, 7_500_000_000), ("70b", 70 * 10**9), ("1T", 10**12), (125, 125)],
+)
+def test_parameter_counts_read_with_suffixes(value: object, count: int) -> None:
+    assert parse_parameter_count(value) == count

@@ -1,0 +1,158 @@
+"""Planner communication volumes, pipeline bubbles and step time, against published formulas and numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from disttrain.config.schema import ModelConfig
+from disttrain.hardware import HardwareProfile
+from disttrain.planner import (
+    Assumptions,
+    Group,
+    Layout,
+    Workload,
+    bubble_fraction,
+    collective_bytes,
+    comm_plan,
+    count_shape,
+    mfu_from_throughput,
+    microbatches_in_flight,
+    model_flops_per_token,
+    model_shape,
+    plan_layout,
+)
+from disttrain.planner.comm import link_time
+from disttrain.planner.shapes import hardware_flops_per_token
+from disttrain.planner.step_time import model_flops
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def hw(name: str) -> HardwareProfile:
+    return HardwareProfile(**OmegaConf.to_container(OmegaConf.load(CONF / "hw" / f"{name}.yaml")))
+
+
+def model(name: str) -> ModelConfig:
+    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_ring_collective_volumes(n: int) -> None:
+    # All-reduce moves 2(n-1)/n of the buffer per rank, reduce-scatter and all-gather (n-1)/n (ZeRO sec. 7.1).
+    group = Group(n, n)
+    assert collective_bytes("all_reduce", 1000.0, group).intra == pytest.approx(2000.0 * (n - 1) / n)
+    assert collective_bytes("reduce_scatter", 1000.0, group).intra == pytest.approx(1000.0 * (n - 1) / n)
+    assert collective_bytes("all_gather", 1000.0, group).intra == pytest.approx(1000.0 * (n - 1) / n)
+
+
+def test_zero3_moves_one_and_a_half_times_data_parallel_volume() -> None:
+    # Rajbhandari et al. 2020 sec. 7.2: P_os and P_os+g move 2 Psi per rank like DDP's all-reduce (reduce-scatter
+    # + all-gather); P_os+g+p adds a second all-gather of the parameters: 3 Psi, 1.5x.
+    shape, box = count_shape(7_500_000_000, seq_len=1024), hw("2x8xh100")
+    workload = Workload(1, 16, 1024, "bf16-true")  # 16-bit gradients everywhere, as in the paper
+
+    def volume(layout: Layout) -> float:
+        return comm_plan(shape, layout, workload, box).per_step(1).network
+
+    ddp = volume(Layout("ddp", dp=16))
+    assert ddp == pytest.approx(2 * 15 / 16 * 2 * shape.num_parameters)
+    for stage in (1, 2):
+        assert volume(Layout("deepspeed", dp=16, zero_stage=stage)) == pytest.approx(ddp)
+    assert volume(Layout("deepspeed", dp=16, zero_stage=3)) == pytest.approx(1.5 * ddp)
+
+
+def test_traffic_is_split_by_link_class() -> None:
+    shape, box = model_shape(model("llama-7b")), hw("2x8xh100")
+    workload = Workload(1, 16, 4096, "bf16-mixed")
+    ddp = comm_plan(shape, Layout("ddp", dp=16), workload, box).per_step(1)
+    # A ring over 2 nodes x 8 GPUs leaves the node on one edge in 8.
+    assert ddp.inter == pytest.approx(ddp.network / 8)
+    single = comm_plan(shape, Layout("ddp", dp=8), workload, hw("8xh100")).per_step(1)
+    assert single.inter == 0
+    megatron = Layout("megatron", dp=2, tp=8, sequence_parallel=True, microbatches=8)
+    plan = comm_plan(shape, megatron, workload, box)
+    assert plan.mb_exposed.inter == 0  # tensor parallelism stays on NVLink
+    assert plan.step_bwd.intra == 0 and plan.step_bwd.inter > 0  # dp peers sit on different nodes
+
+
+def test_link_time_shares_the_node_network_between_its_gpus() -> None:
+    box = hw("2x8xh100")
+    traffic = collective_bytes("all_reduce", 8e9, Group(16, 8))
+    nvlink = traffic.intra / 450e9
+    network = traffic.inter * 8 / 400e9  # the node's 8 GPUs send at once through its 400 GB/s
+    assert link_time(traffic, box, host_gbps=25.0) == pytest.approx(max(nvlink, network))
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 8, 2), (4, 16, 2), (8, 32, 4), (16, 64, 2)])
+def test_bubble_fractions(p: int, m: int, v: int) -> None:
+    # Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM")
+    # sec. 2.2: bubble fraction (p-1)/m for GPipe and 1F1B, (p-1)/(v m) for the interleaved schedule.
+    assert bubble_fraction("gpipe", p, m) == bubble_fraction("1f1b", p, m) == (p - 1) / m
+    assert bubble_fraction("interleaved", p, m, v) == (p - 1) / (v * m)
+    assert bubble_fraction("zero_bubble", p, m, 2) == 0.0
+    assert bubble_fraction("none", 1, m) == 0.0
+    # Same bubble, fewer micro-batches in flight: 1F1B caps them at p on the first stage, GPipe keeps all m.
+    assert microbatches_in_flight("gpipe", p, m, 1, stage=0) == m
+    assert microbatches_in_flight("1f1b", p, m, 1, stage=0) == p
+    assert microbatches_in_flight("1f1b", p, m, 1, stage=p - 1) == 1
+
+
+def test_palm_540b_model_flops_utilization() -> None:
+    # Chowdhery et al. 2022 (PaLM), sec. 4.1 / Table 3 and appendix B: 540B parameters (L = 118 layers, H = 48
+    # heads, Q = 256 head dim, T = 2048) trained at 238.3K tokens/s on 6144 TPU v4 chips of 275 peak bf16
+    # TFLOP/s is 46.2% MFU, with model FLOPs per token 6N + 12LHQT.
+    flops = model_flops_per_token(540e9, n_layers=118, n_heads=48, head_dim=256, seq_len=2048)
+    util = mfu_from_throughput(238.3e3, flops, num_devices=6144, peak_flops_per_device=275e12)
+    assert util.mfu == pytest.approx(0.462, abs=0.001)
+    assert util.hfu == util.mfu  # no hardware FLOPs given: nothing recomputed
+
+
+def test_single_gpu_step_is_compute_at_the_achievable_fraction_of_peak_plus_the_optimizer() -> None:
+    shape, box = model_shape(model("llama-1b")), hw("1xa100")
+    workload = Workload(4, 4, 2048, "bf16-mixed")
+    assumptions = Assumptions()
+    # AdamW touches 7 fp32 values per parameter (read p, g, m, v; write p, m, v) at the A100's 2039 GB/s.
+    optimizer = 7 * 4 * shape.num_parameters / 2039e9
+    for recompute in ("none", "full"):
+        got = plan_layout(shape, Layout("fsdp", dp=1, recompute=recompute), workload, box, assumptions).estimate
+        flops = hardware_flops_per_token(shape, 2048, recompute)
+        assert got.compute_s == pytest.approx(4 * 2048 * flops / (312e12 * assumptions.compute_efficiency))
+        assert got.optimizer_step_s == pytest.approx(optimizer)
+        assert got.exposed_comm_s == got.bubble_s == got.host_optimizer_s == 0.0
+        assert got.step_time_s == pytest.approx(got.compute_s + optimizer)
+        assert got.mfu == pytest.approx(4 * 2048 / got.step_time_s * model_flops(shape, 2048) / 312e12)
+        assert got.hfu == pytest.approx(got.mfu * flops / model_flops(shape, 2048))
+
+
+def test_ddp_all_reduce_is_hidden_behind_backward_up_to_the_overlap_fraction() -> None:
+    shape, box = model_shape(model("llama-1b")), hw("8xa100")
+    assumptions = Assumptions()
+    rate = 312e12 * assumptions.compute_efficiency
+    all_reduce = 2 * 7 / 8 * 4 * shape.num_parameters / 300e9  # fp32 gradients over 300 GB/s NVLink
+    for micro in (1, 16):
+        workload = Workload(micro, 8 * micro, 2048, "bf16-mixed")
+        got = plan_layout(shape, Layout("ddp", dp=8), workload, box, assumptions)
+        backward = micro * 2048 * 2 / 3 * model_flops(shape, 2048) / rate
+        exposed = max(0.0, all_reduce - assumptions.comm_overlap * backward)
+        assert got.estimate.exposed_comm_s == pytest.approx(exposed)
+        step = got.estimate.compute_s + exposed + got.estimate.optimizer_step_s
+        assert got.step_time_s == pytest.approx(step)
+    assert exposed == 0.0  # at 16 sequences per GPU backward hides the all-reduce entirely
+
+
+def test_pipeline_schedules_trade_bubble_for_nothing_else_in_time() -> None:
+    shape, box = model_shape(model("llama-13b")), hw("8xa100")
+    workload = Workload(1, 32, 4096, "bf16-mixed")
+    base = Layout("megatron", dp=1, tp=2, pp=4, microbatches=32, sequence_parallel=True, schedule="1f1b")
+    times = {}
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 2)):
+        layout = dataclasses.replace(base, schedule=schedule, virtual_stages=v)
+        times[schedule] = plan_layout(shape, layout, workload, box).estimate
+    assert times["gpipe"].step_time_s == pytest.approx(times["1f1b"].step_time_s)
+    assert times["1f1b"].bubble_fraction == pytest.approx(3 / 32)
+    assert times["interleaved"].bubble_fraction == pytest.approx(3 / 64)
+    assert times["zero_bubble"].step_time_s < times["interleaved"].step_time_s < times["1f1b"].step_time_s
