@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,9 @@ from disttrain.data.sampling import ResumableShardedSampler
 from disttrain.launch import free_port
 from disttrain.models import build_model
 from disttrain.module import lr_lambda, param_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_cli import train_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,16 +91,7 @@ def hand_written(overrides: list[str], world: int, warmup: int) -> float:
 
 
 def disttrain_cli(overrides: list[str]) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
-        subprocess.run(
-            [sys.executable, "-m", "train", *overrides, f"hydra.run.dir={run_dir}"],
-            check=True,
-            cwd=tmp,
-            stdout=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        return json.loads((run_dir / "run.json").read_text())["result"]["tokens_per_s"]
+    return train_manifest(overrides)["result"]["tokens_per_s"]
 
 
 def main() -> None:

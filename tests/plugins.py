@@ -38,3 +38,78 @@ class CountingData(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.micro_batch_size, drop_last=True)
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class SlowCountingData(CountingData):
+    """CountingData whose batches take ``delay_s`` each to produce: an input-bound run."""
+
+    def __init__(self, seq_len: int, micro_batch_size: int, delay_s: float = 0.15) -> None:
+        super().__init__(seq_len, micro_batch_size)
+        self.delay_s = delay_s
+
+    def train_dataloader(self) -> DataLoader:
+        import time
+
+        def slow_collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+            time.sleep(self.delay_s)
+            return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+        return DataLoader(
+            self.data, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, collate_fn=slow_collate
+        )
+
+
+class SleepyRankModel(BigramModel):
+    """BigramModel whose forward sleeps ``sleep_s`` on local rank ``slow_rank``: a straggler DDP hides."""
+
+    def __init__(self, vocab_size: int, seq_len: int, slow_rank: int = 1, sleep_s: float = 0.2) -> None:
+        super().__init__(vocab_size, seq_len)
+        self.slow = _rank() == slow_rank
+        self.sleep_s = sleep_s
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.slow:
+            import time
+
+            time.sleep(self.sleep_s)
+        return super().forward(tokens)
+
+
+class WideModel(nn.Module):
+    """Many parameters, little compute per token: DDP's all-reduce dominates (comm-bound)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int = 2048, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+class HangingRankModel(BigramModel):
+    """Blocks forever in forward on local rank ``stuck_rank`` from the ``at_call``-th forward on."""
+
+    def __init__(self, vocab_size: int, seq_len: int, stuck_rank: int = 1, at_call: int = 5) -> None:
+        super().__init__(vocab_size, seq_len)
+        self.stuck = _rank() == stuck_rank
+        self.at_call = at_call
+        self.calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.stuck and self.calls >= self.at_call and self.training:
+            import threading
+
+            threading.Event().wait()  # never set: this rank hangs outside any collective
+        return super().forward(tokens)

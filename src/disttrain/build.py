@@ -18,12 +18,26 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from torch import nn
 
+from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
 from disttrain.callbacks import FinalValidation, ProgressPrinter, StepCheckpoint, Throughput
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import CustomDataConfig, CustomModelConfig, LoggerConfig, ModelConfig, RunConfig
+from disttrain.config.schema import (
+    CustomDataConfig,
+    CustomModelConfig,
+    FSDPConfig,
+    LoggerConfig,
+    ModelConfig,
+    RunConfig,
+)
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.datamodule import TokenDataModule
-from disttrain.models import apply_activation_checkpointing, build_model, count_parameters, flops_per_token
+from disttrain.models import (
+    apply_activation_checkpointing,
+    build_model,
+    count_parameters,
+    flops_per_token,
+    hardware_flops_per_token,
+)
 from disttrain.module import LanguageModelModule
 from disttrain.strategies import StrategyBuild, build_strategy
 
@@ -124,8 +138,70 @@ class TrainerParts:
     ckpt_dir: Path
 
 
+def build_diagnostics(
+    cfg: RunConfig, plan: BatchPlan, facts: ModelFacts, run_dir: Path, throughput: Throughput
+) -> DiagnosticsCallback:
+    d = cfg.diagnostics
+    settings = CollectSettings(
+        step_every=d.step_every,
+        gather_every=d.gather_every,
+        sample_interval_s=d.sample_interval_s,
+        profile=d.profile,
+        profile_wait_steps=d.profile_wait_steps,
+        profile_active_steps=d.profile_active_steps,
+        calibrate=d.calibrate,
+        hang_timeout_s=d.hang_timeout_s,
+    )
+    recomputes = isinstance(cfg.strategy, FSDPConfig) and cfg.strategy.activation_checkpointing
+    hardware_flops = (
+        hardware_flops_per_token(cfg.model, activation_checkpointing=recomputes)
+        if isinstance(cfg.model, ModelConfig)
+        else facts.flops_per_token
+    )
+    run_facts = RunFacts(
+        strategy=cfg.strategy.name,
+        precision=cfg.precision.name,
+        compute_dtype=cfg.precision.compute_dtype,
+        hw=cfg.hw.name,
+        num_parameters=facts.num_parameters,
+        flops_per_token=facts.flops_per_token,
+        hardware_flops_per_token=hardware_flops,
+        tokens_per_step=plan.global_batch_size * cfg.model.seq_len,
+        micro_batch_size=plan.micro_batch_size,
+        accumulation=plan.accumulation,
+        seq_len=cfg.model.seq_len,
+        max_steps=cfg.trainer.max_steps,
+        peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
+    )
+    return DiagnosticsCallback(
+        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=lambda: write_run_report(run_dir)
+    )
+
+
+def write_run_report(run_dir: Path) -> str:
+    """Build RUN_DIR/report/ from the telemetry; returns the short text summary."""
+    from diagnostics.report import build_report, write_report
+
+    report = build_report(run_dir)
+    write_report(report, run_dir)
+    return report.text_summary()
+
+
+def log_report_to_wandb(trainer: pl.Trainer, run_dir: Path) -> bool:
+    """Attach RUN_DIR/report/ to the wandb run as an artifact (offline runs keep it for `wandb sync`)."""
+    import wandb
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            artifact = wandb.Artifact(f"diagnostics-report-{logger.experiment.id}", type="diagnostics-report")
+            artifact.add_dir(str(run_dir / "report"))
+            logger.experiment.log_artifact(artifact)
+            return True
+    return False
+
+
 def build_trainer(
-    cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, strategy: StrategyBuild, run_dir: Path
+    cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, strategy: StrategyBuild, run_dir: Path, facts: ModelFacts
 ) -> TrainerParts:
     t = cfg.trainer
     ckpt_dir = run_dir / "checkpoints"
@@ -133,6 +209,9 @@ def build_trainer(
     progress = ProgressPrinter(ProgressPrinter.interval(t.max_steps, t.log_every_n_steps), throughput)
     checkpoints = StepCheckpoint(ckpt_dir, t.ckpt_every_n_steps)
     callbacks = [checkpoints, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
+    diagnostics = build_diagnostics(cfg, plan, facts, run_dir, throughput) if cfg.diagnostics.enabled else None
+    if diagnostics is not None:
+        callbacks.append(diagnostics)
     trainer = pl.Trainer(
         accelerator=cfg.hw.accelerator,
         devices=layout.devices_per_node,
@@ -152,6 +231,7 @@ def build_trainer(
         default_root_dir=str(run_dir),
         logger=build_loggers(cfg.logger, run_dir, run_dir.name),
         enable_checkpointing=False,  # StepCheckpoint owns checkpoints (names, `last` link, final step)
+        profiler=diagnostics.data_wait if diagnostics is not None else None,
         callbacks=callbacks,
         use_distributed_sampler=isinstance(cfg.data, CustomDataConfig),
         enable_progress_bar=False,
@@ -166,5 +246,5 @@ def build_run(cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, run_dir: Pat
     facts = model_facts(cfg.model, cfg.trainer.seed)
     module = build_module(cfg, plan, strategy, facts)
     datamodule = build_datamodule(cfg, plan)
-    parts = build_trainer(cfg, layout, plan, strategy, run_dir)
+    parts = build_trainer(cfg, layout, plan, strategy, run_dir, facts)
     return parts, module, datamodule, facts

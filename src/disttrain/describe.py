@@ -55,6 +55,9 @@ class RunResult:
     entropy_rate: float | None
     tokens_per_s: float | None
     run_dir: str
+    predicted_memory_bytes: int | None = None
+    measured_memory_bytes: int | None = None
+    memory_kind: str = "peak RSS"
 
     @property
     def gap_to_floor(self) -> float | None:
@@ -78,5 +81,11 @@ def describe_result(result: RunResult) -> str:
             f" val gap to floor {_fmt(result.gap_to_floor, '+.4f')}"
         )
     lines.append(f"  throughput  {_fmt(result.tokens_per_s, ',.0f')} tokens/s (training steps only)")
+    if result.measured_memory_bytes:
+        measured = f"{result.memory_kind} {result.measured_memory_bytes / 2**30:.2f} GiB (rank 0)"
+        if result.predicted_memory_bytes:
+            runtime = "; RSS also holds the Python/torch runtime" if result.memory_kind == "peak RSS" else ""
+            measured = f"predicted {result.predicted_memory_bytes / 2**30:.2f} GiB, {measured}{runtime}"
+        lines.append(f"  memory      {measured}")
     lines.append(f"  run dir     {result.run_dir}")
     return "\n".join(lines)

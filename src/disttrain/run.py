@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import sys
 import time
 from functools import partial
@@ -20,12 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import RunConfig
-from disttrain.config.validate import BatchPlan, WorldLayout, validate_run, world_layout
+from disttrain.config.schema import AutoStrategyConfig, RunConfig
+from disttrain.config.validate import BatchPlan, WorldLayout, batch_plan, validate_run, world_layout
 from disttrain.describe import RunResult, describe_launch, describe_result
 from disttrain.hardware import check_machine_can_serve, in_cluster_job
 from disttrain.launch import child_command, is_child_process, spawn_local_ranks
 from disttrain.manifest import command_line, git_commit, versions, write_json_atomic
+from disttrain.planning import check_fits, describe_memory, predict_memory, resolve_auto
 from disttrain.resume import find_checkpoint, original_overrides
 
 say = functools.partial(print, flush=True)
@@ -60,8 +62,12 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
         checkpoint = find_checkpoint(str(cfg.resume))
         cfg = compose_for_resume(str(cfg.resume), task_overrides)
     run_cfg = parse_run_config(cfg)
-    plan = validate_run(run_cfg)
     layout = world_layout(run_cfg)
+    auto_reason = None
+    if isinstance(run_cfg.strategy, AutoStrategyConfig):
+        run_cfg, auto_reason = resolve_auto(run_cfg, layout, batch_plan(run_cfg))
+    plan = validate_run(run_cfg)
+    memory = predict_memory(run_cfg, layout, plan)
 
     from disttrain.build import model_facts
 
@@ -69,15 +75,25 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
     rank_zero = is_global_rank_zero()
     if rank_zero:
         say(describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token))
+        if auto_reason:
+            say(auto_reason)
+        if memory is not None:
+            say(describe_memory(run_cfg, memory))
     if run_cfg.dry_run:
         if rank_zero:
+            try:
+                check_fits(run_cfg, memory, run_cfg.check_memory)
+            except ConfigError as err:  # a dry run launches nothing: warn about what a real launch would refuse
+                say(f"warning: a real launch would be refused: {err}")
             say("dry run: configuration is valid; nothing was launched")
         return
+    check_fits(run_cfg, memory, run_cfg.check_memory)
     check_machine_can_serve(run_cfg.hw, torch.cuda.device_count())
     if rank_zero and checkpoint is not None:
         say(f"resuming from {checkpoint}")
     command = partial(child_command, module_name, task_overrides, str(run_dir))
-    train(run_cfg, cfg, layout, plan, run_dir, checkpoint, command, started)
+    predicted = None if memory is None else memory.total
+    train(run_cfg, cfg, layout, plan, run_dir, checkpoint, command, started, predicted)
 
 
 def train(
@@ -89,6 +105,7 @@ def train(
     checkpoint: Path | None,
     command_for_rank: partial,
     started: float,
+    predicted_memory_bytes: int | None = None,
 ) -> None:
     import lightning.pytorch as pl
 
@@ -126,6 +143,7 @@ def train(
             "versions": versions(),
             "git": git_commit(),
             "resumed_from": str(checkpoint) if checkpoint else None,
+            "strategy_resolved": run_cfg.strategy,
         }
         if rank_zero:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -155,11 +173,35 @@ def train(
         entropy_rate=floor.entropy_rate if floor else None,
         tokens_per_s=parts.throughput.tokens_per_s,
         run_dir=str(run_dir),
+        predicted_memory_bytes=predicted_memory_bytes,
+        measured_memory_bytes=measured_peak_memory(),
+        memory_kind="peak RSS" if run_cfg.hw.accelerator == "cpu" else "peak allocated",
     )
     manifest.update(status="completed", wall_time_s=result.wall_time_s, result=result)
     manifest["result_gap_to_floor"] = result.gap_to_floor
     write_json_atomic(run_dir / "run.json", manifest)
     say(describe_result(result))
+    if run_cfg.diagnostics.enabled and run_cfg.diagnostics.report:
+        say_report(run_dir, parts.trainer if run_cfg.logger.name == "wandb" else None)
+
+
+def measured_peak_memory() -> int:
+    """Peak bytes this rank used: GPU allocator peak on CUDA, else the process's peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def say_report(run_dir: Path, wandb_trainer: object | None = None) -> None:
+    """The bottleneck report, after every rank has finished writing telemetry. Never fails the run."""
+    from disttrain.build import log_report_to_wandb, write_run_report
+
+    try:
+        say(write_run_report(run_dir))
+        if wandb_trainer is not None and log_report_to_wandb(wandb_trainer, run_dir):  # type: ignore[arg-type]
+            say("  the report is attached to the wandb run as an artifact")
+    except Exception as err:  # a broken report must not turn a finished training run into a failure
+        say(f"disttrain: could not write the diagnostics report: {type(err).__name__}: {err}", file=sys.stderr)
 
 
 __all__ = ["ConfigError", "run_from_hydra"]

@@ -37,6 +37,7 @@ BAD = [
     (["hw.num_nodes=0"], "hw.num_nodes", "hw.num_nodes=1"),
     (["logger=wandb", "logger.mode=sometimes"], "logger.mode", "offline"),
     (["dry_run=maybe"], "dry_run", "dry_run=true"),
+    (["check_memory=perhaps"], "check_memory", "check_memory=false"),
 ]
 
 
@@ -99,4 +100,7 @@ def test_cli_dry_run_of_a_cluster_config_prints_the_launch(tmp_path: Path) -> No
     assert "6,738,415,616 parameters" in out
     assert "global 128 = micro 16 x dp 8 x accumulation 1" in out
     assert "precision    fp32" in out
+    # The planner's prediction is printed; micro batch 16 x 4096 tokens of llama-7b cannot fit an A100.
+    assert "memory       predicted" in out and "EXCEEDS 72.0 GiB usable" in out
+    assert "warning: a real launch would be refused" in out
     assert "dry run: configuration is valid; nothing was launched" in out

@@ -10,13 +10,14 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from disttrain.build import build_datamodule, build_module, build_trainer, model_facts
 from disttrain.config.parse import parse_run_config
-from disttrain.config.validate import validate_run, world_layout
+from disttrain.config.validate import batch_plan, validate_run, world_layout
 from disttrain.describe import describe_launch
 from disttrain.models import apply_activation_checkpointing
+from disttrain.planning import resolve_auto
 from disttrain.strategies import build_strategy
 from tests.conftest import compose_train, group_options
 
-GROUPS = ["model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger"]
+GROUPS = ["model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger", "diagnostics"]
 
 
 def needs_for(group: str, option: str, tmp_path: Path) -> list[str]:
@@ -48,7 +49,7 @@ def test_every_group_has_options() -> None:
     }  # fmt: skip
     assert set(group_options("hw")) >= {"cpu", "1xa100", "8xa100", "8xh100", "2x8xh100", "8xh200", "1xl4"}
     assert set(group_options("precision")) == {"fp32", "bf16-mixed", "bf16-true", "fp16-mixed"}
-    assert set(group_options("strategy")) >= {"ddp", "fsdp"}
+    assert set(group_options("strategy")) >= {"ddp", "fsdp", "auto"}
     assert set(group_options("data")) == {"synthetic", "text", "tokens"}
     assert set(group_options("logger")) == {"csv", "wandb", "tensorboard"}
 
@@ -58,6 +59,8 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     cfg = compose_train([f"{group}={option}", *needs_for(group, option, tmp_path)])
     run_cfg = parse_run_config(cfg)
     assert getattr(getattr(run_cfg, group), "name", option) == option
+    if option == "auto":
+        run_cfg, _ = resolve_auto(run_cfg, world_layout(run_cfg), batch_plan(run_cfg))
     plan = validate_run(run_cfg)
     layout = world_layout(run_cfg)
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
@@ -78,7 +81,7 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
         x, y = datamodule.train_set[0]
         assert x.shape == y.shape == (run_cfg.model.seq_len,)
         assert int(y.max()) < run_cfg.model.vocab_size
-    parts = build_trainer(run_cfg, layout, plan, strategy, tmp_path / "run")
+    parts = build_trainer(run_cfg, layout, plan, strategy, tmp_path / "run", facts)
     assert parts.trainer.max_steps == run_cfg.trainer.max_steps
     assert parts.trainer.accumulate_grad_batches == plan.accumulation
 

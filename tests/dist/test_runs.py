@@ -46,6 +46,12 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     assert (run_dir / ".hydra" / "overrides.yaml").exists()
     metrics = (run_dir / "metrics" / "metrics.csv").read_text()
     assert "train/loss" in metrics and "val/loss" in metrics
+    # Diagnostics are on by default: a healthy run gets its report and no false alarm.
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    kinds = {finding["kind"] for finding in report["findings"]}
+    assert not kinds & {"input_bound", "straggler", "hang", "comm_bound"}, report["findings"]
+    assert report["summary"]["tokens_per_s"] > 0
+    assert "diagnostics:" in out
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["last.ckpt", "step000100.ckpt", "step000200.ckpt", "step000250.ckpt"]
     assert (run_dir / "checkpoints" / "last.ckpt").resolve().name == "step000250.ckpt"
@@ -89,7 +95,8 @@ def test_text_file_with_tensorboard_logger(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 2000)
     run_dir = tmp_path / "run"
-    run_ok([*SHORT[:-2], "data=text", f"data.path={corpus}", "logger=tensorboard", f"hydra.run.dir={run_dir}"], tmp_path)
+    args = [*SHORT[:-2], "data=text", f"data.path={corpus}", "logger=tensorboard"]
+    run_ok([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     result = read_manifest(run_dir)["result"]
     assert result["loss_floor"] is None  # real text has no known floor
     assert result["val_loss"] < 5.0  # below uniform over bytes (ln 256 = 5.55)
@@ -105,7 +112,9 @@ def test_token_file_with_offline_wandb_logger(tmp_path: Path) -> None:
     args = [*SHORT[:-2], "data=tokens", f"data.train_path={tokens}", "data.vocab_size=97", "logger=wandb"]
     run_ok([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     assert read_manifest(run_dir)["result"]["val_loss"] < 4.0  # ln 97 = 4.57
-    assert list((run_dir / "wandb").glob("offline-run-*"))
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    # The diagnostics report rides along as an artifact in the offline run (synced with `wandb sync`).
+    assert b"diagnostics-report" in b"".join(p.read_bytes() for p in offline.glob("*.wandb"))
 
 
 @pytest.mark.parametrize(

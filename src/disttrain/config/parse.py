@@ -18,9 +18,11 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.schema import (
+    AutoStrategyConfig,
     CustomDataConfig,
     CustomModelConfig,
     DDPConfig,
+    DiagnosticsConfig,
     FSDPConfig,
     LoggerConfig,
     ModelConfig,
@@ -36,9 +38,9 @@ from disttrain.hardware import HardwareProfile, validate_profile
 
 T = TypeVar("T")
 
-GROUPS = ("model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger")
+GROUPS = ("model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger", "diagnostics")
 DATA_KINDS: dict[str, type] = {"synthetic": SyntheticDataConfig, "text": TextDataConfig, "tokens": TokensDataConfig}
-STRATEGY_KINDS: dict[str, type] = {"ddp": DDPConfig, "fsdp": FSDPConfig}
+STRATEGY_KINDS: dict[str, type] = {"ddp": DDPConfig, "fsdp": FSDPConfig, "auto": AutoStrategyConfig}
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
 LOGGERS = ("csv", "wandb", "tensorboard")
 
@@ -161,9 +163,10 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
     _choice(groups["logger"], "logger", LOGGERS)
     hw = build_dataclass(HardwareProfile, groups["hw"], "hw")
     validate_profile(hw)
-    top = {k: cfg.get(k) for k in ("dry_run", "resume")}
-    if not isinstance(top["dry_run"], bool):
-        raise ConfigError("dry_run", f"expected true or false, got {top['dry_run']!r}", "use dry_run=true")
+    top = {k: cfg.get(k) for k in ("dry_run", "resume", "check_memory")}
+    for flag in ("dry_run", "check_memory"):
+        if not isinstance(top[flag], bool):
+            raise ConfigError(flag, f"expected true or false, got {top[flag]!r}", f"use {flag}=true or {flag}=false")
     if top["resume"] is not None and not isinstance(top["resume"], str):
         raise ConfigError("resume", f"expected a path, got {top['resume']!r}", "use resume=outputs/<date>/<time>")
     return RunConfig(
@@ -175,6 +178,8 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
         optimizer=build_dataclass(OptimizerConfig, groups["optimizer"], "optimizer"),
         trainer=build_dataclass(TrainerConfig, groups["trainer"], "trainer"),
         logger=build_dataclass(LoggerConfig, groups["logger"], "logger"),
+        diagnostics=build_dataclass(DiagnosticsConfig, groups["diagnostics"], "diagnostics"),
         dry_run=top["dry_run"],
         resume=top["resume"],
+        check_memory=top["check_memory"],
     )

@@ -131,6 +131,13 @@ class FSDPConfig:
     cpu_offload: bool = False
 
 
+@dataclass(frozen=True)
+class AutoStrategyConfig:
+    """Let the planner pick the fastest ddp/fsdp layout predicted to fit (resolved before launch)."""
+
+    name: str = "auto"
+
+
 StrategyConfig = DDPConfig | FSDPConfig
 
 
@@ -188,16 +195,35 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True)
+class DiagnosticsConfig:
+    """What the diagnostics layer records during a run (see conf/diagnostics/)."""
+
+    name: str = "default"
+    enabled: bool = True
+    step_every: int = 1  # write a step record every N optimizer steps
+    gather_every: int = 10  # all-gather per-rank timings every N steps (the straggler signal)
+    sample_interval_s: float = 2.0  # NVML / CPU sampler period
+    profile: bool = True  # one torch.profiler window
+    profile_wait_steps: int = 10
+    profile_active_steps: int = 3
+    calibrate: bool = True  # measure this device's matmul FLOP/s at start-up (the calibrated peak)
+    hang_timeout_s: float = 600.0
+    report: bool = True
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs, validated and typed."""
 
     model: ModelConfig | CustomModelConfig
     data: DataConfig
-    strategy: StrategyConfig
+    strategy: StrategyConfig | AutoStrategyConfig
     precision: PrecisionConfig
     hw: Any  # disttrain.hardware.HardwareProfile (kept Any to avoid an import cycle)
     optimizer: OptimizerConfig
     trainer: TrainerConfig
     logger: LoggerConfig
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     dry_run: bool = False
     resume: str | None = None
+    check_memory: bool = True  # refuse a run the planner predicts will not fit its devices

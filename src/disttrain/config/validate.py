@@ -222,6 +222,12 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             )
     elif cfg.strategy.bucket_cap_mb <= 0:
         raise ConfigError("strategy.bucket_cap_mb", "must be > 0", "use strategy.bucket_cap_mb=25")
+    dg = cfg.diagnostics
+    for key in ("step_every", "gather_every", "profile_active_steps"):
+        _positive(f"diagnostics.{key}", getattr(dg, key))
+    _positive("diagnostics.profile_wait_steps", dg.profile_wait_steps, allow_zero=True)
+    _positive("diagnostics.sample_interval_s", dg.sample_interval_s)
+    _positive("diagnostics.hang_timeout_s", dg.hang_timeout_s)
     if cfg.logger.name == "wandb":
         _one_of("logger.mode", cfg.logger.mode, ("offline", "online"))
 

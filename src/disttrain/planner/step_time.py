@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from diagnostics.mfu import flops_utilization
 from disttrain.config.schema import PrecisionConfig
 from disttrain.hardware import HardwareProfile
 from disttrain.planner.bubble import bubble_fraction
@@ -65,12 +66,15 @@ def mfu_from_throughput(
     peak_flops_per_device: float,
     hardware_flops_per_token: float | None = None,
 ) -> Utilization:
-    """The MFU (and HFU) a measured global throughput means: achieved FLOP/s over the devices' peak."""
-    if tokens_per_s < 0 or num_devices < 1 or peak_flops_per_device <= 0:
-        raise ValueError("need tokens_per_s >= 0, num_devices >= 1 and a positive peak")
-    peak = num_devices * peak_flops_per_device
+    """The MFU (and HFU) a measured global throughput means: achieved FLOP/s over the devices' peak.
+
+    One implementation for planner and diagnostics (``diagnostics.mfu``): above 100% is an AccountingError.
+    """
     executed = flops_per_token if hardware_flops_per_token is None else hardware_flops_per_token
-    return Utilization(mfu=tokens_per_s * flops_per_token / peak, hfu=tokens_per_s * executed / peak)
+    return Utilization(
+        mfu=flops_utilization(tokens_per_s, flops_per_token, num_devices, peak_flops_per_device, "MFU"),
+        hfu=flops_utilization(tokens_per_s, executed, num_devices, peak_flops_per_device, "HFU"),
+    )
 
 
 def gpu_optimizer_parameters(shape: ModelShape, layout: Layout) -> int:

@@ -1,0 +1,80 @@
+"""The run's configuration as the recommendations need it: current values by dotted key, in Hydra syntax.
+
+Read from ``run.json`` (the resolved config and the batch plan); every accessor returns None when the manifest
+is absent, so recommendations degrade to generic values instead of failing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from diagnostics.analysis.load import RunTelemetry
+
+
+def hydra_value(value: Any) -> str:
+    """A Python value in Hydra override syntax (bools lower-case, None as null, odd strings quoted)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    text = str(value)
+    if re.fullmatch(r"[A-Za-z0-9_./:+-]+", text):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The current values the recommendations change, read from run.json (empty when it is absent)."""
+
+    config: dict[str, Any]
+    batch: dict[str, Any]
+    cpu_count: int | None
+
+    @classmethod
+    def from_run(cls, run: RunTelemetry) -> RunContext:
+        manifest = run.manifest or {}
+        cpus = run.meta("cpu_count")  # of the training host; not in every collector version
+        return cls(manifest.get("config") or {}, manifest.get("batch") or {}, cpus if isinstance(cpus, int) else None)
+
+    def get(self, dotted: str) -> Any:
+        node: Any = self.config
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    def has(self, dotted: str) -> bool:
+        parent, _, leaf = dotted.rpartition(".")
+        node = self.get(parent) if parent else self.config
+        return isinstance(node, dict) and leaf in node
+
+    @property
+    def strategy(self) -> str | None:
+        return self.get("strategy.name")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.get("hw.accelerator") == "gpu"
+
+    def local_ranks(self) -> int:
+        return self.get("hw.devices_per_node") or 1
+
+    def micro(self) -> int | None:
+        return self.batch.get("micro_batch_size") or self.get("trainer.micro_batch_size")
+
+    def global_batch(self) -> int | None:
+        if self.batch.get("global_batch_size"):
+            return self.batch["global_batch_size"]
+        micro, dp = self.micro(), self.batch.get("data_parallel_size")
+        return micro * dp if micro and dp else self.get("trainer.global_batch_size")
+
+    def current(self, key: str) -> tuple[bool, Any]:
+        """(known, value) of an override key: a group (``strategy``) by its option name, else the dotted value."""
+        key = key.lstrip("+~")
+        if "." not in key and isinstance(self.config.get(key), dict):
+            return "name" in self.config[key], self.config[key].get("name")
+        return self.has(key), self.get(key)

@@ -1,0 +1,239 @@
+"""Detectors over devices and the profile: low_overlap, memory_pressure, throttling, low_mfu, hang."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diagnostics.analysis.finding import Finding, grade, ranks_text
+from diagnostics.analysis.load import RunTelemetry, num
+from diagnostics.analysis.stats import mean, present, ratio, rounded
+from diagnostics.analysis.summary import RankPhases, Summary
+from diagnostics.analysis.thresholds import (
+    LOW_MFU,
+    LOW_MFU_CRITICAL,
+    LOW_OVERLAP_CRITICAL_RATIO,
+    LOW_OVERLAP_RATIO,
+    MEMORY_CRITICAL_FRACTION,
+    MEMORY_PRESSURE_FRACTION,
+    OVERLAP_MIN_COMM_FRACTION,
+    THROTTLE_CRITICAL_FRACTION,
+    THROTTLE_SAMPLE_FRACTION,
+)
+
+# NVML clocks-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*). Only these slow a busy GPU down
+# for thermal or power reasons; GpuIdle, application clock settings, sync boost and display clocks do not.
+NVML_SLOWDOWN_BITS = {
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+}
+SLOWDOWN_WORDS = ("power", "thermal", "slowdown")
+
+
+def slowdown_reasons(value: Any) -> list[str]:
+    """Thermal/power slowdown names in an NVML throttle-reasons value (bitmask int, or a list/dict of names)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [name for bit, name in NVML_SLOWDOWN_BITS.items() if value & bit]
+    if isinstance(value, dict):
+        value = [k for k, v in value.items() if v]
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list):
+        names = [str(v).lower() for v in value]
+        return [n for n in names if any(w in n for w in SLOWDOWN_WORDS)]
+    return []
+
+
+def detect_low_overlap(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
+    overlap: dict[int, float] = {}
+    comm_share: dict[int, float] = {}
+    for p in phases:
+        share = ratio(p.profile_comm_s, p.profile_total_s)
+        hidden = ratio(p.profile_overlap_s or 0.0, p.profile_comm_s)
+        if share is not None and hidden is not None and share >= OVERLAP_MIN_COMM_FRACTION:
+            comm_share[p.rank] = share
+            if hidden < LOW_OVERLAP_RATIO:
+                overlap[p.rank] = hidden
+    if not overlap:
+        return []
+    flagged = sorted(overlap)
+    worst = min(overlap.values())
+    severity = grade(worst, LOW_OVERLAP_RATIO, LOW_OVERLAP_CRITICAL_RATIO, below=True) or "warning"
+    evidence = {
+        "overlap_over_comm": {r: rounded(overlap[r]) for r in flagged},
+        "comm_fraction_of_window": {r: rounded(comm_share[r]) for r in flagged},
+        "comm_by_op_s": {r: run.ranks[r].profiles[-1].comm_by_op for r in flagged if run.ranks[r].profiles},
+        "threshold_ratio": LOW_OVERLAP_RATIO,
+    }
+    message = (
+        f"{ranks_text(flagged)} hide only {100 * worst:.0f}% of their communication behind compute "
+        f"(communication is {100 * max(comm_share[r] for r in flagged):.0f}% of the profiled window)"
+    )
+    return [Finding("low_overlap", severity, flagged, evidence, message, 1.0 - worst)]
+
+
+def _host_memory_total(run: RunTelemetry, rank: int) -> float | None:
+    tele = run.ranks[rank]
+    for rec in (tele.memory or {}, tele.meta or {}):
+        if (total := num(rec.get("host_memory_bytes"))) is not None:
+            return total
+    return max(present(s.mem_total_bytes for s in tele.samples if s.source == "cpu"), default=None)
+
+
+def _memory_fractions(run: RunTelemetry, phases: list[RankPhases]) -> tuple[dict[int, float], dict[int, str]]:
+    fractions: dict[int, float] = {}
+    basis: dict[int, str] = {}
+    for p in phases:
+        gpu = ratio(p.peak_reserved_bytes, p.device_memory_bytes)
+        nvml = [s for s in run.ranks[p.rank].samples if s.source == "nvml"]
+        sampled = present(ratio(s.mem_used_bytes, s.mem_total_bytes) for s in nvml)
+        if gpu is not None or sampled:
+            fractions[p.rank] = max(present([gpu, *sampled]))
+            basis[p.rank] = "gpu reserved / device memory" if gpu is not None else "nvml used / total"
+    # Ranks on one host share its memory: their RSS adds up against the host total.
+    hosts: dict[str, list[RankPhases]] = {}
+    for p in phases:
+        if p.rank not in fractions and p.peak_rss_bytes is not None:
+            hosts.setdefault(p.hostname or "host", []).append(p)
+    for group in hosts.values():
+        total = _host_memory_total(run, group[0].rank)
+        share = ratio(sum(p.peak_rss_bytes or 0.0 for p in group), total)
+        for p in group if share is not None else []:
+            fractions[p.rank] = share
+            basis[p.rank] = f"sum of RSS of {len(group)} rank(s) / host memory"
+    return fractions, basis
+
+
+def detect_memory_pressure(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
+    fractions, basis = _memory_fractions(run, phases)
+    flagged = sorted(r for r, f in fractions.items() if f >= MEMORY_PRESSURE_FRACTION)
+    if not flagged:
+        return []
+    worst = max(fractions[r] for r in flagged)
+    by_rank = {p.rank: p for p in phases}
+    evidence = {
+        "memory_fraction": {r: rounded(fractions[r]) for r in flagged},
+        "basis": {r: basis[r] for r in flagged},
+        "peak_reserved_bytes": {r: by_rank[r].peak_reserved_bytes for r in flagged if by_rank[r].peak_reserved_bytes},
+        "device_memory_bytes": {r: by_rank[r].device_memory_bytes for r in flagged if by_rank[r].device_memory_bytes},
+        "peak_rss_bytes": {r: by_rank[r].peak_rss_bytes for r in flagged if by_rank[r].peak_rss_bytes},
+        "threshold_fraction": MEMORY_PRESSURE_FRACTION,
+    }
+    severity = grade(worst, MEMORY_PRESSURE_FRACTION, MEMORY_CRITICAL_FRACTION) or "warning"
+    message = f"{ranks_text(flagged)} peak at {100 * worst:.0f}% of memory ({basis[flagged[0]]}): close to OOM"
+    return [Finding("memory_pressure", severity, flagged, evidence, message, worst)]
+
+
+def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
+    shares: dict[int, float] = {}
+    reasons: dict[int, list[str]] = {}
+    clocks: dict[int, dict[str, float | None]] = {}
+    for rank, tele in run.ranks.items():
+        nvml = [s for s in tele.samples if s.source == "nvml"]
+        hits = [slowdown_reasons(s.throttle_reasons) for s in nvml]
+        if not nvml or not any(hits):
+            continue
+        shares[rank] = sum(1 for h in hits if h) / len(nvml)
+        reasons[rank] = sorted({n for h in hits for n in h})
+        clocks[rank] = {
+            "mean_sm_clock_mhz": rounded(mean(s.sm_clock_mhz for s in nvml)),
+            "max_temp_c": max(present(s.temp_c for s in nvml), default=None),
+            "max_power_w": max(present(s.power_w for s in nvml), default=None),
+        }
+    flagged = sorted(r for r, f in shares.items() if f >= THROTTLE_SAMPLE_FRACTION)
+    if not flagged:
+        return []
+    worst = max(shares[r] for r in flagged)
+    severity = grade(worst, THROTTLE_SAMPLE_FRACTION, THROTTLE_CRITICAL_FRACTION) or "warning"
+    evidence = {
+        "throttled_sample_fraction": {r: rounded(shares[r]) for r in flagged},
+        "reasons": {r: reasons[r] for r in flagged},
+        "device": {r: clocks[r] for r in flagged},
+        "threshold_fraction": THROTTLE_SAMPLE_FRACTION,
+    }
+    message = (
+        f"{ranks_text(flagged)}: GPU clocks held down ({', '.join(reasons[flagged[0]])}) in "
+        f"{100 * worst:.0f}% of samples"
+    )
+    return [Finding("throttling", severity, flagged, evidence, message, worst)]
+
+
+def detect_low_mfu(run: RunTelemetry, summary: Summary) -> list[Finding]:
+    if summary.mfu is not None:
+        value, peak, source = summary.mfu, summary.peak_flops, summary.peak_flops_source or "datasheet"
+        severity = grade(value, LOW_MFU, LOW_MFU_CRITICAL, below=True)
+    elif summary.calibrated_mfu is not None:
+        # A measured matmul peak is a moving target (threads, clocks): worth knowing, not worth alarming.
+        value, peak, source = summary.calibrated_mfu, summary.calibrated_peak_flops, "calibrated matmul"
+        severity = "info" if value < LOW_MFU else None
+    else:
+        return []
+    if severity is None:
+        return []
+    evidence = {
+        "mfu": rounded(value),
+        "hfu": rounded(summary.hfu if summary.mfu is not None else summary.calibrated_hfu),
+        "peak_flops_per_device": peak,
+        "peak_source": source,
+        "tokens_per_s": rounded(summary.tokens_per_s),
+        "flops_per_token": summary.flops_per_token,
+        "num_devices": summary.world_size,
+        "precision": run.meta("precision") or ((run.manifest or {}).get("config") or {}).get("precision"),
+        "threshold": LOW_MFU,
+    }
+    per_device = f"{(peak or 0) / 1e12:.1f} TFLOP/s" if (peak or 0) >= 1e12 else f"{(peak or 0) / 1e9:.1f} GFLOP/s"
+    message = f"MFU is {100 * value:.1f}% of the {source} peak ({per_device} per device)"
+    return [Finding("low_mfu", severity, list(range(summary.world_size)), evidence, message, 1.0 - value)]
+
+
+def _in_collective(run: RunTelemetry) -> dict[int, bool]:
+    """Which ranks the watchdog saw inside a collective (dict or per-rank list in one record, or a flag each)."""
+    out: dict[int, bool] = {}
+    for rank, tele in run.ranks.items():
+        value = (tele.hang or {}).get("in_collective")
+        if isinstance(value, bool):
+            out[rank] = value
+        elif isinstance(value, dict):
+            out.update({int(k): bool(v) for k, v in value.items() if str(k).lstrip("-").isdigit()})
+        elif isinstance(value, list) and all(isinstance(v, bool) for v in value):
+            out.update(dict(enumerate(value)))
+        elif isinstance(value, list):  # a list of the ranks that are in a collective
+            inside = {v for v in value if isinstance(v, int)}
+            out.update({r: r in inside for r in range(run.world_size)})
+    return out
+
+
+def detect_hang(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
+    hung = {r: t.hang for r, t in run.ranks.items() if t.hang}
+    if not hung:
+        return []
+    last_step = {
+        r: (t.hang or {}).get("last_step", t.steps[-1].step if t.steps else None) for r, t in run.ranks.items()
+    }
+    inside = _in_collective(run)
+    outside = sorted(r for r, v in inside.items() if not v)
+    steps = [s for s in last_step.values() if isinstance(s, int)]
+    behind = sorted(r for r, s in last_step.items() if isinstance(s, int) and steps and s < max(steps))
+    missing = sorted(set(range(run.world_size)) - set(run.ranks))
+    named = outside or behind or missing or sorted(hung)
+    first = next(iter(hung.values()))
+    stacks = first.get("stacks_dir")
+    if isinstance(stacks, str) and stacks and not stacks.startswith("/"):
+        stacks = str(run.run_dir / stacks)  # the watchdog writes it relative to the run dir
+    evidence = {
+        "last_step": last_step,
+        "in_collective": inside,
+        "timeout_s": first.get("timeout_s"),
+        "stacks_dir": stacks,
+        "ranks_reporting_hang": sorted(hung),
+        "ranks_without_telemetry": missing,
+        "ranks_finished": sorted(r for r, t in run.ranks.items() if t.end),
+    }
+    why = "not inside a collective" if outside else "behind the others" if behind else "hung"
+    message = (
+        f"no step completed within {first.get('timeout_s', '?')} s; {ranks_text(named)} {why} — the others wait "
+        f"for {'it' if len(named) == 1 else 'them'}; stacks in {stacks or 'RUN_DIR/hang/'}"
+    )
+    return [Finding("hang", "critical", named, evidence, message)]

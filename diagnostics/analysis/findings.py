@@ -1,0 +1,40 @@
+"""Run every detector over a loaded run and order what they found, most limiting first."""
+
+from __future__ import annotations
+
+from diagnostics.analysis.detect_devices import (
+    detect_hang,
+    detect_low_mfu,
+    detect_low_overlap,
+    detect_memory_pressure,
+    detect_throttling,
+)
+from diagnostics.analysis.detect_steps import (
+    detect_comm_bound,
+    detect_host_overhead,
+    detect_input_bound,
+    detect_pipeline_bubble,
+    detect_straggler,
+)
+from diagnostics.analysis.finding import Finding
+from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.summary import RankPhases, Summary
+
+PHASE_DETECTORS = (
+    detect_hang,
+    detect_input_bound,
+    detect_straggler,
+    detect_comm_bound,
+    detect_low_overlap,
+    detect_memory_pressure,
+    detect_throttling,
+    detect_host_overhead,
+    detect_pipeline_bubble,
+)
+
+
+def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
+    """All findings, critical first; within a severity, in the order of ``KINDS`` (root causes first)."""
+    findings = [f for detect in PHASE_DETECTORS for f in detect(run, phases)]
+    findings += detect_low_mfu(run, summary)
+    return sorted(findings, key=Finding.sort_key)

@@ -1,0 +1,219 @@
+"""The run's headline numbers (throughput, MFU/HFU, step-time percentiles, peak memory) and per-rank phases."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from diagnostics.analysis.load import RankTelemetry, RunTelemetry, StepRecord, num
+from diagnostics.analysis.stats import mean, median, percentile, present, steady
+from diagnostics.mfu import AccountingError, checked_utilization, flops_utilization
+
+PHASES = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "comm_wait_s")
+MEMORY_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "device_memory_bytes")
+
+
+@dataclass(frozen=True)
+class RankPhases:
+    """Mean seconds per steady step of one rank, plus its profile split and memory peaks."""
+
+    rank: int
+    hostname: str | None
+    steps: int
+    step_s: float | None
+    data_wait_s: float | None
+    forward_s: float | None
+    backward_s: float | None
+    optimizer_s: float | None
+    local_compute_s: float | None
+    comm_wait_s: float | None
+    backward_compute_s: float | None  # backward without the wait for communication at its end
+    other_s: float | None  # step time no phase accounts for (hooks, logging, checkpoint writes, host overhead)
+    other_median_s: float | None  # the typical step's share of it: one checkpoint write does not move it
+    profile_total_s: float | None = None  # per profiled step
+    profile_compute_s: float | None = None
+    profile_comm_s: float | None = None
+    profile_overlap_s: float | None = None
+    profile_idle_s: float | None = None
+    peak_allocated_bytes: float | None = None
+    peak_reserved_bytes: float | None = None
+    peak_rss_bytes: float | None = None
+    device_memory_bytes: float | None = None
+
+
+@dataclass
+class Summary:
+    world_size: int
+    device: str  # gpu | cpu | unknown: what the samplers saw
+    steps_recorded: int
+    tokens_per_s: float | None = None
+    tokens_per_s_source: str | None = None
+    mfu: float | None = None
+    hfu: float | None = None
+    peak_flops: float | None = None
+    peak_flops_source: str | None = None
+    calibrated_mfu: float | None = None
+    calibrated_hfu: float | None = None
+    calibrated_peak_flops: float | None = None
+    flops_per_token: float | None = None
+    hardware_flops_per_token: float | None = None
+    step_time: dict[str, float | None] = field(default_factory=dict)
+    peak_memory: dict[str, float | None] = field(default_factory=dict)
+    accounting_errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _profile_means(tele: RankTelemetry) -> dict[str, float | None]:
+    """Profile windows averaged per profiled step (windows of different lengths weigh by their steps)."""
+    out: dict[str, float | None] = {}
+    for key in ("total_s", "compute_s", "comm_s", "overlap_s", "idle_s"):
+        values = [(getattr(p, key), p.steps or 1) for p in tele.profiles]
+        out[f"profile_{key}"] = mean(v / steps for v, steps in values if v is not None)
+    return out
+
+
+def _unattributed(s: StepRecord) -> float | None:
+    compute = s.local_compute_s
+    if compute is None and s.forward_s is not None:
+        compute = sum(present([s.forward_s, s.backward_s, s.optimizer_s]))
+    if s.step_s is None or compute is None:
+        return None
+    return max(0.0, s.step_s - (s.data_wait_s or 0.0) - compute - (s.comm_wait_s or 0.0))
+
+
+def rank_phases(tele: RankTelemetry) -> RankPhases:
+    """Mean phases of one rank's steady steps.
+
+    A DDP backward's wall time includes waiting for the last gradient buckets, which the step record also
+    reports as ``comm_wait_s``; local compute (forward + backward compute + optimizer) excludes it. So the
+    phases that add up to the step are data wait + local compute + comm wait, and the backward *compute* is
+    local compute minus forward and optimizer.
+    """
+    steps = steady(tele.steps)
+    means = {k: mean(getattr(s, k) for s in steps) for k in (*PHASES, "step_s", "local_compute_s")}
+    compute = means["local_compute_s"]
+    if compute is None and any(means[k] is not None for k in ("forward_s", "backward_s", "optimizer_s")):
+        compute = sum(present(means[k] for k in ("forward_s", "backward_s", "optimizer_s")))
+    backward = means["backward_s"]
+    if means["local_compute_s"] is not None and means["forward_s"] is not None:
+        backward = max(0.0, means["local_compute_s"] - means["forward_s"] - (means["optimizer_s"] or 0.0))
+    accounted = present([means["data_wait_s"], compute, means["comm_wait_s"]])
+    other = None
+    if means["step_s"] is not None and accounted:
+        other = max(0.0, means["step_s"] - sum(accounted))
+    per_step = [_unattributed(s) for s in steps]
+    mem = tele.memory or {}
+    return RankPhases(
+        rank=tele.rank,
+        hostname=(tele.meta or {}).get("hostname"),
+        steps=len(steps),
+        other_s=other,
+        other_median_s=median(per_step),
+        backward_compute_s=backward,
+        **means,
+        **_profile_means(tele),
+        **{k: num(mem.get(k)) for k in MEMORY_KEYS},
+    )
+
+
+def job_step_times(run: RunTelemetry) -> list[float]:
+    """Per steady step, the slowest rank's step time: the job moves at that pace."""
+    by_step: dict[int, float] = {}
+    for tele in run.ranks.values():
+        for s in steady(tele.steps):
+            if s.step_s is not None:
+                by_step[s.step] = max(by_step.get(s.step, 0.0), s.step_s)
+    return list(by_step.values())
+
+
+def _device(run: RunTelemetry) -> str:
+    sources = {s.source for tele in run.ranks.values() for s in tele.samples}
+    if "nvml" in sources:
+        return "gpu"
+    device = str(run.meta("device") or "")
+    if device.startswith("cuda") or device == "gpu":
+        return "gpu"
+    return "cpu" if "cpu" in sources or device == "cpu" else "unknown"
+
+
+def _tokens_per_s(run: RunTelemetry, step_times: list[float]) -> tuple[float | None, str | None]:
+    throughput = (run.ranks.get(0) or RankTelemetry(0)).throughput or {}
+    if (value := num(throughput.get("tokens_per_s"))) is not None:
+        return value, "throughput record"
+    tokens_per_step = num(run.meta("tokens_per_step"))  # global tokens per optimizer step
+    step_mean = mean(step_times)
+    if tokens_per_step is not None and step_mean:
+        return tokens_per_step / step_mean, "meta tokens_per_step / mean step time"
+    # Step records carry the step's global tokens too: any one rank's records give the job's rate.
+    for rank in sorted(run.ranks):
+        steps = steady(run.ranks[rank].steps)
+        tokens, seconds = sum(present(s.tokens for s in steps)), sum(present(s.step_s for s in steps))
+        if tokens and seconds:
+            return tokens / seconds, f"rank {rank} step tokens / step time"
+    return None, None
+
+
+def _utilizations(run: RunTelemetry, summary: Summary) -> None:
+    """Fill MFU/HFU from the throughput record, else compute them; >100% becomes an accounting error."""
+    rec = (run.ranks.get(0) or RankTelemetry(0)).throughput or {}
+    summary.flops_per_token = num(run.meta("flops_per_token")) or num((run.manifest or {}).get("flops_per_token"))
+    summary.hardware_flops_per_token = num(run.meta("hardware_flops_per_token")) or summary.flops_per_token
+    summary.peak_flops = num(rec.get("peak_flops")) or num(run.meta("peak_flops"))
+    summary.peak_flops_source = run.meta("peak_flops_source")
+    calibrated = median(num(c.get("flops_per_s")) for tele in run.ranks.values() for c in tele.calibrations)
+    summary.calibrated_peak_flops = num(rec.get("calibrated_peak_flops")) or calibrated
+    pairs = (
+        ("mfu", summary.flops_per_token, summary.peak_flops),
+        ("hfu", summary.hardware_flops_per_token, summary.peak_flops),
+        ("calibrated_mfu", summary.flops_per_token, summary.calibrated_peak_flops),
+        ("calibrated_hfu", summary.hardware_flops_per_token, summary.calibrated_peak_flops),
+    )
+    for name, flops, peak in pairs:
+        label = name.replace("_", " ").upper().replace("CALIBRATED ", "calibrated ")
+        try:
+            if (value := num(rec.get(name))) is not None:
+                setattr(summary, name, checked_utilization(value, label))
+            elif summary.tokens_per_s and flops and peak:
+                value = flops_utilization(summary.tokens_per_s, flops, summary.world_size, peak, label)
+                setattr(summary, name, value)
+        except AccountingError as err:
+            summary.accounting_errors.append(str(err))
+
+
+def _peak_memory(phases: list[RankPhases], run: RunTelemetry) -> dict[str, float | None]:
+    def peak(key: str) -> float | None:
+        return max(present(getattr(p, key) for p in phases), default=None)
+
+    sampled = [s.mem_used_bytes for tele in run.ranks.values() for s in tele.samples if s.source == "nvml"]
+    rss = [s.rss_bytes for tele in run.ranks.values() for s in tele.samples]
+    return {
+        "peak_allocated_bytes": peak("peak_allocated_bytes"),
+        "peak_reserved_bytes": peak("peak_reserved_bytes"),
+        "peak_rss_bytes": peak("peak_rss_bytes") or max(present(rss), default=None),
+        "peak_sampled_device_bytes": max(present(sampled), default=None),
+        "device_memory_bytes": peak("device_memory_bytes"),
+    }
+
+
+def summarize(run: RunTelemetry) -> tuple[Summary, list[RankPhases]]:
+    """Headline numbers and per-rank phase means of a loaded run."""
+    phases = [rank_phases(run.ranks[r]) for r in sorted(run.ranks)]
+    step_times = job_step_times(run)
+    summary = Summary(
+        world_size=run.world_size,
+        device=_device(run),
+        steps_recorded=max((len(t.steps) for t in run.ranks.values()), default=0),
+    )
+    summary.tokens_per_s, summary.tokens_per_s_source = _tokens_per_s(run, step_times)
+    _utilizations(run, summary)
+    summary.step_time = {
+        "p50": percentile(step_times, 50),
+        "p90": percentile(step_times, 90),
+        "p99": percentile(step_times, 99),
+        "mean": mean(step_times),
+        "steps": len(step_times),
+    }
+    summary.peak_memory = _peak_memory(phases, run)
+    return summary, phases

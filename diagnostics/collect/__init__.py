@@ -1,0 +1,1 @@
+"""Telemetry collection inside a training run (the only part of ``diagnostics`` that imports torch)."""

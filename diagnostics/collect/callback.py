@@ -1,0 +1,309 @@
+"""The Lightning callback that runs every collector and writes this rank's telemetry.
+
+A collector that fails writes an ``error`` record and is switched off; training is never interrupted by
+diagnostics. The only collective here (the per-rank all-gather) runs at the same optimizer step on every
+rank, so it cannot deadlock a healthy run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from diagnostics.collect.calibrate import matmul_flops_per_s
+from diagnostics.collect.profile_window import ProfilerWindow
+from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
+from diagnostics.collect.steps import DataWaitProfiler, PhaseTimer, StepPhases
+from diagnostics.collect.watchdog import Watchdog
+from diagnostics.mfu import flops_utilization
+from diagnostics.telemetry import TelemetryWriter
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    step_every: int = 1
+    gather_every: int = 10
+    sample_interval_s: float = 2.0
+    profile: bool = True
+    profile_wait_steps: int = 10
+    profile_active_steps: int = 3
+    calibrate: bool = True
+    hang_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the collectors need to know about the run (typed, from the pipeline)."""
+
+    strategy: str
+    precision: str
+    compute_dtype: str
+    hw: str
+    num_parameters: int
+    flops_per_token: float
+    hardware_flops_per_token: float
+    tokens_per_step: int
+    micro_batch_size: int
+    accumulation: int
+    seq_len: int
+    max_steps: int
+    peak_flops: float | None  # datasheet dense peak per device for compute_dtype, None if unknown
+
+
+class DiagnosticsCallback(pl.Callback):
+    def __init__(
+        self,
+        settings: CollectSettings,
+        facts: RunFacts,
+        run_dir: Path,
+        tokens_per_s: Callable[[], float | None],
+        on_hang: Callable[[], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.facts = facts
+        self.run_dir = Path(run_dir)
+        self.tokens_per_s = tokens_per_s
+        self.on_hang = on_hang
+        self.writer: TelemetryWriter | None = None
+        self.timer = PhaseTimer()
+        self.window: list[StepPhases] = []
+        # Handed to the Trainer as `profiler=`: Lightning times each training next(dataloader) through it.
+        self.data_wait = DataWaitProfiler()
+        self.data_wait.timer = self.timer
+        self.sampler: DeviceSampler | None = None
+        self.profiler: ProfilerWindow | None = None
+        self.watchdog: Watchdog | None = None
+        self.calibrated: float | None = None
+        self.steps_seen = 0
+        self._last_step = -1
+        self._disabled: set[str] = set()
+
+    # -- plumbing -------------------------------------------------------------------------------------------
+    def write(self, kind: str, **fields: Any) -> None:
+        if self.writer is not None:
+            self.writer.write(kind, **fields)
+
+    def guarded(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one collector step; on failure record it once and switch that collector off."""
+        if name in self._disabled:
+            return None
+        try:
+            return fn()
+        except Exception as err:
+            self._disabled.add(name)
+            self.write("error", source=name, message=f"{type(err).__name__}: {err}")
+            return None
+
+    # -- start ----------------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.writer is not None:
+            return
+        self.writer = TelemetryWriter(self.run_dir, trainer.global_rank)
+        device = pl_module.device if pl_module.device.type != "meta" else torch.device("cpu")
+        reader, why = make_reader(device.index or 0 if device.type == "cuda" else None)
+        if why:
+            self.write("error", source="sampler", message=why)
+        f = self.facts
+        self.write(
+            "meta",
+            world_size=trainer.world_size,
+            local_rank=trainer.local_rank,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            cpu_count=os.cpu_count(),
+            host_memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            device=str(device),
+            sampler=reader.source,  # type: ignore[attr-defined]
+            strategy=f.strategy,
+            precision=f.precision,
+            hw=f.hw,
+            compute_dtype=f.compute_dtype,
+            num_parameters=f.num_parameters,
+            flops_per_token=f.flops_per_token,
+            hardware_flops_per_token=f.hardware_flops_per_token,
+            tokens_per_step=f.tokens_per_step,
+            micro_batch_size=f.micro_batch_size,
+            accumulation=f.accumulation,
+            seq_len=f.seq_len,
+            peak_flops=f.peak_flops,
+            peak_flops_source="datasheet" if f.peak_flops else None,
+            max_steps=f.max_steps,
+        )
+        if self.settings.calibrate:
+            result = self.guarded("calibration", lambda: matmul_flops_per_s(device, self.facts.compute_dtype))
+            if result:
+                self.calibrated = result["flops_per_s"]
+                self.write("calibration", **result)
+        self.sampler = DeviceSampler(reader, self.write, self.settings.sample_interval_s)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.guarded("grad_hook", lambda: self._hook_first_parameter(pl_module))
+        if self.sampler is not None:
+            self.sampler.start()
+        if self.settings.profile:
+            self.profiler = self.guarded(
+                "profiler",
+                lambda: ProfilerWindow(
+                    self.settings.profile_wait_steps,
+                    self.settings.profile_active_steps,
+                    self.run_dir / "traces",
+                    trainer.global_rank,
+                    self.write,
+                    use_cuda=pl_module.device.type == "cuda",
+                ),
+            )
+        self.watchdog = Watchdog(
+            self.settings.hang_timeout_s,
+            self.run_dir,
+            trainer.global_rank,
+            trainer.local_rank,
+            self.write,
+            on_fire=self.on_hang,
+        )
+        self.watchdog.beat(trainer.global_step)
+        self.watchdog.start()
+
+    def _hook_first_parameter(self, pl_module: pl.LightningModule) -> None:
+        first = next(p for p in pl_module.parameters() if p.requires_grad)
+        first.register_post_accumulate_grad_hook(lambda _: self.timer.grad_ready())
+
+    # -- per step -------------------------------------------------------------------------------------------
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.timer.batch_start()
+
+    def on_before_backward(self, *args: Any) -> None:
+        self.timer.before_backward()
+
+    def on_after_backward(self, *args: Any) -> None:
+        self.timer.after_backward()
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.timer.before_optimizer_step()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # a micro-batch inside gradient accumulation
+            self.timer.batch_end()
+            return
+        self._last_step = step
+        phases = self.timer.finish_step()
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+        if self.profiler is not None:
+            self.guarded("profiler", self.profiler.step)
+        if phases is None:
+            return
+        self.steps_seen += 1
+        self.window.append(phases)
+        if step % self.settings.step_every == 0:
+            self.write(
+                "step",
+                step=step,
+                step_s=phases.step_s,
+                data_wait_s=phases.data_wait_s,
+                forward_s=phases.forward_s,
+                backward_s=phases.backward_s,
+                optimizer_s=phases.optimizer_s,
+                local_compute_s=phases.local_compute_s,
+                comm_wait_s=phases.comm_wait_s,
+                other_s=phases.other_s,
+                tokens=self.facts.tokens_per_step,
+            )
+        if step % self.settings.gather_every == 0:
+            self.guarded("rank_gather", lambda: self._gather(trainer, step))
+
+    def _gather(self, trainer: pl.Trainer, step: int) -> None:
+        """All-gather three floats per rank: the window's mean local compute, step time and data wait."""
+        n = max(1, len(self.window))
+        local = torch.tensor(
+            [
+                sum(p.local_compute_s for p in self.window) / n,
+                sum(p.step_s for p in self.window) / n,
+                sum(p.data_wait_s for p in self.window) / n,
+            ],
+            dtype=torch.float64,
+            device=trainer.strategy.root_device,
+        )
+        gathered = trainer.strategy.all_gather(local).reshape(-1, 3).cpu().tolist()
+        if trainer.is_global_zero:
+            self.write(
+                "ranks",
+                step=step,
+                window_steps=len(self.window),
+                local_compute_s=[row[0] for row in gathered],
+                step_s=[row[1] for row in gathered],
+                data_wait_s=[row[2] for row in gathered],
+            )
+        self.window = []
+
+    def on_validation_start(self, *args: Any) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self._last_step)
+
+    def on_validation_end(self, *args: Any) -> None:
+        # Validation is not part of a training step: restart the step clock after it.
+        self.timer.reset_clock()
+        if self.watchdog is not None:
+            self.watchdog.beat(self._last_step)
+
+    def on_save_checkpoint(self, *args: Any) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self._last_step)
+
+    # -- end ------------------------------------------------------------------------------------------------
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.teardown_collectors()
+        memory: dict[str, Any] = {"peak_rss_bytes": rss_bytes()}
+        if pl_module.device.type == "cuda":
+            memory.update(
+                peak_allocated_bytes=torch.cuda.max_memory_allocated(pl_module.device),
+                peak_reserved_bytes=torch.cuda.max_memory_reserved(pl_module.device),
+                device_memory_bytes=torch.cuda.get_device_properties(pl_module.device).total_memory,
+            )
+        self.write("memory", **memory)
+        tokens_per_s = self.tokens_per_s()
+        if tokens_per_s:
+            self.guarded("throughput", lambda: self._throughput(trainer.world_size, tokens_per_s))
+        self.write("end", steps=trainer.global_step, wall_s=None)
+        if self.writer is not None:
+            self.writer.flush()
+
+    def _throughput(self, world_size: int, tokens_per_s: float) -> None:
+        f = self.facts
+
+        def ratio(flops_per_token: float, peak: float | None, what: str) -> float | None:
+            return None if not peak else flops_utilization(tokens_per_s, flops_per_token, world_size, peak, what)
+
+        self.write(
+            "throughput",
+            tokens_per_s=tokens_per_s,
+            mfu=ratio(f.flops_per_token, f.peak_flops, "MFU"),
+            hfu=ratio(f.hardware_flops_per_token, f.peak_flops, "HFU"),
+            calibrated_mfu=ratio(f.flops_per_token, self.calibrated, "calibrated MFU"),
+            calibrated_hfu=ratio(f.hardware_flops_per_token, self.calibrated, "calibrated HFU"),
+            peak_flops=f.peak_flops,
+            calibrated_peak_flops=self.calibrated,
+            steps_measured=self.steps_seen,
+        )
+
+    def teardown_collectors(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.sampler is not None and self.sampler.is_alive():
+            self.sampler.stop()
+        if self.profiler is not None:
+            self.guarded("profiler", self.profiler.close)
+            self.profiler = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown_collectors()
+        self.write("error", source="training", message=f"{type(exception).__name__}: {exception}")
+        if self.writer is not None:
+            self.writer.flush()

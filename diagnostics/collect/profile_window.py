@@ -1,0 +1,113 @@
+"""One short torch.profiler window per rank, parsed into communication vs computation vs overlap vs idle.
+
+What counts as communication: NCCL kernels on GPU; on CPU/gloo the ``gloo:*`` events on gloo's worker
+threads (they include waiting), ``c10d``/``record_param_comms`` calls, ``_c10d_functional::wait_tensor``
+(tensor parallel), and the ``FSDP::*`` / ``PP:*`` annotations around all-gathers and pipeline transfers.
+DDP's wait for the last buckets at the end of backward has no event: it shows up as idle time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from diagnostics.collect.intervals import Interval, split_window
+
+COMM_PATTERN = re.compile(
+    r"^(gloo:|nccl|ncclDevKernel|ncclKernel|c10d::|record_param_comms|_c10d_functional::|FSDP::|PP:|"
+    r"All(Reduce|Gather)|ReduceScatter)|nccl",
+    re.IGNORECASE,
+)
+# Markers that span whole steps or are Lightning/Python wrappers: they are not work in themselves.
+WRAPPER_PATTERN = re.compile(r"^(ProfilerStep|\[pl\]|## |Optimizer\.zero_grad|cudaDeviceSynchronize)")
+
+
+@dataclass(frozen=True)
+class Event:
+    name: str
+    start_s: float
+    end_s: float
+    on_device: bool  # a GPU kernel (as opposed to a host-side op)
+
+
+def is_comm(name: str) -> bool:
+    return bool(COMM_PATTERN.search(name))
+
+
+def split_events(events: list[Event], window: Interval) -> dict:
+    """Seconds of compute, comm, overlap and idle in ``window``; on GPU only device kernels count as work."""
+    use_device = any(e.on_device for e in events)
+    work = [e for e in events if e.on_device == use_device or (not use_device and not e.on_device)]
+    compute: list[Interval] = []
+    comm: list[Interval] = []
+    by_op: dict[str, float] = {}
+    for event in work:
+        if is_comm(event.name):
+            comm.append((event.start_s, event.end_s))
+            key = event.name.split("(")[0][:60]
+            by_op[key] = by_op.get(key, 0.0) + (event.end_s - event.start_s)
+        elif not WRAPPER_PATTERN.search(event.name) and not event.name.startswith("FSDP"):
+            compute.append((event.start_s, event.end_s))
+    # Annotations on CPU (FSDP::, gloo:) are host events even on a GPU run: count them as comm too.
+    if use_device:
+        comm += [(e.start_s, e.end_s) for e in events if not e.on_device and e.name.startswith("FSDP::")]
+    result = split_window(compute, comm, window)
+    result["comm_by_op"] = dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:10])
+    result["backend"] = "device kernels" if use_device else "host ops"
+    return result
+
+
+def events_from_profiler(prof: object) -> tuple[list[Event], Interval]:
+    """Flatten a finished torch.profiler run into Events and the span of its profiled steps."""
+    from torch.autograd import DeviceType
+
+    events: list[Event] = []
+    steps: list[Interval] = []
+    for evt in prof.events():  # type: ignore[attr-defined]
+        start, end = evt.time_range.start / 1e6, evt.time_range.end / 1e6
+        if evt.name.startswith("ProfilerStep"):  # "ProfilerStep#N", or "ProfilerStep*" in newer torch
+            steps.append((start, end))
+            continue
+        events.append(Event(evt.name, start, end, evt.device_type == DeviceType.CUDA))
+    if not steps:
+        raise RuntimeError("the profiler window recorded no steps")
+    return events, (min(s for s, _ in steps), max(e for _, e in steps))
+
+
+class ProfilerWindow:
+    """Profiles ``active`` optimizer steps after ``wait`` steps, then writes one ``profile`` record."""
+
+    def __init__(self, wait: int, active: int, trace_dir: Path, rank: int, write: object, use_cuda: bool) -> None:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if use_cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.trace_file = trace_dir / f"rank{rank:04d}.trace.json"
+        self.write = write
+        self.first_step = wait + 1
+        self.active = active
+        self.done = False
+        self.profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=wait, warmup=1, active=active, repeat=1),
+            on_trace_ready=self._ready,
+        )
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        self.profiler.__enter__()
+
+    def _ready(self, prof: object) -> None:
+        events, window = events_from_profiler(prof)
+        split = split_events(events, window)
+        prof.export_chrome_trace(str(self.trace_file))  # type: ignore[attr-defined]
+        steps = [self.first_step, self.first_step + self.active - 1]
+        self.write("profile", steps=steps, trace_file=self.trace_file.name, **split)
+        self.done = True
+
+    def step(self) -> None:
+        if not self.done:
+            self.profiler.step()
+
+    def close(self) -> None:
+        self.profiler.__exit__(None, None, None)

@@ -1,0 +1,130 @@
+"""Per-step phase timing on one rank, without synchronising with the other ranks.
+
+Data wait is the time inside the dataloader's ``next()``, which Lightning brackets with profiler actions
+(``DataWaitProfiler``). The other phases come from Lightning's hook order: batch start -> forward -> before/
+after backward -> before optimizer step -> batch end; whatever else happens between two steps (hooks,
+logging, checkpoint writes) is ``other_s``. DDP all-reduces during backward and waits for the last buckets at its
+end, so backward wall time mixes compute with waiting for slower ranks. A post-accumulate-grad hook on the
+model's first parameter (the input embedding, whose gradient autograd computes last) marks when this rank's
+own backward compute ended; the rest of backward is exposed communication. Where that hook never fires
+(FSDP2 assigns sharded gradients outside autograd) the whole backward counts as compute, and the comm wait
+is read from the profiler window instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from lightning.pytorch.profilers import Profiler
+
+
+@dataclass
+class StepPhases:
+    data_wait_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    backward_compute_s: float = 0.0
+    optimizer_s: float = 0.0
+    step_s: float = 0.0
+
+    @property
+    def local_compute_s(self) -> float:
+        return self.forward_s + self.backward_compute_s + self.optimizer_s
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Backward time after this rank's own gradients were ready: waiting on the gradient all-reduce."""
+        return max(0.0, self.backward_s - self.backward_compute_s)
+
+    @property
+    def other_s(self) -> float:
+        """Step time outside data, forward, backward and optimizer: hooks, logging, checkpoint writes."""
+        accounted = self.data_wait_s + self.forward_s + self.backward_s + self.optimizer_s
+        return max(0.0, self.step_s - accounted)
+
+
+@dataclass
+class PhaseTimer:
+    """Accumulates micro-batch phases into the current optimizer step; ``finish_step`` returns and resets."""
+
+    clock: object = time.perf_counter
+    current: StepPhases = field(default_factory=StepPhases)
+    _last_step_end: float | None = None
+    _batch_start: float = 0.0
+    _backward_start: float = 0.0
+    _grad_ready: float | None = None
+    _optimizer_start: float | None = None
+
+    def now(self) -> float:
+        return self.clock()  # type: ignore[operator]
+
+    def data_fetched(self, seconds: float) -> None:
+        self.current.data_wait_s += seconds
+
+    def batch_start(self) -> None:
+        self._batch_start = self.now()
+
+    def before_backward(self) -> None:
+        now = self.now()
+        self.current.forward_s += now - self._batch_start
+        self._backward_start = now
+        self._grad_ready = None
+
+    def grad_ready(self) -> None:
+        """The first parameter's gradient was accumulated: this rank's backward compute is done."""
+        self._grad_ready = self.now()
+
+    def after_backward(self) -> None:
+        now = self.now()
+        self.current.backward_s += now - self._backward_start
+        end = self._grad_ready if self._grad_ready is not None and self._grad_ready <= now else now
+        self.current.backward_compute_s += end - self._backward_start
+
+    def before_optimizer_step(self) -> None:
+        self._optimizer_start = self.now()
+
+    def batch_end(self) -> None:
+        """A micro-batch inside gradient accumulation ended; its phases are already added to the step."""
+
+    def finish_step(self) -> StepPhases | None:
+        """Close the optimizer step that just ended; None for the very first (no previous end to measure from)."""
+        now = self.now()
+        if self._optimizer_start is not None:
+            self.current.optimizer_s += now - self._optimizer_start
+            self._optimizer_start = None
+        done, previous_end = self.current, self._last_step_end
+        self.current = StepPhases()
+        self._last_step_end = now
+        if previous_end is None:
+            return None
+        done.step_s = now - previous_end
+        return done
+
+    def reset_clock(self) -> None:
+        """Forget the last step end (after validation or a checkpoint, whose time is not a training step's)."""
+        self._last_step_end = None
+        self.current = StepPhases()
+
+
+class DataWaitProfiler(Profiler):
+    """Receives Lightning's profiler actions; forwards the duration of each training ``next(dataloader)``."""
+
+    ACTION = "train_dataloader_next"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timer: PhaseTimer | None = None
+        self._started: dict[str, float] = {}
+
+    def start(self, action_name: str) -> None:
+        if action_name.endswith(self.ACTION):
+            self._started[action_name] = time.perf_counter()
+
+    def stop(self, action_name: str) -> None:
+        started = self._started.pop(action_name, None)
+        if started is not None and self.timer is not None:
+            self.timer.data_fetched(time.perf_counter() - started)
+
+    def summary(self) -> str:
+        return ""

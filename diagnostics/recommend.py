@@ -1,0 +1,341 @@
+"""Findings -> ranked recommendations, each a concrete Hydra override of this project's config (conf/).
+
+Values are computed from the run's own config (``run.json``) so an override always differs from what ran and
+stays legal (divisibility of the global batch, options that exist for the current strategy and device). A
+finding without a config lever (a slow host, a hot GPU, a hang) says so in ``why`` and has no override.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diagnostics.analysis import Analysis, Finding, analyse
+from diagnostics.analysis.context import RunContext, hydra_value
+
+# DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
+# cost host memory; the target is the cores each rank has, at least 2 so that one batch loads while one waits.
+MAX_WORKERS_PER_RANK = 8
+MIN_WORKERS = 2
+# When the training host's core count is unknown: GPU nodes have cores to spare; on a CPU run the training
+# processes themselves use the cores, so fewer loader processes.
+DEFAULT_GPU_WORKERS = 4
+# Per-step logging syncs the loss across ranks; every 10 steps makes that cost negligible.
+LOG_EVERY_N_STEPS = 10
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """``key=value`` is the change to try; ``pinned`` overrides keep everything else equal to the original."""
+
+    key: str | None
+    value: str | None
+    why: str
+    expected_effect: str
+    pinned: tuple[str, ...] = ()
+
+    @property
+    def override(self) -> str:
+        """The override(s) to add to the original command; empty when no config lever exists."""
+        if self.key is None:
+            return ""
+        return " ".join([*self.pinned, f"{self.key}={self.value}"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"override": self.override, "why": self.why, "expected_effect": self.expected_effect}
+
+
+def _rec(key: str | None, value: Any, why: str, effect: str, pinned: tuple[str, ...] = ()) -> Recommendation:
+    return Recommendation(key, None if key is None else hydra_value(value), why, effect, pinned)
+
+
+def _no_lever(why: str, effect: str) -> Recommendation:
+    return Recommendation(None, None, f"No config lever: {why}", effect)
+
+
+def _kept_global(ctx: RunContext) -> tuple[str, ...]:
+    return (f"trainer.global_batch_size={ctx.global_batch()}",) if ctx.global_batch() else ()
+
+
+def _bigger_global(ctx: RunContext, why: str, effect: str) -> list[Recommendation]:
+    current = ctx.global_batch()
+    if not current:
+        return []
+    # Doubling keeps it a multiple of micro x dp; accumulation doubles, so the optimizer sees twice the tokens.
+    return [_rec("trainer.global_batch_size", 2 * current, why, effect)]
+
+
+def _smaller_micro(ctx: RunContext) -> list[Recommendation]:
+    micro = ctx.micro()
+    divisors = [d for d in range(micro - 1, 0, -1) if micro % d == 0] if micro and micro > 1 else []
+    if not divisors or not ctx.global_batch():
+        return []
+    # A divisor of micro keeps the global batch a multiple of micro x dp: same optimization, more accumulation.
+    return [
+        _rec(
+            "trainer.micro_batch_size",
+            divisors[0],
+            f"activations scale with the micro batch; {divisors[0]} instead of {micro} with the global batch kept at "
+            f"{ctx.global_batch()} (more accumulation) leaves the optimization unchanged",
+            f"activation memory about {divisors[0] / micro:.0%} of now; slightly lower throughput",
+            _kept_global(ctx),
+        )
+    ]
+
+
+def _larger_micro(ctx: RunContext) -> list[Recommendation]:
+    micro, keep = ctx.micro(), (ctx.batch.get("accumulation") or 1) % 2 == 0
+    if not micro:
+        return []
+    # With even accumulation the global batch can stay (half the accumulation); otherwise it doubles too.
+    batch = f"the global batch stays {ctx.global_batch()}" if keep else "the global batch doubles with it (retune lr)"
+    why = f"bigger matmuls per launch amortize per-step overhead; {batch}"
+    return [
+        _rec(
+            "trainer.micro_batch_size",
+            2 * micro,
+            why,
+            "higher device efficiency if memory allows",
+            _kept_global(ctx) if keep else (),
+        )
+    ]
+
+
+def for_input_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    key = "data.num_workers" if ctx.has("data.num_workers") or not ctx.config else "+data.num_workers"
+    current = ctx.get("data.num_workers") or 0
+    target = DEFAULT_GPU_WORKERS if ctx.on_gpu else MIN_WORKERS
+    if ctx.cpu_count:
+        target = min(MAX_WORKERS_PER_RANK, max(MIN_WORKERS, ctx.cpu_count // ctx.local_ranks()))
+    workers = max(target, 2 * current)
+    wait = max(finding.evidence.get("data_wait_fraction", {0: 0.0}).values())
+    now = "in the training process" if current == 0 else f"by {current} worker(s) per rank"
+    why = f"batches are produced {now}; {workers} workers per rank load ahead while the current batch trains"
+    if not key.startswith("data."):
+        why += " (passed to your datamodule's constructor)"
+    recs = [_rec(key, workers, why, f"up to {wait:.0%} shorter steps if loading parallelizes")]
+    if ctx.on_gpu and ctx.get("data.pin_memory") is False:
+        why = "page-locked host batches copy to the GPU asynchronously"
+        recs.append(_rec("data.pin_memory", True, why, "hides the host-to-device copy"))
+    if ctx.get("data.name") == "custom" or not ctx.has("data.num_workers"):
+        recs.append(_no_lever("profile your datamodule's __getitem__/collate; the loader cannot be faster", "-"))
+    return recs
+
+
+def for_straggler(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    rank = finding.ranks[0]
+    host = (finding.evidence.get("hostnames") or {}).get(rank)
+    ratio = (finding.evidence.get("ratio_to_median_of_others") or {}).get(rank, 0.0)
+    where = f"rank {rank}" + (f" on host {host}" if host else "")
+    return [
+        _no_lever(
+            f"{where} computes {ratio:.2f}x slower than the others with the same work; check that host (other "
+            "processes: top / nvidia-smi, clocks and temperature: nvidia-smi -q -d PERFORMANCE, CPU/NUMA binding) "
+            "and exclude it (sbatch --exclude) if it stays slow",
+            f"steps about {1 - 1 / ratio:.0%} shorter once every rank runs at the others' pace" if ratio else "-",
+        )
+    ]
+
+
+def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    why = "gradients are reduced once per optimizer step; twice the accumulation halves the reductions per token"
+    recs = _bigger_global(ctx, why, "communication per token halves (the batch doubles: retune lr if needed)")
+    precision = ctx.get("precision.name")
+    if ctx.strategy == "ddp":
+        bucket = ctx.get("strategy.bucket_cap_mb") or 25
+        why = f"fewer, larger all-reduces than {bucket} MB buckets pay the collective latency fewer times"
+        recs.append(_rec("strategy.bucket_cap_mb", 4 * bucket, why, "less exposed communication if latency-bound"))
+        if precision != "fp16-mixed":  # FSDP2 here takes fp32 and bf16 policies only
+            why = (
+                "FSDP reduce-scatters gradients per block during backward (in bf16 if asked); it moves 1.5x DDP's "
+                "bytes, so it pays when overlap, not bandwidth, is the limit"
+            )
+            recs.append(_rec("strategy", "fsdp", why, "more communication hidden behind compute"))
+    elif ctx.strategy == "fsdp":
+        if precision in ("bf16-mixed", "bf16-true") and ctx.get("strategy.reduce_dtype") == "fp32":
+            why = "reduce-scatter gradients in bf16 instead of fp32"
+            recs.append(_rec("strategy.reduce_dtype", "bf16", why, "half the gradient bytes"))
+        if ctx.get("strategy.reshard_after_forward") is True:
+            why = "keep gathered parameters from forward to backward: one all-gather per block instead of two"
+            recs.append(_rec("strategy.reshard_after_forward", False, why, "a third less traffic, more memory"))
+    return recs
+
+
+def for_low_overlap(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    if ctx.strategy == "ddp":
+        bucket = ctx.get("strategy.bucket_cap_mb") or 25
+        smaller = max(1, bucket // 4)
+        why = (
+            f"a bucket is all-reduced only when full: with {bucket} MB buckets a small model fills one bucket at the "
+            f"very end of backward; {smaller} MB buckets start reducing while backward still runs"
+        )
+        return [_rec("strategy.bucket_cap_mb", smaller, why, "communication overlapped with backward, not after it")]
+    if ctx.strategy == "fsdp" and ctx.get("strategy.reshard_after_forward") is True:
+        why = "backward then needs no all-gathers of its own, so only reduce-scatters remain to overlap"
+        return [_rec("strategy.reshard_after_forward", False, why, "shorter backward critical path, more memory")]
+    return []
+
+
+def for_memory_pressure(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    recs: list[Recommendation] = []
+    if ctx.strategy == "fsdp" and ctx.get("strategy.activation_checkpointing") is False:
+        why = "recompute each block's activations in backward instead of keeping them"
+        effect = "activation memory drops to about one block's worth; ~1/3 more compute (HFU > MFU)"
+        recs.append(_rec("strategy.activation_checkpointing", True, why, effect))
+    recs += _smaller_micro(ctx)
+    if ctx.strategy == "ddp" and ctx.get("precision.name") != "fp16-mixed":
+        why = "DDP keeps full parameters, gradients and optimizer states on every rank; FSDP shards them over dp"
+        recs.append(_rec("strategy", "fsdp", why, "parameter + optimizer memory per rank divided by the dp size"))
+    if ctx.get("precision.name") == "fp32":
+        recs.append(_rec("precision", "bf16-mixed", "bf16 activations take half the memory", "less activation memory"))
+    if ctx.strategy == "fsdp" and ctx.on_gpu and ctx.get("strategy.cpu_offload") is False:
+        why = "last resort: sharded parameters and optimizer states live in host memory"
+        recs.append(_rec("strategy.cpu_offload", True, why, "much less GPU memory, much slower steps"))
+    return recs
+
+
+def _compile(ctx: RunContext) -> list[Recommendation]:
+    if ctx.get("model.compile") is not False:
+        return []
+    why = "torch.compile fuses small ops: fewer kernel launches and Python calls per step"
+    return [_rec("model.compile", True, why, "less host overhead, higher achieved FLOP/s")]
+
+
+def for_host_overhead(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    recs = _compile(ctx) + _larger_micro(ctx)
+    every = ctx.get("trainer.log_every_n_steps")
+    if isinstance(every, int) and every < LOG_EVERY_N_STEPS:
+        why = f"logging every {every} step(s) syncs the loss across ranks each time"
+        recs.append(_rec("trainer.log_every_n_steps", LOG_EVERY_N_STEPS, why, "one host sync every 10 steps"))
+    return recs
+
+
+def for_low_mfu(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    recs: list[Recommendation] = []
+    if ctx.on_gpu and ctx.get("precision.name") == "fp32":
+        why = "fp32 matmuls run far below the tensor-core bf16 peak that MFU is measured against"
+        recs.append(_rec("precision", "bf16-mixed", why, "several times the matmul throughput"))
+    return recs + _compile(ctx) + _larger_micro(ctx)
+
+
+def for_pipeline_bubble(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    why = "more microbatches per step shrink the schedule's bubble, (pp-1)/(m+pp-1) of the step"
+    return _bigger_global(ctx, why, "smaller idle share per step")
+
+
+def for_throttling(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    why = (
+        f"{finding.message}; check cooling and power limits (nvidia-smi -q -d PERFORMANCE,POWER,TEMPERATURE) and "
+        "move the job off that node if it persists"
+    )
+    return [_no_lever(why, "full clocks again on that device")]
+
+
+def for_hang(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    why = (
+        f"read the Python stacks of ranks {finding.ranks} in {finding.evidence.get('stacks_dir') or 'RUN_DIR/hang/'}:"
+        " a rank outside the collective the others wait in is usually a rank-dependent branch, an exception "
+        "swallowed on one rank, or a deadlocked data loader"
+    )
+    return [_no_lever(why, "the job completes")]
+
+
+RECOMMENDERS = {
+    "input_bound": for_input_bound,
+    "straggler": for_straggler,
+    "comm_bound": for_comm_bound,
+    "low_overlap": for_low_overlap,
+    "memory_pressure": for_memory_pressure,
+    "host_overhead": for_host_overhead,
+    "low_mfu": for_low_mfu,
+    "pipeline_bubble": for_pipeline_bubble,
+    "throttling": for_throttling,
+    "hang": for_hang,
+}
+
+
+def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    """Ranked recommendations for one finding, most effective first."""
+    return RECOMMENDERS[finding.kind](finding, ctx)
+
+
+def recommend_all(analysis: Analysis) -> list[list[Recommendation]]:
+    """Recommendations of every finding of ``analysis``, in the findings' order."""
+    ctx = RunContext.from_run(analysis.run)
+    return [recommend(f, ctx) for f in analysis.findings]
+
+
+@dataclass(frozen=True)
+class AbTest:
+    """One Hydra multirun: the original overrides, ``pinned``, and ``key`` swept over (original, recommended)."""
+
+    key: str
+    argv: tuple[str, ...]  # arguments after ``python -m train``
+    note: str
+
+    def shell(self) -> str:
+        return f"# {self.note}\npython -m train " + " ".join(shlex.quote(a) for a in self.argv)
+
+
+def _sets(override: str, key: str) -> bool:
+    """Whether ``override`` sets ``key`` or, for a config group, one of its sub-keys."""
+    name = override.split("=", 1)[0].lstrip("+~")
+    bare = key.lstrip("+~")
+    return name == bare or ("." not in bare and name.startswith(bare + "."))
+
+
+def ab_test(rec: Recommendation, ctx: RunContext, original: list[str], run_dir: Path) -> AbTest | None:
+    """The A/B sweep of one recommendation, or None when it has no override."""
+    if rec.key is None or rec.value is None:
+        return None
+    changed = [rec.key, *(p.split("=", 1)[0] for p in rec.pinned)]
+    base = [o for o in original if not any(_sets(o, k) for k in changed)]
+    dropped = [o for o in original if o not in base]
+    known, value = ctx.current(rec.key)
+    slug = rec.key.lstrip("+~").replace("/", "_")
+    sweep_dir = f"hydra.sweep.dir={Path(run_dir).resolve() / 'ab' / slug}"
+    key = rec.key
+    if not key.startswith("+") and any(o.startswith("+") and _sets(o, key) for o in dropped):
+        key = "+" + key  # the original added this key (e.g. to a custom datamodule): the sweep must add it too
+    if known:
+        swept = f"{key}={hydra_value(value)},{rec.value}"
+        arms = f"job 0 = original ({rec.key}={hydra_value(value)}), job 1 = {rec.key}={rec.value}"
+    else:
+        # Without run.json the original value is unknown: the analysed run itself is the A arm.
+        swept = f"{key}={rec.value}"
+        arms = f"original value unknown: compare with {run_dir}"
+    note = f"A/B {rec.key}: {arms}" + (f"; replaces {' '.join(dropped)}" if dropped else "")
+    return AbTest(rec.key, ("-m", *base, *rec.pinned, swept, sweep_dir), note)
+
+
+def _original_overrides(analysis: Analysis) -> list[str]:
+    # The A/B jobs get their own directories and start fresh: the run's own dir, sweep and resume do not apply.
+    overrides = analysis.run.overrides or []
+    return [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "resume="))]
+
+
+def ab_tests(analysis: Analysis, recommendations: list[list[Recommendation]], top_k: int) -> list[AbTest]:
+    """A/B sweeps for the ``top_k`` highest-ranked distinct keys among the recommendations."""
+    ctx = RunContext.from_run(analysis.run)
+    original = _original_overrides(analysis)
+    tests: list[AbTest] = []
+    for recs in recommendations:
+        for rec in recs:
+            if len(tests) >= top_k:
+                return tests
+            if any(t.key == rec.key for t in tests):
+                continue
+            if (test := ab_test(rec, ctx, original, analysis.run.run_dir)) is not None:
+                tests.append(test)
+    return tests
+
+
+def ab_multirun(run_dir: Path, top_k: int = 3) -> str:
+    """Shell lines: one ``python -m train -m`` A/B sweep (original vs recommended) per top recommendation key."""
+    analysis = analyse(Path(run_dir))
+    tests = ab_tests(analysis, recommend_all(analysis), top_k)
+    if not tests:
+        return "# no recommendation with a config override to A/B-test"
+    return "\n".join(t.shell() for t in tests)

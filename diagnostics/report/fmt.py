@@ -1,0 +1,66 @@
+"""Human formatting of report numbers (shared by the text, Markdown and HTML renderings)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 1024**3
+
+
+def pct(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def seconds(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value < 1e-3:
+        return f"{value * 1e6:.0f} µs"
+    if value < 1:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value:.2f} s"
+
+
+def gib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / GIB:.2f} GiB"
+
+
+def rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def flops(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value / 1e12:.1f} TFLOP/s" if value >= 1e12 else f"{value / 1e9:.1f} GFLOP/s"
+
+
+def peak_memory(peaks: dict[str, Any]) -> tuple[str, float | None]:
+    """(label, bytes) of the most telling memory peak: GPU reserved, then allocated, then host RSS."""
+    for key, label in (
+        ("peak_reserved_bytes", "GPU reserved"),
+        ("peak_allocated_bytes", "GPU allocated"),
+        ("peak_sampled_device_bytes", "GPU used (NVML)"),
+        ("peak_rss_bytes", "host RSS"),
+    ):
+        if peaks.get(key):
+            return label, peaks[key]
+    return "memory", None
+
+
+def rank_label(ranks: list[int]) -> str:
+    return "no rank" if not ranks else ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested config dict -> ``{"a.b.c": value}``."""
+    if not isinstance(config, dict):
+        return {prefix: config} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, dotted))
+        else:
+            out[dotted] = value
+    return out

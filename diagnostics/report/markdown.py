@@ -1,0 +1,94 @@
+"""report.md: the same content as the HTML, readable in a terminal or a pull request (no plots)."""
+
+from __future__ import annotations
+
+import json
+
+from diagnostics.report.fmt import flops, gib, pct, peak_memory, rank_label, rate, seconds
+from diagnostics.report.model import Report
+
+
+def _cell(value: object) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+
+
+def summary_rows(report: Report) -> list[list[object]]:
+    s = report.analysis.summary
+    label, peak = peak_memory(s.peak_memory)
+    calibrated = flops(s.calibrated_peak_flops) if s.calibrated_peak_flops else "no calibration recorded"
+    datasheet = "n/a: no datasheet peak for this hardware and dtype"
+    if s.peak_flops:
+        datasheet = f"{pct(s.mfu)} / {pct(s.hfu)} of {flops(s.peak_flops)} per device ({s.peak_flops_source})"
+    return [
+        ["tokens/s", f"{rate(s.tokens_per_s)} ({s.tokens_per_s_source or 'n/a'})"],
+        ["MFU / HFU", datasheet],
+        ["calibrated MFU / HFU", f"{pct(s.calibrated_mfu)} / {pct(s.calibrated_hfu)} of {calibrated} per device"],
+        ["step time p50 / p90 / p99", " / ".join(seconds(s.step_time.get(q)) for q in ("p50", "p90", "p99"))],
+        [f"peak memory ({label})", gib(peak)],
+        ["world size / device", f"{s.world_size} / {s.device}"],
+        ["steps recorded", s.steps_recorded],
+    ]
+
+
+def phase_rows(report: Report) -> list[list[object]]:
+    return [
+        [
+            p.rank,
+            p.steps,
+            *(
+                seconds(getattr(p, k))
+                for k in ("step_s", "data_wait_s", "forward_s", "backward_compute_s", "optimizer_s")
+            ),
+            *(seconds(getattr(p, k)) for k in ("local_compute_s", "comm_wait_s", "other_s")),
+        ]
+        for p in report.analysis.phases
+    ]
+
+
+PHASE_HEADER = ["rank", "steps", "step", "data wait", "forward", "backward compute", "optimizer", "local compute"]
+PHASE_HEADER += ["comm wait", "other"]
+
+
+def to_markdown(report: Report, ab_lines: str | None = None) -> str:
+    ctx = report.context()
+    lines = [
+        f"# Diagnostics report: {report.run_dir}",
+        "",
+        f"strategy `{ctx['strategy']}`, precision `{ctx['precision']}`, hw `{ctx['hw']}`, model `{ctx['model']}`, "
+        f"data `{ctx['data']}`, world size {ctx['world_size']}",
+        "",
+        "## Summary",
+        "",
+        *_table(["metric", "value"], summary_rows(report)),
+    ]
+    for err in report.analysis.summary.accounting_errors:
+        lines += ["", f"**Accounting error:** {err}"]
+    lines += ["", "## Findings", ""]
+    if not report.findings:
+        lines.append("No detector crossed its threshold.")
+    for finding, recs in zip(report.findings, report.recommendations, strict=True):
+        lines += [
+            f"### {finding.severity}: {finding.kind} ({rank_label(finding.ranks)})",
+            "",
+            finding.message,
+            "",
+            "```json",
+            json.dumps(finding.evidence, indent=1, default=str),
+            "```",
+            "",
+        ]
+        for i, rec in enumerate(recs, 1):
+            override = f"`{rec.override}`: " if rec.override else ""
+            lines.append(f"{i}. {override}{rec.why}. Expected: {rec.expected_effect}.")
+        lines.append("")
+    lines += ["## Per-rank phases (mean per steady step)", "", *_table(PHASE_HEADER, phase_rows(report))]
+    if ab_lines:
+        lines += ["", "## A/B test the top recommendations", "", "```sh", ab_lines, "```"]
+    if report.analysis.run.problems:
+        lines += ["", "## Telemetry problems", "", *(f"- {p}" for p in report.analysis.run.problems)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,117 @@
+"""The report object: an analysis plus its recommendations, as JSON and as a short text for the end of a run."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diagnostics.analysis import Analysis, Finding
+from diagnostics.analysis import thresholds as thresholds_module
+from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.stats import rounded
+from diagnostics.recommend import Recommendation
+from diagnostics.report.fmt import flatten, gib, pct, peak_memory, rate, seconds
+
+SCHEMA_VERSION = 1
+TEXT_FINDINGS = 8  # the end-of-run summary stays within ~12 lines
+
+
+def _round_tree(value: Any) -> Any:
+    if isinstance(value, float):
+        return rounded(value, 6)
+    if isinstance(value, dict):
+        return {str(k): _round_tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_round_tree(v) for v in value]
+    return value
+
+
+def thresholds() -> dict[str, float | int]:
+    return {k: v for k, v in vars(thresholds_module).items() if k.isupper() and isinstance(v, int | float)}
+
+
+@dataclass
+class Report:
+    run_dir: Path
+    analysis: Analysis
+    recommendations: list[list[Recommendation]]  # parallel to analysis.findings
+    generated_at: float = dataclasses.field(default_factory=time.time)
+    written_to: Path | None = None  # the report/ directory once write_report ran
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.analysis.findings
+
+    def kinds(self) -> list[str]:
+        return [f.kind for f in self.findings]
+
+    def context(self) -> dict[str, Any]:
+        ctx = RunContext.from_run(self.analysis.run)
+        config = flatten(ctx.config)
+        return {
+            "strategy": ctx.strategy,
+            "precision": ctx.get("precision.name"),
+            "hw": ctx.get("hw.name"),
+            "model": ctx.get("model.name"),
+            "data": ctx.get("data.name"),
+            "world_size": self.analysis.summary.world_size,
+            "batch": ctx.batch,
+            "overrides": self.analysis.run.overrides,
+            "config": config,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        findings = []
+        for finding, recs in zip(self.findings, self.recommendations, strict=True):
+            findings.append({**finding.to_json(), "recommendations": [r.to_json() for r in recs]})
+        return _round_tree(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "run_dir": str(self.run_dir),
+                "generated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.generated_at)),
+                "summary": self.analysis.summary.to_json(),
+                "per_rank": [dataclasses.asdict(p) for p in self.analysis.phases],
+                "findings": findings,
+                "context": self.context(),
+                "problems": self.analysis.run.problems,
+                "thresholds": thresholds(),
+            }
+        )
+
+    def headline(self) -> str:
+        s = self.analysis.summary
+        if s.mfu is not None:
+            mfu = f"MFU {pct(s.mfu)} (HFU {pct(s.hfu)}) of {s.peak_flops_source or 'datasheet'} peak"
+        elif s.calibrated_mfu is not None:
+            mfu = f"MFU {pct(s.calibrated_mfu)} (HFU {pct(s.calibrated_hfu)}) of calibrated peak"
+        else:
+            mfu = "MFU n/a (no peak known)"
+        if s.accounting_errors:
+            mfu += " [MFU accounting error: see report]"
+        label, peak = peak_memory(s.peak_memory)
+        st = s.step_time
+        return (
+            f"{rate(s.tokens_per_s)} tokens/s | {mfu} | step p50 {seconds(st.get('p50'))} p90 {seconds(st.get('p90'))}"
+            f" p99 {seconds(st.get('p99'))} | peak {label} {gib(peak)}"
+        )
+
+    def text_summary(self) -> str:
+        """A few lines for the end of a run: headline numbers, top findings with their first override."""
+        lines = [f"diagnostics: {self.headline()}"]
+        pairs = list(zip(self.findings, self.recommendations, strict=True))
+        for finding, recs in pairs[:TEXT_FINDINGS]:
+            first = next((r for r in recs if r.override), None)
+            fix = f" -> try {first.override}" if first else " (no config lever: see report)"
+            lines.append(f"  {finding.severity:<8} {finding.kind}: {finding.message}{fix}")
+        if len(pairs) > TEXT_FINDINGS:
+            lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")
+        if not pairs:
+            lines.append("  no bottleneck found: no detector crossed its threshold")
+        if self.analysis.run.problems:
+            lines.append(f"  {len(self.analysis.run.problems)} telemetry problem(s) noted in the report")
+        if self.written_to is not None:
+            lines.append(f"report: {self.written_to / 'report.html'} (also report.md, report.json)")
+        return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""The telemetry contract between collection (inside training) and analysis (anywhere, later).
+
+Each rank appends JSON lines to ``RUN_DIR/telemetry/rank<NNNN>.jsonl``; every line is one record with a
+``kind`` and the fields listed in ``RECORD_FIELDS`` (extra fields are allowed and ignored by readers that do
+not know them). Pure Python on purpose: ``python -m diagnose`` reads a run directory copied from a cluster
+on a laptop, without torch or a GPU.
+
+Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
+
+- ``meta``: once per rank at start. What ran: world layout, device, which sampler was available, the
+  FLOPs accounting and the peaks MFU is measured against.
+- ``step``: per optimizer step (or every ``step_every`` steps). Wall time of the step and its phases as seen
+  by this rank. ``data_wait_s`` is time inside ``next(dataloader)``; ``local_compute_s`` is forward +
+  backward + optimizer work timed *without* waiting for other ranks; ``comm_wait_s`` is the part of backward
+  after this rank's gradients were ready (exposed all-reduce, and waiting for slower ranks); ``other_s`` is
+  the rest of the step (hooks, logging, checkpoint writes).
+- ``ranks``: written by rank 0 every few steps from a tiny all-gather: per-rank lists (index = rank) of the
+  mean local compute, step time and data wait over the last window. DDP equalizes step times, so this is
+  where a straggler shows.
+- ``sample``: periodic device sample from NVML (``source="nvml"``) or the CPU fallback (``source="cpu"``).
+- ``profile``: one torch.profiler window per rank parsed into communication, computation, their overlap and
+  idle time.
+- ``memory``: peak memory at the end (GPU allocator peaks, or RSS on CPU).
+- ``throughput``: the run's tokens/s, MFU and HFU against each peak.
+- ``calibration``: the measured matmul FLOP/s of this device (the calibrated peak).
+- ``error``: a collector failed; training went on.
+- ``hang``: the watchdog fired: no step completed within the timeout.
+- ``end``: the rank finished cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+TELEMETRY_DIR = "telemetry"
+
+RECORD_FIELDS: dict[str, tuple[str, ...]] = {
+    "meta": (
+        "world_size", "local_rank", "hostname", "pid", "cpu_count", "host_memory_bytes", "device", "sampler",
+        "strategy", "precision", "hw",
+        "compute_dtype", "num_parameters", "flops_per_token", "hardware_flops_per_token", "tokens_per_step",
+        "micro_batch_size", "accumulation", "seq_len", "peak_flops", "peak_flops_source", "max_steps",
+    ),
+    "step": (
+        "step", "step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s",
+        "comm_wait_s", "other_s", "tokens",
+    ),
+    "ranks": ("step", "window_steps", "local_compute_s", "step_s", "data_wait_s"),
+    "sample": (
+        "source", "device_index", "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "sm_clock_mhz",
+        "temp_c", "throttle_reasons", "nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s", "pcie_tx_bytes_per_s",
+        "pcie_rx_bytes_per_s", "cpu_util_pct", "rss_bytes",
+    ),
+    "profile": (
+        "steps", "total_s", "compute_s", "comm_s", "overlap_s", "idle_s", "comm_by_op", "trace_file", "backend",
+    ),
+    "memory": ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "device_memory_bytes"),
+    "throughput": (
+        "tokens_per_s", "mfu", "hfu", "calibrated_mfu", "calibrated_hfu", "peak_flops", "calibrated_peak_flops",
+        "steps_measured",
+    ),
+    "calibration": ("dtype", "matrix_size", "flops_per_s", "seconds"),
+    "error": ("source", "message"),
+    "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
+    "end": ("steps", "wall_s"),
+}  # fmt: skip
+
+
+def telemetry_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / TELEMETRY_DIR / f"rank{rank:04d}.jsonl"
+
+
+class TelemetryWriter:
+    """Append-only JSON-lines writer for one rank; line-buffered so a crash loses at most one record."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.rank = rank
+        self.path = telemetry_path(run_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1, encoding="utf-8")
+
+    def write(self, kind: str, **fields: Any) -> None:
+        if kind not in RECORD_FIELDS:
+            raise ValueError(f"unknown telemetry record kind {kind!r}")
+        record = {"kind": kind, "rank": self.rank, "t": time.time(), **fields}
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+
+    def flush(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, set | tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def read_records(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """Every record of every rank, in file order per rank; a torn last line (a killed rank) is skipped."""
+    for path in sorted((Path(run_dir) / TELEMETRY_DIR).glob("rank*.jsonl")):
+        with path.open(encoding="utf-8") as handle:
+            for line in handle:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue

@@ -1,0 +1,310 @@
+"""Synthetic run directories for the analysis tests: telemetry written through the real TelemetryWriter.
+
+Each scenario is a small set of knobs (phase times, a slow rank, memory, throttling, a hang) turned into the
+records a collector would write; run.json and .hydra/overrides.yaml come from composing the real conf/ with
+the scenario's overrides, so recommendations are checked against the project's actual config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from diagnostics.telemetry import TelemetryWriter
+from disttrain.config.parse import parse_run_config
+from disttrain.config.validate import validate_run, world_layout
+from tests.conftest import compose_train
+
+GIB = 1024**3
+GPU = ("hw=8xh100", "hw.devices_per_node=2")
+T0 = 1_700_000_000.0  # a fixed start time keeps the fixtures reproducible
+
+
+@dataclass(frozen=True)
+class Scenario:
+    overrides: tuple[str, ...] = ()
+    steps: int = 20
+    data_wait: float = 0.0005  # seconds per step (below the detectors' noise floor when healthy)
+    forward: float = 0.10
+    backward: float = 0.20
+    optimizer: float = 0.02
+    overhead: float = 0.002  # inside local compute but outside forward/backward/optimizer
+    host_gap: float = 0.0  # Python/launch time inside forward during which no op runs (profiler idle)
+    comm: float = 0.02  # true exposed communication per step, paid by every rank
+    overlap: float = 0.7  # share of profiled communication hidden behind compute
+    profile_comm: float = 0.05  # profiled communication per step (hidden + exposed)
+    slow_rank: int | None = None
+    slow_factor: float = 1.0
+    mfu: float = 0.35  # against the datasheet (GPU) or calibrated (CPU) peak
+    mem_fraction: float = 0.45  # GPU reserved / device memory
+    throttle_rank: int | None = None
+    bubble: float | None = None
+    hang_after: int | None = None  # last completed step before every rank stops
+    jitter: float = 0.03
+    grad_hook: bool = True  # False: as under FSDP2, backward's communication wait is timed as compute
+    config_patch: dict = field(default_factory=dict)  # written into run.json's config (e.g. hostile strings)
+
+    @property
+    def gpu(self) -> bool:
+        return any(o.startswith("hw=8xh100") for o in self.overrides)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "healthy": Scenario(),
+    "input_bound": Scenario(data_wait=0.30),
+    "straggler": Scenario(overrides=("hw.devices_per_node=4",), slow_rank=2, slow_factor=1.6),
+    "comm_bound": Scenario(comm=0.40, profile_comm=0.42, overlap=0.05),
+    "low_overlap": Scenario(comm=0.06, profile_comm=0.08, overlap=0.1),
+    # Well overlapped, but the all-reduce takes as long as the backward: no headroom (a WideModel-like run).
+    "comm_saturated": Scenario(comm=0.03, profile_comm=0.22, overlap=0.9),
+    "host_overhead": Scenario(host_gap=0.25),
+    "throttled": Scenario(overrides=(*GPU, "precision=bf16-mixed"), throttle_rank=1),
+    "memory_pressure": Scenario(overrides=(*GPU, "precision=bf16-mixed"), mem_fraction=0.985),
+    "memory_pressure_fsdp": Scenario(overrides=(*GPU, "precision=bf16-mixed", "strategy=fsdp"), mem_fraction=0.93),
+    "low_mfu": Scenario(overrides=GPU, mfu=0.05),
+    "bubble": Scenario(bubble=0.35),
+    "hang": Scenario(hang_after=7),
+}
+
+
+@functools.cache
+def _manifest(overrides: tuple[str, ...]) -> dict:
+    cfg = compose_train(list(overrides))
+    run_cfg = parse_run_config(cfg)
+    plan, layout = validate_run(run_cfg), world_layout(run_cfg)
+    return {
+        "status": "completed",
+        "command": ["python", "pipelines/train.py", *overrides],
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "hw": dataclasses.asdict(run_cfg.hw),
+        "world": dataclasses.asdict(layout),
+        "batch": dataclasses.asdict(plan),
+        "num_parameters": 1_828_992,
+        "flops_per_token": 12_153_600.0,
+    }
+
+
+def _deep_update(target: dict, patch: dict) -> None:
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = value
+
+
+def write_run(run_dir: Path, name: str, *, manifest: bool = True, **changes: object) -> Path:
+    """Write the telemetry (+ run.json, .hydra/overrides.yaml) of scenario ``name`` into ``run_dir``."""
+    sc = dataclasses.replace(SCENARIOS[name], **changes)
+    man = json.loads(json.dumps(_manifest(sc.overrides)))
+    _deep_update(man["config"], sc.config_patch)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if manifest:
+        (run_dir / "run.json").write_text(json.dumps(man, indent=2))
+        (run_dir / ".hydra").mkdir(exist_ok=True)
+        (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in sc.overrides))
+    _write_telemetry(run_dir, sc, man)
+    return run_dir
+
+
+def _timeline(sc: Scenario, world: int) -> list[tuple[float, list[tuple[float, float, float, float, float]]]]:
+    """Per step: (step_s, per rank (data_wait, forward, backward, optimizer, local_compute))."""
+    rng = random.Random(1234)
+    steps = []
+    for _ in range(sc.steps if sc.hang_after is None else sc.hang_after):
+        rows = []
+        for rank in range(world):
+            slow = sc.slow_factor if rank == sc.slow_rank else 1.0
+            j = [1 + rng.uniform(-sc.jitter, sc.jitter) for _ in range(4)]
+            f, b, o = (sc.forward + sc.host_gap) * slow * j[0], sc.backward * slow * j[1], sc.optimizer * slow * j[2]
+            rows.append((sc.data_wait * j[3], f, b, o, f + b + o + sc.overhead))
+        # DDP equalizes step time: everyone finishes with the slowest rank, plus the true communication.
+        steps.append((max(d + lc for d, _, _, _, lc in rows) + sc.comm, rows))
+    return steps
+
+
+def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
+    world, batch, config = man["world"]["world_size"], man["batch"], man["config"]
+    seq_len = config["model"]["seq_len"]
+    tokens_per_step = batch["global_batch_size"] * seq_len
+    timeline = _timeline(sc, world)
+    mean_step = sum(s for s, _ in timeline) / len(timeline)
+    tokens_per_s = tokens_per_step / mean_step
+    peak = 989.4e12 if sc.gpu else None
+    calibrated = 40e9
+    # FLOPs per token chosen so that the run's MFU is the scenario's: the records stay mutually consistent.
+    flops_per_token = sc.mfu * world * (peak or calibrated) / tokens_per_s
+    writers = [TelemetryWriter(run_dir, r) for r in range(world)]
+    for rank, w in enumerate(writers):
+        w.write(
+            "meta",
+            t=T0,
+            world_size=world,
+            local_rank=rank,
+            hostname=f"node{rank // 8}",
+            pid=1000 + rank,
+            device=f"cuda:{rank}" if sc.gpu else "cpu",
+            sampler="nvml" if sc.gpu else "cpu",
+            strategy=config["strategy"]["name"],
+            precision=config["precision"]["name"],
+            hw=man["hw"]["name"],
+            compute_dtype="bf16" if "bf16" in config["precision"]["name"] else "fp32",
+            num_parameters=man["num_parameters"],
+            flops_per_token=flops_per_token,
+            hardware_flops_per_token=flops_per_token,
+            tokens_per_step=tokens_per_step,
+            micro_batch_size=batch["micro_batch_size"],
+            accumulation=batch["accumulation"],
+            seq_len=seq_len,
+            peak_flops=peak,
+            peak_flops_source="datasheet" if peak else None,
+            max_steps=sc.steps,
+        )
+        if not sc.gpu:
+            w.write("calibration", t=T0, dtype="fp32", matrix_size=1024, flops_per_s=calibrated, seconds=0.5)
+    t = T0
+    window: list[list[tuple[float, float, float]]] = []
+    for step, (step_s, rows) in enumerate(timeline, start=1):
+        t += step_s
+        measured = []
+        for rank, (d, f, b, o, lc) in enumerate(rows):
+            extra = {} if sc.bubble is None else {"bubble_fraction": sc.bubble}
+            # As the collector times it: backward's wall time includes DDP's wait for the last buckets.
+            wait = step_s - d - lc
+            backward_wall = b + sc.overhead + wait
+            if not sc.grad_hook:
+                lc, wait = lc + wait, 0.0
+            measured.append((lc, step_s, d))
+            writers[rank].write(
+                "step",
+                t=t,
+                step=step,
+                step_s=step_s,
+                data_wait_s=d,
+                forward_s=f,
+                backward_s=backward_wall,
+                optimizer_s=o,
+                local_compute_s=lc,
+                comm_wait_s=wait,
+                tokens=tokens_per_step,
+                **extra,
+            )
+            _sample(writers[rank], sc, rank, step, t)
+        window.append(measured)
+        if step % 5 == 0:
+            means = [[sum(v[r][k] for v in window) / len(window) for r in range(world)] for k in range(3)]
+            writers[0].write(
+                "ranks",
+                t=t,
+                step=step,
+                window_steps=len(window),
+                local_compute_s=means[0],
+                step_s=means[1],
+                data_wait_s=means[2],
+            )
+            window = []
+    if sc.hang_after is not None:
+        for w in writers:
+            w.write(
+                "hang",
+                t=t + 60,
+                last_step=len(timeline),
+                timeout_s=60,
+                stacks_dir="hang",
+                in_collective={str(r): r != 1 for r in range(world)},
+            )
+    else:
+        _write_end(writers, sc, t, mean_step, tokens_per_s, peak, calibrated)
+    for w in writers:
+        w.close()
+
+
+def _write_end(
+    writers: list[TelemetryWriter],
+    sc: Scenario,
+    t: float,
+    mean_step: float,
+    tokens_per_s: float,
+    peak: float | None,
+    calibrated: float,
+) -> None:
+    for rank, w in enumerate(writers):
+        slow = sc.slow_factor if rank == sc.slow_rank else 1.0
+        compute = (sc.forward + sc.backward + sc.optimizer) * slow
+        comm, overlap = sc.profile_comm, sc.profile_comm * sc.overlap
+        w.write(
+            "profile",
+            t=t,
+            steps=[11, 13],  # the window's first and last step, as the collector writes it
+            total_s=3 * mean_step,
+            compute_s=3 * compute,
+            comm_s=3 * comm,
+            overlap_s=3 * overlap,
+            idle_s=3 * max(0.0, mean_step - (compute + comm - overlap)),
+            comm_by_op={"gloo:all_reduce": 3 * sc.profile_comm},
+            trace_file=None,
+            backend="gloo",
+        )
+        if sc.gpu:
+            total = 80 * GIB
+            w.write(
+                "memory",
+                t=t,
+                peak_allocated_bytes=0.9 * sc.mem_fraction * total,
+                peak_reserved_bytes=sc.mem_fraction * total,
+                peak_rss_bytes=None,
+                device_memory_bytes=total,
+            )
+        else:
+            w.write(
+                "memory",
+                t=t,
+                peak_allocated_bytes=None,
+                peak_reserved_bytes=None,
+                peak_rss_bytes=1.5 * GIB,
+                device_memory_bytes=None,
+            )
+        w.write("end", t=t, steps=sc.steps, wall_s=t - T0)
+    key = "mfu" if sc.gpu else "calibrated_mfu"
+    writers[0].write(
+        "throughput",
+        t=t,
+        tokens_per_s=tokens_per_s,
+        **{key: sc.mfu, key.replace("mfu", "hfu"): sc.mfu},
+        peak_flops=peak,
+        calibrated_peak_flops=None if sc.gpu else calibrated,
+        steps_measured=sc.steps,
+    )
+
+
+def _sample(w: TelemetryWriter, sc: Scenario, rank: int, step: int, t: float) -> None:
+    if not sc.gpu:
+        w.write(
+            "sample",
+            t=t,
+            source="cpu",
+            device_index=None,
+            cpu_util_pct=95.0 + step % 3,
+            rss_bytes=(1.2 + 0.01 * step) * GIB,
+            mem_total_bytes=64 * GIB,
+        )
+        return
+    throttled = rank == sc.throttle_rank and step % 5 != 0  # 80% of that device's samples
+    w.write(
+        "sample",
+        t=t,
+        source="nvml",
+        device_index=rank,
+        util_pct=97.0 - 5 * (step % 2),
+        mem_used_bytes=sc.mem_fraction * 80 * GIB * 0.98,
+        mem_total_bytes=80 * GIB,
+        power_w=690.0,
+        sm_clock_mhz=1350.0 if throttled else 1980.0,
+        temp_c=89.0 if throttled else 62.0,
+        throttle_reasons=["sw_thermal_slowdown", "hw_thermal_slowdown"] if throttled else [],
+    )

@@ -1,0 +1,108 @@
+"""Real 2-process runs with a known bottleneck: the report must name it (asserted on report.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.dist
+
+USER_MODEL = [
+    "~model",
+    "+model.vocab_size=10",
+    "+model.seq_len=16",
+    "~data",
+    "+data._target_=tests.plugins.CountingData",
+]
+SHORT = [
+    "trainer.max_steps=40",
+    "trainer.log_every_n_steps=5",
+    "trainer.val_every_n_steps=40",
+    "trainer.val_batches=1",
+    "trainer.micro_batch_size=4",
+    "optimizer.lr=0.05",
+    "optimizer.warmup_steps=2",
+    "diagnostics.gather_every=5",
+    "diagnostics.profile_wait_steps=20",
+    "diagnostics.sample_interval_s=0.5",
+]
+
+
+def report_of(args: list[str], tmp_path: Path) -> dict:
+    run_dir = tmp_path / "run"
+    result = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((run_dir / "report" / "report.json").read_text())
+
+
+def findings(report: dict, kind: str) -> list[dict]:
+    return [f for f in report["findings"] if f["kind"] == kind]
+
+
+def test_slow_datamodule_is_input_bound_with_a_workers_override(tmp_path: Path) -> None:
+    report = report_of([*SHORT, *USER_MODEL[:-1], "+data._target_=tests.plugins.SlowCountingData",
+                        "+model._target_=tests.plugins.BigramModel"], tmp_path)  # fmt: skip
+    (finding,) = findings(report, "input_bound")
+    assert finding["ranks"] == [0, 1]
+    assert any(r["override"].lstrip("+").startswith("data.num_workers=") for r in finding["recommendations"])
+    assert not findings(report, "straggler")
+
+
+def test_sleeping_rank_is_named_as_straggler_although_ddp_equalizes_step_times(tmp_path: Path) -> None:
+    report = report_of([*SHORT, *USER_MODEL, "+model._target_=tests.plugins.SleepyRankModel"], tmp_path)
+    (finding,) = findings(report, "straggler")
+    assert finding["ranks"] == [1]
+    per_rank = report["per_rank"]
+    step_0, step_1 = (per_rank[r]["step_s"] for r in ("0", "1")) if isinstance(per_rank, dict) else (
+        per_rank[0]["step_s"], per_rank[1]["step_s"])  # fmt: skip
+    assert abs(step_0 - step_1) / step_1 < 0.1  # DDP made the step times equal: the gather is what tells
+    assert not findings(report, "input_bound")
+
+
+def test_big_gradients_over_tiny_batches_are_comm_bound(tmp_path: Path) -> None:
+    args = [*SHORT, "trainer.max_steps=25", "trainer.micro_batch_size=1", *USER_MODEL,
+            "+model._target_=tests.plugins.WideModel", "optimizer.lr=1e-3"]  # fmt: skip
+    report = report_of(args, tmp_path)
+    (finding,) = findings(report, "comm_bound")
+    overrides = [r["override"] for r in finding["recommendations"]]
+    assert any(
+        o and o.startswith(("strategy.bucket_cap_mb=", "trainer.global_batch_size=", "strategy=")) for o in overrides
+    )
+
+
+def test_hung_rank_fires_the_watchdog_names_it_and_leaves_no_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*SHORT, "trainer.max_steps=200", *USER_MODEL, "+model._target_=tests.plugins.HangingRankModel",
+            "diagnostics.hang_timeout_s=10", "diagnostics.profile=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        _, stderr = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the watchdog did not end the hung job")
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "no step completed in 10 s" in stderr
+    assert elapsed < 10 + 30 + 30  # timeout + 30 s, plus start-up of the two processes
+    stacks = sorted(p.name for p in (run_dir / "hang").glob("rank*.txt"))
+    assert stacks == ["rank0000.txt", "rank0001.txt"]
+    assert "HangingRankModel" in (run_dir / "hang" / "rank0001.txt").read_text() or "forward" in (
+        run_dir / "hang" / "rank0001.txt").read_text()  # fmt: skip
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    (finding,) = findings(report, "hang")
+    assert finding["ranks"] == [1]
+    time.sleep(1)
+    leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], f"processes left behind: {leftover}"

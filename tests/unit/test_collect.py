@@ -1,0 +1,209 @@
+"""Collector logic that can be checked without a training run: phase timing, interval math, profiler
+event classification, hang stack classification, the CPU sampler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diagnostics.collect.intervals import intersection_total, split_window, total, union
+from diagnostics.collect.profile_window import Event, is_comm, split_events
+from diagnostics.collect.sampler import CpuReader, make_reader
+from diagnostics.collect.steps import PhaseTimer
+from diagnostics.collect.watchdog import in_collective, main_thread_stack, node_ranks
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def test_interval_union_and_intersection() -> None:
+    assert union([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    assert total([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
+    assert intersection_total([(0, 2), (3, 5)], [(1, 4)]) == pytest.approx(2.0)
+
+
+def test_split_window_accounts_every_second() -> None:
+    split = split_window(compute=[(0, 6)], comm=[(4, 8)], window=(0, 10))
+    assert split == {"total_s": 10, "compute_s": 6, "comm_s": 4, "overlap_s": 2, "idle_s": 2}
+
+
+def test_phase_timer_separates_compute_from_waiting_at_the_end_of_backward() -> None:
+    clock = FakeClock()
+    timer = PhaseTimer(clock=clock)
+    assert timer.finish_step() is None  # the first step end only starts the clock
+    clock.advance(0.1)
+    timer.data_fetched(0.1)  # Lightning timed 0.1 s inside next(dataloader)
+    timer.batch_start()
+    clock.advance(0.3)
+    timer.before_backward()  # forward 0.3 s
+    clock.advance(0.4)
+    timer.grad_ready()  # backward compute 0.4 s ...
+    clock.advance(0.5)
+    timer.after_backward()  # ... then 0.5 s waiting for the all-reduce of slower ranks
+    timer.before_optimizer_step()
+    clock.advance(0.2)
+    phases = timer.finish_step()  # optimizer 0.2 s
+    assert phases is not None
+    assert phases.step_s == pytest.approx(1.5)
+    assert phases.data_wait_s == pytest.approx(0.1)
+    assert phases.forward_s == pytest.approx(0.3)
+    assert phases.backward_s == pytest.approx(0.9)
+    assert phases.local_compute_s == pytest.approx(0.3 + 0.4 + 0.2)
+    assert phases.comm_wait_s == pytest.approx(0.5)
+    assert phases.other_s == pytest.approx(0.0)
+
+
+def test_phase_timer_sums_accumulated_micro_batches() -> None:
+    clock = FakeClock()
+    timer = PhaseTimer(clock=clock)
+    timer.finish_step()
+    for _ in range(2):
+        clock.advance(0.05)
+        timer.data_fetched(0.05)
+        timer.batch_start()
+        clock.advance(0.1)
+        timer.before_backward()
+        clock.advance(0.2)
+        timer.after_backward()  # no grad hook: all of backward counts as compute
+        timer.batch_end()
+    timer.before_optimizer_step()
+    clock.advance(0.1)
+    phases = timer.finish_step()
+    assert phases is not None
+    assert phases.data_wait_s == pytest.approx(0.1)
+    assert phases.forward_s == pytest.approx(0.2)
+    assert phases.backward_compute_s == pytest.approx(0.4)
+    assert phases.step_s == pytest.approx(0.8)
+    assert phases.comm_wait_s == pytest.approx(0.0)
+
+
+def test_time_between_steps_that_is_not_data_is_other() -> None:
+    clock = FakeClock()
+    timer = PhaseTimer(clock=clock)
+    timer.finish_step()
+    clock.advance(2.0)  # e.g. a checkpoint write after the previous step
+    timer.batch_start()
+    clock.advance(0.5)
+    timer.before_backward()
+    timer.after_backward()
+    phases = timer.finish_step()
+    assert phases is not None
+    assert (phases.data_wait_s, phases.other_s) == pytest.approx((0.0, 2.0))
+
+
+def test_data_wait_profiler_forwards_only_the_dataloader_action() -> None:
+    from diagnostics.collect.steps import DataWaitProfiler
+
+    timer = PhaseTimer(clock=FakeClock())
+    profiler = DataWaitProfiler()
+    profiler.timer = timer
+    profiler.start("run_training_batch")
+    profiler.stop("run_training_batch")
+    assert timer.current.data_wait_s == 0.0
+    profiler.start("[_TrainingEpochLoop].train_dataloader_next")
+    profiler.stop("[_TrainingEpochLoop].train_dataloader_next")
+    assert timer.current.data_wait_s > 0.0
+
+
+def test_profile_split_on_gloo_counts_worker_thread_collectives_as_comm() -> None:
+    events = [
+        Event("aten::mm", 0.0, 4.0, False),
+        Event("aten::addmm", 1.0, 2.0, False),  # nested inside the mm span: union, not double counting
+        Event("gloo:all_reduce", 3.0, 6.0, False),
+        Event("Optimizer.zero_grad#AdamW.zero_grad", 6.0, 6.5, False),
+        Event("aten::add_", 7.0, 8.0, False),
+    ]
+    split = split_events(events, (0.0, 10.0))
+    assert split["compute_s"] == pytest.approx(5.0)
+    assert split["comm_s"] == pytest.approx(3.0)
+    assert split["overlap_s"] == pytest.approx(1.0)
+    assert split["idle_s"] == pytest.approx(3.0)
+    assert split["comm_by_op"] == {"gloo:all_reduce": pytest.approx(3.0)}
+    assert split["backend"] == "host ops"
+
+
+def test_profile_split_on_gpu_uses_kernels() -> None:
+    events = [
+        Event("aten::mm", 0.0, 9.0, False),  # host launch spans are not GPU work
+        Event("sm90_xmma_gemm_bf16", 1.0, 3.0, True),
+        Event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 2.0, 5.0, True),
+    ]
+    split = split_events(events, (0.0, 10.0))
+    assert (split["compute_s"], split["comm_s"], split["overlap_s"]) == pytest.approx((2.0, 3.0, 1.0))
+    assert split["backend"] == "device kernels"
+
+
+@pytest.mark.parametrize(
+    ("name", "comm"),
+    [("gloo:all_gather", True), ("FSDP::all_gather", True), ("_c10d_functional::wait_tensor", True),
+     ("record_param_comms", True), ("aten::mm", False), ("aten::native_layer_norm", False)],
+)  # fmt: skip
+def test_comm_event_names(name: str, comm: bool) -> None:
+    assert is_comm(name) is comm
+
+
+STACK_IN_ALLREDUCE = """Process 101: python -m train
+Python v3.11.7
+
+Thread 101 (idle): "MainThread"
+    _engine_run_backward (torch/autograd/graph.py:829)
+    backward (torch/autograd/__init__.py:353)
+    training_step (disttrain/module.py:90)
+
+Thread 140 (idle): "disttrain-sampler"
+    wait (threading.py:331)
+"""
+STACK_SLEEPING = """Process 102: python -m train
+Python v3.11.7
+
+Thread 102 (idle): "MainThread"
+    forward (my_model.py:12)
+    _call_impl (torch/nn/modules/module.py:1784)
+    training_step (disttrain/module.py:88)
+
+Thread 150 (idle): "gloo-worker"
+    all_reduce (torch/distributed/distributed_c10d.py:2800)
+"""
+
+
+def test_hang_stacks_classify_the_rank_outside_collectives() -> None:
+    assert in_collective(STACK_IN_ALLREDUCE)
+    assert not in_collective(STACK_SLEEPING)  # a collective on another thread does not count
+    assert "forward (my_model.py:12)" in main_thread_stack(STACK_SLEEPING)
+
+
+def test_node_ranks_come_from_meta_records(tmp_path: Path) -> None:
+    import socket
+
+    telemetry = tmp_path / "telemetry"
+    telemetry.mkdir()
+    for rank, host in ((0, socket.gethostname()), (1, socket.gethostname()), (2, "other-node")):
+        record = {"kind": "meta", "rank": rank, "pid": 1000 + rank, "hostname": host}
+        (telemetry / f"rank{rank:04d}.jsonl").write_text(json.dumps(record) + "\n{torn")
+    assert node_ranks(telemetry) == {0: 1000, 1: 1001}
+
+
+def test_cpu_reader_is_labelled_and_reports_rss() -> None:
+    reader, why = make_reader(None)
+    assert isinstance(reader, CpuReader) and why is None
+    sample = reader.read()
+    assert sample["source"] == "cpu"
+    assert sample["rss_bytes"] > 10 * 2**20
+    assert sample["cpu_util_pct"] >= 0
+
+
+def test_nvml_falls_back_to_cpu_with_a_reason_without_a_gpu() -> None:
+    reader, why = make_reader(0)
+    assert reader.source in {"nvml", "cpu"}
+    if reader.source == "cpu":
+        assert "NVML unavailable" in why

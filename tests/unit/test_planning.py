@@ -1,0 +1,63 @@
+"""The planner at launch: memory prediction of the run's own layout, the fit check, strategy=auto."""
+
+from __future__ import annotations
+
+import pytest
+
+from disttrain.config.errors import ConfigError
+from disttrain.config.parse import parse_run_config
+from disttrain.config.schema import DDPConfig, FSDPConfig
+from disttrain.config.validate import batch_plan, validate_run, world_layout
+from disttrain.planning import check_fits, predict_memory, resolve_auto
+from tests.conftest import compose_train
+
+LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
+
+
+def resolved(overrides: list[str]):
+    cfg = parse_run_config(compose_train(overrides))
+    return resolve_auto(cfg, world_layout(cfg), batch_plan(cfg))
+
+
+def test_auto_on_cpu_is_ddp_and_says_why() -> None:
+    cfg, why = resolved(["strategy=auto"])
+    assert cfg.strategy == DDPConfig()
+    assert "hw=cpu" in why
+
+
+def test_auto_for_llama7b_on_8xa100_shards_because_ddp_cannot_fit() -> None:
+    cfg, why = resolved(["strategy=auto", *LLAMA7B_8XA100])
+    assert isinstance(cfg.strategy, FSDPConfig)
+    assert "FSDP2" in why and "fit" in why
+    ddp = parse_run_config(compose_train(["strategy=ddp", *LLAMA7B_8XA100]))
+    ddp_memory = predict_memory(ddp, world_layout(ddp), validate_run(ddp))
+    with pytest.raises(ConfigError, match="exceeds") as info:
+        check_fits(ddp, ddp_memory, check_memory=True)
+    assert info.value.key == "strategy" and "check_memory=false" in info.value.fix
+    check_fits(ddp, ddp_memory, check_memory=False)  # the user's override launches anyway
+    chosen_memory = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+    assert chosen_memory is not None and chosen_memory.total < ddp_memory.total
+    check_fits(cfg, chosen_memory, check_memory=True)
+
+
+def test_auto_refuses_when_nothing_fits() -> None:
+    with pytest.raises(ConfigError, match="no ddp/fsdp layout fits") as info:
+        resolved(["strategy=auto", "model=llama-70b", "hw=1xl4", "trainer.micro_batch_size=1"])
+    assert "python -m plan" in info.value.fix
+
+
+def test_prediction_follows_the_strategy_options() -> None:
+    def total(extra: list[str]) -> int:
+        cfg = parse_run_config(compose_train(["strategy=fsdp", *LLAMA7B_8XA100, *extra]))
+        memory = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+        assert memory is not None
+        return memory.total
+
+    assert total(["strategy.activation_checkpointing=true"]) < total([])
+    assert total([]) < total(["strategy.reshard_after_forward=false"])
+
+
+def test_no_prediction_for_a_user_model() -> None:
+    cfg = parse_run_config(compose_train(["~model", "+model._target_=tests.plugins.BigramModel",
+                                          "+model.vocab_size=16", "+model.seq_len=16"]))  # fmt: skip
+    assert predict_memory(cfg, world_layout(cfg), validate_run(cfg)) is None

@@ -1,0 +1,160 @@
+"""Recommendations are legal overrides of this project's config, differ from what ran, and A/B correctly."""
+
+from __future__ import annotations
+
+import functools
+import shlex
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+from diagnostics.analysis import Finding, analyse
+from diagnostics.analysis.context import RunContext, hydra_value
+from diagnostics.recommend import ab_multirun, ab_tests, recommend, recommend_all
+from disttrain.config.parse import parse_run_config
+from disttrain.config.validate import BatchPlan, validate_run
+from tests.conftest import compose_train
+from tests.diag_fixtures import SCENARIOS, write_run
+
+
+@functools.cache
+def _compose(overrides: tuple[str, ...]) -> DictConfig:
+    return compose_train(list(overrides))
+
+
+def composed(overrides: list[str]) -> dict:
+    return OmegaConf.to_container(_compose(tuple(overrides)), resolve=True)
+
+
+def validate(overrides: list[str]) -> BatchPlan:
+    """Compose + parse + validate exactly as ``python -m train`` would before launching."""
+    return validate_run(parse_run_config(_compose(tuple(overrides))))
+
+
+@pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - {"healthy"}))
+def test_every_override_composes_and_validates_with_the_real_config(tmp_path: Path, scenario: str) -> None:
+    analysis = analyse(write_run(tmp_path / scenario, scenario))
+    original = list(SCENARIOS[scenario].overrides)
+    assert analysis.findings
+    ctx = RunContext.from_run(analysis.run)
+    for finding, recs in zip(analysis.findings, recommend_all(analysis), strict=True):
+        assert recs, f"{finding.kind} has no recommendation"
+        for rec in recs:
+            if not rec.override:
+                assert rec.why.startswith("No config lever"), rec
+                continue
+            validate([*original, *rec.override.split()])
+            known, current = ctx.current(rec.key)
+            assert known and hydra_value(current) != rec.value, f"{rec.override} does not change anything"
+
+
+def test_no_lever_findings_say_so(tmp_path: Path) -> None:
+    for scenario, kind in (("straggler", "straggler"), ("throttled", "throttling"), ("hang", "hang")):
+        analysis = analyse(write_run(tmp_path / scenario, scenario))
+        recs = dict(zip([f.kind for f in analysis.findings], recommend_all(analysis), strict=True))[kind]
+        assert [r.override for r in recs] == [""]
+        assert recs[0].why.startswith("No config lever")
+    straggler = recommend_all(analyse(tmp_path / "straggler"))[0][0]
+    assert "rank 2 on host node0" in straggler.why
+
+
+def _ctx(**config: dict) -> RunContext:
+    base = {"data": {"name": "synthetic", "num_workers": 0, "pin_memory": False}, "hw": {"accelerator": "gpu"}}
+    base["hw"]["devices_per_node"] = 2
+    base.update(config)
+    return RunContext(base, {"global_batch_size": 32, "micro_batch_size": 16, "data_parallel_size": 2}, 16)
+
+
+def _input_bound() -> Finding:
+    return Finding("input_bound", "critical", [0], {"data_wait_fraction": {0: 0.4}}, "slow data")
+
+
+def test_num_workers_grows_from_the_current_value() -> None:
+    recs = recommend(_input_bound(), _ctx())
+    assert [r.override for r in recs] == ["data.num_workers=8", "data.pin_memory=true"]  # 16 cores / 2 ranks
+    grown = recommend(_input_bound(), _ctx(data={"name": "synthetic", "num_workers": 8, "pin_memory": True}))
+    assert [r.override for r in grown] == ["data.num_workers=16"]
+
+
+def test_custom_datamodule_gets_the_worker_count_as_a_new_key() -> None:
+    ctx = _ctx(data={"name": "custom", "_target_": "my.DataModule"})
+    recs = recommend(_input_bound(), ctx)
+    assert recs[0].override == "+data.num_workers=8" and "constructor" in recs[0].why
+    assert recs[-1].override == "" and "datamodule" in recs[-1].why
+
+
+def test_smaller_micro_batch_keeps_the_global_batch(tmp_path: Path) -> None:
+    analysis = analyse(write_run(tmp_path / "m", "memory_pressure"))
+    overrides = [r.override for r in recommend_all(analysis)[0]]
+    assert overrides[:2] == ["trainer.global_batch_size=32 trainer.micro_batch_size=8", "strategy=fsdp"]
+    fsdp = analyse(write_run(tmp_path / "f", "memory_pressure_fsdp"))
+    assert recommend_all(fsdp)[0][0].override == "strategy.activation_checkpointing=true"
+
+
+def test_ab_multirun_sweeps_original_against_recommended(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "ib", "input_bound")
+    text = ab_multirun(run_dir, top_k=3)
+    commands = [line for line in text.splitlines() if not line.startswith("#")]
+    assert commands == [
+        f"python -m train -m data.num_workers=0,2 hydra.sweep.dir={run_dir.resolve()}/ab/data.num_workers"
+    ]
+    assert "job 0 = original (data.num_workers=0)" in text
+
+
+def _arms(argv: tuple[str, ...]) -> list[list[str]]:
+    """The two override lists a ``-m key=a,b`` sweep expands to (Hydra settings dropped: compose ignores them)."""
+    args = [a for a in argv if a != "-m" and not a.startswith("hydra.")]
+    key, values = args[-1].split("=", 1)
+    return [[*args[:-1], f"{key}={v}"] for v in values.split(",")]
+
+
+@pytest.mark.parametrize("scenario", ["memory_pressure", "comm_bound", "low_mfu", "memory_pressure_fsdp"])
+def test_both_arms_of_every_ab_test_are_valid_runs(tmp_path: Path, scenario: str) -> None:
+    analysis = analyse(write_run(tmp_path / scenario, scenario))
+    tests = ab_tests(analysis, recommend_all(analysis), top_k=3)
+    assert tests and len({t.key for t in tests}) == len(tests)
+    for test in tests:
+        line = test.shell().splitlines()[1]
+        assert line.startswith("python -m train -m ") and shlex.split(line)[3:] == list(test.argv)
+        original, recommended = _arms(test.argv)
+        validate(recommended)
+        # Arm A is the original run: the same config up to pinned values that restate it (same batch plan).
+        base = list(SCENARIOS[scenario].overrides)
+        pinned = [a for a in original if a not in base]
+        assert composed(original) == composed([*base, *pinned])
+        assert validate(original) == validate(base)
+
+
+def test_ab_replaces_original_overrides_of_the_swept_key(tmp_path: Path) -> None:
+    run_dir = write_run(
+        tmp_path / "o",
+        "memory_pressure",
+        overrides=(*SCENARIOS["memory_pressure"].overrides, "strategy.bucket_cap_mb=50"),
+    )
+    analysis = analyse(run_dir)
+    tests = {t.key: t for t in ab_tests(analysis, recommend_all(analysis), top_k=3)}
+    swap = tests["strategy"]
+    assert "strategy=ddp,fsdp" in swap.argv and "strategy.bucket_cap_mb=50" not in swap.argv
+    assert "replaces strategy.bucket_cap_mb=50" in swap.note
+    validate(_arms(swap.argv)[1])
+
+
+def test_without_run_json_the_analysed_run_is_the_baseline(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "bare", "input_bound", manifest=False)
+    text = ab_multirun(run_dir)
+    assert "original value unknown" in text
+    assert "python -m train -m data.num_workers=2 " in text
+
+
+def test_hydra_values() -> None:
+    assert [hydra_value(v) for v in (True, None, 8, "bf16-mixed")] == ["true", "null", "8", "bf16-mixed"]
+    assert hydra_value("a b,c") == "'a b,c'"
+
+
+def test_ab_keeps_the_plus_of_a_key_the_original_added(tmp_path: Path) -> None:
+    # A custom datamodule's num_workers exists only because the original command added it with "+".
+    run_dir = write_run(tmp_path / "c", "input_bound", config_patch={"data": {"num_workers": 1}})
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- +data.num_workers=1\n")
+    (test,) = ab_tests(analyse(run_dir), recommend_all(analyse(run_dir)), top_k=1)
+    assert "+data.num_workers=1,2" in test.argv and "+data.num_workers=1" not in test.argv
