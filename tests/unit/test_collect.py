@@ -121,6 +121,7 @@ def test_profile_split_on_gloo_counts_worker_thread_collectives_as_comm() -> Non
         Event("aten::addmm", 1.0, 2.0, False),  # nested inside the mm span: union, not double counting
         Event("gloo:all_reduce", 3.0, 6.0, False),
         Event("Optimizer.zero_grad#AdamW.zero_grad", 6.0, 6.5, False),
+        Event("Optimizer.step#AdamW.step", 0.0, 9.0, False, "user_annotation"),  # wraps the whole closure
         Event("aten::add_", 7.0, 8.0, False),
     ]
     split = split_events(events, (0.0, 10.0))
@@ -207,3 +208,17 @@ def test_nvml_falls_back_to_cpu_with_a_reason_without_a_gpu() -> None:
     assert reader.source in {"nvml", "cpu"}
     if reader.source == "cpu":
         assert "NVML unavailable" in why
+
+
+def test_events_from_an_exported_chrome_trace() -> None:
+    from diagnostics.collect.profile_window import events_from_trace
+
+    trace = {"traceEvents": [
+        {"ph": "X", "name": "ProfilerStep#3", "cat": "user_annotation", "ts": 1_000_000, "dur": 2_000_000},
+        {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 1_500_000, "dur": 500_000},
+        {"ph": "X", "name": "ncclDevKernel_AllReduce", "cat": "kernel", "ts": 2_000_000, "dur": 250_000},
+        {"ph": "i", "name": "marker", "ts": 1_200_000},
+    ]}  # fmt: skip
+    events, window = events_from_trace(trace)
+    assert window == (1.0, 3.0)
+    assert [(e.name, e.on_device) for e in events] == [("aten::mm", False), ("ncclDevKernel_AllReduce", True)]
