@@ -24,14 +24,14 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     manifest = read_manifest(run_dir)
     result = manifest["result"]
     assert manifest["status"] == "completed"
-    assert result["steps"] == 250
+    assert result["steps"] == 220
     assert result["loss_floor"] == pytest.approx(0.7624, abs=1e-4)
     # The promise: the default run ends within 0.10 nats/token of the data's entropy floor.
     assert 0.0 < manifest["result_gap_to_floor"] < 0.10, result
     assert result["tokens_per_s"] > 0
     assert f"val gap to floor {manifest['result_gap_to_floor']:+.4f}" in out
     assert f"run dir     {run_dir}" in out
-    assert "step 250/250" in out
+    assert "step 220/220" in out
 
     assert manifest["world"] == {"num_nodes": 1, "devices_per_node": 2, "world_size": 2, "data_parallel_size": 2}
     assert manifest["batch"]["global_batch_size"] == 32
@@ -53,8 +53,8 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     assert report["summary"]["tokens_per_s"] > 0
     assert "diagnostics:" in out
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert checkpoints == ["last.ckpt", "step000100.ckpt", "step000200.ckpt", "step000250.ckpt"]
-    assert (run_dir / "checkpoints" / "last.ckpt").resolve().name == "step000250.ckpt"
+    assert checkpoints == ["last.ckpt", "step000100.ckpt", "step000200.ckpt", "step000220.ckpt"]
+    assert (run_dir / "checkpoints" / "last.ckpt").resolve().name == "step000220.ckpt"
 
 
 SHORT = [

@@ -173,7 +173,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    max_steps: int = 250
+    max_steps: int = 220
     micro_batch_size: int = 16  # sequences per rank per forward/backward
     global_batch_size: int | None = None  # sequences per optimizer step over all ranks; None: micro x dp
     grad_clip: float = 1.0  # 0 disables clipping
