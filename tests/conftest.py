@@ -10,10 +10,25 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from disttrain.config.schema import ModelConfig
+from disttrain.hardware import HardwareProfile
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
+MODEL_PRESETS = sorted((CONF / "model").glob("*.yaml"))
+
+
+def model_preset(name_or_path: str | Path) -> ModelConfig:
+    """A ``conf/model`` preset by name (``llama-7b``) or path, as the typed ModelConfig."""
+    path = Path(name_or_path) if str(name_or_path).endswith(".yaml") else CONF / "model" / f"{name_or_path}.yaml"
+    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(path)))
+
+
+def hw_profile(name: str) -> HardwareProfile:
+    """A ``conf/hw`` profile by name, as the typed HardwareProfile."""
+    return HardwareProfile(**OmegaConf.to_container(OmegaConf.load(CONF / "hw" / f"{name}.yaml")))
 
 
 def compose_train(overrides: list[str] | None = None) -> DictConfig:

@@ -240,11 +240,12 @@ def build_trainer(
     return TrainerParts(trainer, throughput, ckpt_dir)
 
 
-def build_run(cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, run_dir: Path) -> tuple:
-    """Everything ``trainer.fit`` needs: (TrainerParts, module, datamodule, facts)."""
+def build_run(
+    cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, run_dir: Path, facts: ModelFacts
+) -> tuple[TrainerParts, LanguageModelModule, pl.LightningDataModule]:
+    """Everything ``trainer.fit`` needs: the Trainer and its callbacks, the module, the datamodule."""
     strategy = build_strategy(cfg, layout.world_size, apply_activation_checkpointing)
-    facts = model_facts(cfg.model, cfg.trainer.seed)
     module = build_module(cfg, plan, strategy, facts)
     datamodule = build_datamodule(cfg, plan)
     parts = build_trainer(cfg, layout, plan, strategy, run_dir, facts)
-    return parts, module, datamodule, facts
+    return parts, module, datamodule

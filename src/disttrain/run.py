@@ -19,6 +19,7 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from disttrain.build import ModelFacts, model_facts
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import AutoStrategyConfig, RunConfig
@@ -69,8 +70,6 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
     plan = validate_run(run_cfg)
     memory = predict_memory(run_cfg, layout, plan)
 
-    from disttrain.build import model_facts
-
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
     rank_zero = is_global_rank_zero()
     if rank_zero:
@@ -93,7 +92,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
         say(f"resuming from {checkpoint}")
     command = partial(child_command, module_name, task_overrides, str(run_dir))
     predicted = None if memory is None else memory.total
-    train(run_cfg, cfg, layout, plan, run_dir, checkpoint, command, started, predicted)
+    train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, predicted)
 
 
 def train(
@@ -101,6 +100,7 @@ def train(
     cfg: DictConfig,
     layout: WorldLayout,
     plan: BatchPlan,
+    facts: ModelFacts,
     run_dir: Path,
     checkpoint: Path | None,
     command_for_rank: partial,
@@ -130,7 +130,7 @@ def train(
 
     rank_zero = is_global_rank_zero()
     try:
-        parts, module, datamodule, facts = build_run(run_cfg, layout, plan, run_dir)
+        parts, module, datamodule = build_run(run_cfg, layout, plan, run_dir, facts)
         manifest = {
             "status": "running",
             "command": command_line(),

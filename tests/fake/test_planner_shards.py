@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -26,12 +24,7 @@ from disttrain.config.schema import FSDPConfig, ModelConfig, PrecisionConfig
 from disttrain.models import build_model
 from disttrain.planner import model_shape
 from disttrain.strategies.fsdp import apply_fsdp
-
-MODEL_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
-
-
-def preset(name: str) -> ModelConfig:
-    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(MODEL_DIR / f"{name}.yaml")))
+from tests.conftest import model_preset as preset
 
 
 @contextmanager

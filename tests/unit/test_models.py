@@ -20,9 +20,8 @@ from disttrain.models import (
     hardware_flops_per_token,
     matmul_parameters,
 )
-
-MODEL_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
-PRESETS = sorted(MODEL_DIR.glob("*.yaml"))
+from tests.conftest import MODEL_PRESETS as PRESETS
+from tests.conftest import model_preset as load_preset
 
 # Published totals (embeddings included, tied LM head counted once).
 PUBLISHED = {
@@ -52,10 +51,6 @@ LLAMA_SMALL = ModelConfig(
     tie_embeddings=False,
 )
 SMALL = [pytest.param(GPT_SMALL, id="gpt"), pytest.param(LLAMA_SMALL, id="llama")]
-
-
-def load_preset(path: Path) -> ModelConfig:
-    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(path)))
 
 
 def numel(model: torch.nn.Module) -> int:
@@ -90,7 +85,7 @@ def test_preset_parameter_count(path: Path) -> None:
 
 
 def test_gpt_nano_is_cpu_sized() -> None:
-    cfg = load_preset(MODEL_DIR / "gpt-nano.yaml")
+    cfg = load_preset("gpt-nano")
     assert 1_000_000 <= count_parameters(cfg) <= 3_000_000
 
 
@@ -101,12 +96,12 @@ def test_count_parameters_matches_small_models(cfg: ModelConfig) -> None:
 
 
 def test_embedding_and_matmul_parameters() -> None:
-    gpt2 = load_preset(MODEL_DIR / "gpt2-124m.yaml")
+    gpt2 = load_preset("gpt2-124m")
     wte, wpe = 50257 * 768, 1024 * 768
     assert count_embedding_parameters(gpt2) == wte + wpe == 39_383_808
     # Tied: the shared matrix counts once, as the LM head; the position embedding is not a matmul.
     assert matmul_parameters(gpt2) == 124_439_808 - wpe == 123_653_376
-    llama = load_preset(MODEL_DIR / "llama-7b.yaml")
+    llama = load_preset("llama-7b")
     assert count_embedding_parameters(llama) == 32000 * 4096
     # Untied: the token-embedding lookup drops out, the separate LM head stays.
     assert matmul_parameters(llama) == 6_738_415_616 - 32000 * 4096
@@ -226,7 +221,7 @@ def test_activation_checkpointing_keeps_gradients_names_and_init(cfg: ModelConfi
 
 
 def test_flops_per_token_gpt2_124m() -> None:
-    cfg = load_preset(MODEL_DIR / "gpt2-124m.yaml")
+    cfg = load_preset("gpt2-124m")
     # N' = 124,439,808 total - 786,432 (wpe) = 123,653,376 (tied wte counted once, as the LM head).
     # 6 N'             = 741,920,256
     # 12 L H Q T       = 12 * 12 * 12 * 64 * 1024 = 113,246,208

@@ -5,26 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from disttrain.config.schema import ModelConfig
-from disttrain.hardware import HardwareProfile
 from disttrain.planner import JSON_KEYS, Layout, Workload, candidate_layouts, count_shape, model_shape, plan
 from disttrain.planner.plan import suggest_micro_batch
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
-
-def hw(name: str) -> HardwareProfile:
-    return HardwareProfile(**OmegaConf.to_container(OmegaConf.load(CONF / "hw" / f"{name}.yaml")))
-
-
-def model(name: str) -> ModelConfig:
-    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))
-
+from tests.conftest import hw_profile as hw
+from tests.conftest import model_preset as model
 
 # The 1T GPT of Narayanan et al. 2021 (Table 1): 128 layers, hidden 25600, 160 heads, seq 2048, vocab 51200,
 # global batch 3072; here on 128 nodes x 8 A100s.

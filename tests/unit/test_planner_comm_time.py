@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
-from disttrain.config.schema import ModelConfig
-from disttrain.hardware import HardwareProfile
 from disttrain.planner import (
     Assumptions,
     Group,
@@ -28,16 +24,8 @@ from disttrain.planner import (
 from disttrain.planner.comm import link_time
 from disttrain.planner.shapes import hardware_flops_per_token
 from disttrain.planner.step_time import model_flops
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
-
-def hw(name: str) -> HardwareProfile:
-    return HardwareProfile(**OmegaConf.to_container(OmegaConf.load(CONF / "hw" / f"{name}.yaml")))
-
-
-def model(name: str) -> ModelConfig:
-    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))
+from tests.conftest import hw_profile as hw
+from tests.conftest import model_preset as model
 
 
 @pytest.mark.parametrize("n", [2, 8, 64])

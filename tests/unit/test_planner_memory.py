@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from disttrain.config.schema import ModelConfig
 from disttrain.models import (
@@ -34,17 +33,9 @@ from disttrain.planner import (
 )
 from disttrain.planner import hardware_flops_per_token as planner_hardware_flops
 from disttrain.planner.step_time import model_flops
-
-MODEL_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
-PRESETS = sorted(MODEL_DIR.glob("*.yaml"))
-
-
-def load_preset(path: Path) -> ModelConfig:
-    return ModelConfig(**OmegaConf.to_container(OmegaConf.load(path)))
-
-
-def preset(name: str) -> ModelConfig:
-    return load_preset(MODEL_DIR / f"{name}.yaml")
+from tests.conftest import MODEL_PRESETS as PRESETS
+from tests.conftest import model_preset as load_preset
+from tests.conftest import model_preset as preset
 
 
 def states(memory) -> int:
