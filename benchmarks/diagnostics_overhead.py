@@ -1,7 +1,13 @@
 """What diagnostics cost: tokens/s of the same run with ``diagnostics=default`` vs ``diagnostics=off``.
 
-Runs are interleaved (off, default, off, default, ...) so drift on a shared machine hits both sides; the
-ratio of the medians is printed (target >= 0.98).
+Three arms, interleaved (off, default, default without the profiler window, off, ...) so drift on a shared
+machine hits all of them; ratios of the medians are printed (target >= 0.98):
+
+- ``default / off``: the whole cost at this run length, the one-time profiler window included;
+- ``no window / off``: the always-on collectors (step phases, rank gathers, sampler, watchdog, telemetry),
+  i.e. the cost per step that does not shrink as a run gets longer;
+- the profiler window's one-time cost in seconds, measured inside the default runs from their own step
+  records (profiled steps minus the median step), and what share of this run's training time it is.
 
     python benchmarks/diagnostics_overhead.py [--steps 120] [--repeats 2] [--extra strategy=fsdp ...]
 """
@@ -9,6 +15,7 @@ ratio of the medians is printed (target >= 0.98).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -16,17 +23,43 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_cli import train_manifest
 
+ARMS = {"off": ["diagnostics=off"], "default": ["diagnostics=default"], "no window": ["diagnostics.profile=false"]}
 
-def tokens_per_s(diagnostics: str, steps: int, extra: list[str]) -> float:
+
+def run(arm: str, steps: int, extra: list[str]) -> tuple[float, tuple[float, float] | None]:
+    """(tokens/s, (profiler window's extra seconds, all steps' seconds) on rank 0, or None) of one run."""
     overrides = [
-        f"diagnostics={diagnostics}",
+        *ARMS[arm],
         f"trainer.max_steps={steps}",
         f"trainer.val_every_n_steps={steps}",
         "trainer.val_batches=1",
         f"trainer.ckpt_every_n_steps={steps}",
         *extra,
     ]
-    return train_manifest(overrides)["result"]["tokens_per_s"]
+    window: list[tuple[float, float] | None] = [None]
+
+    def inspect(run_dir: Path) -> None:
+        window[0] = window_cost(run_dir / "telemetry" / "rank0000.jsonl")
+
+    manifest = train_manifest(overrides, inspect=inspect)
+    return manifest["result"]["tokens_per_s"], window[0]
+
+
+def window_cost(telemetry: Path) -> tuple[float, float] | None:
+    """Seconds the profiled steps took beyond the median step, and all steps' seconds, from rank 0's records."""
+    if not telemetry.exists():
+        return None
+    records = [json.loads(line) for line in telemetry.read_text().splitlines() if line.strip()]
+    steps = {r["step"]: r["step_s"] for r in records if r.get("kind") == "step" and r.get("step_s")}
+    profiles = [r for r in records if r.get("kind") == "profile"]
+    if not steps or not profiles:
+        return None
+    first, last = profiles[0]["steps"]
+    typical = statistics.median(steps.values())
+    # A step record times from the previous step's end hooks to this one's, and the profiler advances in those
+    # hooks after the record is closed: starting and stopping the trace land in the next step's record.
+    profiled = [steps[s] for s in range(first, last + 2) if s in steps]
+    return sum(t - typical for t in profiled), sum(steps.values())
 
 
 def main() -> None:
@@ -35,14 +68,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--extra", nargs="*", default=[])
     args = parser.parse_args()
-    results: dict[str, list[float]] = {"off": [], "default": []}
+    rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    windows: list[tuple[float, float]] = []
     for _ in range(args.repeats):
-        for mode in ("off", "default"):
-            results[mode].append(tokens_per_s(mode, args.steps, args.extra))
-    off, on = statistics.median(results["off"]), statistics.median(results["default"])
-    print(f"diagnostics=off     : {off:10,.0f} tokens/s  (runs: {', '.join(f'{v:,.0f}' for v in results['off'])})")
-    print(f"diagnostics=default : {on:10,.0f} tokens/s  (runs: {', '.join(f'{v:,.0f}' for v in results['default'])})")
-    print(f"ratio (target >= 0.98): {on / off:8.3f}")
+        for arm in ARMS:
+            rate, window = run(arm, args.steps, args.extra)
+            rates[arm].append(rate)
+            if arm == "default" and window is not None:
+                windows.append(window)
+    median = {arm: statistics.median(values) for arm, values in rates.items()}
+    for arm, values in rates.items():
+        runs = ", ".join(f"{v:,.0f}" for v in values)
+        print(f"diagnostics {arm:<10}: {median[arm]:10,.0f} tokens/s  (runs: {runs})")
+    whole, steady = median["default"] / median["off"], median["no window"] / median["off"]
+    print(f"ratio default / off   (whole run, {args.steps} steps; target >= 0.98): {whole:.3f}")
+    print(f"ratio no window / off (always-on collectors; target >= 0.98):  {steady:.3f}")
+    if windows:
+        seconds = statistics.median(extra for extra, _ in windows)
+        share = statistics.median(extra / total for extra, total in windows)
+        print(f"profiler window: {seconds:.2f} s once per run, {100 * share:.1f}% of these {args.steps} steps' time")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
-def train_manifest(overrides: list[str]) -> dict:
+def train_manifest(overrides: list[str], inspect: Callable[[Path], None] | None = None) -> dict:
+    """The run's run.json; ``inspect`` may read the run dir before it is deleted."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         subprocess.run(
@@ -20,4 +22,6 @@ def train_manifest(overrides: list[str]) -> dict:
             stdout=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+        if inspect is not None:
+            inspect(run_dir)
         return json.loads((run_dir / "run.json").read_text())

@@ -139,11 +139,49 @@ def for_straggler(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     ]
 
 
+# PowerSGD's default rank and warm-up (conf/strategy/ddp.yaml); a matrix below this width compresses < 8x.
+POWERSGD_RANK = 4
+POWERSGD_WARMUP_STEPS = 50
+POWERSGD_MIN_WIDTH = 64
+
+
+def _ddp_comm_hooks(ctx: RunContext) -> list[Recommendation]:
+    """DDP comm hooks that send fewer bytes than the run did (strategy.comm_hook), smallest change first."""
+    hook = ctx.get("strategy.comm_hook") or "none"
+    recs: list[Recommendation] = []
+    if hook == "none" and ctx.get("precision.name") != "bf16-true":  # bf16-true gradients are 2 bytes already
+        why = "gradients are all-reduced in fp32; a bf16 copy of each bucket keeps fp32's range at half the size"
+        recs.append(_rec("strategy.comm_hook", "bf16", why, "half the gradient all-reduce bytes"))
+    width = ctx.get("model.d_model")
+    max_steps = ctx.get("trainer.max_steps")
+    if hook != "powersgd" and (not isinstance(width, int) or width >= POWERSGD_MIN_WIDTH):
+        shape = f"a {width}x{width} gradient" if isinstance(width, int) else "an n x m gradient"
+        ratio = f"{width / (2 * POWERSGD_RANK):.0f}x" if isinstance(width, int) else "min(n, m)/8 x"
+        why = (
+            f"PowerSGD sends rank-{POWERSGD_RANK} factors of each weight matrix: {shape} becomes "
+            f"(rows + cols) x {POWERSGD_RANK} values, {ratio} fewer; biases and norms go uncompressed, and error "
+            "feedback keeps convergence close to plain all-reduce"
+        )
+        pinned: tuple[str, ...] = ()
+        if isinstance(max_steps, int) and max_steps <= POWERSGD_WARMUP_STEPS:
+            if max_steps <= 2:
+                return recs  # no step would be left after PowerSGD's shortest warm-up
+            pinned = (f"strategy.powersgd_warmup_steps={max(2, max_steps // 10)}",)
+        effect = "gradient bytes cut by about the ratio above after the warm-up; check the loss curve"
+        recs.append(_rec("strategy.comm_hook", "powersgd", why, effect, pinned))
+    rank = ctx.get("strategy.powersgd_rank")
+    if hook == "powersgd" and isinstance(rank, int) and rank > 1:
+        why = f"the P and Q factors grow with the rank: rank {rank // 2} sends half of what rank {rank} does"
+        recs.append(_rec("strategy.powersgd_rank", rank // 2, why, "half the compressed bytes; a coarser gradient"))
+    return recs
+
+
 def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     why = "gradients are reduced once per optimizer step; twice the accumulation halves the reductions per token"
     recs = _bigger_global(ctx, why, "communication per token halves (the batch doubles: retune lr if needed)")
     precision = ctx.get("precision.name")
     if ctx.strategy == "ddp":
+        recs += _ddp_comm_hooks(ctx)
         bucket = ctx.get("strategy.bucket_cap_mb") or 25
         why = f"fewer, larger all-reduces than {bucket} MB buckets pay the collective latency fewer times"
         recs.append(_rec("strategy.bucket_cap_mb", 4 * bucket, why, "less exposed communication if latency-bound"))
@@ -175,6 +213,26 @@ def for_low_overlap(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     if ctx.strategy == "fsdp" and ctx.get("strategy.reshard_after_forward") is True:
         why = "backward then needs no all-gathers of its own, so only reduce-scatters remain to overlap"
         return [_rec("strategy.reshard_after_forward", False, why, "shorter backward critical path, more memory")]
+    if ctx.strategy == "deepspeed":
+        if ctx.get("strategy.overlap_comm") is False:
+            why = "DeepSpeed reduces gradient buckets only after backward unless overlap_comm is on"
+            return [_rec("strategy.overlap_comm", True, why, "gradient reduction overlapped with backward")]
+        bucket = ctx.get("strategy.reduce_bucket_size") or 200_000_000
+        why = (
+            f"a gradient bucket is reduced only when {bucket:,} elements are ready: a smaller bucket starts "
+            "reducing while backward still runs"
+        )
+        return [_rec("strategy.reduce_bucket_size", max(1, bucket // 4), why, "communication overlapped with backward")]
+    tp = ctx.get("strategy.tp")
+    if ctx.strategy == "megatron" and isinstance(tp, int) and tp > 1:
+        why = (
+            f"tensor parallelism all-reduces (or gathers and scatters) activations inside every layer, on the "
+            f"critical path: tp={tp // 2} halves those collectives (the freed ranks join data parallelism)"
+        )
+        return [_rec("strategy.tp", tp // 2, why, "fewer exposed collectives per layer, more memory per rank")]
+    if ctx.strategy == "megatron":
+        why = "the unhidden collectives are FSDP2's on the data-parallel axis, which prefetches as far as it can"
+        return [_no_lever(why, "see the per-op communication in the evidence")]
     return []
 
 
@@ -188,11 +246,35 @@ def for_memory_pressure(finding: Finding, ctx: RunContext) -> list[Recommendatio
     if ctx.strategy == "ddp" and ctx.get("precision.name") != "fp16-mixed":
         why = "DDP keeps full parameters, gradients and optimizer states on every rank; FSDP shards them over dp"
         recs.append(_rec("strategy", "fsdp", why, "parameter + optimizer memory per rank divided by the dp size"))
+    if ctx.strategy == "ddp":
+        why = "ZeRO-2 (the default stage) shards gradients and optimizer states over dp; compute stays as in DDP"
+        recs.append(_rec("strategy", "deepspeed", why, "gradient + optimizer memory per rank divided by the dp size"))
+    recs += _deepspeed_memory(ctx)
     if ctx.get("precision.name") == "fp32":
         recs.append(_rec("precision", "bf16-mixed", "bf16 activations take half the memory", "less activation memory"))
     if ctx.strategy == "fsdp" and ctx.on_gpu and ctx.get("strategy.cpu_offload") is False:
         why = "last resort: sharded parameters and optimizer states live in host memory"
         recs.append(_rec("strategy.cpu_offload", True, why, "much less GPU memory, much slower steps"))
+    return recs
+
+
+def _deepspeed_memory(ctx: RunContext) -> list[Recommendation]:
+    """ZeRO's memory levers, cheapest first: recomputation, the next stage, then (GPU only) host offload."""
+    if ctx.strategy != "deepspeed":
+        return []
+    recs: list[Recommendation] = []
+    if ctx.get("strategy.activation_checkpointing") is False:
+        why = "recompute each block's activations in backward instead of keeping them"
+        effect = "activation memory drops to about one block's worth; ~1/3 more compute (HFU > MFU)"
+        recs.append(_rec("strategy.activation_checkpointing", True, why, effect))
+    stage = ctx.get("strategy.stage")
+    if stage in (1, 2):
+        what = {1: "gradients", 2: "parameters"}[stage]
+        why = f"ZeRO-{stage + 1} also shards the {what} over the data-parallel ranks"
+        recs.append(_rec("strategy.stage", stage + 1, why, f"{what} memory per rank divided by the dp size"))
+    if ctx.on_gpu and ctx.get("strategy.offload_optimizer") is False:
+        why = "last resort: optimizer states live in host memory and the host steps them"
+        recs.append(_rec("strategy.offload_optimizer", True, why, "much less GPU memory, slower steps"))
     return recs
 
 
@@ -221,8 +303,25 @@ def for_low_mfu(finding: Finding, ctx: RunContext) -> list[Recommendation]:
 
 
 def for_pipeline_bubble(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    recs: list[Recommendation] = []
+    pp, m, micro = ctx.get("strategy.pp"), ctx.get("strategy.microbatches"), ctx.micro()
+    if ctx.strategy == "megatron" and isinstance(pp, int) and pp > 1:
+        m = m if isinstance(m, int) else pp
+        if micro and micro % 2 == 0:
+            why = (
+                f"the same global batch in twice the micro-batches (m={2 * m}) halves the bubble, (pp-1)/(m+pp-1) of "
+                "the step, with the same optimizer batch"
+            )
+            pinned = (f"trainer.micro_batch_size={micro // 2}", *_kept_global(ctx))
+            recs.append(_rec("strategy.microbatches", 2 * m, why, "about half the idle share per step", pinned))
+        layers = ctx.get("model.n_layers")
+        interleavable = isinstance(layers, int) and layers % (2 * pp) == 0 and m % pp == 0
+        if ctx.get("strategy.schedule") in ("gpipe", "1f1b") and interleavable:
+            why = "two model chunks per pipeline rank (interleaved 1F1B) divide the bubble by two at the same batch"
+            effect = "half the bubble, for twice the stage-to-stage messages"
+            recs.append(_rec("strategy.schedule", "interleaved_1f1b", why, effect, ("strategy.virtual_stages=2",)))
     why = "more microbatches per step shrink the schedule's bubble, (pp-1)/(m+pp-1) of the step"
-    return _bigger_global(ctx, why, "smaller idle share per step")
+    return recs + _bigger_global(ctx, why, "smaller idle share per step")
 
 
 def for_throttling(finding: Finding, ctx: RunContext) -> list[Recommendation]:

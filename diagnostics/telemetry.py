@@ -19,12 +19,14 @@ Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
   where a straggler shows.
 - ``sample``: periodic device sample from NVML (``source="nvml"``) or the CPU fallback (``source="cpu"``).
 - ``profile``: one torch.profiler window per rank parsed into communication, computation, their overlap and
-  idle time.
+  idle time, and the payload bytes handed to collectives per step (``comm_bytes_per_step``, by op).
 - ``memory``: peak memory at the end (GPU allocator peaks, or RSS on CPU).
 - ``throughput``: the run's tokens/s, MFU and HFU against each peak.
 - ``calibration``: the measured matmul FLOP/s of this device (the calibrated peak).
 - ``error``: a collector failed; training went on.
 - ``hang``: the watchdog fired: no step completed within the timeout.
+- ``nonfinite``: a step had a non-finite loss or gradient (``what``); ``action`` is ``skipped`` (its update was
+  dropped, ``skipped_total`` so far) or ``stopped`` (``trainer.nan_policy``).
 - ``end``: the rank finished cleanly.
 """
 
@@ -58,6 +60,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "profile": (
         "steps", "total_s", "compute_s", "comm_s", "overlap_s", "idle_s", "comm_by_op", "trace_file", "backend",
+        "comm_bytes_per_step", "comm_bytes_by_op",
     ),
     "memory": ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "device_memory_bytes"),
     "throughput": (
@@ -67,6 +70,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "calibration": ("dtype", "matrix_size", "flops_per_s", "seconds"),
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
+    "nonfinite": ("step", "what", "action", "skipped_total"),
     "end": ("steps", "wall_s"),
 }  # fmt: skip
 

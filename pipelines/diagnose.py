@@ -3,6 +3,7 @@
     python -m diagnose RUN_DIR               report/ from RUN_DIR/telemetry, then the short summary
     python -m diagnose RUN_DIR --ab [--run]  the A/B multirun command(s) for the top recommendations (and run them)
     python -m diagnose compare RUN_A RUN_B   config diff, metric deltas, findings gone/new, and why
+    python -m diagnose sweep MULTIRUN_DIR    every run of a sweep compared: MULTIRUN_DIR/report/sweep.{md,html,json}
 
 Pure Python over the run directory (no torch): works on a laptop over a directory copied from a cluster.
 """
@@ -79,11 +80,26 @@ def compare_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def sweep_command(args: argparse.Namespace) -> int:
+    from diagnostics.report.sweep import build_sweep_report, write_sweep_report
+
+    path = Path(args.sweep_dir)
+    if not path.is_dir():
+        raise UserError(f"'{args.sweep_dir}' is not a directory; pass a multirun dir (multirun/<date>/<time>)")
+    try:
+        report = build_sweep_report(path)
+    except FileNotFoundError as err:
+        raise UserError(f"{err}; pass the directory of a python -m train -m sweep (multirun/<date>/<time>)") from None
+    write_sweep_report(report)
+    print(report.text_summary())
+    return 0
+
+
 def _report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diagnose",
         description="Rebuild RUN_DIR/report/ from RUN_DIR/telemetry and print the bottleneck summary.",
-        epilog="Compare two runs: python -m diagnose compare RUN_A RUN_B",
+        epilog="Compare two runs: python -m diagnose compare RUN_A RUN_B; a whole sweep: python -m diagnose sweep DIR",
     )
     parser.add_argument("run_dir", help="a training run directory (holds telemetry/ and run.json)")
     parser.add_argument("--ab", action="store_true", help="print the Hydra multirun A/B command per top recommendation")
@@ -99,11 +115,21 @@ def _compare_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sweep_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diagnose sweep", description="Compare every run of a sweep: ranked table, Pareto front, scaling."
+    )
+    parser.add_argument("sweep_dir", help="a multirun directory (holds one run dir per job)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["compare"]:
             return compare_command(_compare_parser().parse_args(argv[1:]))
+        if argv[:1] == ["sweep"]:
+            return sweep_command(_sweep_parser().parse_args(argv[1:]))
         return report_command(_report_parser().parse_args(argv))
     except UserError as err:
         print(f"diagnose: error: {err}", file=sys.stderr)

@@ -12,6 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
+from disttrain.exit_codes import RunStopped
 
 # Resolved through the real path so an editable install finds conf/ from any working directory.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -26,7 +27,23 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
+    except RunStopped as stop:  # a run that ended without completing (non-finite stop, failed restarts)
+        if stop.message:
+            print(stop.message, file=sys.stderr)
+        sys.exit(stop.exit_code)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """Check the command before Hydra creates a run dir (see disttrain.preflight), then run it."""
+    from disttrain.preflight import preflight
+
+    try:
+        preflight(sys.argv[1:] if argv is None else argv, CONF_DIR)
+    except ConfigError as err:
+        print(f"disttrain: config error: {err}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT_CODE)
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -47,6 +47,7 @@ class Scenario:
     bubble: float | None = None
     hang_after: int | None = None  # last completed step before every rank stops
     jitter: float = 0.03
+    comm_ops: tuple[str, ...] = ("gloo:all_reduce",)  # profiled communication, split evenly over these ops
     grad_hook: bool = True  # False: as under FSDP2, backward's communication wait is timed as compute
     config_patch: dict = field(default_factory=dict)  # written into run.json's config (e.g. hostile strings)
 
@@ -69,6 +70,15 @@ SCENARIOS: dict[str, Scenario] = {
     "memory_pressure_fsdp": Scenario(overrides=(*GPU, "precision=bf16-mixed", "strategy=fsdp"), mem_fraction=0.93),
     "low_mfu": Scenario(overrides=GPU, mfu=0.05),
     "bubble": Scenario(bubble=0.35),
+    # A 2-stage 1F1B pipeline with the fewest micro-batches: its p2p waits are bubble, not unhidden comm.
+    "bubble_megatron": Scenario(
+        overrides=("strategy=megatron", "strategy.pp=2", "trainer.micro_batch_size=8"),
+        bubble=0.35,
+        comm=0.0,
+        profile_comm=0.1,
+        overlap=0.05,
+        comm_ops=("gloo:send", "gloo:recv"),
+    ),
     "hang": Scenario(hang_after=7),
 }
 
@@ -246,7 +256,7 @@ def _write_end(
             comm_s=3 * comm,
             overlap_s=3 * overlap,
             idle_s=3 * max(0.0, mean_step - (compute + comm - overlap)),
-            comm_by_op={"gloo:all_reduce": 3 * sc.profile_comm},
+            comm_by_op={op: 3 * sc.profile_comm / len(sc.comm_ops) for op in sc.comm_ops},
             trace_file=None,
             backend="gloo",
         )

@@ -113,3 +113,34 @@ class HangingRankModel(BigramModel):
 
             threading.Event().wait()  # never set: this rank hangs outside any collective
         return super().forward(tokens)
+
+
+class InfAtStepModel(BigramModel):
+    """BigramModel whose logits are +inf on local rank ``inf_rank`` at the given training steps (0-based).
+
+    The loss of those steps is NaN on that rank only, so the other ranks see a non-finite value only through
+    the gradient all-reduce (DDP) or not at all (FSDP shards): what the non-finite guard's vote is for.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, inf_steps: list[int] | None = None, inf_rank: int = 1) -> None:
+        super().__init__(vocab_size, seq_len)
+        self.inf_steps = set(inf_steps or [])
+        self.active = _rank() == inf_rank
+        self.training_calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(tokens)
+        if not self.training:
+            return logits
+        step, self.training_calls = self.training_calls, self.training_calls + 1
+        if self.active and step in self.inf_steps:
+            return logits + float("inf")
+        return logits
+
+
+class BigramModelWithCredentials(BigramModel):
+    """A model whose factory takes credentials (as one that downloads weights would): they must never be saved."""
+
+    def __init__(self, vocab_size: int, seq_len: int, api_token: str = "", note: str = "") -> None:
+        super().__init__(vocab_size, seq_len)
+        self.has_credentials = bool(api_token or note)

@@ -50,8 +50,11 @@ def detect_low_overlap(run: RunTelemetry, phases: list[RankPhases]) -> list[Find
     overlap: dict[int, float] = {}
     comm_share: dict[int, float] = {}
     for p in phases:
-        share = ratio(p.profile_comm_s, p.profile_total_s)
+        # Pipeline sends/receives are the bubble's, not collectives to hide (see profile_collective_share).
+        share = ratio((p.profile_comm_s or 0.0) * p.profile_collective_share, p.profile_total_s)
         hidden = ratio(p.profile_overlap_s or 0.0, p.profile_comm_s)
+        if p.profile_comm_s is None:
+            share = None
         if share is not None and hidden is not None and share >= OVERLAP_MIN_COMM_FRACTION:
             comm_share[p.rank] = share
             if hidden < LOW_OVERLAP_RATIO:

@@ -125,14 +125,15 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
 def _profile_exposed(p: RankPhases) -> float | None:
     if p.profile_comm_s is None or p.profile_total_s is None:
         return None
-    return ratio(max(0.0, p.profile_comm_s - (p.profile_overlap_s or 0.0)), p.profile_total_s)
+    exposed = max(0.0, p.profile_comm_s - (p.profile_overlap_s or 0.0)) * p.profile_collective_share
+    return ratio(exposed, p.profile_total_s)
 
 
 def _saturation(p: RankPhases) -> float | None:
     """Profiled communication per step over the backward compute it can hide behind (DDP/FSDP overlap window)."""
     if p.profile_comm_s is None or p.backward_compute_s is None or p.backward_compute_s < MIN_PHASE_S:
         return None
-    return p.profile_comm_s / p.backward_compute_s
+    return p.profile_comm_s * p.profile_collective_share / p.backward_compute_s
 
 
 def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:

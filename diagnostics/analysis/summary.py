@@ -35,6 +35,9 @@ class RankPhases:
     profile_comm_s: float | None = None
     profile_overlap_s: float | None = None
     profile_idle_s: float | None = None
+    # Share of the profiled communication that is collectives: a pipeline stage's sends and receives are its
+    # bubble (pipeline_bubble reports them), not communication to hide or shrink. 1.0 without pipelining.
+    profile_collective_share: float = 1.0
     peak_allocated_bytes: float | None = None
     peak_reserved_bytes: float | None = None
     peak_rss_bytes: float | None = None
@@ -74,13 +77,27 @@ def _profile_means(tele: RankTelemetry) -> dict[str, float | None]:
     return out
 
 
+def _collective_share(tele: RankTelemetry) -> float:
+    if not tele.profiles or not any(s.bubble_fraction is not None for s in tele.steps):
+        return 1.0
+    by_op = tele.profiles[-1].comm_by_op or {}
+    total = sum(by_op.values())
+    p2p = sum(seconds for op, seconds in by_op.items() if "send" in op or "recv" in op)
+    return 1.0 - p2p / total if total > 0 else 1.0
+
+
 def _unattributed(s: StepRecord) -> float | None:
     compute = s.local_compute_s
     if compute is None and s.forward_s is not None:
         compute = sum(present([s.forward_s, s.backward_s, s.optimizer_s]))
     if s.step_s is None or compute is None:
         return None
-    return max(0.0, s.step_s - (s.data_wait_s or 0.0) - compute - (s.comm_wait_s or 0.0))
+    return max(0.0, s.step_s - (s.data_wait_s or 0.0) - compute - (s.comm_wait_s or 0.0) - _bubble_s(s))
+
+
+def _bubble_s(s: StepRecord) -> float:
+    """Time a pipeline rank waited inside its schedule (explained by the schedule, not host overhead)."""
+    return (s.bubble_fraction or 0.0) * (s.step_s or 0.0)
 
 
 def rank_phases(tele: RankTelemetry) -> RankPhases:
@@ -99,7 +116,8 @@ def rank_phases(tele: RankTelemetry) -> RankPhases:
     backward = means["backward_s"]
     if means["local_compute_s"] is not None and means["forward_s"] is not None:
         backward = max(0.0, means["local_compute_s"] - means["forward_s"] - (means["optimizer_s"] or 0.0))
-    accounted = present([means["data_wait_s"], compute, means["comm_wait_s"]])
+    bubble = mean(_bubble_s(s) for s in steps) if any(s.bubble_fraction is not None for s in steps) else None
+    accounted = present([means["data_wait_s"], compute, means["comm_wait_s"], bubble])
     other = None
     if means["step_s"] is not None and accounted:
         other = max(0.0, means["step_s"] - sum(accounted))
@@ -112,6 +130,7 @@ def rank_phases(tele: RankTelemetry) -> RankPhases:
         other_s=other,
         other_median_s=median(per_step),
         backward_compute_s=backward,
+        profile_collective_share=_collective_share(tele),
         **means,
         **_profile_means(tele),
         **{k: num(mem.get(k)) for k in MEMORY_KEYS},

@@ -215,6 +215,7 @@ class DiagnosticsCallback(pl.Callback):
                 comm_wait_s=phases.comm_wait_s,
                 other_s=phases.other_s,
                 tokens=self.facts.tokens_per_step,
+                **({"bubble_fraction": phases.bubble_fraction} if phases.pipelined else {}),
             )
         if step % self.settings.gather_every == 0:
             self.guarded("rank_gather", lambda: self._gather(trainer, step))

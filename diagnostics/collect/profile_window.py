@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from diagnostics.collect.comm_bytes import collective_bytes, profiler_options
 from diagnostics.collect.intervals import Interval, split_window
 
 COMM_PATTERN = re.compile(
@@ -93,7 +94,7 @@ def events_from_trace(trace: dict) -> tuple[list[Event], Interval]:
 
 
 class ProfilerWindow:
-    """Profiles ``active`` optimizer steps after ``wait`` steps, then writes one ``profile`` record."""
+    """Profiles ``active`` optimizer steps after ``wait`` steps; ``close`` writes the ``profile`` record."""
 
     def __init__(self, wait: int, active: int, trace_dir: Path, rank: int, write: object, use_cuda: bool) -> None:
         import torch
@@ -103,28 +104,47 @@ class ProfilerWindow:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.trace_file = trace_dir / f"rank{rank:04d}.trace.json"
         self.write = write
-        self.first_step = wait + 1
+        # The profiler's step k ends with optimizer step k: after ``wait`` steps and one warm-up step, the window
+        # records optimizer steps wait + 2 ... wait + 1 + active.
+        self.first_step = wait + 2
         self.active = active
         self.done = False
         self.profiler = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=wait, warmup=1, active=active, repeat=1),
             on_trace_ready=self._ready,
+            **profiler_options(),  # tensor shapes on every collective, on every thread: the bytes they carry
         )
         trace_dir.mkdir(parents=True, exist_ok=True)
         self.profiler.__enter__()
 
     def _ready(self, prof: object) -> None:
-        prof.export_chrome_trace(str(self.trace_file))  # type: ignore[attr-defined]
-        events, window = events_from_trace(json.loads(self.trace_file.read_text()))
+        # Exporting and parsing the trace takes about a second on a CPU; training does not wait for it: the
+        # recorded window stays in the profiler until ``close`` (train end) exports and parses it.
+        self.done = True
+
+    def _export_and_parse(self) -> None:
+        self.profiler.export_chrome_trace(str(self.trace_file))
+        trace = json.loads(self.trace_file.read_text())
+        events, window = events_from_trace(trace)
         split = split_events(events, window)
         steps = [self.first_step, self.first_step + self.active - 1]
-        self.write("profile", steps=steps, trace_file=self.trace_file.name, **split)
-        self.done = True
+        by_op = {op: value / self.active for op, value in collective_bytes(trace).items()}
+        self.write(
+            "profile",
+            steps=steps,
+            trace_file=self.trace_file.name,
+            comm_bytes_per_step=sum(by_op.values()),
+            comm_bytes_by_op=by_op,
+            **split,
+        )
 
     def step(self) -> None:
         if not self.done:
             self.profiler.step()
 
     def close(self) -> None:
+        """Stop profiling; a completed window is exported to the run dir and its ``profile`` record written."""
         self.profiler.__exit__(None, None, None)
+        if self.done:
+            self._export_and_parse()

@@ -26,6 +26,8 @@ class StepPhases:
     backward_s: float = 0.0
     backward_compute_s: float = 0.0
     optimizer_s: float = 0.0
+    pipeline_wait_s: float = 0.0  # pipeline schedules: time inside the schedule computing nothing (bubble, p2p)
+    pipelined: bool = False
     step_s: float = 0.0
 
     @property
@@ -40,8 +42,13 @@ class StepPhases:
     @property
     def other_s(self) -> float:
         """Step time outside data, forward, backward and optimizer: hooks, logging, checkpoint writes."""
-        accounted = self.data_wait_s + self.forward_s + self.backward_s + self.optimizer_s
+        accounted = self.data_wait_s + self.forward_s + self.backward_s + self.optimizer_s + self.pipeline_wait_s
         return max(0.0, self.step_s - accounted)
+
+    @property
+    def bubble_fraction(self) -> float | None:
+        """Share of the step a pipeline rank spent idle inside its schedule; None without pipelining."""
+        return self.pipeline_wait_s / self.step_s if self.pipelined and self.step_s > 0 else None
 
 
 @dataclass
@@ -80,6 +87,17 @@ class PhaseTimer:
         self.current.backward_s += now - self._backward_start
         end = self._grad_ready if self._grad_ready is not None and self._grad_ready <= now else now
         self.current.backward_compute_s += end - self._backward_start
+
+    def schedule_ran(self, forward_s: float, backward_s: float, wall_s: float, pipelined: bool) -> None:
+        """A training step whose micro-batches an engine ran itself (Megatron's), outside Lightning's backward
+        hooks: its forward and backward compute; under a pipeline schedule the rest of its wall time is the
+        rank's wait inside the schedule (bubble and stage-to-stage transfers)."""
+        self.current.forward_s += forward_s
+        self.current.backward_s += backward_s
+        self.current.backward_compute_s += backward_s
+        if pipelined:
+            self.current.pipeline_wait_s += max(0.0, wall_s - forward_s - backward_s)
+            self.current.pipelined = True
 
     def before_optimizer_step(self) -> None:
         self._optimizer_start = self.now()

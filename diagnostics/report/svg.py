@@ -120,3 +120,41 @@ def lines(
         f'<text x="{LEFT + plot_w / 2:.1f}" y="{HEIGHT - 8}" text-anchor="middle" class="axis">{escape(x_label)}</text>'
     )
     return _frame(plot_id, title, y_label, ticks, body, [s.name for s in series])
+
+
+def scatter(
+    plot_id: str, title: str, x_label: str, y_label: str, points: list[tuple[str, float, float]], front: list[str]
+) -> str:
+    """Labelled points (name, x, y) from zero; the names in ``front`` are joined by a line, in that order."""
+    ticks = nice_ticks(max((y for _, _, y in points), default=0.0))
+    x_ticks = nice_ticks(max((x for _, x, _ in points), default=0.0))
+    top, right = ticks[-1] or 1.0, x_ticks[-1] or 1.0
+    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return LEFT + plot_w * x / right, TOP + plot_h * (1 - y / top)
+
+    where = {name: at(x, y) for name, x, y in points}
+    body = []
+    if len(front) > 1:
+        path = " ".join(f"{where[n][0]:.1f},{where[n][1]:.1f}" for n in front if n in where)
+        body.append(f'<polyline class="front" points="{path}" fill="none" stroke="{PALETTE[1]}" stroke-width="1.5"/>')
+    for name, x, y in points:
+        px, py = where[name]
+        color = PALETTE[1] if name in front else PALETTE[0]
+        tip = f"{name}: {_label(x)} {x_label}, {_label(y)} {y_label}"
+        body.append(
+            f'<circle class="point" cx="{px:.1f}" cy="{py:.1f}" r="5" fill="{color}">'
+            f"<title>{escape(tip)}</title></circle>"
+        )
+        body.append(f'<text x="{px + 7:.1f}" y="{py - 6:.1f}" class="axis">{escape(name)}</text>')
+    for tick in x_ticks:
+        x = at(tick, 0)[0]
+        body.append(
+            f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle" class="axis">{_label(tick)}</text>'
+        )
+    body.append(
+        f'<text x="{LEFT + plot_w / 2:.1f}" y="{HEIGHT - 8}" text-anchor="middle" class="axis">{escape(x_label)}</text>'
+    )
+    legend = ["run", "Pareto front"] if front else ["run"]
+    return _frame(plot_id, title, y_label, ticks, body, legend)

@@ -7,6 +7,7 @@ typed arguments.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -16,16 +17,19 @@ import torch
 from hydra.utils import get_object
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from torch import nn
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
-from disttrain.callbacks import FinalValidation, ProgressPrinter, StepCheckpoint, Throughput
+from disttrain.callbacks import FinalValidation, ProgressPrinter, Throughput
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import (
     CustomDataConfig,
     CustomModelConfig,
+    DeepSpeedConfig,
     FSDPConfig,
     LoggerConfig,
+    MegatronConfig,
     ModelConfig,
     RunConfig,
 )
@@ -39,6 +43,10 @@ from disttrain.models import (
     hardware_flops_per_token,
 )
 from disttrain.module import LanguageModelModule
+from disttrain.nan_guard import NonFiniteGuard
+from disttrain.preemption import CheckpointOnSignal
+from disttrain.reliability import build_reliability
+from disttrain.slurm import current_task
 from disttrain.strategies import StrategyBuild, build_strategy
 
 
@@ -96,16 +104,37 @@ def model_facts(model: ModelConfig | CustomModelConfig, seed: int) -> ModelFacts
     return ModelFacts(count, float(custom(model.seq_len)) if callable(custom) else 6.0 * count)
 
 
+def loader_batch_size(cfg: RunConfig, plan: BatchPlan) -> int:
+    """Samples per rank per data-loader batch: one micro-batch, or a whole Megatron step (the engine splits it)."""
+    return plan.samples_per_rank_per_step if isinstance(cfg.strategy, MegatronConfig) else plan.micro_batch_size
+
+
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
     if isinstance(cfg.data, CustomDataConfig):
         cls = _resolve_target(cfg.data.target, "data._target_")
         return cls(seq_len=cfg.model.seq_len, micro_batch_size=plan.micro_batch_size, **cfg.data.kwargs)  # type: ignore[operator]
     return TokenDataModule(
-        cfg.data, cfg.model.seq_len, plan.micro_batch_size, plan.global_batch_size, seed=cfg.trainer.seed
+        cfg.data, cfg.model.seq_len, loader_batch_size(cfg, plan), plan.global_batch_size, seed=cfg.trainer.seed
     )
 
 
 def build_module(cfg: RunConfig, plan: BatchPlan, strategy: StrategyBuild, facts: ModelFacts) -> LanguageModelModule:
+    if isinstance(cfg.strategy, MegatronConfig):
+        from disttrain.strategies.megatron import engine_settings
+        from disttrain.strategies.megatron.module import MegatronModule
+
+        assert isinstance(cfg.model, ModelConfig)  # validated: megatron needs the reference transformer
+        world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+        rounds = plan.accumulation // cfg.strategy.num_microbatches
+        settings = engine_settings(cfg.strategy, cfg.model, cfg.precision, world, cfg.trainer.seed, rounds)
+        return MegatronModule(
+            settings,
+            cfg.optimizer,
+            max_steps=cfg.trainer.max_steps,
+            grad_clip=cfg.trainer.grad_clip,
+            flops_per_token=facts.flops_per_token,
+            log_every_n_steps=cfg.trainer.log_every_n_steps,
+        )
     return LanguageModelModule(
         build_model_factory(cfg.model, cfg.trainer.seed),
         cfg.optimizer,
@@ -136,6 +165,7 @@ class TrainerParts:
     trainer: pl.Trainer
     throughput: Throughput
     ckpt_dir: Path
+    nonfinite: NonFiniteGuard | None = None
 
 
 def build_diagnostics(
@@ -152,7 +182,9 @@ def build_diagnostics(
         calibrate=d.calibrate,
         hang_timeout_s=d.hang_timeout_s,
     )
-    recomputes = isinstance(cfg.strategy, FSDPConfig) and cfg.strategy.activation_checkpointing
+    recomputes = (isinstance(cfg.strategy, FSDPConfig | DeepSpeedConfig) and cfg.strategy.activation_checkpointing) or (
+        isinstance(cfg.strategy, MegatronConfig) and cfg.strategy.activation_checkpointing == "full"
+    )
     hardware_flops = (
         hardware_flops_per_token(cfg.model, activation_checkpointing=recomputes)
         if isinstance(cfg.model, ModelConfig)
@@ -207,22 +239,35 @@ def build_trainer(
     ckpt_dir = run_dir / "checkpoints"
     throughput = Throughput(plan.global_batch_size * cfg.model.seq_len, skip_steps=min(10, t.max_steps // 10))
     progress = ProgressPrinter(ProgressPrinter.interval(t.max_steps, t.log_every_n_steps), throughput)
-    checkpoints = StepCheckpoint(ckpt_dir, t.ckpt_every_n_steps)
-    callbacks = [checkpoints, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
+    reliability = build_reliability(t, ckpt_dir)
+    callbacks = [*reliability.callbacks, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
     diagnostics = build_diagnostics(cfg, plan, facts, run_dir, throughput) if cfg.diagnostics.enabled else None
     if diagnostics is not None:
         callbacks.append(diagnostics)
+        reliability.guard.record = diagnostics.write  # a non-finite step shows in this rank's telemetry
+    slurm = current_task()
+    if slurm is not None:  # last: the step it stops at has been seen by every callback above
+        callbacks.append(CheckpointOnSignal(reliability.checkpoints))
+    else:  # ranks are launch.py's: Lightning's hint to start them with srun (wherever srun exists) does not apply
+        warnings.filterwarnings("ignore", message=r".*The `srun` command is available on your system")
+    megatron = isinstance(cfg.strategy, MegatronConfig)
+    # A Megatron loader batch is a whole step's micro-batches (the engine splits them); otherwise one micro-batch.
+    batches_per_step = 1 if megatron else plan.accumulation
     trainer = pl.Trainer(
         accelerator=cfg.hw.accelerator,
         devices=layout.devices_per_node,
         num_nodes=layout.num_nodes,
-        strategy=strategy.strategy if layout.world_size > 1 or cfg.strategy.name == "fsdp" else "auto",
+        # FSDP and DeepSpeed change the model and optimizer even in one process: use them whenever asked for.
+        strategy=strategy.strategy
+        if layout.world_size > 1 or cfg.strategy.name in ("fsdp", "deepspeed", "megatron")
+        else "auto",
         precision=strategy.trainer_precision,
         max_steps=t.max_steps,
-        accumulate_grad_batches=plan.accumulation,
-        gradient_clip_val=t.grad_clip or None,
-        # The train loader is endless (step-based), so validation is scheduled in micro-batches.
-        val_check_interval=t.val_every_n_steps * plan.accumulation,
+        accumulate_grad_batches=batches_per_step,
+        # Megatron's module clips by the global norm over all stages itself (manual optimization).
+        gradient_clip_val=None if megatron else t.grad_clip or None,
+        # The train loader is endless (step-based), so validation is scheduled in loader batches.
+        val_check_interval=t.val_every_n_steps * batches_per_step,
         check_val_every_n_epoch=None,
         limit_val_batches=t.val_batches,
         num_sanity_val_steps=0,
@@ -233,11 +278,13 @@ def build_trainer(
         enable_checkpointing=False,  # StepCheckpoint owns checkpoints (names, `last` link, final step)
         profiler=diagnostics.data_wait if diagnostics is not None else None,
         callbacks=callbacks,
+        # Ranks come from SLURM; requeueing is ours (preemption.py), not Lightning's save-in-a-signal-handler.
+        plugins=[SLURMEnvironment(auto_requeue=False)] if slurm is not None else None,
         use_distributed_sampler=isinstance(cfg.data, CustomDataConfig),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    return TrainerParts(trainer, throughput, ckpt_dir)
+    return TrainerParts(trainer, throughput, ckpt_dir, reliability.guard)
 
 
 def build_run(

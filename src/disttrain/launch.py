@@ -8,7 +8,9 @@ Lightning treats the processes as externally created and only joins them into a 
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,10 +20,46 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 CHILD_ENV_FLAG = "DISTTRAIN_CHILD_RANK"
+PARENT_PID_ENV = "DISTTRAIN_PARENT_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def is_child_process() -> bool:
     return CHILD_ENV_FLAG in os.environ
+
+
+def describe_exit(code: int) -> str:
+    """``-9`` -> 'killed by SIGKILL', ``1`` -> 'exit code 1' (Popen reports a signal as a negative code)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def die_with_parent() -> None:
+    """In a process spawned by disttrain: exit when the spawning process dies, even by SIGKILL.
+
+    Otherwise a killed rank 0 leaves its children waiting in a collective for the 30-minute gloo/NCCL
+    timeout, holding memory and GPUs. Linux delivers SIGKILL to us when the parent dies (PR_SET_PDEATHSIG);
+    elsewhere a thread polls the parent pid.
+    """
+    parent = int(os.environ.get(PARENT_PID_ENV) or 0)
+    if not parent:
+        return
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:
+
+        def poll() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=poll, name="disttrain-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it died before the request above took effect
+        os._exit(1)
 
 
 def free_port() -> int:
@@ -79,6 +117,18 @@ class LocalRanks:
 
         threading.Thread(target=loop, name="disttrain-rank-watch", daemon=True).start()
 
+    def dead(self, wait_s: float) -> list[tuple[int, int]]:
+        """Children that exited non-zero, waiting up to ``wait_s`` for one (an exit is seen only once reaped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = [(rank, p.returncode) for rank, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)
+
+    def stop_watching(self) -> None:
+        self._stop.set()
+
     def wait(self, timeout_s: float = 120.0) -> list[tuple[int, int]]:
         """Wait for every child; kill the ones still alive after ``timeout_s``. Returns (rank, code) failures."""
         self._stop.set()
@@ -116,6 +166,11 @@ def spawn_local_ranks(num_processes: int, command_for_rank: Callable[[int], list
     ranks = LocalRanks(saved_env={key: os.environ.get(key) for key in env})
     os.environ.update(env)
     for local_rank in range(1, num_processes):
-        env = {**os.environ, "LOCAL_RANK": str(local_rank), CHILD_ENV_FLAG: str(local_rank)}
+        env = {
+            **os.environ,
+            "LOCAL_RANK": str(local_rank),
+            CHILD_ENV_FLAG: str(local_rank),
+            PARENT_PID_ENV: str(os.getpid()),
+        }
         ranks.procs.append(subprocess.Popen(command_for_rank(local_rank), env=env, cwd=cwd))
     return ranks

@@ -34,14 +34,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            # A ZeRO-3 partitioned parameter is an empty placeholder; ``ds_shape`` is its real shape.
+            ndim = len(getattr(param, "ds_shape", param.shape))
+            (decay if ndim >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 class LanguageModelModule(pl.LightningModule):
     def __init__(
         self,
-        model_factory: ModelFactory,
+        model_factory: ModelFactory | None,
         optimizer: OptimizerConfig,
         max_steps: int,
         parallelize: Parallelize | None = None,
@@ -64,6 +66,7 @@ class LanguageModelModule(pl.LightningModule):
         # Lightning may call this more than once (fit, then validate): build and shard only once.
         if self.model is not None:
             return
+        assert self.model_factory is not None, "a subclass without a factory builds its model itself"
         self.model = self.model_factory()
         if self.parallelize is not None:
             mesh = getattr(self, "_device_mesh", None)

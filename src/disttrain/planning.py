@@ -1,8 +1,10 @@
 """The planner at launch time: predict this run's memory, refuse what will not fit, resolve ``strategy=auto``.
 
-``strategy=auto`` chooses among the layouts ``python -m train`` can run today (DDP, and FSDP2 full shard with
-or without resharding after forward, activation checkpointing and, on GPUs, CPU offload); ``python -m plan``
-shows every layout, DeepSpeed and Megatron-style ones included.
+``strategy=auto`` chooses among the layouts ``python -m train`` runs: DDP; FSDP2 full shard with or without
+resharding after forward and activation checkpointing; DeepSpeed ZeRO-1/2/3 with or without activation
+checkpointing; on GPUs also CPU offload; and every Megatron TP x PP x DP layout the planner enumerates
+(``python -m plan`` shows the same candidates with their predictions). HSDP layouts are shown by the planner
+but not chosen: strategy=fsdp has no replica-group option yet.
 """
 
 from __future__ import annotations
@@ -10,12 +12,24 @@ from __future__ import annotations
 import dataclasses
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import DDPConfig, FSDPConfig, ModelConfig, RunConfig, StrategyConfig
+from disttrain.config.megatron import validate_megatron
+from disttrain.config.schema import (
+    DDPConfig,
+    DeepSpeedConfig,
+    FSDPConfig,
+    MegatronConfig,
+    ModelConfig,
+    RunConfig,
+    StrategyConfig,
+)
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.planner import Layout, MemoryBreakdown, Workload, memory_per_gpu, model_shape
+from disttrain.planner.candidates import megatron_layouts
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, memory_limit, plan_layout
 
 GIB = 2**30
+# Relative step-time difference below which strategy=auto treats two layouts as equally fast.
+AUTO_TIE = 0.01
 
 
 def workload(cfg: RunConfig, batch: BatchPlan) -> Workload:
@@ -23,7 +37,29 @@ def workload(cfg: RunConfig, batch: BatchPlan) -> Workload:
 
 
 def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) -> Layout:
-    """The planner's description of a DDP or FSDP2 run."""
+    """The planner's description of a DDP, FSDP2, DeepSpeed or Megatron run."""
+    if isinstance(strategy, MegatronConfig):
+        return Layout(
+            "megatron",
+            dp=world.data_parallel_size,
+            tp=strategy.tp,
+            pp=strategy.pp,
+            microbatches=batch.accumulation,
+            sequence_parallel=strategy.sequence_parallel and strategy.tp > 1,
+            schedule=strategy.schedule if strategy.pp > 1 else "none",
+            virtual_stages=strategy.virtual_stages,
+            recompute=strategy.activation_checkpointing,
+        )
+    if isinstance(strategy, DeepSpeedConfig):
+        return Layout(
+            "deepspeed",
+            dp=world.data_parallel_size,
+            microbatches=batch.accumulation,
+            zero_stage=strategy.stage,
+            offload_optimizer=strategy.offload_optimizer,
+            offload_params=strategy.offload_params,
+            recompute="full" if strategy.activation_checkpointing else "none",
+        )
     if isinstance(strategy, FSDPConfig):
         return Layout(
             "fsdp",
@@ -78,8 +114,45 @@ def auto_candidates(cfg: RunConfig) -> list[StrategyConfig]:
     for reshard in (True, False):
         for checkpointing in (False, True):
             options.append(FSDPConfig(reshard_after_forward=reshard, activation_checkpointing=checkpointing))
+    for stage in (1, 2, 3):
+        for checkpointing in (False, True):
+            options.append(DeepSpeedConfig(stage=stage, activation_checkpointing=checkpointing))
     if cfg.hw.accelerator == "gpu":
+        # Offload trades step time for device memory: only worth trying together with recomputation.
         options.append(FSDPConfig(activation_checkpointing=True, cpu_offload=True))
+        for stage in (1, 2, 3):
+            options.append(DeepSpeedConfig(stage=stage, activation_checkpointing=True, offload_optimizer=True))
+        options.append(
+            DeepSpeedConfig(stage=3, activation_checkpointing=True, offload_optimizer=True, offload_params=True)
+        )
+    return options
+
+
+def megatron_config_of(layout: Layout) -> MegatronConfig:
+    """The ``strategy=megatron`` settings that run a planner layout (the inverse of ``layout_of``)."""
+    return MegatronConfig(
+        tp=layout.tp,
+        pp=layout.pp,
+        sequence_parallel=layout.sequence_parallel,
+        schedule=layout.schedule if layout.pp > 1 else MegatronConfig.schedule,
+        microbatches=layout.microbatches,
+        virtual_stages=layout.virtual_stages,
+        activation_checkpointing=layout.recompute,
+    )
+
+
+def megatron_candidates(cfg: RunConfig, batch: BatchPlan) -> list[tuple[MegatronConfig, Layout]]:
+    """The planner's TP x PP x DP layouts for this world that also pass strategy=megatron's own checks."""
+    assert isinstance(cfg.model, ModelConfig)
+    world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+    options = []
+    for layout in megatron_layouts(model_shape(cfg.model), cfg.hw, workload(cfg, batch)):
+        option = megatron_config_of(layout)
+        try:
+            validate_megatron(option, cfg.model, world, cfg.precision.name)
+        except ConfigError:
+            continue  # e.g. a vocabulary that does not split over tp
+        options.append((option, layout))
     return options
 
 
@@ -93,22 +166,29 @@ def resolve_auto(cfg: RunConfig, world: WorldLayout, batch: BatchPlan) -> tuple[
         return dataclasses.replace(cfg, strategy=DDPConfig()), (
             f"hw={cfg.hw.name} has no device memory limit or peak FLOP/s; ddp replicas fit and communicate least"
         )
+    layouts = [(option, layout_of(option, world, batch)) for option in auto_candidates(cfg)]
     scored = []
-    for option in auto_candidates(cfg):
-        predicted = plan_layout(shape, layout_of(option, world, batch), work, cfg.hw)
+    for option, layout in [*layouts, *megatron_candidates(cfg, batch)]:
+        predicted = plan_layout(shape, layout, work, cfg.hw)
         scored.append((not predicted.fits, predicted.estimate.step_time_s, option, predicted))
-    scored.sort(key=lambda item: (item[0], item[1]))
+    # Candidates come simplest first (DDP, FSDP2, DeepSpeed, Megatron); the sort is stable, step times are estimates:
+    # within AUTO_TIE of the fastest, the earliest candidate wins, so a rounding-level difference never picks
+    # the more complex stack.
+    tie = min((item[1] for item in scored if not item[0]), default=0.0) * (1 + AUTO_TIE)
+    scored.sort(key=lambda item: (item[0], max(item[1], tie)))
     unfit, step_time, chosen, predicted = scored[0]
     if unfit:
+        smallest = min(scored, key=lambda item: item[3].memory.total)[3]
         raise ConfigError(
             "strategy",
-            f"strategy=auto: no ddp/fsdp layout fits on hw={cfg.hw.name} (best needs "
-            f"{predicted.memory.total / GIB:.1f} GiB per GPU)",
-            "lower trainer.micro_batch_size, or see `python -m plan` for DeepSpeed/Megatron layouts",
+            f"strategy=auto: no ddp/fsdp/deepspeed/megatron layout fits on hw={cfg.hw.name} (the smallest, "
+            f"{smallest.label}, needs {smallest.memory.total / GIB:.1f} GiB per GPU)",
+            "lower trainer.micro_batch_size or model.seq_len, or use more devices (see `python -m plan`)",
         )
     fitting = sum(1 for item in scored if not item[0])
     why = (
         f"strategy=auto chose {predicted.label}: fastest predicted step ({step_time:.3g} s, "
-        f"{predicted.memory.total / GIB:.1f} GiB per GPU) among {fitting} of {len(scored)} ddp/fsdp layouts that fit"
+        f"{predicted.memory.total / GIB:.1f} GiB per GPU) among {fitting} of {len(scored)} "
+        "ddp/fsdp/deepspeed/megatron layouts that fit"
     )
     return dataclasses.replace(cfg, strategy=chosen), why

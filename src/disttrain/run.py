@@ -6,6 +6,7 @@ or a file is written; only then are local ranks started, the run recorded, and t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
@@ -15,21 +16,24 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from disttrain.build import ModelFacts, model_facts
 from disttrain.config.errors import ConfigError
-from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import AutoStrategyConfig, RunConfig
-from disttrain.config.validate import BatchPlan, WorldLayout, batch_plan, validate_run, world_layout
+from disttrain.config.schema import RunConfig
+from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.describe import RunResult, describe_launch, describe_result
+from disttrain.exit_codes import NONFINITE, RunStopped
 from disttrain.hardware import check_machine_can_serve, in_cluster_job
-from disttrain.launch import child_command, is_child_process, spawn_local_ranks
+from disttrain.launch import child_command, describe_exit, die_with_parent, is_child_process, spawn_local_ranks
 from disttrain.manifest import command_line, git_commit, versions, write_json_atomic
-from disttrain.planning import check_fits, describe_memory, predict_memory, resolve_auto
-from disttrain.resume import find_checkpoint, original_overrides
+from disttrain.planning import check_fits, describe_memory, predict_memory
+from disttrain.preemption import slurm_attempt
+from disttrain.preflight import prepare
+from disttrain.redaction import redact, redact_yaml_files
+from disttrain.resume import newest_complete
+from disttrain.supervise import is_supervised, restart_attempt, supervise
 
 say = functools.partial(print, flush=True)
 
@@ -40,34 +44,21 @@ def is_global_rank_zero() -> bool:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
-def compose_for_resume(resume: str, task_overrides: list[str]) -> DictConfig:
-    """The resumed run's config: its original overrides, then this command's (later ones win)."""
-    keep = [o for o in original_overrides(resume) + task_overrides if not o.lstrip("+~").startswith("resume=")]
-    return compose(config_name="train", overrides=[*keep, f"resume={resume}"])
-
-
 def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
     started = time.time()
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     task_overrides = list(hydra_cfg.overrides.task)
-    if not is_child_process() and (run_dir / "run.json").exists():
-        # Two runs started within the same second share Hydra's timestamped dir: never write over the first.
-        raise ConfigError(
-            "hydra.run.dir",
-            f"'{run_dir}' already holds a run (run.json)",
-            "start again in a moment or pass hydra.run.dir=<new dir>; to continue that run use resume=<that dir>",
-        )
-    checkpoint: Path | None = None
-    if cfg.get("resume"):
-        checkpoint = find_checkpoint(str(cfg.resume))
-        cfg = compose_for_resume(str(cfg.resume), task_overrides)
-    run_cfg = parse_run_config(cfg)
-    layout = world_layout(run_cfg)
-    auto_reason = None
-    if isinstance(run_cfg.strategy, AutoStrategyConfig):
-        run_cfg, auto_reason = resolve_auto(run_cfg, layout, batch_plan(run_cfg))
-    plan = validate_run(run_cfg)
+    die_with_parent()  # a spawned rank or restart attempt must not outlive the process that started it
+    prepared = prepare(cfg, run_dir, task_overrides)
+    cfg, run_cfg, layout, plan, auto_reason = (
+        prepared.cfg,
+        prepared.run_cfg,
+        prepared.layout,
+        prepared.plan,
+        prepared.auto_reason,
+    )
+    checkpoint = prepared.resume.checkpoint if prepared.resume is not None else None
     memory = predict_memory(run_cfg, layout, plan)
 
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
@@ -88,11 +79,25 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
         return
     check_fits(run_cfg, memory, run_cfg.check_memory)
     check_machine_can_serve(run_cfg.hw, torch.cuda.device_count())
-    if rank_zero and checkpoint is not None:
-        say(f"resuming from {checkpoint}")
+    restarts = run_cfg.trainer.max_restarts
+    if restarts and not is_child_process() and not is_supervised() and not in_cluster_job():
+        # Restarts need a process that is not itself a rank: this one becomes the supervisor (supervise.py).
+        code = supervise(module_name, task_overrides, run_dir, restarts, os.getcwd())
+        if code:
+            raise RunStopped(code)
+        return
+    if rank_zero and restarts and in_cluster_job() and not is_supervised():
+        say(
+            "note: trainer.max_restarts applies to local launches; under torchrun use --max-restarts (a restarted "
+            "job resumes from its run dir's newest complete checkpoint when hydra.run.dir is fixed)"
+        )
+    if rank_zero and prepared.resume is not None:
+        prefix = f"restart {prepared.attempt}: " if prepared.attempt else ""
+        say(prefix + prepared.resume.describe())
     command = partial(child_command, module_name, task_overrides, str(run_dir))
     predicted = None if memory is None else memory.total
-    train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, predicted)
+    with slurm_attempt(run_dir, rank_zero, checkpoint):  # under SLURM: rendezvous, attempts record, requeue
+        train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, predicted)
 
 
 def train(
@@ -113,13 +118,14 @@ def train(
 
     local_processes = layout.devices_per_node
     ranks = None
+    manifest: dict = {}
     if layout.world_size > 1 and not is_child_process() and not in_cluster_job():
         ranks = spawn_local_ranks(local_processes, command_for_rank, cwd=os.getcwd())
 
         def abort(rank: int, code: int) -> None:
             # The survivors would wait forever in their next collective: stop the whole job now.
-            say(f"disttrain: local rank {rank} exited with code {code}; stopping the job", file=sys.stderr)
             ranks.kill()
+            say(rank_died(run_dir, manifest, rank, code), file=sys.stderr)
             os._exit(1)
 
         ranks.watch(abort)
@@ -133,8 +139,9 @@ def train(
         parts, module, datamodule = build_run(run_cfg, layout, plan, run_dir, facts)
         manifest = {
             "status": "running",
-            "command": command_line(),
-            "config": OmegaConf.to_container(cfg, resolve=True),
+            # Credentials from the environment or in credential-named keys never reach a file (redaction.py).
+            "command": redact(command_line()),
+            "config": redact(OmegaConf.to_container(cfg, resolve=True)),
             "hw": run_cfg.hw,
             "world": layout,
             "batch": plan,
@@ -143,24 +150,46 @@ def train(
             "versions": versions(),
             "git": git_commit(),
             "resumed_from": str(checkpoint) if checkpoint else None,
+            "restart_attempt": restart_attempt(),
             "strategy_resolved": run_cfg.strategy,
         }
         if rank_zero:
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest["config"])))
+            redact_yaml_files([run_dir / ".hydra" / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml")])
             write_json_atomic(run_dir / "run.json", manifest)
-        parts.trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None)
-    except BaseException:
+        # weights_only: a checkpoint is data, never code (rng.py keeps the RNG states loadable this way).
+        ckpt_path = str(checkpoint) if checkpoint else None
+        parts.trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         if ranks is not None:
-            ranks.kill()
-        raise
+            # Past the last collective a rank ending (even non-zero: a non-finite stop) cannot hang the others.
+            ranks.stop_watching()
+    except BaseException as err:
+        if ranks is None:
+            raise
+        # A rank that died makes rank 0's next collective fail at once ("connection reset"): name the cause.
+        dead = [] if isinstance(err, KeyboardInterrupt) else ranks.dead(wait_s=3.0)
+        ranks.kill()
+        if not dead:
+            raise
+        message = rank_died(run_dir, manifest, *dead[0])
+        if dead[0][1] > 0:  # it raised an exception of its own (printed above): rank 0's may be the same bug
+            say(message, file=sys.stderr)
+            raise
+        seen = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        raise RunStopped(1, f"{message} (rank 0 then failed with {seen})") from None
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Tear the group down explicitly: gloo threads dying at interpreter exit can abort the process.
             torch.distributed.destroy_process_group()
 
-    if ranks is not None and (failed := ranks.wait()):
+    guard = parts.nonfinite
+    stopped = guard is not None and guard.stopped
+    failed = ranks.wait() if ranks is not None else []
+    if failed and not (stopped and all(code == NONFINITE for _, code in failed)):
         raise RuntimeError(f"local ranks exited with errors: {failed}")
     if not rank_zero:
+        if stopped:
+            raise RunStopped(NONFINITE)
         return
     metrics = parts.trainer.callback_metrics
     floor = getattr(datamodule, "loss_floor", None)
@@ -177,12 +206,34 @@ def train(
         measured_memory_bytes=measured_peak_memory(),
         memory_kind="peak RSS" if run_cfg.hw.accelerator == "cpu" else "peak allocated",
     )
-    manifest.update(status="completed", wall_time_s=result.wall_time_s, result=result)
+    manifest.update(status="stopped" if stopped else "completed", wall_time_s=result.wall_time_s, result=result)
     manifest["result_gap_to_floor"] = result.gap_to_floor
+    if guard is not None:
+        manifest["nonfinite"] = {
+            "policy": guard.policy,
+            "skipped_steps": guard.skipped_steps,
+            "stopped_at_step": guard.stopped_at,
+            "stop_reason": guard.stop_reason,
+        }
     write_json_atomic(run_dir / "run.json", manifest)
     say(describe_result(result))
+    if guard is not None and guard.skipped_steps:
+        say(f"  skipped     {len(guard.skipped_steps)} step(s) with non-finite loss/gradients: {guard.skipped_steps}")
     if run_cfg.diagnostics.enabled and run_cfg.diagnostics.report:
         say_report(run_dir, parts.trainer if run_cfg.logger.name == "wandb" else None)
+    if stopped:
+        last = newest_complete(parts.ckpt_dir)
+        kept = f"; last good checkpoint: {last.checkpoint}" if last else "; no checkpoint was saved before it"
+        raise RunStopped(NONFINITE, f"disttrain: stopped: {guard.stop_reason}{kept}")
+
+
+def rank_died(run_dir: Path, manifest: dict, rank: int, code: int) -> str:
+    """The one-line report of a dead rank; also marks the run failed in run.json (best effort)."""
+    failure = f"rank {rank} died ({describe_exit(code)})"
+    if manifest:
+        with contextlib.suppress(Exception):  # the job must end whatever happens here
+            write_json_atomic(run_dir / "run.json", {**manifest, "status": "failed", "failure": failure})
+    return f"disttrain: {failure}; stopping the job"
 
 
 def measured_peak_memory() -> int:

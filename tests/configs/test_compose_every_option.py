@@ -15,6 +15,7 @@ from disttrain.describe import describe_launch
 from disttrain.models import apply_activation_checkpointing
 from disttrain.planning import resolve_auto
 from disttrain.strategies import build_strategy
+from disttrain.strategies.megatron import MegatronStrategy
 from tests.conftest import compose_train, group_options
 
 GROUPS = ["model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger", "diagnostics"]
@@ -49,7 +50,7 @@ def test_every_group_has_options() -> None:
     }  # fmt: skip
     assert set(group_options("hw")) >= {"cpu", "1xa100", "8xa100", "8xh100", "2x8xh100", "8xh200", "1xl4"}
     assert set(group_options("precision")) == {"fp32", "bf16-mixed", "bf16-true", "fp16-mixed"}
-    assert set(group_options("strategy")) >= {"ddp", "fsdp", "auto"}
+    assert set(group_options("strategy")) >= {"ddp", "fsdp", "deepspeed", "megatron", "auto"}
     assert set(group_options("data")) == {"synthetic", "text", "tokens"}
     assert set(group_options("logger")) == {"csv", "wandb", "tensorboard"}
 
@@ -69,7 +70,7 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     assert plan.global_batch_size == plan.micro_batch_size * plan.data_parallel_size * plan.accumulation
 
     strategy = build_strategy(run_cfg, layout.world_size, apply_activation_checkpointing)
-    expected = ModelParallelStrategy if run_cfg.strategy.name == "fsdp" else DDPStrategy
+    expected = {"fsdp": ModelParallelStrategy, "megatron": MegatronStrategy}.get(run_cfg.strategy.name, DDPStrategy)
     assert isinstance(strategy.strategy, expected)
     module = build_module(run_cfg, plan, strategy, facts)
     assert module.flops_per_token == facts.flops_per_token
@@ -83,7 +84,9 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
         assert int(y.max()) < run_cfg.model.vocab_size
     parts = build_trainer(run_cfg, layout, plan, strategy, tmp_path / "run", facts)
     assert parts.trainer.max_steps == run_cfg.trainer.max_steps
-    assert parts.trainer.accumulate_grad_batches == plan.accumulation
+    # Megatron's loader batch is a whole step's micro-batches, which its engine splits itself.
+    batches = 1 if run_cfg.strategy.name == "megatron" else plan.accumulation
+    assert parts.trainer.accumulate_grad_batches == batches
 
 
 @pytest.mark.parametrize("experiment", group_options("experiment"))

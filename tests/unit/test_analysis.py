@@ -48,6 +48,7 @@ def test_healthy_run_has_no_findings_at_all(tmp_path: Path) -> None:
         ("memory_pressure_fsdp", "memory_pressure", [0, 1], "warning"),
         ("low_mfu", "low_mfu", [0, 1], "critical"),
         ("bubble", "pipeline_bubble", [0, 1], "critical"),
+        ("bubble_megatron", "pipeline_bubble", [0, 1], "critical"),
         ("hang", "hang", [1], "critical"),
     ],
 )
@@ -216,3 +217,11 @@ def test_one_slow_step_is_not_host_overhead(tmp_path: Path) -> None:
     analysis = analyse(run_dir)
     assert analysis.findings == []
     assert analysis.phases[0].other_s > 0.1 and analysis.phases[0].other_median_s < 0.01
+
+
+def test_pipeline_waits_are_bubble_not_host_overhead_or_unhidden_comm(tmp_path: Path) -> None:
+    """A pipeline stage's wait inside its schedule is explained by the bubble; its p2p sends/receives are not
+    data-parallel communication left unhidden."""
+    found = findings_of(tmp_path, "bubble_megatron")
+    assert set(found) == {"pipeline_bubble"}, found
+    assert found["pipeline_bubble"].evidence["bubble_fraction"][0] == pytest.approx(0.35, abs=0.05)

@@ -222,3 +222,27 @@ def test_events_from_an_exported_chrome_trace() -> None:
     events, window = events_from_trace(trace)
     assert window == (1.0, 3.0)
     assert [(e.name, e.on_device) for e in events] == [("aten::mm", False), ("ncclDevKernel_AllReduce", True)]
+
+
+def test_phase_timer_takes_a_pipeline_schedules_own_timing() -> None:
+    """Megatron's engine runs every micro-batch inside one schedule call: its forward and backward compute are
+    reported as such and the rest of the schedule's wall time is the rank's bubble, not host overhead."""
+    clock = FakeClock()
+    timer = PhaseTimer(clock=clock)
+    timer.finish_step()
+    timer.batch_start()
+    clock.advance(1.0)
+    timer.schedule_ran(forward_s=0.25, backward_s=0.45, wall_s=1.0, pipelined=True)
+    timer.before_optimizer_step()
+    clock.advance(0.1)
+    phases = timer.finish_step()
+    assert phases is not None
+    assert (phases.forward_s, phases.backward_s, phases.comm_wait_s) == (0.25, 0.45, 0.0)
+    assert phases.pipeline_wait_s == pytest.approx(0.3)
+    assert phases.bubble_fraction == pytest.approx(0.3 / 1.1)
+    assert phases.other_s == pytest.approx(0.0)
+    timer.schedule_ran(forward_s=0.2, backward_s=0.3, wall_s=0.6, pipelined=False)  # tensor parallelism only
+    clock.advance(0.6)
+    unpipelined = timer.finish_step()
+    assert unpipelined is not None and unpipelined.bubble_fraction is None
+    assert unpipelined.other_s == pytest.approx(0.1)

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from disttrain.callbacks import checkpoint_name, relink_last
@@ -34,14 +35,15 @@ def test_matrices_decay_vectors_do_not() -> None:
     assert no_decay["weight_decay"] == 0.0
 
 
-def test_find_checkpoint_prefers_last_then_newest_step(tmp_path: Path) -> None:
+def test_find_checkpoint_takes_the_newest_complete_step(tmp_path: Path) -> None:
     ckpts = tmp_path / "run" / "checkpoints"
     ckpts.mkdir(parents=True)
     for step in (100, 20, 300):
-        (ckpts / checkpoint_name(step)).write_bytes(b"x")
+        torch.save({"global_step": step}, ckpts / checkpoint_name(step))
     assert find_checkpoint(str(tmp_path / "run")).name == "step000300.ckpt"
+    # last.ckpt is a convenience link; a kill between publishing a checkpoint and relinking can leave it behind.
     relink_last(ckpts, checkpoint_name(100))
-    assert find_checkpoint(str(tmp_path / "run")).name == "step000100.ckpt"
+    assert find_checkpoint(str(tmp_path / "run")).name == "step000300.ckpt"
     assert find_checkpoint(str(ckpts / "step000020.ckpt")).name == "step000020.ckpt"
 
 

@@ -60,7 +60,7 @@ def test_tensor_parallel_divides_node_heads_and_kv_heads_and_pipeline_divides_la
         assert {x.tp for x in layouts} == allowed
         assert all(cfg.n_layers % x.pp == 0 and x.world_size == 8 for x in layouts)
         assert all(x.sequence_parallel == (x.tp > 1) for x in layouts)
-        interleaved = [x for x in layouts if x.schedule == "interleaved"]
+        interleaved = [x for x in layouts if x.schedule == "interleaved_1f1b"]
         assert interleaved and all(x.microbatches % x.pp == 0 for x in interleaved)
 
 
@@ -107,7 +107,7 @@ def test_overrides_select_the_layout() -> None:
         "strategy.pp=2",
         "strategy.dp=auto",
         "strategy.sequence_parallel=true",
-        "strategy.recompute=selective",
+        "strategy.activation_checkpointing=selective",
         "strategy.schedule=1f1b",
         "strategy.microbatches=16",
     ]
@@ -116,7 +116,7 @@ def test_overrides_select_the_layout() -> None:
         "strategy=deepspeed",
         "strategy.stage=3",
         "strategy.offload_optimizer=true",
-        "strategy.offload_parameters=false",
+        "strategy.offload_params=false",
         "strategy.activation_checkpointing=false",
     ]
     fsdp = Layout("fsdp", dp=16, dp_replicate=2, recompute="full")

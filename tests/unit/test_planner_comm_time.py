@@ -80,7 +80,7 @@ def test_bubble_fractions(p: int, m: int, v: int) -> None:
     # Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM")
     # sec. 2.2: bubble fraction (p-1)/m for GPipe and 1F1B, (p-1)/(v m) for the interleaved schedule.
     assert bubble_fraction("gpipe", p, m) == bubble_fraction("1f1b", p, m) == (p - 1) / m
-    assert bubble_fraction("interleaved", p, m, v) == (p - 1) / (v * m)
+    assert bubble_fraction("interleaved_1f1b", p, m, v) == (p - 1) / (v * m)
     assert bubble_fraction("zero_bubble", p, m, 2) == 0.0
     assert bubble_fraction("none", 1, m) == 0.0
     # Same bubble, fewer micro-batches in flight: 1F1B caps them at p on the first stage, GPipe keeps all m.
@@ -137,10 +137,10 @@ def test_pipeline_schedules_trade_bubble_for_nothing_else_in_time() -> None:
     workload = Workload(1, 32, 4096, "bf16-mixed")
     base = Layout("megatron", dp=1, tp=2, pp=4, microbatches=32, sequence_parallel=True, schedule="1f1b")
     times = {}
-    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 2)):
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)):
         layout = dataclasses.replace(base, schedule=schedule, virtual_stages=v)
         times[schedule] = plan_layout(shape, layout, workload, box).estimate
     assert times["gpipe"].step_time_s == pytest.approx(times["1f1b"].step_time_s)
     assert times["1f1b"].bubble_fraction == pytest.approx(3 / 32)
-    assert times["interleaved"].bubble_fraction == pytest.approx(3 / 64)
-    assert times["zero_bubble"].step_time_s < times["interleaved"].step_time_s < times["1f1b"].step_time_s
+    assert times["interleaved_1f1b"].bubble_fraction == pytest.approx(3 / 64)
+    assert times["zero_bubble"].step_time_s < times["interleaved_1f1b"].step_time_s < times["1f1b"].step_time_s

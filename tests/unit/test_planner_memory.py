@@ -142,7 +142,7 @@ def test_pipeline_first_stage_holds_korthikanti_microbatches(p: int, v: int) -> 
     # whole model's activations for one micro-batch; interleaving multiplies that by 1 + (p-1)/(p v).
     shape = model_shape(GPT3)
     workload = Workload(1, 64, 2048, "bf16-mixed")
-    schedule = "1f1b" if v == 1 else "interleaved"
+    schedule = "1f1b" if v == 1 else "interleaved_1f1b"
     layout = Layout(
         "megatron", dp=1, tp=8, pp=p, microbatches=64, sequence_parallel=True, schedule=schedule, virtual_stages=v
     )

@@ -41,7 +41,7 @@ def test_auto_for_llama7b_on_8xa100_shards_because_ddp_cannot_fit() -> None:
 
 
 def test_auto_refuses_when_nothing_fits() -> None:
-    with pytest.raises(ConfigError, match="no ddp/fsdp layout fits") as info:
+    with pytest.raises(ConfigError, match=r"no ddp/fsdp/deepspeed/megatron layout fits.*the smallest") as info:
         resolved(["strategy=auto", "model=llama-70b", "hw=1xl4", "trainer.micro_batch_size=1"])
     assert "python -m plan" in info.value.fix
 
@@ -61,3 +61,14 @@ def test_no_prediction_for_a_user_model() -> None:
     cfg = parse_run_config(compose_train(["~model", "+model._target_=tests.plugins.BigramModel",
                                           "+model.vocab_size=16", "+model.seq_len=16"]))  # fmt: skip
     assert predict_memory(cfg, world_layout(cfg), validate_run(cfg)) is None
+
+
+def test_auto_chooses_tensor_parallelism_when_only_it_fits() -> None:
+    """llama-7b at micro 16 x 4096 tokens: no data-parallel layout fits an A100 (activations), TP with SP does."""
+    cfg, why = resolved(["strategy=auto", *LLAMA7B_8XA100, "trainer.micro_batch_size=16"])
+    assert cfg.strategy.name == "megatron" and cfg.strategy.tp > 1 and cfg.strategy.sequence_parallel
+    assert "megatron layouts that fit" in why
+    # The choice is a runnable config: it validates and its prediction fits.
+    world, batch = world_layout(cfg), validate_run(cfg)
+    memory = predict_memory(cfg, world, batch)
+    assert memory is not None and memory.total <= 0.9 * 80 * 2**30

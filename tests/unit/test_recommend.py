@@ -158,3 +158,55 @@ def test_ab_keeps_the_plus_of_a_key_the_original_added(tmp_path: Path) -> None:
     (run_dir / ".hydra" / "overrides.yaml").write_text("- +data.num_workers=1\n")
     (test,) = ab_tests(analyse(run_dir), recommend_all(analyse(run_dir)), top_k=1)
     assert "+data.num_workers=1,2" in test.argv and "+data.num_workers=1" not in test.argv
+
+
+def _comm_bound() -> Finding:
+    return Finding("comm_bound", "critical", [0, 1], {}, "exposed all-reduce")
+
+
+def _ddp_ctx(overrides: list[str]) -> RunContext:
+    """The context a real run.json would give: the composed config of ``overrides``."""
+    batch = validate(overrides)
+    return RunContext(composed(overrides), {"global_batch_size": batch.global_batch_size}, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], ["strategy.comm_hook=bf16", "strategy.comm_hook=powersgd"]),
+        (["precision=bf16-true"], ["strategy.comm_hook=powersgd"]),
+        (["strategy.comm_hook=bf16"], ["strategy.comm_hook=powersgd"]),
+        (["strategy.comm_hook=powersgd"], ["strategy.powersgd_rank=2"]),
+        (["strategy.comm_hook=powersgd", "strategy.powersgd_rank=1"], []),
+        (["model.d_model=32", "model.n_heads=2"], ["strategy.comm_hook=bf16"]),  # too narrow to compress well
+        (["trainer.max_steps=30", "optimizer.warmup_steps=5"],
+         ["strategy.comm_hook=bf16", "strategy.powersgd_warmup_steps=3 strategy.comm_hook=powersgd"]),
+    ],
+)  # fmt: skip
+def test_comm_bound_ddp_gets_comm_hook_levers(overrides: list[str], expected: list[str]) -> None:
+    recs = recommend(_comm_bound(), _ddp_ctx(overrides))
+    hooks = [r.override for r in recs if "comm_hook" in r.override or "powersgd" in r.override]
+    assert hooks == expected
+    # They rank before the bucket size (fewer bytes beats fewer calls when bandwidth is the limit), and each one
+    # is a legal change of this run.
+    positions = [i for i, r in enumerate(recs) if r.override in hooks]
+    assert [r.key for r in recs].index("strategy.bucket_cap_mb") > max(positions, default=-1)
+    for rec in recs:
+        if rec.override in hooks:
+            validate([*overrides, *rec.override.split()])
+
+
+def test_powersgd_why_gives_the_compression_of_the_model_matrices() -> None:
+    ctx = _ddp_ctx(["model.d_model=256", "model.n_heads=4"])
+    (powersgd,) = [r for r in recommend(_comm_bound(), ctx) if r.value == "powersgd"]
+    assert "a 256x256 gradient becomes (rows + cols) x 4 values, 32x fewer" in powersgd.why
+
+
+def test_pipeline_bubble_on_megatron_gets_more_microbatches_then_interleaving(tmp_path: Path) -> None:
+    analysis = analyse(write_run(tmp_path / "bubble", "bubble_megatron"))
+    finding = next(f for f in analysis.findings if f.kind == "pipeline_bubble")
+    overrides = [r.override for r in recommend(finding, RunContext.from_run(analysis.run))]
+    # Same global batch (8 x 1 x 2 = 16) in 4 micro-batches of 4; then two chunks per rank; then a bigger batch.
+    assert overrides[0] == "trainer.micro_batch_size=4 trainer.global_batch_size=16 strategy.microbatches=4"
+    assert overrides[1] == "strategy.virtual_stages=2 strategy.schedule=interleaved_1f1b"
+    assert overrides[2] == "trainer.global_batch_size=32"

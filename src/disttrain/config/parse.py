@@ -22,9 +22,11 @@ from disttrain.config.schema import (
     CustomDataConfig,
     CustomModelConfig,
     DDPConfig,
+    DeepSpeedConfig,
     DiagnosticsConfig,
     FSDPConfig,
     LoggerConfig,
+    MegatronConfig,
     ModelConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -40,7 +42,13 @@ T = TypeVar("T")
 
 GROUPS = ("model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger", "diagnostics")
 DATA_KINDS: dict[str, type] = {"synthetic": SyntheticDataConfig, "text": TextDataConfig, "tokens": TokensDataConfig}
-STRATEGY_KINDS: dict[str, type] = {"ddp": DDPConfig, "fsdp": FSDPConfig, "auto": AutoStrategyConfig}
+STRATEGY_KINDS: dict[str, type] = {
+    "ddp": DDPConfig,
+    "fsdp": FSDPConfig,
+    "deepspeed": DeepSpeedConfig,
+    "megatron": MegatronConfig,
+    "auto": AutoStrategyConfig,
+}
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
 LOGGERS = ("csv", "wandb", "tensorboard")
 
@@ -157,7 +165,9 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
             raise ConfigError(group, "no option selected", f"select one, e.g. {group}=<option> (see conf/{group}/)")
     groups = {group: to_container(cfg[group], group) for group in GROUPS}
     if not isinstance(groups["strategy"], dict):
-        raise ConfigError("strategy", "must be a config group option", "use strategy=ddp or strategy=fsdp")
+        raise ConfigError(
+            "strategy", "must be a config group option", "use strategy=ddp, strategy=fsdp or strategy=deepspeed"
+        )
     strategy_cls = STRATEGY_KINDS[_choice(groups["strategy"], "strategy", STRATEGY_KINDS)]
     _choice(groups["precision"], "precision", PRECISIONS)
     _choice(groups["logger"], "logger", LOGGERS)

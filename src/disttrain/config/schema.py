@@ -111,13 +111,27 @@ class CustomDataConfig:
 DataConfig = SyntheticDataConfig | TextDataConfig | TokensDataConfig | CustomDataConfig
 
 
+COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
+
+
 @dataclass(frozen=True)
 class DDPConfig:
+    """DistributedDataParallel; ``comm_hook`` changes what the gradient all-reduce sends (torch DDP comm hooks).
+
+    ``bf16``/``fp16`` all-reduce a half-precision copy of each bucket (half the bytes of fp32 gradients);
+    ``powersgd`` sends rank-``powersgd_rank`` factors of each weight matrix after ``powersgd_warmup_steps``
+    optimizer steps of plain all-reduce.
+    """
+
     name: str = "ddp"
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
     bucket_cap_mb: int = 25
     static_graph: bool = False
+    comm_hook: str = "none"  # none | bf16 | fp16 | powersgd
+    powersgd_rank: int = 4  # rank of the P, Q factors: (rows + cols) x rank values per matrix instead of rows x cols
+    powersgd_warmup_steps: int = 50  # plain all-reduce for this many optimizer steps first (torch: >= 2)
+    powersgd_error_feedback: bool = True  # carry each rank's compression error into the next step's gradient
 
 
 @dataclass(frozen=True)
@@ -132,13 +146,62 @@ class FSDPConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """Megatron-style 3D parallelism from torch-native parts: DTensor tensor parallelism on the ``tp`` axis,
+    ``torch.distributed.pipelining`` stages on ``pp``, FSDP2 on the data-parallel axis (``dp_type``).
+
+    ``microbatches`` is the number of micro-batches each data-parallel rank runs per optimizer step (the
+    pipeline's micro-batches; plain gradient accumulation when ``pp`` is 1).
+    """
+
+    name: str = "megatron"
+    tp: int = 1
+    pp: int = 1
+    dp: int | str = "auto"  # "auto": world size / (tp x pp)
+    dp_type: str = "fsdp"  # fsdp (shard over dp) | hsdp (shard within dp_shard, replicate across) | replicate
+    dp_replicate: int = 1  # hsdp only: number of replica groups; parameters are sharded over dp / dp_replicate
+    sequence_parallel: bool = False  # shard norm/dropout activations over tp along the sequence
+    loss_parallel: bool = True  # vocab-parallel cross-entropy on the tp-sharded logits (no logits all-gather)
+    schedule: str = "1f1b"  # pp > 1: gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    microbatches: int | None = None  # None: pp (the fewest 1F1B allows), 1 without pipelining
+    virtual_stages: int = 1  # model chunks per pipeline rank: interleaved_1f1b (>= 2), zero_bubble (2: the V)
+    activation_checkpointing: str = "none"  # none | selective (attention core) | full (whole block)
+
+    @property
+    def num_microbatches(self) -> int:
+        if self.microbatches is not None:
+            return self.microbatches
+        return self.pp if self.pp > 1 else 1
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO (Lightning's DeepSpeedStrategy), sharding over the data-parallel ranks.
+
+    Stage 1 partitions optimizer states, 2 also gradients, 3 also parameters. Bucket sizes are in elements, as
+    DeepSpeed counts them.
+    """
+
+    name: str = "deepspeed"
+    stage: int = 2  # ZeRO stage: 1 | 2 | 3
+    offload_optimizer: bool = False  # optimizer states + step on the host (GPU only: needs DeepSpeedCPUAdam's op)
+    offload_params: bool = False  # stage 3 only: parameter partitions live on the host (GPU only)
+    activation_checkpointing: bool = False  # recompute each transformer block in backward
+    overlap_comm: bool = True  # overlap gradient reduction with backward
+    contiguous_gradients: bool = True  # copy gradients into one contiguous buffer as they are produced
+    reduce_bucket_size: int = 200_000_000  # elements reduced at once (DeepSpeed's default)
+    allgather_bucket_size: int = 200_000_000  # elements all-gathered at once (stage 1/2 parameter updates)
+    param_persistence_threshold: int = 100_000  # stage 3: parameters with fewer elements stay whole on every rank
+
+
+@dataclass(frozen=True)
 class AutoStrategyConfig:
-    """Let the planner pick the fastest ddp/fsdp layout predicted to fit (resolved before launch)."""
+    """Let the planner pick the fastest ddp/fsdp/deepspeed layout predicted to fit (resolved before launch)."""
 
     name: str = "auto"
 
 
-StrategyConfig = DDPConfig | FSDPConfig
+StrategyConfig = DDPConfig | FSDPConfig | DeepSpeedConfig | MegatronConfig
 
 
 @dataclass(frozen=True)
@@ -184,6 +247,10 @@ class TrainerConfig:
     seed: int = 1337
     deterministic: bool = False
     num_threads: int | None = None  # torch intra-op threads per process; None: cores / local processes
+    keep_last_n: int | None = None  # checkpoints to keep (newest first); None keeps all
+    nan_policy: str = "stop"  # non-finite loss/gradients: stop | skip (skip the update, up to max_nan_skips)
+    max_nan_skips: int = 10  # with nan_policy=skip: steps skipped before the run stops anyway
+    max_restarts: int = 0  # relaunch all local ranks this many times after a failure, resuming (like torchrun's)
 
 
 @dataclass(frozen=True)

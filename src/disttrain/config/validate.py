@@ -9,16 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from disttrain.config.errors import ConfigError
+from disttrain.config.errors import ConfigError, did_you_mean
+from disttrain.config.megatron import megatron_degrees, validate_megatron
 from disttrain.config.schema import (
+    COMM_HOOKS,
     CustomDataConfig,
     CustomModelConfig,
+    DDPConfig,
+    DeepSpeedConfig,
     FSDPConfig,
+    MegatronConfig,
     ModelConfig,
     RunConfig,
     SyntheticDataConfig,
     TextDataConfig,
     TokensDataConfig,
+    TrainerConfig,
 )
 
 NORMS = ("layernorm", "rmsnorm")
@@ -49,26 +55,30 @@ class BatchPlan:
 
 
 def world_layout(cfg: RunConfig) -> WorldLayout:
-    """DDP and FSDP shard data over every process, so the data-parallel size is the world size."""
+    """DDP, FSDP and DeepSpeed shard data over every process; Megatron over world / (tp x pp) of them."""
     world = cfg.hw.num_nodes * cfg.hw.devices_per_node
-    return WorldLayout(cfg.hw.num_nodes, cfg.hw.devices_per_node, world, world)
+    dp = megatron_degrees(cfg.strategy, world).dp if isinstance(cfg.strategy, MegatronConfig) else world
+    return WorldLayout(cfg.hw.num_nodes, cfg.hw.devices_per_node, world, dp)
 
 
 def batch_plan(cfg: RunConfig) -> BatchPlan:
+    """Global batch = micro x data-parallel size x micro-batches per step (accumulation, or Megatron's pipeline
+    micro-batches times any further accumulation); ``accumulation`` counts micro-batches per rank per step."""
     t = cfg.trainer
     dp = world_layout(cfg).data_parallel_size
-    per_step = t.micro_batch_size * dp
+    rounds = cfg.strategy.num_microbatches if isinstance(cfg.strategy, MegatronConfig) else 1
+    per_step = t.micro_batch_size * dp * rounds
     if t.global_batch_size is None:
-        return BatchPlan(per_step, t.micro_batch_size, dp, 1)
+        return BatchPlan(per_step, t.micro_batch_size, dp, rounds)
     if t.global_batch_size % per_step != 0:
         lower = max(per_step, t.global_batch_size // per_step * per_step)
+        factors = f"{t.micro_batch_size} x {dp}" + (f" x {rounds} microbatches" if rounds > 1 else "")
         raise ConfigError(
             "trainer.global_batch_size",
-            f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
-            f"= {t.micro_batch_size} x {dp} = {per_step}",
+            f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size = {factors} = {per_step}",
             f"use a multiple of {per_step} (e.g. trainer.global_batch_size={lower}) or change trainer.micro_batch_size",
         )
-    return BatchPlan(t.global_batch_size, t.micro_batch_size, dp, t.global_batch_size // per_step)
+    return BatchPlan(t.global_batch_size, t.micro_batch_size, dp, t.global_batch_size // per_step * rounds)
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -172,6 +182,99 @@ def validate_data(cfg: RunConfig, plan: BatchPlan) -> None:
         raise ConfigError("data.val_fraction", f"must be in (0, 1), got {d.val_fraction}", "use 0.05")
 
 
+def validate_deepspeed(ds: DeepSpeedConfig, on_cpu: bool) -> None:
+    """ZeRO options that DeepSpeed itself would reject late (after spawning ranks) or that cannot run here."""
+    if ds.stage not in (1, 2, 3):
+        raise ConfigError(
+            "strategy.stage",
+            f"{ds.stage} is not a ZeRO stage (1: optimizer states, 2: + gradients, 3: + parameters)",
+            "use strategy.stage=1, 2 or 3 (strategy=ddp for no sharding)",
+        )
+    for key in ("offload_optimizer", "offload_params"):
+        if getattr(ds, key) and on_cpu:
+            raise ConfigError(
+                f"strategy.{key}",
+                "offload needs GPUs (it moves state from GPU to host memory and steps it with DeepSpeedCPUAdam, "
+                "whose C++ op is compiled at launch); on hw=cpu everything is already in host memory",
+                f"set strategy.{key}=false, or use a GPU hw profile",
+            )
+    if ds.offload_params and ds.stage != 3:
+        raise ConfigError(
+            "strategy.offload_params",
+            f"parameter offload needs ZeRO stage 3 (parameters are only partitioned there), got stage {ds.stage}",
+            "use strategy.stage=3, or set strategy.offload_params=false",
+        )
+    if ds.param_persistence_threshold < 0:
+        raise ConfigError(
+            "strategy.param_persistence_threshold",
+            f"must be >= 0 elements, got {ds.param_persistence_threshold}",
+            "use strategy.param_persistence_threshold=100000 (0 partitions every parameter)",
+        )
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if getattr(ds, key) <= 0:
+            raise ConfigError(
+                f"strategy.{key}", f"must be > 0 elements, got {getattr(ds, key)}", f"use strategy.{key}=200000000"
+            )
+
+
+def validate_ddp(ddp: DDPConfig, cfg: RunConfig) -> None:
+    """Bucket size and communication hook: a hook that cannot help this run is refused, not silently ignored."""
+    if ddp.bucket_cap_mb <= 0:
+        raise ConfigError("strategy.bucket_cap_mb", "must be > 0", "use strategy.bucket_cap_mb=25")
+    if ddp.comm_hook not in COMM_HOOKS:
+        raise ConfigError(
+            "strategy.comm_hook",
+            f"unknown hook '{ddp.comm_hook}'{did_you_mean(ddp.comm_hook, COMM_HOOKS)}",
+            f"use one of {list(COMM_HOOKS)}",
+        )
+    if ddp.comm_hook == "none":
+        return
+    world = world_layout(cfg).world_size
+    if world == 1:
+        raise ConfigError(
+            "strategy.comm_hook",
+            f"'{ddp.comm_hook}' compresses the gradient all-reduce, but a world size of 1 communicates nothing",
+            "set strategy.comm_hook=none, or run more than one process (hw.devices_per_node / hw.num_nodes)",
+        )
+    if ddp.comm_hook in ("bf16", "fp16") and cfg.precision.name == "bf16-true":
+        raise ConfigError(
+            "strategy.comm_hook",
+            f"under precision=bf16-true the gradients are already 2-byte bf16: the {ddp.comm_hook} hook sends the "
+            "same bytes" + (" with fp16's narrower range" if ddp.comm_hook == "fp16" else ""),
+            "set strategy.comm_hook=none (or powersgd to send fewer bytes)",
+        )
+    if ddp.comm_hook != "powersgd":
+        return
+    if ddp.powersgd_rank < 1:
+        raise ConfigError(
+            "strategy.powersgd_rank", f"must be >= 1, got {ddp.powersgd_rank}", "use strategy.powersgd_rank=4"
+        )
+    if ddp.powersgd_warmup_steps < 2:
+        # torch's PowerSGDState refuses start_powerSGD_iter <= 1 with warm start / error feedback: DDP rebuilds its
+        # buckets after the first step, which would invalidate state kept per bucket.
+        raise ConfigError(
+            "strategy.powersgd_warmup_steps",
+            f"must be >= 2 (DDP regroups its gradient buckets after the first step), got {ddp.powersgd_warmup_steps}",
+            "use strategy.powersgd_warmup_steps=2 or more",
+        )
+    if ddp.powersgd_warmup_steps >= cfg.trainer.max_steps:
+        raise ConfigError(
+            "strategy.powersgd_warmup_steps",
+            f"{ddp.powersgd_warmup_steps} plain all-reduce steps leave no PowerSGD step before "
+            f"trainer.max_steps={cfg.trainer.max_steps}",
+            f"use strategy.powersgd_warmup_steps < {cfg.trainer.max_steps}",
+        )
+
+
+def validate_reliability(t: TrainerConfig) -> None:
+    """Checkpoint retention, the non-finite policy and restarts."""
+    if t.keep_last_n is not None:
+        _positive("trainer.keep_last_n", t.keep_last_n)
+    _one_of("trainer.nan_policy", t.nan_policy, ("stop", "skip"))
+    _positive("trainer.max_nan_skips", t.max_nan_skips, allow_zero=True)
+    _positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
+
+
 def validate_run(cfg: RunConfig) -> BatchPlan:
     """All cross-field checks; returns the batch plan they imply."""
     validate_model(cfg.model)
@@ -185,6 +288,7 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
     _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
     if t.num_threads is not None:
         _positive("trainer.num_threads", t.num_threads)
+    validate_reliability(t)
     _positive("optimizer.lr", o.lr)
     _positive("optimizer.eps", o.eps)
     _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
@@ -208,7 +312,9 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             "fp16-mixed is not supported on CPU (Lightning would silently run bf16 instead)",
             "use precision=bf16-mixed on CPU, or a GPU hw profile for fp16",
         )
-    if isinstance(cfg.strategy, FSDPConfig):
+    if isinstance(cfg.strategy, DeepSpeedConfig):
+        validate_deepspeed(cfg.strategy, on_cpu)
+    elif isinstance(cfg.strategy, FSDPConfig):
         _one_of("strategy.reduce_dtype", cfg.strategy.reduce_dtype, ("fp32", "bf16"))
         if cfg.strategy.cpu_offload and on_cpu:
             raise ConfigError(
@@ -220,8 +326,11 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             raise ConfigError(
                 "precision", "FSDP2 here supports fp32 and bf16 policies", "use precision=bf16-mixed with strategy=fsdp"
             )
-    elif cfg.strategy.bucket_cap_mb <= 0:
-        raise ConfigError("strategy.bucket_cap_mb", "must be > 0", "use strategy.bucket_cap_mb=25")
+    elif isinstance(cfg.strategy, MegatronConfig):
+        world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+        validate_megatron(cfg.strategy, cfg.model, world, cfg.precision.name)
+    elif isinstance(cfg.strategy, DDPConfig):
+        validate_ddp(cfg.strategy, cfg)
     dg = cfg.diagnostics
     for key in ("step_every", "gather_every", "profile_active_steps"):
         _positive(f"diagnostics.{key}", getattr(dg, key))

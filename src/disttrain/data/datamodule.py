@@ -51,6 +51,7 @@ class TokenDataModule(pl.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.loss_floor: LossFloor | None = None
+        self._restored: tuple[int, int] | None = None  # (samples consumed, at global step) from a checkpoint
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -88,7 +89,21 @@ class TokenDataModule(pl.LightningDataModule):
 
     def samples_consumed(self) -> int:
         """Global samples used by the optimizer steps already taken (restored from a checkpoint on resume)."""
-        return 0 if self.trainer is None else self.trainer.global_step * self.global_batch_size
+        step = 0 if self.trainer is None else self.trainer.global_step
+        if self._restored is None:
+            return step * self.global_batch_size
+        # Continue from the recorded stream position, so a resume with a different global batch size neither
+        # repeats nor skips samples.
+        samples, at_step = self._restored
+        return samples + (step - at_step) * self.global_batch_size
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position, saved in every checkpoint (Lightning stores it under this class's name)."""
+        step = 0 if self.trainer is None else self.trainer.global_step
+        return {"samples_consumed": self.samples_consumed(), "global_step": step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._restored = (int(state["samples_consumed"]), int(state["global_step"]))
 
     def _loader(self, dataset: Dataset, sampler) -> DataLoader:
         return DataLoader(
@@ -104,7 +119,10 @@ class TokenDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() must run first"
         num_replicas, rank = self._replicas()
-        sampler = ResumableShardedSampler(len(self.train_set), num_replicas, rank, self.seed, self.samples_consumed())
+        # The sampler shards the stream in rounds of one sample per rank: a position recorded under another
+        # world size is rounded up to the next round (at most num_replicas - 1 samples are not seen).
+        start = -(-self.samples_consumed() // num_replicas) * num_replicas
+        sampler = ResumableShardedSampler(len(self.train_set), num_replicas, rank, self.seed, start)
         return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:

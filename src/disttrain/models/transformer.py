@@ -74,6 +74,9 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
+        # Megatron's selective recomputation: keep the projections' activations, recompute only the attention
+        # core (QK^T, softmax, xV), whose saved state grows with seq^2 under non-flash kernels.
+        self.recompute_core = False
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
@@ -91,7 +94,16 @@ class Attention(nn.Module):
         if cos is not None and sin is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        y = F.scaled_dot_product_attention(
+        if self.recompute_core and torch.is_grad_enabled():
+            y = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.resid_drop(self.wo(y))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over ``[B, heads, T, head_dim]`` tensors (the part selective recomputation redoes)."""
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -99,8 +111,6 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        y = y.transpose(1, 2).reshape(b, t, -1)
-        return self.resid_drop(self.wo(y))
 
 
 class MLP(nn.Module):
@@ -152,7 +162,9 @@ class Transformer(nn.Module):
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos_emb == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.blocks: nn.ModuleList | nn.ModuleDict = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        # Set by the tensor-parallel plan under sequence parallelism (see ``forward``).
+        self.sequence_shards = 1
         self.norm: nn.Module | None = build_norm(cfg)
         self.lm_head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -186,13 +198,18 @@ class Transformer(nn.Module):
         cos, sin = rope_cache(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos, self.rope_sin = cos, sin
 
+    def block_list(self) -> list[nn.Module]:
+        """The blocks in layer order; a pipeline stage keeps them in a ModuleDict keyed by global layer id."""
+        return list(self.blocks.values()) if isinstance(self.blocks, nn.ModuleDict) else list(self.blocks)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` for ``tokens [B, T]`` with ``T <= cfg.seq_len``.
 
         On a pipeline stage without ``tok_emb`` the input is hidden states ``[B, T, d_model]``; without
-        ``lm_head`` the output is.
+        ``lm_head`` the output is. Under sequence parallelism hidden states between stages hold this rank's
+        ``1 / sequence_shards`` of the sequence.
         """
-        seq = tokens.shape[1]
+        seq = tokens.shape[1] if self.tok_emb is not None else tokens.shape[1] * self.sequence_shards
         if seq > self.cfg.seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.seq_len={self.cfg.seq_len}")
         if self.tok_emb is not None:
@@ -205,7 +222,7 @@ class Transformer(nn.Module):
         cos = sin = None
         if self.rope_cos is not None and self.rope_sin is not None:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        for block in self.blocks:
+        for block in self.block_list():
             h = block(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
@@ -216,7 +233,7 @@ class Transformer(nn.Module):
         named: list[tuple[str, nn.Module]] = []
         for name, child in self.named_children():
             if name == "blocks":
-                for block in child:
+                for block in self.block_list():
                     named += [(f"blocks.{block.layer_id}.{n}".rstrip("."), m) for n, m in block.named_modules()]
             else:
                 named += [(f"{name}.{n}".rstrip("."), m) for n, m in child.named_modules()]
@@ -248,7 +265,11 @@ class Transformer(nn.Module):
                     value = torch.ones(param.shape, dtype=torch.float32, device="cpu")
                 elif isinstance(module, (nn.Linear, nn.Embedding)):
                     scale = (2 * self.cfg.n_layers) ** -0.5 if id(module) in residual_out else 1.0
-                    gen = torch.Generator().manual_seed(_param_seed(seed, f"{mod_name}.{p_name}"))
+                    name = f"{mod_name}.{p_name}"
+                    if name == "lm_head.weight" and self.cfg.tie_embeddings:
+                        # A last pipeline stage holds its own copy of the tied weight: start it equal to tok_emb.
+                        name = "tok_emb.weight"
+                    gen = torch.Generator().manual_seed(_param_seed(seed, name))
                     value = torch.empty(param.shape, dtype=torch.float32, device="cpu").normal_(
                         0.0, std * scale, generator=gen
                     )
@@ -309,6 +330,8 @@ def apply_activation_checkpointing(model: Transformer) -> None:
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    for i, block in enumerate(model.blocks):
+    keys = list(model.blocks.keys()) if isinstance(model.blocks, nn.ModuleDict) else range(len(model.blocks))
+    for key in keys:
+        block = model.blocks[key]
         if isinstance(block, Block):  # already-wrapped blocks are left alone, so applying twice is harmless
-            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            model.blocks[key] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)

@@ -23,7 +23,7 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: i
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if schedule in ("gpipe", "1f1b"):
         return (pp - 1) / microbatches
-    if schedule == "interleaved":
+    if schedule == "interleaved_1f1b":
         return (pp - 1) / (virtual_stages * microbatches)
     if schedule == "zero_bubble":
         return ZERO_BUBBLE_FRACTION
@@ -44,7 +44,7 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int, virtual_st
         return float(microbatches)
     if schedule == "1f1b":
         return float(min(pp - stage, microbatches))
-    if schedule == "interleaved":
+    if schedule == "interleaved_1f1b":
         chunks = 2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1
         return min(chunks, microbatches * virtual_stages) / virtual_stages
     if schedule == "zero_bubble":

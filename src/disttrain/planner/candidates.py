@@ -89,7 +89,7 @@ def _schedules(shape: ModelShape, pp: int, m: int) -> Iterator[tuple[str, int]]:
     yield "1f1b", 1
     for v in INTERLEAVED_VIRTUAL_STAGES:
         if shape.n_layers % (pp * v) == 0 and m % pp == 0:
-            yield "interleaved", v
+            yield "interleaved_1f1b", v
     if shape.n_layers % (pp * ZERO_BUBBLE_VIRTUAL_STAGES) == 0 and m >= pp:
         yield "zero_bubble", ZERO_BUBBLE_VIRTUAL_STAGES
 
@@ -103,7 +103,8 @@ def tensor_parallel_degrees(shape: ModelShape, hw: HardwareProfile) -> list[int]
     ]
 
 
-def _megatron(shape: ModelShape, hw: HardwareProfile, workload: Workload) -> Iterator[Layout]:
+def megatron_layouts(shape: ModelShape, hw: HardwareProfile, workload: Workload) -> Iterator[Layout]:
+    """Megatron TP x PP x DP layouts (also what ``strategy=auto`` chooses from)."""
     if not shape.known:  # no layers to split: a raw parameter count answers model-state questions only
         return
     world = hw.world_size
@@ -133,4 +134,4 @@ def _megatron(shape: ModelShape, hw: HardwareProfile, workload: Workload) -> Ite
 def candidate_layouts(shape: ModelShape, hw: HardwareProfile, workload: Workload) -> list[Layout]:
     """All layouts for ``hw``'s world that the rules above allow, in a stable order."""
     fsdp_ok = workload.precision != "fp16-mixed"
-    return [*_data_parallel(shape, hw, workload, fsdp_ok), *_megatron(shape, hw, workload)]
+    return [*_data_parallel(shape, hw, workload, fsdp_ok), *megatron_layouts(shape, hw, workload)]

@@ -202,7 +202,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
     tp_count = per_layer * (shape.n_layers // pp) + edge_collectives
     exposed = collective_bytes("all_reduce", activation, groups["tp"]).scale(tp_count)
     if pp > 1:
-        chunks = layout.virtual_stages if layout.schedule in ("interleaved", "zero_bubble") else 1
+        chunks = layout.virtual_stages if layout.schedule in ("interleaved_1f1b", "zero_bubble") else 1
         message = activation / tp if layout.sequence_parallel else activation
         exposed += collective_bytes("p2p", message, groups["pp"]).scale(2 * chunks)  # forward and backward
     stage_params = max(shape.stage_parameters(tp, pp, 0), shape.stage_parameters(tp, pp, pp - 1))

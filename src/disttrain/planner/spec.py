@@ -12,7 +12,7 @@ from typing import Any
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed", "megatron")
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
 
 
@@ -61,7 +61,7 @@ class Layout:
             return {
                 "stage": self.zero_stage,
                 "offload_optimizer": self.offload_optimizer,
-                "offload_parameters": self.offload_params,
+                "offload_params": self.offload_params,
                 "activation_checkpointing": self.recompute == "full",
             }
         options = {
@@ -69,11 +69,12 @@ class Layout:
             "pp": self.pp,
             "dp": self.dp,
             "sequence_parallel": self.sequence_parallel,
-            "recompute": self.recompute,
-            "schedule": self.schedule,
-            "microbatches": self.microbatches,
+            "activation_checkpointing": self.recompute,
         }
-        if self.schedule in ("interleaved", "zero_bubble"):
+        if self.pp > 1:  # strategy=megatron ignores the schedule without pipelining
+            options["schedule"] = self.schedule
+        options["microbatches"] = self.microbatches
+        if self.schedule in ("interleaved_1f1b", "zero_bubble"):
             options["virtual_stages"] = self.virtual_stages
         return options
 
@@ -103,7 +104,7 @@ class Layout:
         sp = " SP" if self.sequence_parallel else ""
         schedule = ""
         if self.pp > 1:
-            v = f" v{self.virtual_stages}" if self.schedule in ("interleaved", "zero_bubble") else ""
+            v = f" v{self.virtual_stages}" if self.schedule in ("interleaved_1f1b", "zero_bubble") else ""
             schedule = f" {self.schedule}{v} m{self.microbatches}"
         return f"TP{self.tp} PP{self.pp} DP{self.dp}{sp}{schedule}{ckpt}"
 

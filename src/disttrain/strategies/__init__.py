@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from lightning.pytorch.strategies import Strategy
 
-from disttrain.config.schema import DDPConfig, FSDPConfig, RunConfig
+from disttrain.config.schema import DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig, RunConfig
 from disttrain.strategies.ddp import build_ddp
 from disttrain.strategies.fsdp import build_fsdp, trainer_precision
 
@@ -24,6 +24,20 @@ def process_group_backend(accelerator: str) -> str:
 
 def build_strategy(cfg: RunConfig, world_size: int, apply_checkpointing: object) -> StrategyBuild:
     backend = process_group_backend(cfg.hw.accelerator)
+    if isinstance(cfg.strategy, DeepSpeedConfig):
+        # Imported here: `import deepspeed` costs seconds, and only DeepSpeed runs should pay it.
+        from disttrain.strategies.deepspeed import build_deepspeed
+
+        micro = cfg.trainer.micro_batch_size
+        ds_strategy, ds_plan = build_deepspeed(cfg.strategy, micro, backend, apply_checkpointing)  # type: ignore[arg-type]
+        # Lightning turns the precision into DeepSpeed's bf16/fp16 config sections itself.
+        return StrategyBuild(ds_strategy, ds_plan, cfg.precision.lightning)
+    if isinstance(cfg.strategy, MegatronConfig):
+        from disttrain.strategies.megatron import build_megatron
+
+        megatron, _ = build_megatron(cfg.strategy, world_size, backend)
+        # The engine builds and shards the model itself (MegatronModule); FSDP2 casts under bf16-mixed.
+        return StrategyBuild(megatron, None, trainer_precision(cfg.precision))
     if isinstance(cfg.strategy, FSDPConfig):
         strategy, plan = build_fsdp(cfg.strategy, cfg.precision, world_size, backend, apply_checkpointing)
         return StrategyBuild(strategy, plan, trainer_precision(cfg.precision))

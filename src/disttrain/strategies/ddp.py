@@ -1,17 +1,85 @@
-"""strategy=ddp: a full replica per rank, gradients all-reduced in buckets overlapped with backward."""
+"""strategy=ddp: a full replica per rank, gradients all-reduced in buckets overlapped with backward.
+
+``strategy.comm_hook`` registers one of torch's DDP communication hooks. Lightning's DDPStrategy registers hooks
+only on CUDA (a torch 1.8 restriction that no longer holds: gloo runs them), so ``HookedDDPStrategy`` registers
+them on every device, and keeps a stateful hook's state (PowerSGD) in each checkpoint.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.config.schema import DDPConfig
+from disttrain.strategies.comm_hooks import build_comm_hook
+from disttrain.strategies.powersgd import PowerSGDComm, state_path
+
+
+def register_comm_hook(model: DistributedDataParallel, state: object | None, hook: Callable | None) -> None:
+    """Register ``hook`` on a DDP-wrapped model (a no-op without one)."""
+    if hook is None:
+        return
+    if isinstance(state, PowerSGDComm):
+        state.bind(model)
+    model.register_comm_hook(state=state, hook=hook)
+
+
+class HookedDDPStrategy(DDPStrategy):
+    """DDPStrategy that registers its comm hook on any device and checkpoints PowerSGD's per-rank state."""
+
+    @property
+    def powersgd(self) -> PowerSGDComm | None:
+        return self._ddp_comm_state if isinstance(self._ddp_comm_state, PowerSGDComm) else None
+
+    def _register_ddp_hooks(self) -> None:
+        register_comm_hook(self.model, self._ddp_comm_state, self._ddp_comm_hook)  # type: ignore[arg-type]
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.powersgd is None:
+            return
+        # Every rank writes its own file: error feedback is per rank, and gathering it would put world x gradient
+        # size on rank 0.
+        path = state_path(filepath, self.global_rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.powersgd.state_dict(self.world_size), path)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self.powersgd is not None:
+            self._load_powersgd(Path(checkpoint_path))
+        return checkpoint
+
+    def _load_powersgd(self, checkpoint_path: Path) -> None:
+        own = state_path(checkpoint_path, self.global_rank)
+        # A rank that did not exist when the checkpoint was written takes rank 0's file: the step count and the
+        # warm-start factors are the same on every rank, so all ranks stay in step (same collectives).
+        path = own if own.is_file() else state_path(checkpoint_path, 0)
+        if not path.is_file():
+            rank_zero_warn(
+                f"{checkpoint_path} has no PowerSGD state (saved without strategy.comm_hook=powersgd): PowerSGD "
+                "starts afresh, with its warm-up of plain all-reduce steps"
+            )
+            return
+        dropped = self.powersgd.load_state_dict(torch.load(path, weights_only=True), self.world_size)  # type: ignore[union-attr]
+        if dropped:
+            rank_zero_warn(f"PowerSGD resumed without its {'; '.join(dropped)}: they start from zero")
 
 
 def build_ddp(cfg: DDPConfig, backend: str) -> DDPStrategy:
-    return DDPStrategy(
+    state, hook = build_comm_hook(cfg, backend)
+    return HookedDDPStrategy(
         process_group_backend=backend,
         find_unused_parameters=cfg.find_unused_parameters,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         bucket_cap_mb=cfg.bucket_cap_mb,
         static_graph=cfg.static_graph,
+        ddp_comm_state=state,
+        ddp_comm_hook=hook,
     )

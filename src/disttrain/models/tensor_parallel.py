@@ -1,0 +1,106 @@
+"""Megatron-style tensor-parallel plan for the reference transformer (DTensor, on the ``tp`` mesh axis).
+
+Attention: q/k/v column-wise (each rank keeps whole heads), output projection row-wise. MLP: w1 (and w3)
+column-wise, w2 row-wise: one all-reduce per sub-layer in forward and one in backward. The token embedding is
+vocab-parallel (row-wise over the vocabulary) and the LM head column-wise over the vocabulary; with
+``loss_parallel`` its logits stay sharded and the cross-entropy runs on the shards (``loss_parallel()``).
+
+Sequence parallelism shards the activations between the sub-layers along the sequence: norms run on a
+``1/tp`` slice, the column-wise inputs all-gather it and the row-wise outputs reduce-scatter back to it (same
+bytes as the all-reduces, less activation memory). The embedding output stays replicated so a learned
+position embedding can be added to it; the first block then takes its own slice (no communication).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from disttrain.models.transformer import Transformer
+
+
+def block_plan(has_w3: bool, sequence_parallel: bool) -> dict[str, object]:
+    """The per-block plan, keyed by sub-module path inside ``Block``."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, object] = {
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=between),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(output_layouts=between),
+    }
+    if has_w3:
+        plan["mlp.w3"] = ColwiseParallel()
+    if sequence_parallel:
+        plan["norm1"] = SequenceParallel()
+        plan["norm2"] = SequenceParallel()
+        # Attention and MLP need the whole sequence: gather the sequence shards at their input.
+        plan["attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+        )
+        plan["mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    return plan
+
+
+def apply_tensor_parallel(
+    model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool
+) -> None:
+    """Shard ``model`` (a whole model or one pipeline stage of it) over ``tp_mesh`` in place."""
+    blocks = model.block_list()
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan(block.mlp.w3 is not None, sequence_parallel))
+    top: dict[str, object] = {}
+    if model.tok_emb is not None:
+        top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sequence_parallel and blocks:
+            # Slicing a replicated tensor along the sequence is local; its backward all-gathers.
+            parallelize_module(
+                blocks[0],
+                tp_mesh,
+                PrepareModuleInput(
+                    input_layouts=(Replicate(), None, None),
+                    desired_input_layouts=(Shard(1), None, None),
+                    use_local_output=True,
+                ),
+            )
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.lm_head is not None:
+        top["lm_head"] = ColwiseParallel(
+            input_layouts=Shard(1) if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    tied = model.cfg.tie_embeddings and model.tok_emb is not None and model.lm_head is not None
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    if tied:
+        # Both layers shard the (vocab, d_model) weight on dim 0: share the embedding's DTensor again.
+        model.lm_head.weight = model.tok_emb.weight
+    if sequence_parallel:
+        model.sequence_shards = tp_mesh.size()
+
+
+def tensor_parallel_param_count(model: nn.Module) -> int:
+    """Elements this rank holds locally (DTensor shards counted by their local size)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+    return total

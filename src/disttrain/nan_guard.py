@@ -1,0 +1,86 @@
+"""Non-finite loss or gradients: detected in the step they appear, before the optimizer applies them.
+
+Every micro-batch's loss is checked as it enters backward, every gradient before the optimizer step (and
+before clipping, which would spread a NaN to every parameter). The verdict is all-reduced (max) so every rank
+agrees: under FSDP a rank sees only its own gradient shard, and ranks that disagreed would diverge or hang.
+
+On a bad step every gradient is dropped (``grad = None``): torch optimizers skip parameters without a
+gradient, so the weights, the moments and Adam's step count stay exactly as they were. The step still counts
+(its batch is consumed, the learning-rate schedule advances), as with a skipped step of an fp16 loss scaler.
+``nan_policy=stop`` then stops the run (no checkpoint is written for the bad step, so the last one is the last
+good one); ``skip`` carries on, up to ``max_nan_skips`` times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+def local_tensor(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (FSDP2 gradients are DTensors sharded over ranks)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
+
+
+class NonFiniteGuard(pl.Callback):
+    def __init__(self, policy: str, max_skips: int, record: Callable[..., None] | None = None) -> None:
+        self.policy = policy
+        self.max_skips = max_skips
+        self.record = record  # diagnostics telemetry writer of this rank, when diagnostics are on
+        self.skipped_steps: list[int] = []
+        self.stopped_at: int | None = None
+        self.stop_reason: str | None = None
+        self._bad_loss: torch.Tensor | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_at is not None
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        # Kept as a tensor: no host sync per micro-batch, one per optimizer step below.
+        bad = (~torch.isfinite(local_tensor(loss.detach()))).any()  # vocab-parallel losses are DTensors
+        self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        device = trainer.strategy.root_device
+        grads = [local_tensor(p.grad) for p in pl_module.parameters() if p.grad is not None]
+        bad_grad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any() if grads else torch.tensor(False)
+        bad_loss = self._bad_loss if self._bad_loss is not None else torch.tensor(False)
+        self._bad_loss = None
+        verdict = torch.stack([bad_loss.to(device), bad_grad.to(device)]).to(torch.float32)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
+        loss_bad, grad_bad = (bool(v) for v in verdict.tolist())
+        if not (loss_bad or grad_bad):
+            return
+        for param in pl_module.parameters():
+            param.grad = None  # the optimizer skips parameters without gradients: no update, no moment change
+        what = " and ".join(name for name, bad in (("loss", loss_bad), ("gradients", grad_bad)) if bad)
+        self._handle(trainer, trainer.global_step, what)
+
+    def _handle(self, trainer: pl.Trainer, step: int, what: str) -> None:
+        if self.policy == "skip" and len(self.skipped_steps) < self.max_skips:
+            self.skipped_steps.append(step)
+            action = "skipped"
+            message = (
+                f"disttrain: non-finite {what} at step {step}: update skipped "
+                f"({len(self.skipped_steps)} of at most {self.max_skips}, trainer.max_nan_skips)"
+            )
+        else:
+            self.stopped_at = step
+            action = "stopped"
+            why = "nan_policy=stop" if self.policy == "stop" else f"more than trainer.max_nan_skips={self.max_skips}"
+            self.stop_reason = f"non-finite {what} at step {step} ({why})"
+            message = f"disttrain: {self.stop_reason}: stopping; the weights were not updated with it"
+            trainer.should_stop = True
+        if self.record is not None:
+            with contextlib.suppress(Exception):  # telemetry is a record of the decision, never a reason to crash
+                self.record("nonfinite", step=step, what=what, action=action, skipped_total=len(self.skipped_steps))
+        if trainer.is_global_zero:
+            print(message, file=sys.stderr, flush=True)

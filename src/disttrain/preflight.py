@@ -1,0 +1,288 @@
+"""Everything that can be wrong with a ``python -m train`` command, checked before Hydra starts the job.
+
+Hydra itself refuses an unknown group option or key with its own multi-line message and exit code 1, and only
+after creating the run dir; ``run_from_hydra`` checks the rest after Hydra has written ``.hydra/`` into it.
+``preflight`` runs first, from ``pipelines/train.py``: it reads the overrides with Hydra's own parser, names a
+wrong key or option (with a did-you-mean), composes the config exactly as the job will, and runs the same
+``prepare`` as the job (resume, typed config, cross-field checks, the run-dir guard). A mistake therefore
+exits with code 2 and one line, before any directory is created or any existing run dir is touched.
+
+``prepare`` is also what ``run_from_hydra`` calls, so both paths apply the same checks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override, OverrideType
+from hydra.errors import HydraException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+
+from disttrain.config.errors import ConfigError, did_you_mean
+from disttrain.config.parse import parse_run_config
+from disttrain.config.schema import AutoStrategyConfig, RunConfig
+from disttrain.config.validate import BatchPlan, WorldLayout, batch_plan, validate_run, world_layout
+from disttrain.hardware import check_machine_can_serve
+from disttrain.launch import is_child_process
+from disttrain.planning import check_fits, predict_memory, resolve_auto
+from disttrain.resume import ResumePoint, find_resume_point, newest_complete, original_overrides, run_dir_of
+from disttrain.supervise import is_supervised, restart_attempt
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+# Config values that become names of files or dirs inside the run dir (Hydra's log file, its record dir).
+PATH_NAME_KEYS = ("hydra.job.name", "hydra.output_subdir")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated job: the config it runs with (re-composed on resume) and where it resumes from."""
+
+    cfg: DictConfig
+    run_cfg: RunConfig
+    layout: WorldLayout
+    plan: BatchPlan
+    auto_reason: str | None
+    resume: ResumePoint | None
+    attempt: int
+
+
+def resolve(cfg: DictConfig) -> tuple[RunConfig, WorldLayout, BatchPlan, str | None]:
+    """Typed config, world layout and batch plan; ``strategy=auto`` resolved; every cross-field check run."""
+    run_cfg = parse_run_config(cfg)
+    layout = world_layout(run_cfg)
+    auto_reason = None
+    if isinstance(run_cfg.strategy, AutoStrategyConfig):
+        run_cfg, auto_reason = resolve_auto(run_cfg, layout, batch_plan(run_cfg))
+        layout = world_layout(run_cfg)
+    plan = validate_run(run_cfg)
+    return run_cfg, layout, plan, auto_reason
+
+
+def compose_for_resume(resume: str, task_overrides: list[str]) -> DictConfig:
+    """The resumed run's config: its original overrides, then this command's (later ones win)."""
+    keep = [o for o in original_overrides(resume) + task_overrides if not o.lstrip("+~").startswith("resume=")]
+    try:
+        return compose(config_name="train", overrides=[*keep, f"resume={resume}"])
+    except HydraException as err:
+        raise ConfigError(
+            "resume",
+            f"the run's recorded overrides plus this command's do not compose ({str(err).splitlines()[0]})",
+            f"check {run_dir_of(Path(resume))}/.hydra/overrides.yaml and the overrides given with resume=",
+        ) from None
+
+
+def existing_run(run_dir: Path) -> str | None:
+    """What marks ``run_dir`` as holding a run already (its manifest or Hydra's record), or None."""
+    for marker in ("run.json", ".hydra/overrides.yaml"):
+        if (run_dir / marker).exists():
+            return marker
+    return None
+
+
+def refuse_existing_run(run_dir: Path, marker: str) -> None:
+    raise ConfigError(
+        "hydra.run.dir",
+        f"'{run_dir}' already holds a run ({marker}); it is never written over",
+        "pass hydra.run.dir=<new dir> (or start again in a moment); to continue that run use resume=<that dir>",
+    )
+
+
+def check_world_size(layout: WorldLayout) -> None:
+    """Under torchrun/SLURM the launcher decides the process count: it must match what the config describes."""
+    launched = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
+    if is_child_process() or not launched or not launched.isdigit():
+        return
+    if not any(k in os.environ for k in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "GROUP_RANK")):
+        return  # WORLD_SIZE without a cluster launcher is our own rank-0 environment (or a stale export)
+    if int(launched) != layout.world_size:
+        raise ConfigError(
+            "hw.devices_per_node",
+            f"the launcher started {launched} processes but the config describes hw.num_nodes x "
+            f"hw.devices_per_node = {layout.num_nodes} x {layout.devices_per_node} = {layout.world_size}",
+            f"set hw.num_nodes/hw.devices_per_node so their product is {launched}, or launch "
+            f"{layout.world_size} processes",
+        )
+
+
+def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) -> Prepared:
+    """All checks of one job before anything is spawned; ``run_dir`` None skips the run-dir guard."""
+    attempt = restart_attempt()
+    # Only global rank 0 guards: under SLURM/torchrun the other ranks may start after rank 0 wrote run.json.
+    secondary = is_child_process() or int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) > 0
+    if run_dir is not None and attempt == 0 and not secondary and (run_dir / "run.json").exists():
+        # Two runs started within the same second share Hydra's timestamped dir: never write over the first.
+        refuse_existing_run(run_dir, "run.json")
+    point: ResumePoint | None = None
+    if cfg.get("resume"):
+        point = find_resume_point(str(cfg.resume))
+        cfg = compose_for_resume(str(cfg.resume), task_overrides)
+    if attempt > 0 and run_dir is not None:
+        # A restarted job continues from its own newest complete checkpoint (else from where it started).
+        point = newest_complete(run_dir / "checkpoints") or point
+    run_cfg, layout, plan, auto_reason = resolve(cfg)
+    check_world_size(layout)
+    if point is not None:
+        from disttrain.checkpoint_shapes import check_checkpoint_fits_model  # imports torch: only on resume
+
+        check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
+    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt)
+
+
+# -- the command line, before Hydra ---------------------------------------------------------------------------
+def parse_overrides(overrides: list[str]) -> list[Override]:
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.extend(OverridesParser.create().parse_overrides([text]))
+        except OverrideParseException as err:
+            key = text.split("=", 1)[0].lstrip("+~")
+            problem = f"cannot read the override '{text}' ({str(err).splitlines()[0]})"
+            raise ConfigError(key, problem, "write key=value or group=option; quote values with spaces") from None
+    return parsed
+
+
+def values_of(override: Override) -> list[str]:
+    if override.is_sweep_override():
+        return [str(v) for v in override.sweep_string_iterator()]
+    value = override.value()
+    return [] if value is None else [str(value)]
+
+
+def first_job(override: Override) -> str:
+    """The override as the first job of a sweep sees it (compose() takes no sweeps)."""
+    if not override.is_sweep_override():
+        return override.input_line
+    return f"{override.get_key_element()}={values_of(override)[0]}"
+
+
+def check_plain_name(key: str, value: str) -> None:
+    """A value used as a file or dir name inside the run dir must not lead out of it."""
+    if value != "null" and ("/" in value or "\\" in value or value in (".", "..")):
+        raise ConfigError(
+            key,
+            f"'{value}' is used as a name inside the run dir but contains a path",
+            f"use a plain name (e.g. {key}=train) and choose the directory with hydra.run.dir",
+        )
+
+
+def check_group_option(conf_dir: Path, override: Override) -> None:
+    group = override.key_or_group
+    options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+    for value in values_of(override):
+        if value != "null" and value not in options:
+            raise ConfigError(
+                group,
+                f"unknown option '{value}'{did_you_mean(value, options)}",
+                f"choose one of {options} (conf/{group}/), e.g. {group}={options[0]}",
+            )
+
+
+def has_key(cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` (dotted) exists, including keys whose value is the required-but-unset ``???``."""
+    node: Any = cfg
+    for part in key.split("."):
+        # keys() lists ``???`` entries too, which ``in`` and OmegaConf.select treat as absent.
+        if not isinstance(node, DictConfig) or part not in node.keys():  # noqa: SIM118 (see above)
+            return False
+        node = node._get_node(part)
+    return True
+
+
+def check_key_exists(cfg: DictConfig, key: str) -> None:
+    parts = key.split(".")
+    for depth in range(1, len(parts) + 1):  # report the first level that does not exist
+        if not has_key(cfg, ".".join(parts[:depth])):
+            break
+    else:
+        return
+    parent_path, name = ".".join(parts[: depth - 1]), parts[depth - 1]
+    parent: Any = OmegaConf.select(cfg, parent_path) if parent_path else cfg
+    choices = sorted(str(k) for k in parent.keys()) if isinstance(parent, DictConfig) else []  # noqa: SIM118
+    where = parent_path or "the run config"
+    custom = " (extra arguments of a custom model/data module are added with +, e.g. +model.width=64)"
+    raise ConfigError(
+        ".".join(parts[:depth]),
+        f"is not a setting of {where}{did_you_mean(name, choices)}",
+        f"use one of {choices}{custom if parent_path in ('model', 'data') else ''}",
+    )
+
+
+def preflight(argv: list[str], conf_dir: Path) -> None:
+    """Raise ConfigError for anything wrong with ``python -m train ARGV``; returns quietly when it is fine.
+
+    Commands with other Hydra flags (--help, --cfg, -cn, ...) are left to Hydra. Children and restarted
+    attempts re-run a command that already passed.
+    """
+    if is_child_process() or is_supervised():
+        return
+    multirun = any(a in MULTIRUN_FLAGS for a in argv)
+    args = [a for a in argv if a not in MULTIRUN_FLAGS]
+    if any(a.startswith("-") for a in args):
+        return
+    overrides = parse_overrides(args)
+    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()} - {"hydra"}
+    for o in overrides:
+        if o.key_or_group == "hydra/launcher" and not multirun:
+            raise ConfigError(
+                "hydra/launcher",
+                f"{o.input_line} only takes effect in a multirun: without -m this command would train here",
+                f"add -m (python -m train -m {o.input_line} ...); one value per key submits a single job",
+            )
+        if o.is_sweep_override() and not multirun:
+            raise ConfigError(
+                o.key_or_group,
+                f"lists several values ({', '.join(values_of(o))}): that is a sweep",
+                "add -m to run one job per value, or give a single value",
+            )
+        if o.key_or_group in groups and o.package is None and not o.is_delete():
+            check_group_option(conf_dir, o)
+        if o.key_or_group in PATH_NAME_KEYS:
+            for value in values_of(o):
+                check_plain_name(o.key_or_group, value)
+    job = [first_job(o) for o in overrides]
+    choices = [first_job(o) for o in overrides if o.key_or_group in groups]
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        try:
+            with_groups = compose(config_name="train", overrides=choices)
+        except HydraException as err:
+            raise ConfigError("overrides", f"cannot compose the config ({err})", "check the group options") from None
+        for o in overrides:
+            plain = o.type == OverrideType.CHANGE and not o.key_or_group.startswith("hydra")
+            if plain and o.key_or_group not in groups:
+                check_key_exists(with_groups, o.key_or_group)
+        try:
+            cfg = compose(config_name="train", overrides=job, return_hydra_config=not multirun)
+        except HydraException as err:
+            message = str(err).splitlines()[0]
+            raise ConfigError("overrides", f"cannot compose the config ({message})", "check the overrides") from None
+        run_dir = None
+        if not multirun:
+            run_dir = Path(str(cfg.hydra.run.dir))
+            if marker := existing_run(run_dir):
+                refuse_existing_run(run_dir, marker)
+        prepared = prepare(cfg, None, [first_job(o) for o in overrides if not o.key_or_group.startswith("hydra")])
+    # A cluster launcher (hydra/launcher=slurm) runs the jobs on other machines: this one need not serve them.
+    remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
+    check_launchable(prepared, here=not remote)
+
+
+def check_launchable(prepared: Prepared, here: bool = True) -> None:
+    """What ``run_from_hydra`` refuses before spawning: the memory prediction, and (``here``) missing devices."""
+    run_cfg = prepared.run_cfg
+    if run_cfg.dry_run:
+        return
+    memory = predict_memory(run_cfg, prepared.layout, prepared.plan)
+    check_fits(run_cfg, memory, run_cfg.check_memory)
+    if not here:
+        return
+    cuda_devices = 0
+    if run_cfg.hw.accelerator == "gpu":
+        import torch  # only GPU profiles need the device count
+
+        cuda_devices = torch.cuda.device_count()
+    check_machine_can_serve(run_cfg.hw, cuda_devices)

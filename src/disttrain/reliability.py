@@ -1,0 +1,44 @@
+"""The callbacks that make a run survivable: atomic step checkpoints, RNG capture, the non-finite guard.
+
+Strategy-neutral: they only use ``trainer.save_checkpoint``, ``torch.distributed`` collectives and the
+parameters' gradients, so every strategy gets them (see README, "Reliability").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+from disttrain.callbacks import StepCheckpoint
+from disttrain.config.schema import TrainerConfig
+from disttrain.faults import FaultInjection, fault_from_env
+from disttrain.nan_guard import NonFiniteGuard
+from disttrain.rng import RankRngState
+from disttrain.supervise import restart_attempt
+
+
+@dataclass
+class Reliability:
+    checkpoints: StepCheckpoint
+    guard: NonFiniteGuard
+    callbacks: list[pl.Callback]  # in the order the Trainer must run them
+
+
+def build_reliability(t: TrainerConfig, ckpt_dir: Path) -> Reliability:
+    guard = NonFiniteGuard(t.nan_policy, t.max_nan_skips)
+    fault = fault_from_env(restart_attempt())
+    injector = FaultInjection(fault) if fault is not None else None
+    checkpoints = StepCheckpoint(
+        ckpt_dir,
+        t.ckpt_every_n_steps,
+        keep_last_n=t.keep_last_n,
+        skip_save=lambda: guard.stopped,  # the step that stopped the run is not a good state to resume from
+        before_publish=injector.before_publish if injector is not None else None,
+    )
+    # The injector runs after StepCheckpoint, so a kill "after step N" comes after step N's checkpoint.
+    callbacks: list[pl.Callback] = [guard, checkpoints, RankRngState()]
+    if injector is not None:
+        callbacks.append(injector)
+    return Reliability(checkpoints, guard, callbacks)

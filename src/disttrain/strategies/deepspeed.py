@@ -1,0 +1,187 @@
+"""strategy=deepspeed: DeepSpeed ZeRO stage 1/2/3 through Lightning's DeepSpeedStrategy, on GPUs and on CPU.
+
+Lightning's strategy refuses anything but CUDA. DeepSpeed itself runs on CPU (its CPU accelerator, gloo), so
+``CPUCapableDeepSpeedStrategy`` changes only what assumes CUDA: the accelerator check in environment setup, the
+device-index check (CPU devices have no index) and the ``device_rank`` handed to ``deepspeed.initialize``. On CPU
+DeepSpeed would also JIT-compile its shared-memory all-reduce (about a minute of g++ per process); marking that op
+incompatible keeps plain gloo. The optimizer is the LightningModule's torch AdamW (DeepSpeed's fused Adam would be
+compiled too), except under optimizer offload on GPUs, where DeepSpeed steps the host partition with its CPU Adam.
+
+ZeRO-3 partitions parameters as soon as the model exists: the model is built from the meta device with its
+deterministic init (so every rank computes the same values a single process would), then ``zero.Init(module=...)``
+keeps each rank's slice and frees the rest, before the optimizer ever sees the parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from torch import nn
+
+from disttrain.config.schema import DeepSpeedConfig
+
+# DeepSpeed's op name for its CPU shared-memory collectives (deepspeed/ops/op_builder/cpu/comm.py).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def deepspeed_config(cfg: DeepSpeedConfig, micro_batch_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON config for these options.
+
+    Lightning fills in what the Trainer owns: ``gradient_accumulation_steps`` (from accumulate_grad_batches),
+    ``gradient_clipping`` (from gradient_clip_val) and the bf16/fp16 sections (from precision).
+    """
+    zero: dict[str, Any] = {
+        "stage": cfg.stage,
+        "overlap_comm": cfg.overlap_comm,
+        "contiguous_gradients": cfg.contiguous_gradients,
+        "reduce_scatter": True,
+        "reduce_bucket_size": cfg.reduce_bucket_size,
+        "allgather_partitions": True,
+        "allgather_bucket_size": cfg.allgather_bucket_size,
+    }
+    if cfg.stage == 3:
+        zero["stage3_param_persistence_threshold"] = cfg.param_persistence_threshold
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "zero_optimization": zero,
+        # The optimizer is the LightningModule's torch AdamW, which DeepSpeed calls "untested" with ZeRO.
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def disable_shm_comm_build() -> None:
+    """Keep DeepSpeed on plain gloo collectives on CPU instead of JIT-compiling its shared-memory op."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
+class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy, unchanged on GPUs; on CPU it skips the three CUDA-only assumptions."""
+
+    def _on_cpu(self) -> bool:
+        return isinstance(self.accelerator, CPUAccelerator)
+
+    def _offloads_optimizer(self) -> bool:
+        return "offload_optimizer" in (self.config or {}).get("zero_optimization", {})
+
+    def setup_environment(self) -> None:
+        if not self._on_cpu():
+            super().setup_environment()
+            return
+        disable_shm_comm_build()
+        # Skip DeepSpeedStrategy's CUDA-only check; DDPStrategy's setup then calls our setup_distributed.
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu():
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        # CPU devices carry no index, so DeepSpeedStrategy's device-index check cannot hold; the rest is its setup.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning's loop already divides the loss by accumulate_grad_batches; DeepSpeed's engine would divide it
+        # again (Lightning-AI/pytorch-lightning#6170), leaving gradients 1/accumulation too small, which gradient
+        # clipping and Adam's eps then turn into different updates than any other strategy's.
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        # Lightning would construct the model inside zero.Init, whose constructor hooks materialize every tensor
+        # on the real device (defeating our meta-device build and deterministic init). ZeRO-3 partitioning is
+        # applied right after the build instead, by ``partition_parameters``.
+        self._init_config_if_needed()
+        yield
+
+    def partition_parameters(self, model: nn.Module) -> None:
+        """ZeRO-3: keep only this rank's slice of every parameter (a no-op for stages 1 and 2)."""
+        if not self.zero_stage_3:
+            return
+        import deepspeed
+
+        deepspeed.zero.Init(module=model, config_dict_or_path=self.config, remote_device=self.remote_device)
+
+    def _setup_model_and_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Any]:
+        if optimizer is not None and self._offloads_optimizer():
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = swap_optimizer(optimizer, lr_scheduler, DeepSpeedCPUAdam)
+        if not self._on_cpu():
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        import deepspeed
+
+        # Lightning passes root_device.index, which is None for a CPU device; DeepSpeed wants the local rank.
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+
+def swap_optimizer(optimizer: torch.optim.Optimizer, lr_scheduler: Any, cls: type) -> torch.optim.Optimizer:
+    """The same Adam(W) as ``optimizer`` (groups, weight decay, lr, betas, eps) built as ``cls``.
+
+    Under optimizer offload DeepSpeed steps the host partition with its vectorised CPU Adam (it refuses a torch
+    optimizer there by default). The lr schedule keeps driving the new optimizer's groups.
+    """
+    d = optimizer.defaults
+    groups = [
+        {k: v for k, v in group.items() if k in ("params", "weight_decay", "lr")} for group in optimizer.param_groups
+    ]
+    swapped = cls(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"])
+    for old, new in zip(optimizer.param_groups, swapped.param_groups, strict=True):
+        if "initial_lr" in old:  # set by the lr scheduler when it was built on the original optimizer
+            new["initial_lr"] = old["initial_lr"]
+    if lr_scheduler is not None:
+        lr_scheduler.optimizer = swapped
+    return swapped
+
+
+def apply_deepspeed(
+    model: nn.Module,
+    mesh: object,
+    cfg: DeepSpeedConfig,
+    strategy: CPUCapableDeepSpeedStrategy,
+    apply_checkpointing: Callable[[nn.Module], None],
+) -> None:
+    """The plan run in ``configure_model``: optional activation checkpointing, then ZeRO-3 partitioning."""
+    if cfg.activation_checkpointing and getattr(model, "blocks", None) is not None:
+        apply_checkpointing(model)
+    strategy.partition_parameters(model)
+
+
+def build_deepspeed(
+    cfg: DeepSpeedConfig, micro_batch_size: int, backend: str, apply_checkpointing: Callable[[nn.Module], None]
+) -> tuple[CPUCapableDeepSpeedStrategy, Callable[[nn.Module, object], None]]:
+    """The strategy and the plan ``LightningModule.configure_model`` applies to the freshly built model."""
+    strategy = CPUCapableDeepSpeedStrategy(
+        config=deepspeed_config(cfg, micro_batch_size), process_group_backend=backend
+    )
+
+    def plan(model: nn.Module, mesh: object) -> None:
+        apply_deepspeed(model, mesh, cfg, strategy, apply_checkpointing)
+
+    return strategy, plan

@@ -1,0 +1,291 @@
+"""This rank's share of a Megatron-style 3D run: its model chunks, their pipeline stages and the schedule.
+
+Build order (each step only works after the previous one): tensor parallelism on the ``tp`` axis, activation
+checkpointing, FSDP2 on the data-parallel axes (``reshard_after_forward=False`` under pipelining, or every
+micro-batch would all-gather the weights again), materialization with the deterministic init, then one
+``PipelineStage`` per chunk on the ``pp`` axis. DDP-style ``replicate()`` is never combined with TP: it
+trains silently wrong; replicated data parallelism is FSDP2 with a shard group of one instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from disttrain.config.megatron import MegatronDegrees
+from disttrain.config.schema import MegatronConfig, ModelConfig
+from disttrain.models.pipeline import build_stage_model, stages_of_rank
+from disttrain.models.tensor_parallel import apply_tensor_parallel
+from disttrain.models.transformer import Attention, Transformer, apply_activation_checkpointing
+from disttrain.strategies.megatron.grads import TiedEmbeddingSync, clip_grads_, global_grad_norm, tied_embedding_group
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class StepTiming:
+    """Where one ``forward_backward`` spent its wall time on this rank (host clock; CUDA work is asynchronous,
+    so on GPUs these are launch times unless the caller synchronizes)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    wall_s: float = 0.0
+
+
+class _Stopwatch:
+    """Accumulates the time spent inside bracketed calls (stage forwards and backwards)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._started: float | None = None
+
+    def start(self, *_: object) -> None:
+        self._started = time.perf_counter()
+
+    def stop(self, *_: object) -> None:
+        if self._started is not None:
+            self.total += time.perf_counter() - self._started
+            self._started = None
+
+    def wrap(self, fn: Callable) -> Callable:
+        def timed(*args: object, **kwargs: object) -> object:
+            self.start()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stop()
+
+        return timed
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: ModelConfig
+    strategy: MegatronConfig
+    degrees: MegatronDegrees
+    param_dtype: torch.dtype | None  # bf16 for bf16-mixed (FSDP2 casts), None keeps the parameters' dtype
+    seed: int
+    rounds: int = 1  # pipeline rounds per optimizer step (accumulation beyond the micro-batches)
+
+
+def build_mesh(degrees: MegatronDegrees, device_type: str) -> DeviceMesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+
+
+def _schedule_class(name: str) -> type:
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
+
+    return {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "zero_bubble": ScheduleZBVZeroBubble,
+    }[name]
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain fp32 tensor (vocab-parallel cross-entropy returns a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
+
+
+class MegatronEngine:
+    """Runs forward/backward of one optimizer step over this rank's chunks; the optimizer stays outside."""
+
+    def __init__(self, settings: EngineSettings, mesh: DeviceMesh, device: torch.device) -> None:
+        self.settings = settings
+        self.mesh = mesh
+        self.device = device
+        s, d = settings.strategy, settings.degrees
+        self._forward_clock, self._backward_clock = _Stopwatch(), _Stopwatch()
+        self.last_timing = StepTiming()
+        self.microbatches = s.num_microbatches
+        self.rounds = settings.rounds
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.pp_group = mesh.get_group("pp") if d.pp > 1 else None
+        self.loss_parallel = s.loss_parallel and d.tp > 1
+        num_stages = d.pp * s.virtual_stages
+        self.stage_ids = stages_of_rank(self.pp_rank, d.pp, s.virtual_stages, s.schedule) if d.pp > 1 else [0]
+        self.chunks: list[Transformer] = [self._build_chunk(stage, max(num_stages, 1)) for stage in self.stage_ids]
+        self.has_first = 0 in self.stage_ids
+        self.has_last = num_stages - 1 in self.stage_ids or d.pp == 1
+        self.schedule = self._build_schedule(num_stages) if d.pp > 1 else None
+        self.tied = self._tied_sync() if settings.model.tie_embeddings and d.pp > 1 else None
+
+    # ---- construction -------------------------------------------------------------------------------------
+    def _dp_mesh(self) -> DeviceMesh:
+        d = self.settings.degrees
+        return self.mesh["dp_replicate", "dp_shard"] if d.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    def _build_chunk(self, stage: int, num_stages: int) -> Transformer:
+        s, d, cfg = self.settings.strategy, self.settings.degrees, self.settings.model
+        chunk = build_stage_model(cfg, stage, num_stages)
+        if d.tp > 1:
+            apply_tensor_parallel(chunk, self.mesh["tp"], s.sequence_parallel, self.loss_parallel)
+        if s.activation_checkpointing == "full":
+            apply_activation_checkpointing(chunk)
+        elif s.activation_checkpointing == "selective":
+            for module in chunk.modules():
+                if isinstance(module, Attention):
+                    module.recompute_core = True
+        policy = MixedPrecisionPolicy(param_dtype=self.settings.param_dtype, reduce_dtype=torch.float32)
+        options = {"mesh": self._dp_mesh(), "mp_policy": policy}
+        # Under pipelining every micro-batch runs forward then (later) backward: keep the gathered weights.
+        reshard = d.pp == 1
+        for block in chunk.block_list():
+            fully_shard(block, reshard_after_forward=reshard, **options)
+        fully_shard(chunk, reshard_after_forward=False, **options)
+        if self.device.type != "meta":  # on meta only the sharding plan exists (large-world planning tests)
+            chunk.to_empty(device=self.device)
+            chunk.init_weights(self.settings.seed)
+        return chunk
+
+    def _build_schedule(self, num_stages: int) -> object:
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [
+            PipelineStage(chunk, stage, num_stages, self.device, group=self.pp_group)
+            for chunk, stage in zip(self.chunks, self.stage_ids, strict=True)
+        ]
+        # The schedule interleaves forwards, backwards and waits for neighbours; time the first two where they run.
+        for chunk, stage in zip(self.chunks, stages, strict=True):
+            chunk.register_forward_pre_hook(self._forward_clock.start)
+            chunk.register_forward_hook(self._forward_clock.stop)
+            stage.backward_one_chunk = self._backward_clock.wrap(stage.backward_one_chunk)
+            stage.backward_weight_one_chunk = self._backward_clock.wrap(stage.backward_weight_one_chunk)
+        cls = _schedule_class(self.settings.strategy.schedule)
+        n = self.microbatches
+        # The loss is pre-divided by every micro-batch of the step (scale_grads=False), so gradients are the
+        # global-batch mean whatever the number of pipeline rounds.
+        if len(stages) == 1:
+            return cls(stages[0], n_microbatches=n, loss_fn=self._loss_fn, scale_grads=False)
+        return cls(stages, n_microbatches=n, loss_fn=self._loss_fn, scale_grads=False)
+
+    def _tied_sync(self) -> TiedEmbeddingSync:
+        mesh_ranks = self.mesh.mesh  # [pp, dp_replicate, dp_shard, tp] -> global rank
+        group = tied_embedding_group(mesh_ranks, dist.get_rank())
+        local = []
+        for chunk in self.chunks:
+            if chunk.tok_emb is not None:
+                local.append(chunk.tok_emb.weight)
+            if chunk.lm_head is not None:
+                local.append(chunk.lm_head.weight)
+        # The V schedule holds both copies on pipeline rank 0: the local sum is all it needs.
+        both_here = self.has_first and self.has_last
+        return TiedEmbeddingSync(local, None if both_here else group)
+
+    # ---- running ------------------------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return loss / (self.microbatches * self.rounds)
+
+    @contextlib.contextmanager
+    def _loss_context(self) -> Iterator[None]:
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                yield
+        else:
+            yield
+
+    def _broadcast_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """The step loss lives on the last stage; every pipeline rank returns it (for logging)."""
+        if self.pp_group is not None:
+            if not self.has_last:
+                local_sum = torch.zeros_like(local_sum)
+            dist.all_reduce(local_sum, group=self.pp_group)
+        return local_sum
+
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, backward: Callable[[torch.Tensor], None]
+    ) -> torch.Tensor:
+        """Accumulate the gradients of this rank's step batch; returns its mean loss on every rank.
+
+        ``last_timing`` afterwards says how long this rank computed forward and backward within the call.
+        """
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        forward, backward_clock = self._forward_clock, self._backward_clock
+        forward.total = backward_clock.total = 0.0
+        started = time.perf_counter()
+        with self._loss_context():
+            if self.schedule is None:
+                chunk = self.chunks[0]
+                n = self.microbatches * self.rounds
+                for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+                    # Reduce-scatter gradients once per step, not once per micro-batch.
+                    chunk.set_requires_gradient_sync(i == n - 1)
+                    forward.start()
+                    loss = self._loss_fn(chunk(x), y)
+                    forward.stop()
+                    backward_clock.wrap(backward)(loss)
+                    total += _plain(loss.detach())
+            else:
+                for x, y in zip(inputs.chunk(self.rounds), targets.chunk(self.rounds), strict=True):
+                    losses: list[torch.Tensor] = []
+                    self._step_schedule(x, y, losses, train=True)
+                    total += sum((_plain(loss.detach()) for loss in losses), torch.zeros((), device=self.device))
+        if self.tied is not None:
+            self.tied.sync()
+        self.last_timing = StepTiming(forward.total, backward_clock.total, time.perf_counter() - started)
+        return self._broadcast_loss(total)
+
+    def _step_schedule(self, x: torch.Tensor, y: torch.Tensor, losses: list, train: bool) -> None:
+        run = self.schedule.step if train else self.schedule.eval  # type: ignore[union-attr]
+        kwargs = {"return_outputs": False} if train else {}
+        if self.has_first:
+            run(x, target=y if self.has_last else None, losses=losses if self.has_last else None, **kwargs)
+        elif self.has_last:
+            run(target=y, losses=losses, **kwargs)
+        else:
+            run(**kwargs)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of a batch (forward only), on every rank."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        with self._loss_context():
+            if self.schedule is None:
+                n = self.microbatches * self.rounds
+                for x, y in zip(inputs.chunk(n), targets.chunk(n), strict=True):
+                    total += _plain(self._loss_fn(self.chunks[0](x), y))
+            else:
+                for x, y in zip(inputs.chunk(self.rounds), targets.chunk(self.rounds), strict=True):
+                    losses: list[torch.Tensor] = []
+                    self._step_schedule(x, y, losses, train=False)
+                    total += sum((_plain(loss) for loss in losses), torch.zeros((), device=self.device))
+        return self._broadcast_loss(total)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` by the norm of the whole model's gradient (as one process would compute it)."""
+        params = list(self.parameters())
+        counted = params
+        if self.tied is not None:
+            # The tied weight has two copies with the same (summed) gradient: count it once, at the first stage.
+            copies = {id(chunk.lm_head.weight) for chunk in self.chunks if chunk.lm_head is not None}
+            counted = [p for p in params if id(p) not in copies]
+        norm = global_grad_norm(counted, self.pp_group)
+        clip_grads_(params, max_norm, norm)
+        return norm

@@ -1,0 +1,1 @@
+"""disttrain's Hydra launcher plugin (``hydra/launcher=slurm``); see ``slurm_launcher``."""

@@ -1,0 +1,91 @@
+"""strategy.comm_hook: every hook composes and builds a strategy that registers it; bad values name key and fix."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from disttrain.config.errors import ConfigError
+from disttrain.config.parse import parse_run_config
+from disttrain.config.schema import COMM_HOOKS, DDPConfig
+from disttrain.config.validate import validate_run
+from disttrain.models import apply_activation_checkpointing
+from disttrain.strategies import build_strategy
+from disttrain.strategies.comm_hooks import bf16_hook_for_gloo
+from disttrain.strategies.ddp import HookedDDPStrategy
+from disttrain.strategies.powersgd import PowerSGDComm, powersgd_hook
+from tests.conftest import compose_train
+
+
+def test_yaml_defaults_match_the_schema() -> None:
+    run_cfg = parse_run_config(compose_train(["strategy=ddp"]))
+    assert run_cfg.strategy == DDPConfig()
+
+
+@pytest.mark.parametrize("hook", COMM_HOOKS)
+def test_every_hook_builds_its_strategy(hook: str) -> None:
+    overrides = ["strategy=ddp", f"strategy.comm_hook={hook}", "strategy.powersgd_rank=2"]
+    run_cfg = parse_run_config(compose_train(overrides))
+    validate_run(run_cfg)
+    built = build_strategy(run_cfg, 2, apply_activation_checkpointing).strategy
+    assert isinstance(built, HookedDDPStrategy)
+    expected = {"none": None, "bf16": bf16_hook_for_gloo, "fp16": default_hooks.fp16_compress_hook}
+    expected["powersgd"] = powersgd_hook
+    assert built._ddp_comm_hook is expected[hook]
+    if hook == "powersgd":
+        state = built._ddp_comm_state
+        assert isinstance(state, PowerSGDComm)
+        assert state.state.matrix_approximation_rank == 2
+        assert state.state.start_powerSGD_iter == 50 and state.state.use_error_feedback
+    else:
+        assert built._ddp_comm_state is None
+
+
+def test_bf16_on_nccl_is_torchs_own_hook() -> None:
+    # torch checks the NCCL version for its bf16 hook by name; only gloo gets the renamed one.
+    run_cfg = parse_run_config(compose_train(["strategy.comm_hook=bf16"]))
+    from disttrain.strategies.comm_hooks import build_comm_hook
+
+    assert build_comm_hook(run_cfg.strategy, "nccl") == (None, default_hooks.bf16_compress_hook)
+
+
+def test_powersgd_validates_on_the_default_run_and_with_bf16_mixed() -> None:
+    for extra in ([], ["precision=bf16-mixed"], ["precision=bf16-true"]):
+        validate_run(parse_run_config(compose_train(["strategy.comm_hook=powersgd", *extra])))
+    validate_run(parse_run_config(compose_train(["strategy.comm_hook=bf16", "precision=bf16-mixed"])))
+
+
+# (overrides, the key the error must name, a fragment of the problem, a fragment of the fix)
+BAD = [
+    (["strategy.comm_hook=bf17"], "strategy.comm_hook", "did you mean 'bf16'", "'powersgd'"),
+    (["strategy.comm_hook=powersdg"], "strategy.comm_hook", "did you mean 'powersgd'", "'none'"),
+    (["strategy.comm_hook=bf16", "hw.devices_per_node=1"], "strategy.comm_hook", "world size of 1",
+     "strategy.comm_hook=none"),
+    (["strategy.comm_hook=bf16", "precision=bf16-true"], "strategy.comm_hook", "already 2-byte bf16",
+     "strategy.comm_hook=none"),
+    (["strategy.comm_hook=fp16", "precision=bf16-true"], "strategy.comm_hook", "narrower range",
+     "strategy.comm_hook=none"),
+    (["strategy.comm_hook=powersgd", "strategy.powersgd_rank=0"], "strategy.powersgd_rank", ">= 1",
+     "strategy.powersgd_rank=4"),
+    (["strategy.comm_hook=powersgd", "strategy.powersgd_warmup_steps=1"], "strategy.powersgd_warmup_steps",
+     "regroups", "powersgd_warmup_steps=2 or more"),
+    (["strategy.comm_hook=powersgd", "strategy.powersgd_warmup_steps=220"], "strategy.powersgd_warmup_steps",
+     "no PowerSGD step", "powersgd_warmup_steps < 220"),
+    (["strategy.comm_hook=powersgd", "strategy.powersgd_rank=two"], "strategy.powersgd_rank", "expected int",
+     "to a int"),
+    (["+strategy.powersgd_ranks=2"], "strategy.powersgd_ranks", "did you mean 'powersgd_rank'", "valid keys"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "key", "problem", "fix"), BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_comm_option_names_key_and_fix(overrides: list[str], key: str, problem: str, fix: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_run(parse_run_config(compose_train(overrides)))
+    assert info.value.key == key
+    assert problem in info.value.problem, info.value.problem
+    assert fix in info.value.fix, info.value.fix
+
+
+def test_powersgd_settings_are_ignored_without_the_hook() -> None:
+    # Sweeping comm_hook=none,powersgd with PowerSGD settings pinned must keep arm A valid.
+    validate_run(parse_run_config(compose_train(["strategy.powersgd_warmup_steps=1", "strategy.powersgd_rank=0"])))

@@ -1,0 +1,87 @@
+"""Runs several Megatron layouts in one gloo process group and records per-step losses and local shard sizes.
+
+Spawned by tests/dist/test_megatron.py (``torch.multiprocessing``); every layout trains the same tiny model on
+the same global batches as the single-process reference in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from disttrain.config.megatron import megatron_degrees
+from disttrain.config.schema import MegatronConfig, ModelConfig
+from disttrain.models.tensor_parallel import tensor_parallel_param_count
+from disttrain.module import param_groups
+from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
+
+STEPS = 6
+LR = 1e-2
+CLIP = 1.0
+GLOBAL_BATCH = 8
+
+
+def global_batches(model: ModelConfig, steps: int = STEPS, seed: int = 7) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Learnable sequences (each row counts up by a stride of 1-3 from a random start), so the loss falls fast
+    and a wrong gradient anywhere shows in the losses within a few steps."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.arange(model.seq_len + 1)
+    batches = []
+    for _ in range(steps):
+        start = torch.randint(0, model.vocab_size, (GLOBAL_BATCH, 1), generator=gen)
+        stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=gen)
+        tokens = (start + stride * positions) % model.vocab_size
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    return batches
+
+
+def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), eps=1e-8)
+
+
+def run_layout(model: ModelConfig, strategy: MegatronConfig, world: int, rounds: int = 1) -> dict:
+    degrees = megatron_degrees(strategy, world)
+    mesh = build_mesh(degrees, "cpu")
+    engine = MegatronEngine(
+        EngineSettings(model, strategy, degrees, None, seed=11, rounds=rounds), mesh, torch.device("cpu")
+    )
+    container = torch.nn.ModuleList(engine.chunks)
+    optimizer = optimizer_for(container)
+    dp_rank, dp = degrees.coordinates(dist.get_rank())["dp"], degrees.dp
+    losses = []
+    for inputs, targets in global_batches(model):
+        rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
+        optimizer.zero_grad(set_to_none=True)
+        loss = engine.forward_backward(inputs[rows], targets[rows], lambda loss: loss.backward())
+        engine.clip_grad_norm_(CLIP)
+        optimizer.step()
+        # Every rank holds its data-parallel group's mean: the world mean is the global-batch loss.
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return {
+        "losses": losses,
+        "local_numel": tensor_parallel_param_count(container),
+        "stages": engine.stage_ids,
+        "coords": degrees.coordinates(dist.get_rank()),
+    }
+
+
+def worker(rank: int, world: int, port: int, model_json: str, layouts_json: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = ModelConfig(**json.loads(model_json))
+        results = {}
+        for name, options in json.loads(layouts_json).items():
+            rounds = options.pop("rounds", 1)
+            results[name] = run_layout(model, replace(MegatronConfig(), **options), world, rounds)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()

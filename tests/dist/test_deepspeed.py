@@ -1,0 +1,149 @@
+"""strategy=deepspeed on 2 gloo ranks through the CLI: ZeRO-1/2/3 loss parity with one process, each rank holding
+only its partition, and exact resume from a sharded ZeRO-3 checkpoint.
+
+Every run is one ``python -m train`` process tree (``import deepspeed`` costs seconds per process), so each stage is
+a single short job; the shard sizes are read from the per-rank files DeepSpeed itself wrote in that job's
+checkpoints, which hold exactly the optimizer partitions (and, for ZeRO-3, the parameter partitions) each rank had.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.config.schema import ModelConfig
+from disttrain.models import build_model
+from tests.conftest import read_manifest
+from tests.dist.test_parity_and_resume import run, train_losses
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+STEPS = 6
+WORLD = 2
+COMMON = [
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.ffn_hidden=64",
+    "model.seq_len=32",
+    "data.num_train_tokens=65536",
+    "data.num_val_tokens=8192",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_every_n_steps=1000",
+    "trainer.val_batches=1",
+    "trainer.ckpt_every_n_steps=3",
+    "optimizer.warmup_steps=2",
+    "optimizer.lr=1e-3",  # see test_parity_and_resume: Adam amplifies summation-order noise at 3e-3
+    "precision=fp32",
+    "diagnostics=off",
+]
+# 2 ranks x micro 4 (or micro 2 x 2 accumulated) = the reference's 8 samples per step.
+STAGES = {
+    # Accumulation: DeepSpeed's engine must not divide the loss by the accumulation a second time.
+    1: ["strategy.stage=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=8"],
+    2: ["strategy.stage=2", "trainer.micro_batch_size=4"],
+    # Threshold 0 partitions every parameter (DeepSpeed keeps ones under 1e5 elements whole by default);
+    # activation checkpointing recomputes blocks whose parameters ZeRO-3 gathers again in backward.
+    3: [
+        "strategy.stage=3",
+        "strategy.param_persistence_threshold=0",
+        "strategy.activation_checkpointing=true",
+        "trainer.micro_batch_size=4",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One job per stage and the single-process reference, shared by the tests below."""
+    tmp = tmp_path_factory.mktemp("deepspeed")
+    done = {"reference": run(tmp, "reference", [*COMMON, "hw.devices_per_node=1", "trainer.micro_batch_size=8"])}
+    for stage, args in STAGES.items():
+        done[f"zero{stage}"] = run(tmp, f"zero{stage}", [*COMMON, "strategy=deepspeed", *args])
+    return done
+
+
+def group_numels(run_dir: Path) -> tuple[list[int], list[list[int]]]:
+    """Per optimizer group (decay, no-decay, as module.param_groups splits them): total and per-parameter numels."""
+    cfg = ModelConfig(**read_manifest(run_dir)["config"]["model"])
+    model = build_model(cfg, seed=0, device="meta")
+    unique = {id(p): p for p in model.parameters()}.values()  # the tied LM head is one parameter
+    groups: list[list[int]] = [[p.numel() for p in unique if p.ndim >= 2], [p.numel() for p in unique if p.ndim < 2]]
+    return [sum(g) for g in groups], groups
+
+
+def rank_files(run_dir: Path, step: int, kind: str) -> list[dict]:
+    tag = run_dir / "checkpoints" / f"step{step:06d}.ckpt" / "checkpoint"
+    return [
+        torch.load(tag / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt", map_location="cpu", weights_only=False)
+        for rank in range(WORLD)
+    ]
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_zero_stage_matches_one_process(stage: int, runs: dict[str, Path]) -> None:
+    reference, losses = train_losses(runs["reference"]), train_losses(runs[f"zero{stage}"])
+    assert sorted(losses) == list(range(STEPS)) == sorted(reference)
+    worst = max(abs(losses[s] - reference[s]) for s in range(STEPS))
+    assert worst <= 1e-4, f"ZeRO-{stage}: max |loss - reference| = {worst:.2e}"
+    assert losses[STEPS - 1] < losses[0] - 0.2  # it trained: parity is not two flat lines
+    assert read_manifest(runs[f"zero{stage}"])["strategy_resolved"]["stage"] == stage
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_1_2_each_rank_holds_half_of_the_optimizer_state(stage: int, runs: dict[str, Path]) -> None:
+    totals, _ = group_numels(runs[f"zero{stage}"])
+    for rank, state in enumerate(rank_files(runs[f"zero{stage}"], STEPS, "optim")):
+        osd = state["optimizer_state_dict"]
+        assert osd["zero_stage"] == stage and osd["partition_count"] == [WORLD, WORLD]
+        # Each flat group is padded to a multiple of 2 x world elements, then split evenly over the ranks.
+        expected = [math.ceil(n / (2 * WORLD)) * 2 for n in totals]
+        assert [t.numel() for t in osd["single_partition_of_fp32_groups"]] == expected, f"rank {rank}"
+        adam = osd["base_optimizer_state"]["state"]
+        assert [adam[g]["exp_avg"].numel() for g in (0, 1)] == expected
+        assert [adam[g]["exp_avg_sq"].numel() for g in (0, 1)] == expected
+        assert sum(expected) < sum(totals)  # strictly less than a replica's state
+
+
+def test_zero_3_each_rank_holds_only_its_parameter_partitions(runs: dict[str, Path]) -> None:
+    totals, per_param = group_numels(runs["zero3"])
+    # ZeRO-3 splits every parameter itself: ceil(numel / world) elements of each on every rank.
+    expected = [sum(math.ceil(n / WORLD) for n in group) for group in per_param]
+    for rank, (model, optim) in enumerate(
+        zip(rank_files(runs["zero3"], STEPS, "model"), rank_files(runs["zero3"], STEPS, "optim"), strict=True)
+    ):
+        # The module state each rank saved holds placeholders only: no rank ever kept whole parameters.
+        assert model["module"] and all(t.numel() == 0 for t in model["module"].values()), f"rank {rank}"
+        osd = optim["optimizer_state_dict"]
+        assert osd["zero_stage"] == 3
+        assert [t.numel() for t in osd["fp32_flat_groups"]] == expected, f"rank {rank}"
+        adam = osd["optimizer_state_dict"]["state"]
+        assert [adam[g]["exp_avg"].numel() for g in (0, 1)] == expected
+    assert expected[0] < totals[0] and expected[0] * WORLD >= totals[0]
+
+
+def full_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(
+        str(run_dir / "checkpoints" / f"step{step:06d}.ckpt"), tag="checkpoint"
+    )
+
+
+def test_zero_3_resume_from_sharded_checkpoint_is_exact(runs: dict[str, Path], tmp_path: Path) -> None:
+    uninterrupted = runs["zero3"]
+    mid = uninterrupted / "checkpoints" / "step000003.ckpt"
+    resumed = run(tmp_path, "resumed", [f"resume={mid}"])
+    assert read_manifest(resumed)["config"]["strategy"]["name"] == "deepspeed"
+    full_losses, resumed_losses = train_losses(uninterrupted), train_losses(resumed)
+    assert sorted(resumed_losses) == list(range(3, STEPS))
+    for step in range(3, STEPS):
+        assert resumed_losses[step] == pytest.approx(full_losses[step], abs=1e-6)
+    expected, actual = full_weights(uninterrupted, STEPS), full_weights(resumed, STEPS)
+    assert expected and sorted(expected) == sorted(actual)
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, actual[name]), f"{name} differs after resume"

@@ -1,0 +1,283 @@
+"""Runs that get killed, lose a rank, or hit a NaN: they recover exactly or stop cleanly (README, "Reliability").
+
+Kills are SIGKILL (nothing can catch or clean up after it) delivered at seeded points by DISTTRAIN_FAULT
+(disttrain/faults.py): after an optimizer step, or inside a checkpoint save between writing and publishing.
+Every run uses dropout, so a resume that did not restore every rank's RNG state would not be bitwise exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diagnostics.telemetry import telemetry_path
+from tests.conftest import REPO, read_manifest
+from tests.dist.test_parity_and_resume import model_weights
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+STEPS, EVERY = 9, 3  # checkpoints at steps 3, 6, 9
+KILL_POINTS = random.Random(20261121)
+# 2048 tokens -> 64 windows of 33 -> 8 steps of 8 sequences per pass: kills land mid-epoch, runs cross one.
+DATA = ["data.num_train_tokens=2048", "data.num_val_tokens=2048"]
+MODEL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.ffn_hidden=64", "model.seq_len=32"]
+TRAIN = [
+    f"trainer.max_steps={STEPS}",
+    f"trainer.ckpt_every_n_steps={EVERY}",
+    "trainer.micro_batch_size=4",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_every_n_steps=1000",
+    "trainer.val_batches=1",
+    "optimizer.warmup_steps=2",
+    "optimizer.lr=1e-3",
+]
+COMMON = [*DATA, *MODEL, "model.dropout=0.1", *TRAIN, "diagnostics=off"]
+
+
+def launch(
+    args: list[str], run_dir: Path, fault: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m train`` as its own process tree; the timeout is the hang guard (a hang fails the test)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    env.pop("LOCAL_RANK", None)
+    env.pop("DISTTRAIN_FAULT", None)
+    if fault:
+        env["DISTTRAIN_FAULT"] = fault
+    command = [sys.executable, "-m", "train", *args, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def survivors(run_dir: Path) -> list[int]:
+    """Live processes of a run (every rank's command line names its run dir)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"hydra.run.dir={run_dir}" in cmdline and state != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return model_weights(run_dir / "checkpoints" / f"step{STEPS:06d}.ckpt")
+
+
+def assert_bitwise_equal(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected and sorted(expected) == sorted(actual)
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, actual[name]), f"{name} differs from the uninterrupted run"
+
+
+def ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+class Uninterrupted(dict):
+    """Final weights of an uninterrupted run per strategy, run on first use."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__()
+        self.tmp = tmp
+
+    def __missing__(self, strategy: str) -> dict[str, torch.Tensor]:
+        run_dir = self.tmp / strategy
+        ok(launch([*COMMON, f"strategy={strategy}"], run_dir))
+        self[strategy] = final_weights(run_dir)
+        return self[strategy]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Uninterrupted:
+    return Uninterrupted(tmp_path_factory.mktemp("uninterrupted"))
+
+
+# A kill after a step is also covered by the rank-death and restart tests below; mid-save is the hard case.
+@pytest.mark.parametrize("where", ["save"])
+def test_sigkill_then_resume_is_bitwise_exact_ddp(where: str, reference: dict, tmp_path: Path) -> None:
+    """Rank 0 (the launcher) is SIGKILLed mid-epoch or mid-save; its child dies with it; resume is exact."""
+    if where == "step":
+        point = KILL_POINTS.randint(EVERY + 1, STEPS - 1)
+        newest = point // EVERY * EVERY
+    else:
+        point = KILL_POINTS.choice(range(2 * EVERY, STEPS, EVERY))
+        newest = point - EVERY  # the save in progress never became a checkpoint
+    killed = tmp_path / "killed"
+    result = launch([*COMMON, "strategy=ddp"], killed, fault=f"sigkill@{where}={point},rank=0")
+    assert result.returncode == -9, result.stderr[-2000:]
+    assert survivors(killed) == []  # rank 1 went down with rank 0 (PR_SET_PDEATHSIG)
+    if where == "save":
+        assert (killed / "checkpoints" / f".partial-step{point:06d}").is_dir()
+        assert not (killed / "checkpoints" / f"step{point:06d}.ckpt").exists()
+
+    resumed = tmp_path / "resumed"
+    result = launch([f"resume={killed}"], resumed)
+    ok(result)
+    assert f"resuming from {killed / 'checkpoints' / f'step{newest:06d}.ckpt'}" in result.stdout
+    if where == "save":
+        assert f"skipped .partial-step{point:06d} (interrupted save)" in result.stdout
+    assert_bitwise_equal(reference["ddp"], final_weights(resumed))
+
+
+# (strategy overrides, where the kill lands): pipeline stages with a tied embedding and a DCP checkpoint, killed
+# in the launcher (rank 0) mid-save; ZeRO-2's per-rank optimizer partitions, rank 1 killed after a step.
+OTHER_STRATEGIES = {
+    "megatron-pp2": (["strategy=megatron", "strategy.pp=2"], "save"),
+    "deepspeed-zero2": (["strategy=deepspeed", "strategy.stage=2"], "step"),
+}
+
+
+def strategy_weights(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
+    if name.startswith("deepspeed"):
+        from tests.dist.test_deepspeed import full_weights
+
+        return full_weights(run_dir, STEPS)
+    return final_weights(run_dir)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_STRATEGIES))
+def test_rank_killed_mid_run_then_resume_is_bitwise_exact_megatron_deepspeed(name: str, tmp_path: Path) -> None:
+    """The same guarantee for the strategies with their own checkpoint formats and training loops."""
+    overrides, where = OTHER_STRATEGIES[name]
+    uninterrupted = tmp_path / "uninterrupted"
+    ok(launch([*COMMON, *overrides], uninterrupted))
+    point = KILL_POINTS.randint(EVERY + 1, STEPS - 1) if where == "step" else 2 * EVERY
+    rank = 1 if where == "step" else 0
+    killed = tmp_path / "killed"
+    result = launch([*COMMON, *overrides], killed, fault=f"sigkill@{where}={point},rank={rank}", timeout=120)
+    if rank == 1:
+        assert result.returncode == 1 and "rank 1 died (killed by SIGKILL)" in result.stderr
+    else:
+        assert result.returncode == -9
+        assert not (killed / "checkpoints" / f"step{point:06d}.ckpt").exists()  # the save never published
+    assert survivors(killed) == []
+    resumed = tmp_path / "resumed"
+    result = launch([f"resume={killed}"], resumed)
+    ok(result)
+    newest = point // EVERY * EVERY if where == "step" else point - EVERY
+    assert f"resuming from {killed / 'checkpoints' / f'step{newest:06d}.ckpt'}" in result.stdout
+    assert_bitwise_equal(strategy_weights(uninterrupted, name), strategy_weights(resumed, name))
+
+
+def test_rank_death_fails_fast_naming_the_rank_then_resume_is_exact_fsdp(reference: dict, tmp_path: Path) -> None:
+    point = KILL_POINTS.randint(EVERY + 1, STEPS - 1)
+    failed = tmp_path / "failed"
+    result = launch([*COMMON, "strategy=fsdp"], failed, fault=f"sigkill@step={point},rank=1", timeout=120)
+    assert result.returncode == 1
+    assert "disttrain: rank 1 died (killed by SIGKILL); stopping the job" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert survivors(failed) == []
+    manifest = read_manifest(failed)
+    assert manifest["status"] == "failed" and manifest["failure"] == "rank 1 died (killed by SIGKILL)"
+
+    resumed = tmp_path / "resumed"
+    ok(launch([f"resume={failed}"], resumed))
+    assert_bitwise_equal(reference["fsdp"], final_weights(resumed))
+
+
+def test_elastic_restart_resumes_in_the_same_run_dir(reference: dict, tmp_path: Path) -> None:
+    point = KILL_POINTS.randint(EVERY + 1, STEPS - 1)
+    run_dir = tmp_path / "run"
+    result = launch([*COMMON, "strategy=ddp", "trainer.max_restarts=1"], run_dir, fault=f"sigkill@step={point},rank=1")
+    ok(result)
+    assert "rank 1 died (killed by SIGKILL)" in result.stderr
+    assert "restart 1 of 1" in result.stderr
+    assert f"restart 1: resuming from {run_dir / 'checkpoints' / f'step{point // EVERY * EVERY:06d}.ckpt'}" in (
+        result.stdout
+    )
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "completed" and manifest["restart_attempt"] == 1
+    assert survivors(run_dir) == []
+    assert_bitwise_equal(reference["ddp"], final_weights(run_dir))
+
+
+NAN_MODEL = [
+    "~model",
+    "+model._target_=tests.plugins.InfAtStepModel",
+    "+model.vocab_size=16",
+    "+model.seq_len=16",
+    "+model.inf_rank=1",
+]
+
+
+def test_nonfinite_stop_keeps_last_good_checkpoint_fsdp(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*DATA, *TRAIN, "strategy=fsdp", *NAN_MODEL, "+model.inf_steps=[5]"]
+    # Diagnostics on (cheaply) so the telemetry and the report are written as in a real run.
+    args += ["diagnostics.calibrate=false", "diagnostics.profile=false"]
+    result = launch(args, run_dir)
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "non-finite loss and gradients at step 5 (nan_policy=stop)" in result.stderr
+    assert f"last good checkpoint: {run_dir / 'checkpoints' / 'step000003.ckpt'}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step000003.ckpt"]
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "stopped"
+    assert manifest["nonfinite"]["stopped_at_step"] == 5
+    for rank in (0, 1):  # every rank voted and recorded it
+        records = [json.loads(line) for line in telemetry_path(run_dir, rank).open()]
+        assert [r["step"] for r in records if r["kind"] == "nonfinite"] == [5]
+    assert (run_dir / "report" / "report.md").is_file()
+    assert survivors(run_dir) == []
+
+
+def test_nonfinite_skip_skips_updates_then_stops_after_max_skips_ddp(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*DATA, *TRAIN, "diagnostics=off", "strategy=ddp", *NAN_MODEL, "+model.inf_steps=[2,4,7]"]
+    result = launch([*args, "trainer.nan_policy=skip", "trainer.max_nan_skips=2"], run_dir)
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "non-finite loss and gradients at step 2: update skipped (1 of at most 2" in result.stderr
+    assert "non-finite loss and gradients at step 7 (more than trainer.max_nan_skips=2)" in result.stderr
+    manifest = read_manifest(run_dir)
+    assert manifest["nonfinite"]["skipped_steps"] == [2, 4]
+    assert manifest["nonfinite"]["stopped_at_step"] == 7
+    # A skipped step leaves Adam untouched: its step count lags the global step by the skips so far.
+    for step, updates in ((3, 2), (6, 4)):
+        state = torch.load(run_dir / "checkpoints" / f"step{step:06d}.ckpt", weights_only=True)
+        assert state["global_step"] == step
+        adam = state["optimizer_states"][0]["state"]
+        assert {float(s["step"]) for s in adam.values()} == {float(updates)}
+        assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
+    assert not (run_dir / "checkpoints" / "step000009.ckpt").exists()
+
+
+def test_saved_files_hold_no_secret_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A credential pulled into the config (by interpolation or literally) is redacted in everything written."""
+    env_secret, literal_secret = "wandb-0123456789abcdef", "literal-s3cr3t-value"
+    monkeypatch.setenv("WANDB_API_KEY", env_secret)
+    run_dir = tmp_path / "run"
+    args = [
+        *DATA,
+        *TRAIN,
+        "trainer.max_steps=3",
+        "hw.devices_per_node=1",
+        "diagnostics.calibrate=false",
+        "diagnostics.profile=false",
+        "~model",
+        "+model._target_=tests.plugins.BigramModelWithCredentials",
+        "+model.vocab_size=16",
+        "+model.seq_len=16",
+        "+model.note=${oc.env:WANDB_API_KEY}",
+        f"+model.api_token={literal_secret}",
+    ]
+    ok(launch(args, run_dir))
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    names = {str(p.relative_to(run_dir)) for p in written}
+    assert {"config.yaml", "run.json", ".hydra/overrides.yaml", "train.log", "report/report.html"} <= names
+    for path in written:
+        content = path.read_bytes()
+        assert env_secret.encode() not in content, path
+        assert literal_secret.encode() not in content, path
+    config = read_manifest(run_dir)["config"]["model"]
+    assert config["note"] == "<redacted $WANDB_API_KEY>" and config["api_token"] == "<redacted>"

@@ -1,0 +1,195 @@
+"""Checkpoint files, resume discovery, RNG capture, the non-finite guard, faults and redaction, without processes."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from disttrain.checkpoints import (
+    checkpoint_name,
+    discover,
+    is_complete,
+    publish,
+    remove_partials,
+    staging_dir,
+    to_delete_for_retention,
+)
+from disttrain.config.errors import ConfigError
+from disttrain.data.datamodule import TokenDataModule
+from disttrain.faults import Fault, fault_from_env, parse_fault
+from disttrain.launch import describe_exit
+from disttrain.nan_guard import NonFiniteGuard
+from disttrain.redaction import redact, secret_values
+from disttrain.resume import find_resume_point
+from disttrain.rng import capture, restore
+
+
+def save(path: Path, step: int) -> Path:
+    torch.save({"global_step": step, "w": torch.zeros(4)}, path)
+    return path
+
+
+def test_completeness_of_files_and_directories(tmp_path: Path) -> None:
+    whole = save(tmp_path / "whole.ckpt", 1)
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(whole.read_bytes()[:-40])  # a save killed before the zip's central directory
+    assert is_complete(whole) and not is_complete(cut)
+    dcp = tmp_path / "dcp.ckpt"
+    (dcp).mkdir()
+    (dcp / "__0_0.distcp").write_bytes(b"shard")
+    assert not is_complete(dcp)  # shards without the index torch.distributed.checkpoint writes last
+    (dcp / ".metadata").write_bytes(b"index")
+    assert is_complete(dcp)
+
+
+def test_publish_moves_sidecars_first_and_replaces_a_directory(tmp_path: Path) -> None:
+    ckpts = tmp_path / "checkpoints"
+    for attempt in range(2):  # the second publish of the same step replaces the first (a restarted run)
+        staging = staging_dir(ckpts, 6)
+        (staging / "step000006.ckpt").mkdir(parents=True)
+        (staging / "step000006.ckpt" / ".metadata").write_text(str(attempt))
+        (staging / "step000006.powersgd").mkdir()
+        (staging / "step000006.powersgd" / "rank00001.pt").write_text(str(attempt))
+        assert publish(staging, ckpts, "step000006.ckpt") == ckpts / "step000006.ckpt"
+        assert not staging.exists()
+        assert (ckpts / "step000006.ckpt" / ".metadata").read_text() == str(attempt)
+        assert (ckpts / "step000006.powersgd" / "rank00001.pt").read_text() == str(attempt)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step000006.ckpt", "step000006.powersgd"]
+
+
+def test_discovery_skips_incomplete_and_interrupted_saves(tmp_path: Path) -> None:
+    for step in (3, 6):
+        save(tmp_path / checkpoint_name(step), step)
+    (tmp_path / checkpoint_name(9)).write_bytes(b"PK\x03\x04 cut off")
+    (staging_dir(tmp_path, 12) / checkpoint_name(12)).mkdir(parents=True)
+    found = discover(tmp_path)
+    assert [s for s, _ in found.complete] == [3, 6]
+    assert found.skipped == [(9, "step000009.ckpt (incomplete)"), (12, ".partial-step000012 (interrupted save)")]
+    assert remove_partials(tmp_path) == [staging_dir(tmp_path, 12)]
+
+
+def test_resume_names_what_it_passed_over(tmp_path: Path) -> None:
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    save(ckpts / checkpoint_name(3), 3)
+    staging_dir(ckpts, 6).mkdir()
+    point = find_resume_point(str(tmp_path / "run"))
+    assert point.checkpoint == (ckpts / "step000003.ckpt").resolve()
+    assert point.describe().endswith("(the newest complete checkpoint; skipped .partial-step000006 (interrupted save))")
+    cut = ckpts / checkpoint_name(9)
+    cut.write_bytes(b"not a zip")
+    with pytest.raises(ConfigError, match="not a complete checkpoint") as info:
+        find_resume_point(str(cut))
+    assert info.value.key == "resume"
+
+
+def test_retention_keeps_the_newest_n_with_their_sidecars(tmp_path: Path) -> None:
+    for step in (3, 6, 9):
+        save(tmp_path / checkpoint_name(step), step)
+        (tmp_path / f"step{step:06d}.powersgd").mkdir()
+    doomed = to_delete_for_retention(discover(tmp_path), keep_last_n=1)
+    names = [p.name for p in doomed]
+    # Each checkpoint goes before its sidecar: a kill in between leaves a stray sidecar, not a broken checkpoint.
+    assert names == ["step000003.ckpt", "step000003.powersgd", "step000006.ckpt", "step000006.powersgd"]
+    assert to_delete_for_retention(discover(tmp_path), keep_last_n=None) == []
+    assert to_delete_for_retention(discover(tmp_path), keep_last_n=5) == []
+
+
+def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    torch.save({"rng_states": [capture()]}, tmp_path / "c.ckpt")
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.rand(5), np.random.rand(5), random.random()  # move every generator on
+    restore(torch.load(tmp_path / "c.ckpt", weights_only=True)["rng_states"][0])
+    actual = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(expected[0], actual[0]) and np.array_equal(expected[1], actual[1])
+    assert expected[2] == actual[2]
+
+
+def test_data_position_survives_a_change_of_global_batch() -> None:
+    saved = TokenDataModule.__new__(TokenDataModule)
+    saved.trainer, saved.global_batch_size, saved.seed, saved._restored = SimpleNamespace(global_step=10), 8, 1, None
+    state = saved.state_dict()
+    assert state == {"samples_consumed": 80, "global_step": 10, "seed": 1}
+    resumed = TokenDataModule.__new__(TokenDataModule)
+    resumed.trainer, resumed.global_batch_size, resumed._restored = SimpleNamespace(global_step=10), 16, None
+    resumed.load_state_dict(state)
+    assert resumed.samples_consumed() == 80  # not 10 x 16
+    resumed.trainer.global_step = 12
+    assert resumed.samples_consumed() == 80 + 2 * 16
+
+
+class Stub(SimpleNamespace):
+    """The few Trainer attributes the guard reads."""
+
+
+def guard_step(guard: NonFiniteGuard, model: nn.Module, step: int, loss: float, grad: float) -> Stub:
+    trainer = Stub(strategy=Stub(root_device=torch.device("cpu")), global_step=step, is_global_zero=True)
+    trainer.should_stop = False
+    for p in model.parameters():
+        p.grad = torch.full_like(p, grad)
+    guard.on_before_backward(trainer, model, torch.tensor(loss))  # type: ignore[arg-type]
+    guard.on_before_optimizer_step(trainer, model, None)  # type: ignore[arg-type]
+    return trainer
+
+
+def test_guard_drops_the_update_skips_then_stops() -> None:
+    model = nn.Linear(2, 2)
+    records: list[dict] = []
+    guard = NonFiniteGuard("skip", max_skips=1, record=lambda kind, **f: records.append({"kind": kind, **f}))
+    assert not guard_step(guard, model, 0, 1.0, 0.5).should_stop
+    assert all(p.grad is not None for p in model.parameters())  # a finite step is left alone
+    assert not guard_step(guard, model, 1, 1.0, float("nan")).should_stop
+    assert all(p.grad is None for p in model.parameters())  # no gradient: the optimizer skips the parameter
+    assert guard.skipped_steps == [1]
+    assert guard_step(guard, model, 2, float("inf"), 0.5).should_stop
+    assert guard.stopped_at == 2 and "non-finite loss at step 2" in str(guard.stop_reason)
+    assert [(r["step"], r["action"], r["what"]) for r in records] == [
+        (1, "skipped", "gradients"),
+        (2, "stopped", "loss"),
+    ]
+    before = [p.clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert optimizer.state == {}  # not even Adam's step count moved
+
+
+def test_fault_specs() -> None:
+    assert parse_fault("sigkill@step=7,rank=1") == Fault("step", 7, rank=1)
+    assert parse_fault("sigkill@save=6,attempt=1") == Fault("save", 6, attempt=1)
+    for bad in ("sigterm@step=1", "sigkill@rank=1", "sigkill@step=1,save=2", "sigkill@step=x"):
+        with pytest.raises(ValueError):
+            parse_fault(bad)
+
+
+def test_fault_applies_to_its_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTTRAIN_FAULT", "sigkill@step=4")
+    assert fault_from_env(0) == Fault("step", 4)
+    assert fault_from_env(1) is None
+
+
+def test_exit_descriptions() -> None:
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(1) == "exit code 1"
+
+
+def test_redaction_of_environment_credentials_and_credential_keys() -> None:
+    secrets = secret_values({"WANDB_API_KEY": "k" * 12, "HF_TOKEN": "hf_abcdefgh", "DEBUG": "1", "PATH": "/usr/bin"})
+    assert secrets == {"k" * 12: "WANDB_API_KEY", "hf_abcdefgh": "HF_TOKEN"}
+    config = {"model": {"note": "uses " + "k" * 12, "password": "hunter2", "layers": 2}, "cmd": ["+x.api_key=abc"]}
+    assert redact(config, secrets) == {
+        "model": {"note": "uses <redacted $WANDB_API_KEY>", "password": "<redacted>", "layers": 2},
+        "cmd": ["+x.api_key=<redacted>"],
+    }
+    # Whole words only: token counts and tokenizers are not credentials (resume re-reads these overrides).
+    harmless = ["data.num_train_tokens=65536", "trainer.keep_last_n=2", "+model.tokenizer=bpe"]
+    assert redact(harmless, secrets) == harmless
