@@ -3,8 +3,8 @@
 ``strategy=auto`` chooses among the layouts ``python -m train`` runs: DDP; FSDP2 full shard with or without
 resharding after forward and activation checkpointing; DeepSpeed ZeRO-1/2/3 with or without activation
 checkpointing; on GPUs also CPU offload; and every Megatron TP x PP x DP layout the planner enumerates
-(``python -m plan`` shows the same candidates with their predictions). HSDP layouts are shown by the planner
-but not chosen: strategy=fsdp has no replica-group option yet.
+(``python -m plan`` shows the same candidates with their predictions); on several nodes also FSDP2 hybrid
+(HSDP, one replica group per node).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) ->
             recompute="full" if strategy.activation_checkpointing else "none",
             offload_optimizer=strategy.cpu_offload,
             offload_params=strategy.cpu_offload,
+            dp_replicate=strategy.dp_replicate,
         )
     return Layout("ddp", dp=world.data_parallel_size, microbatches=batch.accumulation)
 
@@ -111,9 +112,14 @@ def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: boo
 
 def auto_candidates(cfg: RunConfig) -> list[StrategyConfig]:
     options = [DDPConfig()]
-    for reshard in (True, False):
-        for checkpointing in (False, True):
-            options.append(FSDPConfig(reshard_after_forward=reshard, activation_checkpointing=checkpointing))
+    # HSDP only across nodes: within a node full sharding's all-gathers ride the fast link anyway.
+    for replicas in (1, cfg.hw.num_nodes) if cfg.hw.num_nodes > 1 else (1,):
+        for reshard in (True, False):
+            for checkpointing in (False, True):
+                option = FSDPConfig(
+                    reshard_after_forward=reshard, activation_checkpointing=checkpointing, dp_replicate=replicas
+                )
+                options.append(option)
     for stage in (1, 2, 3):
         for checkpointing in (False, True):
             options.append(DeepSpeedConfig(stage=stage, activation_checkpointing=checkpointing))

@@ -33,6 +33,7 @@ BAD = [
     (["precision=fp16-mixed"], "precision", "bf16-mixed"),
     (["strategy=fsdp", "strategy.cpu_offload=true"], "strategy.cpu_offload", "cpu_offload=false"),
     (["strategy=fsdp", "strategy.reduce_dtype=int8"], "strategy.reduce_dtype", "fp32"),
+    (["strategy=fsdp", "strategy.dp_replicate=3"], "strategy.dp_replicate", "use one of [1, 2]"),
     (["+hw.peak_tflops.fp33=1.0"], "hw.peak_tflops.fp33", "fp32"),
     (["hw.num_nodes=0"], "hw.num_nodes", "hw.num_nodes=1"),
     (["logger=wandb", "logger.mode=sometimes"], "logger.mode", "offline"),

@@ -120,10 +120,17 @@ def test_invalid_layouts_name_the_key_and_a_fix(overrides: list[str], key: str, 
 
 @pytest.mark.parametrize(("model", "hw"), [("llama-7b", "8xa100"), ("llama-70b", "2x8xh100")])
 def test_every_planned_megatron_layout_is_a_valid_config(model: str, hw: str) -> None:
-    """The overrides `python -m plan` prints for Megatron layouts select exactly that layout and validate."""
+    """The overrides `python -m plan` prints for Megatron (and FSDP2 hybrid) layouts select exactly that layout
+    and validate."""
     result = plan(model_preset(model), hw_profile(hw), micro_batch_size=1, global_batch_size=64)
     megatron = [c for c in result.candidates if c.layout.strategy == "megatron"]
     assert len(megatron) > 20
+    hybrid = [c for c in result.candidates if c.layout.strategy == "fsdp" and c.layout.dp_replicate > 1]
+    assert bool(hybrid) == (hw == "2x8xh100")  # FSDP2 hybrid is planned only across nodes
+    for candidate in hybrid:
+        overrides = [f"model={model}", f"hw={hw}", "precision=bf16-mixed", "trainer.micro_batch_size=1"]
+        cfg, _ = validated([*overrides, "trainer.global_batch_size=64", *candidate.layout.overrides()])
+        assert cfg.strategy.dp_replicate == candidate.layout.dp_replicate
     for candidate in megatron:
         overrides = [f"model={model}", f"hw={hw}", "precision=bf16-mixed", "trainer.micro_batch_size=1"]
         cfg, batch = validated([*overrides, "trainer.global_batch_size=64", *candidate.layout.overrides()])

@@ -64,6 +64,18 @@ def test_fsdp2_shard_matches_planner(name: str, world_size: int) -> None:
             assert fsdp_allocated(model.blocks[0]) == shape.fsdp_block_shard_parameters(world_size)
 
 
+@pytest.mark.parametrize(("world_size", "replicas"), [(8, 2), (16, 2), (64, 8)])
+def test_hybrid_fsdp2_shards_within_each_replica_group(world_size: int, replicas: int) -> None:
+    """strategy.dp_replicate (HSDP): each rank holds 1/(world/replicas) of the model, as the planner says."""
+    cfg = preset("llama-1b")
+    with fake_world(world_size, rank=world_size - 1):
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+        model = build_model(cfg, seed=0, device="meta")
+        options = FSDPConfig(dp_replicate=replicas)
+        apply_fsdp(model, mesh, options, PrecisionConfig(name="bf16-mixed"), apply_checkpointing=None)
+        assert fsdp_allocated(model) == model_shape(cfg).fsdp_shard_parameters(world_size // replicas)
+
+
 def tensor_parallel_plan(n_layers: int, swiglu: bool) -> dict[str, object]:
     plan: dict[str, object] = {"tok_emb": RowwiseParallel(), "lm_head": ColwiseParallel()}
     for i in range(n_layers):

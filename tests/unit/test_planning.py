@@ -8,7 +8,7 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DDPConfig, FSDPConfig
 from disttrain.config.validate import batch_plan, validate_run, world_layout
-from disttrain.planning import check_fits, predict_memory, resolve_auto
+from disttrain.planning import auto_candidates, check_fits, predict_memory, resolve_auto
 from tests.conftest import compose_train
 
 LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
@@ -72,3 +72,12 @@ def test_auto_chooses_tensor_parallelism_when_only_it_fits() -> None:
     world, batch = world_layout(cfg), validate_run(cfg)
     memory = predict_memory(cfg, world, batch)
     assert memory is not None and memory.total <= 0.9 * 80 * 2**30
+
+
+def test_auto_considers_hybrid_sharding_only_across_nodes() -> None:
+    def replicas(hw: str) -> set[int]:
+        cfg = parse_run_config(compose_train(["strategy=auto", "model=llama-7b", f"hw={hw}"]))
+        return {c.dp_replicate for c in auto_candidates(cfg) if isinstance(c, FSDPConfig)}
+
+    assert replicas("8xa100") == {1}
+    assert replicas("2x8xh100") == {1, 2}  # one replica group per node

@@ -143,6 +143,7 @@ class FSDPConfig:
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype under mixed precision: fp32 | bf16
     activation_checkpointing: bool = False
     cpu_offload: bool = False
+    dp_replicate: int = 1  # HSDP: replica groups (e.g. nodes); parameters are sharded within each group
 
 
 @dataclass(frozen=True)

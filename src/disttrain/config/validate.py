@@ -326,6 +326,15 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             raise ConfigError(
                 "precision", "FSDP2 here supports fp32 and bf16 policies", "use precision=bf16-mixed with strategy=fsdp"
             )
+        world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+        replicas = cfg.strategy.dp_replicate
+        if replicas < 1 or world % replicas:
+            ok = [d for d in range(1, world + 1) if world % d == 0]
+            raise ConfigError(
+                "strategy.dp_replicate",
+                f"{replicas} replica groups do not divide the world size {world}",
+                f"use one of {ok} (hw.num_nodes={cfg.hw.num_nodes} shards within each node)",
+            )
     elif isinstance(cfg.strategy, MegatronConfig):
         world = cfg.hw.num_nodes * cfg.hw.devices_per_node
         validate_megatron(cfg.strategy, cfg.model, world, cfg.precision.name)

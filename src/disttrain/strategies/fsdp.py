@@ -12,6 +12,7 @@ from functools import partial
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from disttrain.config.schema import FSDPConfig, PrecisionConfig
@@ -31,10 +32,21 @@ def trainer_precision(precision: PrecisionConfig) -> str:
     return "32-true" if precision.name == "bf16-mixed" else precision.lightning
 
 
+def hybrid_mesh(dp_mesh: DeviceMesh, replicas: int) -> DeviceMesh:
+    """HSDP: the data-parallel ranks as ``replicas`` groups of consecutive ranks (a node's GPUs), parameters
+    sharded within a group and replicated across groups (gradients all-reduced between them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (replicas, dp_mesh.size() // replicas)
+    return init_device_mesh(dp_mesh.device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
 def apply_fsdp(
     model: nn.Module, mesh: object, cfg: FSDPConfig, precision: PrecisionConfig, apply_checkpointing: object
 ) -> None:
     dp_mesh = mesh["data_parallel"]  # type: ignore[index]
+    if cfg.dp_replicate > 1:
+        dp_mesh = hybrid_mesh(dp_mesh, cfg.dp_replicate)
     if cfg.activation_checkpointing:
         apply_checkpointing(model)  # type: ignore[operator]
     options = {
