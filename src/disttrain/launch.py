@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 CHILD_ENV_FLAG = "DISTTRAIN_CHILD_RANK"
 PARENT_PID_ENV = "DISTTRAIN_PARENT_PID"
@@ -68,11 +69,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def child_command(module: str, task_overrides: Sequence[str], run_dir: str, local_rank: int) -> list[str]:
-    """The command that re-runs this Hydra job as another rank, writing into the same run directory.
-
-    Only rank 0 keeps Hydra's ``.hydra/`` record; each rank logs to its own ``train_rank<N>.log``.
-    """
+def rerun_command(module: str, task_overrides: Sequence[str], run_dir: str | Path, job_name: str) -> list[str]:
+    """This Hydra job again, in the same run directory, logging to ``<job_name>.log``; Hydra's ``.hydra/``
+    record stays the original process's."""
     return [
         sys.executable,
         "-m",
@@ -80,8 +79,13 @@ def child_command(module: str, task_overrides: Sequence[str], run_dir: str, loca
         *task_overrides,
         f"hydra.run.dir={run_dir}",
         "hydra.output_subdir=null",
-        f"hydra.job.name=train_rank{local_rank}",
+        f"hydra.job.name={job_name}",
     ]
+
+
+def child_command(module: str, task_overrides: Sequence[str], run_dir: str, local_rank: int) -> list[str]:
+    """The command that re-runs this Hydra job as another local rank (its log: ``train_rank<N>.log``)."""
+    return rerun_command(module, task_overrides, run_dir, f"train_rank{local_rank}")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from disttrain.exit_codes import NOT_RESTARTABLE
-from disttrain.launch import PARENT_PID_ENV, describe_exit
+from disttrain.launch import PARENT_PID_ENV, describe_exit, rerun_command
 
 ATTEMPT_ENV = "DISTTRAIN_RESTART_ATTEMPT"
 
@@ -40,15 +40,7 @@ def is_supervised() -> bool:
 
 def attempt_command(module: str, task_overrides: Sequence[str], run_dir: Path, attempt: int) -> list[str]:
     """This job again, in the same run dir; Hydra's record (.hydra/) stays the supervisor's."""
-    return [
-        sys.executable,
-        "-m",
-        module,
-        *task_overrides,
-        f"hydra.run.dir={run_dir}",
-        "hydra.output_subdir=null",
-        f"hydra.job.name=train_attempt{attempt}",
-    ]
+    return rerun_command(module, task_overrides, run_dir, f"train_attempt{attempt}")
 
 
 def kill_session(pid: int) -> None:
