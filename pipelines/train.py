@@ -46,4 +46,7 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    from disttrain.process_exit import run_then_exit
+
+    # Not a plain return: leaked process-group threads can abort a finished run at teardown (process_exit.py).
+    run_then_exit(cli)

@@ -179,7 +179,7 @@ def train(
         raise RunStopped(1, f"{message} (rank 0 then failed with {seen})") from None
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Tear the group down explicitly: gloo threads dying at interpreter exit can abort the process.
+            # Frees what DDP holds; FSDP2/DTensor groups outlive this (C++ hook cycles), see process_exit.py.
             torch.distributed.destroy_process_group()
 
     guard = parts.nonfinite
