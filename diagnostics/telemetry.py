@@ -22,7 +22,8 @@ Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
   idle time, and the payload bytes handed to collectives per step (``comm_bytes_per_step``, by op).
 - ``memory``: peak memory at the end (GPU allocator peaks, or RSS on CPU).
 - ``throughput``: the run's tokens/s, MFU and HFU against each peak.
-- ``calibration``: the measured matmul FLOP/s of this device (the calibrated peak).
+- ``calibration``: the measured matmul FLOP/s of this device, at the ``start`` and the ``end`` of training; the
+  calibrated peak is the larger (other processes' load on a shared host only ever lowers a measurement).
 - ``error``: a collector failed; training went on.
 - ``hang``: the watchdog fired: no step completed within the timeout.
 - ``nonfinite``: a step had a non-finite loss or gradient (``what``); ``action`` is ``skipped`` (its update was
@@ -67,7 +68,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
         "tokens_per_s", "mfu", "hfu", "calibrated_mfu", "calibrated_hfu", "peak_flops", "calibrated_peak_flops",
         "steps_measured",
     ),
-    "calibration": ("dtype", "matrix_size", "flops_per_s", "seconds"),
+    "calibration": ("when", "dtype", "matrix_size", "flops_per_s", "seconds"),
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
     "nonfinite": ("step", "what", "action", "skipped_total"),

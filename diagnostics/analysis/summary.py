@@ -181,7 +181,9 @@ def _utilizations(run: RunTelemetry, summary: Summary) -> None:
     summary.hardware_flops_per_token = num(run.meta("hardware_flops_per_token")) or summary.flops_per_token
     summary.peak_flops = num(rec.get("peak_flops")) or num(run.meta("peak_flops"))
     summary.peak_flops_source = run.meta("peak_flops_source")
-    calibrated = median(num(c.get("flops_per_s")) for tele in run.ranks.values() for c in tele.calibrations)
+    calibrated = median(
+        max(present(num(c.get("flops_per_s")) for c in tele.calibrations), default=None) for tele in run.ranks.values()
+    )
     summary.calibrated_peak_flops = num(rec.get("calibrated_peak_flops")) or calibrated
     pairs = (
         ("mfu", summary.flops_per_token, summary.peak_flops),

@@ -137,10 +137,7 @@ class DiagnosticsCallback(pl.Callback):
             max_steps=f.max_steps,
         )
         if self.settings.calibrate:
-            result = self.guarded("calibration", lambda: matmul_flops_per_s(device, self.facts.compute_dtype))
-            if result:
-                self.calibrated = result["flops_per_s"]
-                self.write("calibration", **result)
+            self.calibrate(device, "start")
         self.sampler = DeviceSampler(reader, self.write, self.settings.sample_interval_s)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -269,12 +266,21 @@ class DiagnosticsCallback(pl.Callback):
                 device_memory_bytes=torch.cuda.get_device_properties(pl_module.device).total_memory,
             )
         self.write("memory", **memory)
+        if self.settings.calibrate:
+            self.calibrate(pl_module.device, "end")
         tokens_per_s = self.tokens_per_s()
         if tokens_per_s:
             self.guarded("throughput", lambda: self._throughput(trainer.world_size, tokens_per_s))
         self.write("end", steps=trainer.global_step, wall_s=None)
         if self.writer is not None:
             self.writer.flush()
+
+    def calibrate(self, device: torch.device, when: str) -> None:
+        """Measure the matmul peak; keep the best of start and end (load from other processes only lowers it)."""
+        result = self.guarded("calibration", lambda: matmul_flops_per_s(device, self.facts.compute_dtype))
+        if result:
+            self.calibrated = max(self.calibrated or 0.0, result["flops_per_s"])
+            self.write("calibration", when=when, **result)
 
     def _throughput(self, world_size: int, tokens_per_s: float) -> None:
         f = self.facts

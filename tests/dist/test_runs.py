@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from diagnostics.telemetry import telemetry_path
 from tests.conftest import read_manifest, run_cli
 
 pytestmark = pytest.mark.dist
@@ -51,6 +52,13 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     kinds = {finding["kind"] for finding in report["findings"]}
     assert not kinds & {"input_bound", "straggler", "hang", "comm_bound"}, report["findings"]
     assert report["summary"]["tokens_per_s"] > 0
+    for rank in (0, 1):
+        records = [json.loads(line) for line in telemetry_path(run_dir, rank).read_text().splitlines()]
+        calibrations = [r["flops_per_s"] for r in records if r["kind"] == "calibration"]
+        assert [r["when"] for r in records if r["kind"] == "calibration"] == ["start", "end"]
+        if rank == 0:  # the peak MFU is measured against: the better of the two measurements
+            (throughput,) = [r for r in records if r["kind"] == "throughput"]
+            assert throughput["calibrated_peak_flops"] == max(calibrations)
     assert "diagnostics:" in out
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["last.ckpt", "step000100.ckpt", "step000200.ckpt", "step000220.ckpt"]
