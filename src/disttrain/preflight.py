@@ -193,6 +193,31 @@ def has_key(cfg: DictConfig, key: str) -> bool:
     return True
 
 
+def resumed_group_choices(overrides: list[Override], groups: set[str]) -> list[Override]:
+    """The group options (``strategy=megatron``) the run named by ``resume=`` was started with, if any."""
+    resume = next((values_of(o)[0] for o in overrides if o.key_or_group == "resume" and values_of(o)), None)
+    if resume is None or not Path(resume).expanduser().exists():
+        return []  # the resume checks in prepare() name a wrong path
+    return [o for o in parse_overrides(original_overrides(resume)) if o.key_or_group in groups]
+
+
+def check_resumed_group_repeated(choices: list[str], resumed: list[Override], override: Override) -> DictConfig:
+    """Hydra composes this command before the resumed run's config is merged in, so a setting of the resumed run's
+    group option (``strategy.tp`` of ``strategy=megatron``) only exists if the command names that option too.
+    Returns the config with the resumed run's group options, for reporting a key that exists in neither."""
+    with_resumed = compose(config_name="train", overrides=[*(o.input_line for o in resumed), *choices])
+    group = override.key_or_group.split(".")[0]
+    option = next((o.input_line for o in reversed(resumed) if o.key_or_group == group), None)
+    if option is None or not has_key(with_resumed, override.key_or_group):
+        return with_resumed
+    raise ConfigError(
+        override.key_or_group,
+        f"is a setting of {option}, the option the resumed run was started with, but this command composes "
+        f"the default {group} before the resumed run's config is merged in",
+        f"repeat the option on this command: python -m train resume=... {option} {override.input_line}",
+    )
+
+
 def check_key_exists(cfg: DictConfig, key: str) -> None:
     parts = key.split(".")
     for depth in range(1, len(parts) + 1):  # report the first level that does not exist
@@ -251,9 +276,13 @@ def preflight(argv: list[str], conf_dir: Path) -> None:
             with_groups = compose(config_name="train", overrides=choices)
         except HydraException as err:
             raise ConfigError("overrides", f"cannot compose the config ({err})", "check the group options") from None
+        resumed = resumed_group_choices(overrides, groups)
         for o in overrides:
             plain = o.type == OverrideType.CHANGE and not o.key_or_group.startswith("hydra")
             if plain and o.key_or_group not in groups:
+                if resumed and not has_key(with_groups, o.key_or_group):
+                    # A typo is then reported against the settings of the run being resumed.
+                    check_key_exists(check_resumed_group_repeated(choices, resumed, o), o.key_or_group)
                 check_key_exists(with_groups, o.key_or_group)
         try:
             cfg = compose(config_name="train", overrides=job, return_hydra_config=not multirun)

@@ -57,6 +57,9 @@ CATALOGUE: list[tuple[list[str], dict[str, str], str, str]] = [
     (["resume={no_checkpoints}"], {}, "resume", "complete checkpoint"),
     (["resume={truncated}"], {}, "resume", "complete checkpoint"),
     (["resume={existing}", "model.d_model=64"], {}, "model", "model settings the run was started with"),
+    # a setting of the resumed run's strategy without naming that strategy again; a typo in one
+    (["resume={megatron}", "strategy.tp=2"], {}, "strategy.tp", "resume=... strategy=megatron strategy.tp=2"),
+    (["resume={megatron}", "strategy.tpp=2"], {}, "strategy.tpp", "'tp'"),
     # the run dir of an existing run; a file name that would lead out of the run dir
     (["hydra.run.dir={existing}"], {}, "hydra.run.dir", "hydra.run.dir=<new dir>"),
     (["hydra.job.name=../../escaped"], {}, "hydra.job.name", "plain name"),
@@ -87,6 +90,10 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     torch.save({"state_dict": {f"model.{k}": v for k, v in weights.items()}, "global_step": 3}, checkpoint)
     (existing / "checkpoints" / "last.ckpt").symlink_to("step000003.ckpt")
 
+    megatron = tmp_path / "outputs" / "megatron"
+    (megatron / ".hydra").mkdir(parents=True)
+    (megatron / ".hydra" / "overrides.yaml").write_text("- strategy=megatron\n- strategy.pp=2\n")
+
     truncated = tmp_path / "outputs" / "truncated"
     (truncated / "checkpoints").mkdir(parents=True)
     data = checkpoint.read_bytes()
@@ -101,6 +108,7 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     return {
         "root": tmp_path,
         "existing": existing,
+        "megatron": megatron,
         "truncated": truncated,
         "no_checkpoints": no_checkpoints,
         "missing": tmp_path / "no" / "such" / "path",

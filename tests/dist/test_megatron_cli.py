@@ -1,5 +1,6 @@
 """The full 3D layout (dp=2 x pp=2 x tp=2, 8 gloo processes) through ``python -m train``: the same losses as one
-process, and a resumed run that continues exactly (same losses, bitwise-equal weights)."""
+process, a resumed run that continues exactly (same losses, bitwise-equal weights), and the same checkpoint
+resumed on another layout (2 processes, tp=2) continuing with the same losses."""
 
 from __future__ import annotations
 
@@ -26,9 +27,14 @@ COMMON = [
 THREE_D = ["strategy=megatron", "strategy.tp=2", "strategy.pp=2", "hw.devices_per_node=8", "trainer.micro_batch_size=2"]
 
 
-def test_3d_run_matches_one_process_and_resumes_exactly(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def three_d(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run(tmp_path_factory.mktemp("megatron"), "3d", [*COMMON, *THREE_D])
+
+
+def test_3d_run_matches_one_process_and_resumes_exactly(three_d: Path, tmp_path: Path) -> None:
     reference = train_losses(run(tmp_path, "single", [*COMMON, "hw.devices_per_node=1", "trainer.micro_batch_size=8"]))
-    full = run(tmp_path, "3d", [*COMMON, *THREE_D])
+    full = three_d
     losses = train_losses(full)
     assert sorted(losses) == list(range(STEPS)) == sorted(reference)
     worst = max(abs(losses[s] - reference[s]) for s in range(STEPS))
@@ -48,3 +54,19 @@ def test_3d_run_matches_one_process_and_resumes_exactly(tmp_path: Path) -> None:
     assert "model.blocks.3.attn.wq.weight" in expected and sorted(expected) == sorted(actual)
     for name, tensor in expected.items():
         assert torch.equal(tensor, actual[name]), f"{name} differs after resume"
+
+
+def test_3d_checkpoint_resumes_on_another_layout(three_d: Path, tmp_path: Path) -> None:
+    """Checkpoints hold single-process parameter names, so torch.distributed.checkpoint reshards them on load:
+    dp2 x pp2 x tp2 (8 processes) continues as tp2 on 2 processes at the same global batch of 8."""
+    full = three_d
+    losses = train_losses(full)
+    two = ["strategy=megatron", "strategy.tp=2", "strategy.pp=1", "hw.devices_per_node=2"]
+    batch = ["trainer.micro_batch_size=4", "trainer.global_batch_size=8"]  # 4 x dp 1 x 2 micro-batches
+    resumed = run(tmp_path, "tp2", [f"resume={full / 'checkpoints' / 'step000005.ckpt'}", *two, *batch])
+    strategy = read_manifest(resumed)["config"]["strategy"]
+    assert (strategy["tp"], strategy["pp"]) == (2, 1)
+    resumed_losses = train_losses(resumed)
+    assert sorted(resumed_losses) == list(range(5, STEPS))
+    worst = max(abs(resumed_losses[s] - losses[s]) for s in range(5, STEPS))
+    assert worst <= 1e-4, f"3D checkpoint resumed as tp2: max |loss - 3D run| = {worst:.2e}"
