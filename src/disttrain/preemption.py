@@ -141,7 +141,6 @@ def slurm_attempt(run_dir: Path, rank_zero: bool, resumed_from: Path | None) -> 
         return
     os.environ.update(rendezvous_env(task))
     if rank_zero:
-        keep_previous_metrics(run_dir, task.restart_count)
         record_attempt(run_dir, task, "start", resumed_from=str(resumed_from) if resumed_from else None)
     try:
         yield task

@@ -29,7 +29,7 @@ from disttrain.hardware import check_machine_can_serve, in_cluster_job
 from disttrain.launch import child_command, describe_exit, die_with_parent, is_child_process, spawn_local_ranks
 from disttrain.manifest import command_line, git_commit, versions, write_json_atomic
 from disttrain.planning import check_fits, describe_memory, predict_memory
-from disttrain.preemption import slurm_attempt
+from disttrain.preemption import keep_previous_metrics, slurm_attempt
 from disttrain.preflight import prepare
 from disttrain.redaction import redact, redact_yaml_files
 from disttrain.resume import newest_complete
@@ -94,6 +94,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
     if rank_zero and prepared.resume is not None:
         prefix = f"restart {prepared.attempt}: " if prepared.attempt else ""
         say(prefix + prepared.resume.describe())
+    if rank_zero and prepared.attempt:
+        keep_previous_metrics(run_dir, prepared.attempt)  # a restart trains in the same run dir
     command = partial(child_command, module_name, task_overrides, str(run_dir))
     predicted = None if memory is None else memory.total
     with slurm_attempt(run_dir, rank_zero, checkpoint):  # under SLURM: rendezvous, attempts record, requeue

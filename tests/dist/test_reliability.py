@@ -200,6 +200,18 @@ def test_elastic_restart_resumes_in_the_same_run_dir(reference: dict, tmp_path: 
     assert manifest["status"] == "completed" and manifest["restart_attempt"] == 1
     assert survivors(run_dir) == []
     assert_bitwise_equal(reference["ddp"], final_weights(run_dir))
+    # The first attempt's metrics are kept beside the restart's (the CSV logger starts a new file).
+    logged = {name: logged_steps(run_dir / "metrics" / name) for name in ("metrics_attempt0.csv", "metrics.csv")}
+    assert max(logged["metrics_attempt0.csv"]) >= point - 1
+    assert min(logged["metrics.csv"]) == point // EVERY * EVERY and max(logged["metrics.csv"]) == STEPS - 1
+
+
+def logged_steps(metrics: Path) -> set[int]:
+    """The (0-based) steps a CSV metrics file has a train loss for."""
+    import csv
+
+    with metrics.open() as handle:
+        return {int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")}
 
 
 NAN_MODEL = [
