@@ -81,7 +81,12 @@ def build_mesh(degrees: MegatronDegrees, device_type: str) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    if degrees.tp > 1:
+        # FSDP x TP gradients are sharded over dp_shard and tp: their norm (clipping) then takes one all-reduce
+        # over the flattened axes instead of two sequential ones, which DTensor warns about on every rank.
+        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+    return mesh
 
 
 def _schedule_class(name: str) -> type:
