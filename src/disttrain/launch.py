@@ -72,15 +72,13 @@ def free_port() -> int:
 def rerun_command(module: str, task_overrides: Sequence[str], run_dir: str | Path, job_name: str) -> list[str]:
     """This Hydra job again, in the same run directory, logging to ``<job_name>.log``; Hydra's ``.hydra/``
     record stays the original process's."""
-    return [
-        sys.executable,
-        "-m",
-        module,
-        *task_overrides,
-        f"hydra.run.dir={run_dir}",
-        "hydra.output_subdir=null",
-        f"hydra.job.name={job_name}",
-    ]
+    return [sys.executable, "-m", module, *task_overrides, f"hydra.run.dir={run_dir}", *secondary_job(job_name)]
+
+
+def secondary_job(job_name: str) -> list[str]:
+    """Hydra overrides of a process that joins a job as another rank or attempt: it logs to ``<job_name>.log`` and
+    leaves the ``.hydra/`` record to the job's first process."""
+    return ["hydra.output_subdir=null", f"hydra.job.name={job_name}"]
 
 
 def child_command(module: str, task_overrides: Sequence[str], run_dir: str, local_rank: int) -> list[str]:

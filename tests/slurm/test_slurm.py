@@ -110,6 +110,9 @@ def test_two_node_job_matches_one_node_two_processes(two_node_run: Path, tmp_pat
     assert manifest["world"]["num_nodes"] == 2 and manifest["world"]["world_size"] == 2
     (start,) = [a for a in attempts(two_node_run) if a["event"] == "start"]
     assert start["num_nodes"] == 2 and start["num_tasks"] == 2 and start["nodelist"] == "n[1-2]"
+    # Each task logs to its own file, as local ranks do.
+    assert "GLOBAL_RANK: 1" in (two_node_run / "train_rank1.log").read_text()
+    assert "GLOBAL_RANK: 1" not in (two_node_run / "train.log").read_text()
     slurm, reference = train_losses(two_node_run), train_losses(local)
     assert sorted(slurm) == sorted(reference) == list(range(STEPS))
     worst = max(abs(slurm[s] - reference[s]) for s in range(STEPS))

@@ -63,9 +63,13 @@ ConfigStore.instance().store(
 class SlurmLauncher(SubmititSlurmLauncher):
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
         """In the job: run the Hydra job; a failed one ends this task with exit code 1 (see module doc)."""
+        from disttrain.launch import secondary_job
         from disttrain.slurm import MAX_REQUEUES_ENV
 
         os.environ[MAX_REQUEUES_ENV] = str(self.params.get("max_num_timeout") or 0)
+        rank = int(os.environ.get("SLURM_PROCID") or 0)
+        if rank > 0 and args:  # as local ranks do: its own train_rank<N>.log, rank 0's .hydra/ record
+            args = ([*args[0], *secondary_job(f"train_rank{rank}")], *args[1:])
         result = super().__call__(*args, **kwargs)
         if result.status == JobStatus.FAILED:
             err = result._return_value
