@@ -45,6 +45,7 @@ def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) ->
             tp=strategy.tp,
             pp=strategy.pp,
             microbatches=batch.accumulation,
+            schedule_microbatches=strategy.num_microbatches,
             sequence_parallel=strategy.sequence_parallel and strategy.tp > 1,
             schedule=strategy.schedule if strategy.pp > 1 else "none",
             virtual_stages=strategy.virtual_stages,

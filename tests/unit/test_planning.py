@@ -81,3 +81,27 @@ def test_auto_considers_hybrid_sharding_only_across_nodes() -> None:
 
     assert replicas("8xa100") == {1}
     assert replicas("2x8xh100") == {1, 2}  # one replica group per node
+
+
+def test_megatron_rounds_hold_one_schedule_run_of_activations() -> None:
+    """A global batch of 4 schedule runs (rounds) holds the activations of one run at a time: GPipe's peak is the
+    run's 2 micro-batches, not the step's 8, and each run has the 2-micro-batch bubble."""
+    from disttrain.planning import layout_of
+
+    base = ["strategy=megatron", "strategy.pp=2", "strategy.schedule=gpipe", "strategy.microbatches=2"]
+    base += ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
+
+    def activations(extra: list[str]) -> tuple[int, int]:
+        cfg = parse_run_config(compose_train([*base, *extra]))
+        plan = validate_run(cfg)
+        memory = predict_memory(cfg, world_layout(cfg), plan)
+        assert memory is not None
+        return memory.activations, plan.accumulation
+
+    one_run, accumulation = activations([])
+    four_runs, accumulation_of_four = activations(["trainer.global_batch_size=32"])  # 1 x dp 4 x 2 x 4 rounds
+    assert (accumulation, accumulation_of_four) == (2, 8)
+    assert four_runs == one_run
+    cfg = parse_run_config(compose_train([*base, "trainer.global_batch_size=32"]))
+    layout = layout_of(cfg.strategy, world_layout(cfg), validate_run(cfg))
+    assert (layout.microbatches, layout.per_schedule) == (8, 2)

@@ -162,7 +162,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stag
     b, s = workload.micro_batch_size, workload.seq_len
     common = {"act_bytes": act, "res_bytes": res, "tp": tp, "sequence_parallel": sp, "flash_attention": flash}
     per_layer = layer_activation_bytes(shape, b, s, recompute=layout.recompute, **common)
-    in_flight = microbatches_in_flight(layout.schedule, pp, layout.microbatches, layout.virtual_stages, stage)
+    in_flight = microbatches_in_flight(layout.schedule, pp, layout.per_schedule, layout.virtual_stages, stage)
     total = in_flight * (shape.n_layers // pp) * per_layer
     if stage == pp - 1:
         total += in_flight * output_activation_bytes(shape, b, s, act, res, tp, sp)

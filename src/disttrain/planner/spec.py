@@ -34,6 +34,14 @@ class Layout:
     sequence_parallel: bool = False  # Megatron: shard norms/dropout activations over tp along the sequence
     schedule: str = "none"  # pipeline schedule when pp > 1
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B, zero-bubble V schedule)
+    # Micro-batches per run of the pipeline schedule when a step runs it several times (strategy=megatron with a
+    # global batch above micro x dp x strategy.microbatches); None: one run over all ``microbatches``.
+    schedule_microbatches: int | None = None
+
+    @property
+    def per_schedule(self) -> int:
+        """Micro-batches one pipeline schedule run holds: what sets activations in flight and the bubble."""
+        return self.schedule_microbatches or self.microbatches
 
     @property
     def world_size(self) -> int:

@@ -134,7 +134,8 @@ def estimate_step(
         + _exposed(seconds(comm.mb_bwd), backward, overlap)
     )
     m = layout.microbatches
-    bubble = bubble_fraction(layout.schedule, layout.pp, m, layout.virtual_stages)
+    # Each run of the schedule fills and drains the pipeline once: the bubble is per run, as a fraction.
+    bubble = bubble_fraction(layout.schedule, layout.pp, layout.per_schedule, layout.virtual_stages)
     pipeline = m * (forward + backward + per_mb_exposed)
     step_exposed = (
         _exposed(seconds(comm.step_fwd), forward, overlap)
