@@ -7,7 +7,9 @@ machine hits all of them; ratios of the medians are printed (target >= 0.98):
 - ``no window / off``: the always-on collectors (step phases, rank gathers, sampler, watchdog, telemetry),
   i.e. the cost per step that does not shrink as a run gets longer;
 - the profiler window's one-time cost in seconds, measured inside the default runs from their own step
-  records (profiled steps minus the median step), and what share of this run's training time it is.
+  records (profiled steps minus the median step), and what share of this run's training time it is;
+- the always-on collectors' own time on the training thread (timed by the collectors, ``end`` record), as a
+  share of step time: the direct figure, free of the drift between runs that the ratios above carry.
 
     python benchmarks/diagnostics_overhead.py [--steps 120] [--repeats 2] [--extra strategy=fsdp ...]
 """
@@ -26,8 +28,9 @@ from train_cli import train_manifest
 ARMS = {"off": ["diagnostics=off"], "default": ["diagnostics=default"], "no window": ["diagnostics.profile=false"]}
 
 
-def run(arm: str, steps: int, extra: list[str]) -> tuple[float, tuple[float, float] | None]:
-    """(tokens/s, (profiler window's extra seconds, all steps' seconds) on rank 0, or None) of one run."""
+def run(arm: str, steps: int, extra: list[str]) -> tuple[float, tuple[float, float] | None, float | None]:
+    """(tokens/s, (profiler window's extra seconds, all steps' seconds) on rank 0 or None, and the share of rank
+    0's step time its always-on collectors took on the training thread, or None) of one run."""
     overrides = [
         *ARMS[arm],
         f"trainer.max_steps={steps}",
@@ -37,12 +40,24 @@ def run(arm: str, steps: int, extra: list[str]) -> tuple[float, tuple[float, flo
         *extra,
     ]
     window: list[tuple[float, float] | None] = [None]
+    collectors: list[float | None] = [None]
 
     def inspect(run_dir: Path) -> None:
         window[0] = window_cost(run_dir / "telemetry" / "rank0000.jsonl")
+        collectors[0] = collectors_share(run_dir / "telemetry" / "rank0000.jsonl")
 
     manifest = train_manifest(overrides, inspect=inspect)
-    return manifest["result"]["tokens_per_s"], window[0]
+    return manifest["result"]["tokens_per_s"], window[0], collectors[0]
+
+
+def collectors_share(telemetry: Path) -> float | None:
+    """The collectors' own time on the training thread (the ``end`` record) over all step time, from rank 0."""
+    if not telemetry.exists():
+        return None
+    records = [json.loads(line) for line in telemetry.read_text().splitlines() if line.strip()]
+    own = [r["collectors_s"] for r in records if r.get("kind") == "end" and r.get("collectors_s") is not None]
+    total = sum(r["step_s"] for r in records if r.get("kind") == "step" and r.get("step_s"))
+    return own[-1] / total if own and total else None
 
 
 def window_cost(telemetry: Path) -> tuple[float, float] | None:
@@ -70,12 +85,15 @@ def main() -> None:
     args = parser.parse_args()
     rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
     windows: list[tuple[float, float]] = []
+    shares: list[float] = []
     for _ in range(args.repeats):
         for arm in ARMS:
-            rate, window = run(arm, args.steps, args.extra)
+            rate, window, share = run(arm, args.steps, args.extra)
             rates[arm].append(rate)
             if arm == "default" and window is not None:
                 windows.append(window)
+            if arm != "off" and share is not None:
+                shares.append(share)
     median = {arm: statistics.median(values) for arm, values in rates.items()}
     for arm, values in rates.items():
         runs = ", ".join(f"{v:,.0f}" for v in values)
@@ -87,6 +105,9 @@ def main() -> None:
         seconds = statistics.median(extra for extra, _ in windows)
         share = statistics.median(extra / total for extra, total in windows)
         print(f"profiler window: {seconds:.2f} s once per run, {100 * share:.1f}% of these {args.steps} steps' time")
+    if shares:
+        own = statistics.median(shares)
+        print(f"always-on collectors on the training thread (measured inside the runs): {100 * own:.2f}% of step time")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
 - ``hang``: the watchdog fired: no step completed within the timeout.
 - ``nonfinite``: a step had a non-finite loss or gradient (``what``); ``action`` is ``skipped`` (its update was
   dropped, ``skipped_total`` so far) or ``stopped`` (``trainer.nan_policy``).
-- ``end``: the rank finished cleanly.
+- ``end``: the rank finished cleanly; ``collectors_s`` is the time the always-on collectors took on the training
+  thread over the whole run (their direct cost; the profiler window is not included).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
     "nonfinite": ("step", "what", "action", "skipped_total"),
-    "end": ("steps", "wall_s"),
+    "end": ("steps", "wall_s", "collectors_s"),
 }  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,9 @@ class DiagnosticsCallback(pl.Callback):
         self.watchdog: Watchdog | None = None
         self.calibrated: float | None = None
         self.steps_seen = 0
+        # Seconds the always-on collectors spent on the training thread (hooks, records, rank gathers): their
+        # direct cost, which an A/B of whole runs on a shared machine measures only through its noise.
+        self.own_s = 0.0
         self._last_step = -1
         self._disabled: set[str] = set()
 
@@ -169,34 +173,43 @@ class DiagnosticsCallback(pl.Callback):
 
     def _hook_first_parameter(self, pl_module: pl.LightningModule) -> None:
         first = next(p for p in pl_module.parameters() if p.requires_grad)
-        first.register_post_accumulate_grad_hook(lambda _: self.timer.grad_ready())
+        first.register_post_accumulate_grad_hook(lambda _: self._timed(self.timer.grad_ready))
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.own_s += time.perf_counter() - start
 
     # -- per step -------------------------------------------------------------------------------------------
     def on_train_batch_start(self, *args: Any) -> None:
-        self.timer.batch_start()
+        self._timed(self.timer.batch_start)
 
     def on_before_backward(self, *args: Any) -> None:
-        self.timer.before_backward()
+        self._timed(self.timer.before_backward)
 
     def on_after_backward(self, *args: Any) -> None:
-        self.timer.after_backward()
+        self._timed(self.timer.after_backward)
 
     def on_before_optimizer_step(self, *args: Any) -> None:
-        self.timer.before_optimizer_step()
+        self._timed(self.timer.before_optimizer_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         step = trainer.global_step
         if step == self._last_step:  # a micro-batch inside gradient accumulation
-            self.timer.batch_end()
+            self._timed(self.timer.batch_end)
             return
         self._last_step = step
-        phases = self.timer.finish_step()
+        phases = self._timed(self.timer.finish_step)
         if self.watchdog is not None:
             self.watchdog.beat(step)
-        if self.profiler is not None:
+        if self.profiler is not None:  # the one-time window: its cost is measured on its own (benchmarks/)
             self.guarded("profiler", self.profiler.step)
-        if phases is None:
-            return
+        if phases is not None:
+            self._timed(lambda: self._record_step(trainer, step, phases))
+
+    def _record_step(self, trainer: pl.Trainer, step: int, phases: StepPhases) -> None:
         self.steps_seen += 1
         self.window.append(phases)
         if step % self.settings.step_every == 0:
@@ -271,7 +284,7 @@ class DiagnosticsCallback(pl.Callback):
         tokens_per_s = self.tokens_per_s()
         if tokens_per_s:
             self.guarded("throughput", lambda: self._throughput(trainer.world_size, tokens_per_s))
-        self.write("end", steps=trainer.global_step, wall_s=None)
+        self.write("end", steps=trainer.global_step, wall_s=None, collectors_s=self.own_s)
         if self.writer is not None:
             self.writer.flush()
 

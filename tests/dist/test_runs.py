@@ -59,6 +59,8 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
         if rank == 0:  # the peak MFU is measured against: the better of the two measurements
             (throughput,) = [r for r in records if r["kind"] == "throughput"]
             assert throughput["calibrated_peak_flops"] == max(calibrations)
+        (end,) = [r for r in records if r["kind"] == "end"]
+        assert end["collectors_s"] > 0  # their own time, which benchmarks/diagnostics_overhead.py reports
     assert "diagnostics:" in out
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["last.ckpt", "step000100.ckpt", "step000200.ckpt", "step000220.ckpt"]
