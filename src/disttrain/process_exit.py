@@ -50,10 +50,9 @@ def run_then_exit(entry_point: Callable[[], object]) -> NoReturn:
 def finish_and_exit(code: int) -> NoReturn:
     """Do what a normal interpreter exit does for the program's own state, then end without C++ teardown."""
     try:
-        current = threading.current_thread()
-        for thread in threading.enumerate():
-            if thread is not current and not thread.daemon:
-                thread.join()  # Python waits for these at exit too: a logger's writer, a checkpoint upload
+        # The interpreter's own first step at exit: wake idle thread pools (torch.compile's, a logger's), then
+        # wait for every non-daemon thread. Joining them without the wake-up waits forever on an idle pool.
+        threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()  # logging's flush and close, wandb, multiprocessing children
     finally:
         for stream in (sys.stdout, sys.stderr):

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 PROGRAM = """
-import atexit, logging, logging.handlers, sys, threading, time
+import atexit, concurrent.futures, logging, logging.handlers, sys, threading, time
 from pathlib import Path
 from disttrain.process_exit import run_then_exit
 
 out = Path(sys.argv[1])
+pools = []
 # Holds records until closed: only logging.shutdown() writes them.
 held = logging.handlers.MemoryHandler(capacity=1000, target=logging.FileHandler(out / "log.txt"))
 logging.basicConfig(handlers=[held], level=logging.INFO)
@@ -26,6 +27,9 @@ def slow_writer():
 def entry():
     atexit.register(lambda: (out / "atexit.txt").write_text("ran"))
     threading.Thread(target=slow_writer).start()  # not a daemon: must be waited for
+    # A pool never shut down (torch.compile leaves one): its idle workers must be woken, not waited for forever.
+    pools.append(concurrent.futures.ThreadPoolExecutor(2))  # kept alive, as a library's global pool is
+    pools[-1].submit(time.sleep, 0.1)
     logging.getLogger("job").info("logged line")
     sys.stdout.write("buffered, no newline")  # a pipe is block-buffered: only a flush delivers this
     {ending}
