@@ -200,10 +200,11 @@ def test_elastic_restart_resumes_in_the_same_run_dir(reference: dict, tmp_path: 
     assert manifest["status"] == "completed" and manifest["restart_attempt"] == 1
     assert survivors(run_dir) == []
     assert_bitwise_equal(reference["ddp"], final_weights(run_dir))
-    # The first attempt's metrics are kept beside the restart's (the CSV logger starts a new file).
-    logged = {name: logged_steps(run_dir / "metrics" / name) for name in ("metrics_attempt0.csv", "metrics.csv")}
-    assert max(logged["metrics_attempt0.csv"]) >= point - 1
-    assert min(logged["metrics.csv"]) == point // EVERY * EVERY and max(logged["metrics.csv"]) == STEPS - 1
+    # The restart's metrics.csv holds its own steps. Whether the killed attempt flushed its CSV at all depends on
+    # which of rank 0's two ways of noticing the dead rank wins (Lightning's teardown flushes, the watcher's
+    # os._exit does not), so its metrics_attempt0.csv is asserted where it is deterministic: the SLURM requeue test.
+    logged = logged_steps(run_dir / "metrics" / "metrics.csv")
+    assert min(logged) == point // EVERY * EVERY and max(logged) == STEPS - 1
 
 
 def logged_steps(metrics: Path) -> set[int]:
