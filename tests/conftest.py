@@ -18,6 +18,8 @@ from disttrain.hardware import HardwareProfile
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 MODEL_PRESETS = sorted((CONF / "model").glob("*.yaml"))
+# The smallest model the multi-process tests train: 2 layers, d_model 32, 2 heads, 32 tokens.
+TINY_MODEL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.ffn_hidden=64", "model.seq_len=32"]
 
 
 def model_preset(name_or_path: str | Path) -> ModelConfig:

@@ -17,9 +17,9 @@ import torch
 
 from disttrain.build import build_model_factory
 from disttrain.config.parse import parse_run_config
-from tests.conftest import compose_train, run_cli
+from tests.conftest import TINY_MODEL, compose_train, run_cli
 
-SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.ffn_hidden=64", "model.seq_len=32"]
+SMALL = TINY_MODEL
 
 # (overrides with {placeholders} for the fixture's files, extra environment, key named, fragment of the fix)
 CATALOGUE: list[tuple[list[str], dict[str, str], str, str]] = [

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from disttrain.strategies.powersgd import state_path
-from tests.conftest import REPO, read_manifest, run_cli
+from tests.conftest import REPO, read_manifest
+from tests.dist.test_parity_and_resume import run
 
 pytestmark = pytest.mark.dist
 
@@ -90,14 +91,6 @@ POWERSGD_RUN = [
     "optimizer.warmup_steps=5",
     "diagnostics.profile_wait_steps=20",  # profile after PowerSGD's warm-up
 ]
-
-
-def run(tmp: Path, name: str, args: list[str]) -> Path:
-    run_dir = tmp / name
-    result = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert read_manifest(run_dir)["status"] == "completed"
-    return run_dir
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

@@ -16,7 +16,7 @@ import torch
 
 from disttrain.config.schema import ModelConfig
 from disttrain.models import build_model
-from tests.conftest import read_manifest
+from tests.conftest import TINY_MODEL, read_manifest
 from tests.dist.test_parity_and_resume import run, train_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -24,11 +24,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 STEPS = 6
 WORLD = 2
 COMMON = [
-    "model.n_layers=2",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.ffn_hidden=64",
-    "model.seq_len=32",
+    *TINY_MODEL,
     "data.num_train_tokens=65536",
     "data.num_val_tokens=8192",
     f"trainer.max_steps={STEPS}",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diagnostics.telemetry import telemetry_path
-from tests.conftest import REPO, read_manifest
+from tests.conftest import REPO, TINY_MODEL, read_manifest
 from tests.dist.test_parity_and_resume import model_weights
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -27,7 +27,7 @@ STEPS, EVERY = 9, 3  # checkpoints at steps 3, 6, 9
 KILL_POINTS = random.Random(20261121)
 # 2048 tokens -> 64 windows of 33 -> 8 steps of 8 sequences per pass: kills land mid-epoch, runs cross one.
 DATA = ["data.num_train_tokens=2048", "data.num_val_tokens=2048"]
-MODEL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.ffn_hidden=64", "model.seq_len=32"]
+MODEL = TINY_MODEL
 TRAIN = [
     f"trainer.max_steps={STEPS}",
     f"trainer.ckpt_every_n_steps={EVERY}",

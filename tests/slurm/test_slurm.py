@@ -15,17 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import read_manifest, run_cli
+from tests.conftest import TINY_MODEL, read_manifest, run_cli
 from tests.slurm.conftest import sweep, sweep_command, sweep_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
 TINY = [
-    "model.n_layers=2",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.ffn_hidden=64",
-    "model.seq_len=32",
+    *TINY_MODEL,
     "data.num_train_tokens=65536",
     "data.num_val_tokens=8192",
     "trainer.log_every_n_steps=1",
