@@ -31,9 +31,9 @@ from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import validate_run, world_layout
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.data.sampling import ResumableShardedSampler
-from disttrain.launch import free_port
+from disttrain.launch.local import free_port
 from disttrain.models import build_model
-from disttrain.module import lr_lambda, param_groups
+from disttrain.models.module import lr_lambda, param_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_cli import train_manifest

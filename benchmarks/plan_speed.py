@@ -29,8 +29,8 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.perf_counter()
+    from disttrain.config.hardware import HardwareProfile
     from disttrain.config.schema import ModelConfig
-    from disttrain.hardware import HardwareProfile
     from disttrain.planner import plan
 
     import_s = time.perf_counter() - started

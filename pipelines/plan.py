@@ -15,10 +15,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
+from disttrain.config.hardware import HardwareProfile, validate_profile
 from disttrain.config.parse import PRECISIONS, build_dataclass, parse_model, to_container
 from disttrain.config.schema import ModelConfig, PrecisionConfig, TrainerConfig
 from disttrain.config.validate import validate_model
-from disttrain.hardware import HardwareProfile, validate_profile
 from disttrain.planner import Assumptions, Plan, plan
 from disttrain.planner.spec import assumption_problems, parse_parameter_count
 

@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
-from disttrain.exit_codes import RunStopped
+from disttrain.launch.exit_codes import RunStopped
 
 # Resolved through the real path so an editable install finds conf/ from any working directory.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -20,7 +20,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> None:
-    from disttrain.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
+    from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
 
     try:
         run_from_hydra(cfg, module_name="train")
@@ -34,8 +34,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """Check the command before Hydra creates a run dir (see disttrain.preflight), then run it."""
-    from disttrain.preflight import preflight
+    """Check the command before Hydra creates a run dir (see disttrain.job.preflight), then run it."""
+    from disttrain.job.preflight import preflight
 
     try:
         preflight(sys.argv[1:] if argv is None else argv, CONF_DIR)
@@ -46,7 +46,7 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from disttrain.process_exit import run_then_exit
+    from disttrain.launch.process_exit import run_then_exit
 
     # Not a plain return: leaked process-group threads can abort a finished run at teardown (process_exit.py).
     run_then_exit(cli)

@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
-from disttrain.hardware import HardwareProfile
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

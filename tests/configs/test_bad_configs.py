@@ -9,7 +9,7 @@ import pytest
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import validate_run
-from disttrain.hardware import check_machine_can_serve
+from disttrain.job.prepare import check_machine_can_serve
 from tests.conftest import REPO, compose_train, run_cli
 
 # (overrides, the key the error must name, a fragment of the fix it must give)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from disttrain.build import build_model_factory
 from disttrain.config.parse import parse_run_config
+from disttrain.models.factory import build_model_factory
 from tests.conftest import TINY_MODEL, compose_train, run_cli
 
 SMALL = TINY_MODEL

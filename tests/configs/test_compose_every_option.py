@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-from disttrain.build import build_datamodule, build_module, build_trainer, model_facts
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import batch_plan, validate_run, world_layout
-from disttrain.describe import describe_launch
+from disttrain.job.describe import describe_launch
 from disttrain.models import apply_activation_checkpointing
-from disttrain.planning import resolve_auto
+from disttrain.models.factory import model_facts
+from disttrain.planner.auto import resolve_auto
 from disttrain.strategies import build_strategy
 from disttrain.strategies.megatron import MegatronStrategy
+from disttrain.training.build import build_datamodule, build_module, build_trainer
 from tests.conftest import compose_train, group_options
 
 GROUPS = ["model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger", "diagnostics"]

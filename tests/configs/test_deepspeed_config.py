@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.build import ModelFacts, build_trainer
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DeepSpeedConfig
 from disttrain.config.validate import validate_run, world_layout
 from disttrain.models import apply_activation_checkpointing
+from disttrain.models.factory import ModelFacts
 from disttrain.planner import Layout
 from disttrain.strategies import build_strategy
+from disttrain.training.build import build_trainer
 from tests.conftest import compose_train
 
 

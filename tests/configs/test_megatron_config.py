@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from disttrain.config.degrees import MegatronDegrees
 from disttrain.config.errors import ConfigError
-from disttrain.config.megatron import MegatronDegrees
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import MegatronConfig
 from disttrain.config.validate import validate_run, world_layout

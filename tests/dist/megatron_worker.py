@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from disttrain.config.megatron import megatron_degrees
+from disttrain.config.degrees import megatron_degrees
 from disttrain.config.schema import MegatronConfig, ModelConfig
 from disttrain.models.tensor_parallel import tensor_parallel_param_count
-from disttrain.module import param_groups
+from disttrain.models.module import param_groups
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 
 STEPS = 6

@@ -1,7 +1,7 @@
 """Runs that get killed, lose a rank, or hit a NaN: they recover exactly or stop cleanly (README, "Reliability").
 
 Kills are SIGKILL (nothing can catch or clean up after it) delivered at seeded points by DISTTRAIN_FAULT
-(disttrain/faults.py): after an optimizer step, or inside a checkpoint save between writing and publishing.
+(disttrain/reliability/faults.py): after an optimizer step, or inside a checkpoint save between writing and publishing.
 Every run uses dropout, so a resume that did not restore every rank's RNG state would not be bitwise exact.
 """
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from disttrain.config.megatron import megatron_degrees
+from disttrain.config.degrees import megatron_degrees
 from disttrain.config.schema import MegatronConfig
 from disttrain.planner import model_shape
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh

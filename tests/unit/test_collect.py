@@ -159,7 +159,7 @@ Python v3.11.7
 Thread 101 (idle): "MainThread"
     _engine_run_backward (torch/autograd/graph.py:829)
     backward (torch/autograd/__init__.py:353)
-    training_step (disttrain/module.py:90)
+    training_step (disttrain/models/module.py:90)
 
 Thread 140 (idle): "disttrain-sampler"
     wait (threading.py:331)
@@ -170,7 +170,7 @@ Python v3.11.7
 Thread 102 (idle): "MainThread"
     forward (my_model.py:12)
     _call_impl (torch/nn/modules/module.py:1784)
-    training_step (disttrain/module.py:88)
+    training_step (disttrain/models/module.py:88)
 
 Thread 150 (idle): "gloo-worker"
     all_reduce (torch/distributed/distributed_c10d.py:2800)

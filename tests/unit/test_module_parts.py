@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from disttrain.callbacks import checkpoint_name, relink_last
+from disttrain.checkpoint.files import checkpoint_name, relink_last
+from disttrain.checkpoint.resume import find_checkpoint, original_overrides
 from disttrain.config.errors import ConfigError
-from disttrain.module import lr_lambda, param_groups
-from disttrain.resume import find_checkpoint, original_overrides
+from disttrain.models.module import lr_lambda, param_groups
 
 
 def test_lr_schedule_warms_up_then_decays_to_min() -> None:

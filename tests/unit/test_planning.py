@@ -8,7 +8,7 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DDPConfig, FSDPConfig
 from disttrain.config.validate import batch_plan, validate_run, world_layout
-from disttrain.planning import auto_candidates, check_fits, predict_memory, resolve_auto
+from disttrain.planner.auto import auto_candidates, check_fits, predict_memory, resolve_auto
 from tests.conftest import compose_train
 
 LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
@@ -86,7 +86,7 @@ def test_auto_considers_hybrid_sharding_only_across_nodes() -> None:
 def test_megatron_rounds_hold_one_schedule_run_of_activations() -> None:
     """A global batch of 4 schedule runs (rounds) holds the activations of one run at a time: GPipe's peak is the
     run's 2 micro-batches, not the step's 8, and each run has the 2-micro-batch bubble."""
-    from disttrain.planning import layout_of
+    from disttrain.planner.auto import layout_of
 
     base = ["strategy=megatron", "strategy.pp=2", "strategy.schedule=gpipe", "strategy.microbatches=2"]
     base += ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]

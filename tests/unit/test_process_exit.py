@@ -12,7 +12,7 @@ import pytest
 PROGRAM = """
 import atexit, concurrent.futures, logging, logging.handlers, sys, threading, time
 from pathlib import Path
-from disttrain.process_exit import run_then_exit
+from disttrain.launch.process_exit import run_then_exit
 
 out = Path(sys.argv[1])
 pools = []

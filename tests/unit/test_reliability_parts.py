@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from disttrain.checkpoints import (
+from disttrain.checkpoint.files import (
     checkpoint_name,
     discover,
     is_complete,
@@ -20,14 +20,14 @@ from disttrain.checkpoints import (
     staging_dir,
     to_delete_for_retention,
 )
+from disttrain.checkpoint.resume import find_resume_point
+from disttrain.checkpoint.rng import capture, restore
 from disttrain.config.errors import ConfigError
 from disttrain.data.datamodule import TokenDataModule
-from disttrain.faults import Fault, fault_from_env, parse_fault
-from disttrain.launch import describe_exit
-from disttrain.nan_guard import NonFiniteGuard
-from disttrain.redaction import redact, secret_values
-from disttrain.resume import find_resume_point
-from disttrain.rng import capture, restore
+from disttrain.job.redaction import redact, secret_values
+from disttrain.launch.local import describe_exit
+from disttrain.reliability.faults import Fault, fault_from_env, parse_fault
+from disttrain.reliability.nan_guard import NonFiniteGuard
 
 
 def save(path: Path, step: int) -> Path:

@@ -12,9 +12,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from disttrain.config.errors import ConfigError
-from disttrain.preemption import CheckpointOnSignal, Preempted, keep_previous_metrics
-from disttrain.preflight import preflight
-from disttrain.slurm import (
+from disttrain.job.preflight import preflight
+from disttrain.job.sweeps import FAILURE_FILE, record_failure
+from disttrain.launch.env import process_role
+from disttrain.launch.slurm import (
     current_task,
     first_node,
     master_port,
@@ -23,8 +24,7 @@ from disttrain.slurm import (
     record_attempt,
     rendezvous_env,
 )
-from disttrain.supervise import restart_attempt
-from disttrain.sweeps import FAILURE_FILE, record_failure
+from disttrain.reliability.preemption import CheckpointOnSignal, Preempted, keep_previous_metrics
 from tests.conftest import CONF, compose_train
 
 TASK_ENV = {
@@ -69,12 +69,17 @@ def test_rendezvous_is_the_same_for_every_task_and_respects_user_exports() -> No
     assert all(1024 < master_port(str(j)) < 65536 for j in (0, 1, 39999, 40000, 10**9))
 
 
-def test_a_requeued_job_counts_as_a_restart(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("DISTTRAIN_RESTART_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
-        monkeypatch.delenv(key, raising=False)
-    assert restart_attempt() == 0
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    assert restart_attempt() == 1
+def test_a_requeued_job_counts_as_a_restart() -> None:
+    assert process_role({**TASK_ENV, "SLURM_RESTART_COUNT": "0"}).attempt == 0
+    role = process_role({**TASK_ENV, "SLURM_RESTART_COUNT": "1"})
+    assert (role.attempt, role.global_rank, role.cluster, role.is_global_zero) == (1, 3, True, False)
+    assert process_role({"DISTTRAIN_RESTART_ATTEMPT": "2", "SLURM_RESTART_COUNT": "1"}).attempt == 2
+
+
+def test_a_spawned_local_rank_is_never_global_zero() -> None:
+    role = process_role({"DISTTRAIN_CHILD_RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"})
+    assert (role.child, role.local_rank, role.launched_world_size, role.is_global_zero) == (True, 1, 2, False)
+    assert not role.starts_the_job and process_role({}).starts_the_job
 
 
 def test_attempts_are_appended_and_metrics_of_the_previous_attempt_kept(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from disttrain.config.errors import ConfigError, did_you_mean
+from disttrain.config.hardware import HardwareProfile, validate_profile
 from disttrain.config.schema import (
     AutoStrategyConfig,
     CustomDataConfig,
@@ -36,7 +37,6 @@ from disttrain.config.schema import (
     TokensDataConfig,
     TrainerConfig,
 )
-from disttrain.hardware import HardwareProfile, validate_profile
 
 T = TypeVar("T")
 

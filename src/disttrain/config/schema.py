@@ -1,7 +1,7 @@
 """Typed schemas for every config group.
 
 These frozen dataclasses are what ``src/`` and ``diagnostics/`` receive; only ``pipelines/`` and
-``disttrain.build`` ever see a DictConfig. ``disttrain.config.parse`` turns the composed Hydra config into
+``disttrain.training.build`` ever see a DictConfig. ``disttrain.config.parse`` turns the composed Hydra config into
 a ``RunConfig`` and reports unknown keys and wrong types with the dotted key that is wrong.
 """
 
@@ -287,7 +287,7 @@ class RunConfig:
     data: DataConfig
     strategy: StrategyConfig | AutoStrategyConfig
     precision: PrecisionConfig
-    hw: Any  # disttrain.hardware.HardwareProfile (kept Any to avoid an import cycle)
+    hw: Any  # disttrain.config.hardware.HardwareProfile (kept Any to avoid an import cycle)
     optimizer: OptimizerConfig
     trainer: TrainerConfig
     logger: LoggerConfig

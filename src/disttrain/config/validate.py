@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from disttrain.config.degrees import megatron_degrees, validate_megatron
 from disttrain.config.errors import ConfigError, did_you_mean
-from disttrain.config.megatron import megatron_degrees, validate_megatron
 from disttrain.config.schema import (
     COMM_HOOKS,
     CustomDataConfig,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from disttrain.hardware import HardwareProfile
+from disttrain.config.hardware import HardwareProfile
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, Workload
 

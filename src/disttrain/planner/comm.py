@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from disttrain.hardware import HardwareProfile
+from disttrain.config.hardware import HardwareProfile
 from disttrain.planner.memory import compute_bytes
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, Workload

@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
-from disttrain.hardware import HardwareProfile
 from disttrain.planner.candidates import candidate_layouts
 from disttrain.planner.comm import LinkBytes, comm_plan
 from disttrain.planner.memory import MemoryBreakdown, memory_per_gpu

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 
 from diagnostics.mfu import flops_utilization
+from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import PrecisionConfig
-from disttrain.hardware import HardwareProfile
 from disttrain.planner.bubble import bubble_fraction
 from disttrain.planner.comm import CommPlan, link_time
 from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token

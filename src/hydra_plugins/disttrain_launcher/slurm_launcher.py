@@ -10,7 +10,7 @@ Three things differ, because a sweep of distributed runs must survive its failur
 - In a job, a task whose Hydra job failed exits non-zero: with ``srun --kill-on-bad-exit`` SLURM then stops the
   job's other tasks, which would otherwise wait for the dead rank in their next collective.
 - ``max_num_timeout`` is how often a job may requeue itself after its checkpoint on the warning signal
-  (``disttrain.preemption``), handed to the job through the environment.
+  (``disttrain.reliability.preemption``), handed to the job through the environment.
 
 Hydra only instantiates launchers from the ``hydra_plugins`` package, hence this module's home.
 """
@@ -30,7 +30,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
-from disttrain.sweeps import record_failure, write_report_quietly
+from disttrain.job.sweeps import record_failure, write_report_quietly
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ ConfigStore.instance().store(
 class SlurmLauncher(SubmititSlurmLauncher):
     def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
         """In the job: run the Hydra job; a failed one ends this task with exit code 1 (see module doc)."""
-        from disttrain.launch import secondary_job
-        from disttrain.slurm import MAX_REQUEUES_ENV
+        from disttrain.launch.local import secondary_job
+        from disttrain.launch.slurm import MAX_REQUEUES_ENV
 
         os.environ[MAX_REQUEUES_ENV] = str(self.params.get("max_num_timeout") or 0)
         rank = int(os.environ.get("SLURM_PROCID") or 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from disttrain.config.megatron import MegatronDegrees, megatron_degrees
+from disttrain.config.degrees import MegatronDegrees, megatron_degrees
 from disttrain.config.schema import MegatronConfig, ModelConfig, PrecisionConfig
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 from disttrain.strategies.megatron.lightning import MegatronStrategy

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from disttrain.config.megatron import MegatronDegrees
+from disttrain.config.degrees import MegatronDegrees
 from disttrain.config.schema import MegatronConfig, ModelConfig
 from disttrain.models.pipeline import build_stage_model, stages_of_rank
 from disttrain.models.tensor_parallel import apply_tensor_parallel

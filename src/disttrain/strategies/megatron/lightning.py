@@ -15,7 +15,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.optim import Optimizer
 
-from disttrain.config.megatron import MegatronDegrees
+from disttrain.config.degrees import MegatronDegrees
 from disttrain.strategies.megatron.engine import build_mesh
 
 

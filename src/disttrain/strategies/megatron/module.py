@@ -12,7 +12,7 @@ from torch import nn
 
 from diagnostics.collect.callback import DiagnosticsCallback
 from disttrain.config.schema import OptimizerConfig
-from disttrain.module import LanguageModelModule
+from disttrain.models.module import LanguageModelModule
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from disttrain.config.degrees import validate_megatron
 from disttrain.config.errors import ConfigError
-from disttrain.config.megatron import validate_megatron
 from disttrain.config.schema import (
     DDPConfig,
     DeepSpeedConfig,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from disttrain.checkpoints import discover, is_complete
+from disttrain.checkpoint.files import discover, is_complete
 from disttrain.config.errors import ConfigError
 
 

@@ -15,7 +15,6 @@ checkpoint. Lightning's own SLURM auto-requeue is switched off (``SLURMEnvironme
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import sys
@@ -26,15 +25,14 @@ from types import FrameType
 
 import lightning.pytorch as pl
 
-from disttrain.callbacks import StepCheckpoint
-from disttrain.checkpoints import checkpoint_name
-from disttrain.exit_codes import FAILED, RunStopped
-from disttrain.slurm import SlurmTask, current_task, max_requeues, record_attempt, rendezvous_env, requeue
+from disttrain.checkpoint.files import checkpoint_name
+from disttrain.checkpoint.step import StepCheckpoint
+from disttrain.launch.env import say
+from disttrain.launch.exit_codes import FAILED, RunStopped
+from disttrain.launch.slurm import SlurmTask, current_task, max_requeues, record_attempt, rendezvous_env, requeue
 
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # submitit's default is USR2; Lightning users set USR1
 REQUEUE_WAIT_S = 300.0  # SLURM ends a requeued attempt within KillWait (default 30 s) of the requeue
-
-say = functools.partial(print, flush=True)
 
 
 class Preempted(Exception):

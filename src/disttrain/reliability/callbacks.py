@@ -11,12 +11,12 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from disttrain.callbacks import StepCheckpoint
+from disttrain.checkpoint.rng import RankRngState
+from disttrain.checkpoint.step import StepCheckpoint
 from disttrain.config.schema import TrainerConfig
-from disttrain.faults import FaultInjection, fault_from_env
-from disttrain.nan_guard import NonFiniteGuard
-from disttrain.rng import RankRngState
-from disttrain.supervise import restart_attempt
+from disttrain.launch.env import process_role
+from disttrain.reliability.faults import FaultInjection, fault_from_env
+from disttrain.reliability.nan_guard import NonFiniteGuard
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Reliability:
 
 def build_reliability(t: TrainerConfig, ckpt_dir: Path) -> Reliability:
     guard = NonFiniteGuard(t.nan_policy, t.max_nan_skips)
-    fault = fault_from_env(restart_attempt())
+    fault = fault_from_env(process_role().attempt)
     injector = FaultInjection(fault) if fault is not None else None
     checkpoints = StepCheckpoint(
         ckpt_dir,

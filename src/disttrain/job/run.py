@@ -7,7 +7,6 @@ or a file is written; only then are local ranks started, the run recorded, and t
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import resource
 import sys
@@ -19,29 +18,21 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from disttrain.build import ModelFacts, model_facts
+from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
-from disttrain.describe import RunResult, describe_launch, describe_result
-from disttrain.exit_codes import NONFINITE, RunStopped
-from disttrain.hardware import check_machine_can_serve, in_cluster_job
-from disttrain.launch import child_command, describe_exit, die_with_parent, is_child_process, spawn_local_ranks
-from disttrain.manifest import command_line, git_commit, versions, write_json_atomic
-from disttrain.planning import check_fits, describe_memory, predict_memory
-from disttrain.preemption import keep_previous_metrics, slurm_attempt
-from disttrain.preflight import prepare
-from disttrain.redaction import redact, redact_yaml_files
-from disttrain.resume import newest_complete
-from disttrain.supervise import is_supervised, restart_attempt, supervise
-
-say = functools.partial(print, flush=True)
-
-
-def is_global_rank_zero() -> bool:
-    if is_child_process():
-        return False
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+from disttrain.job.describe import RunResult, describe_launch, describe_result
+from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
+from disttrain.job.prepare import check_machine_can_serve, prepare
+from disttrain.job.redaction import redact, redact_yaml_files
+from disttrain.launch.env import process_role, say
+from disttrain.launch.exit_codes import NONFINITE, RunStopped
+from disttrain.launch.local import child_command, describe_exit, die_with_parent, spawn_local_ranks
+from disttrain.launch.supervise import supervise
+from disttrain.models.factory import ModelFacts, model_facts
+from disttrain.planner.auto import check_fits, describe_memory, predict_memory
+from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 
 
 def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
@@ -62,7 +53,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
     memory = predict_memory(run_cfg, layout, plan)
 
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
-    rank_zero = is_global_rank_zero()
+    rank_zero = process_role().is_global_zero
     if rank_zero:
         say(describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token))
         if auto_reason:
@@ -80,13 +71,13 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
     check_fits(run_cfg, memory, run_cfg.check_memory)
     check_machine_can_serve(run_cfg.hw, torch.cuda.device_count())
     restarts = run_cfg.trainer.max_restarts
-    if restarts and not is_child_process() and not is_supervised() and not in_cluster_job():
+    if restarts and process_role().starts_the_job:
         # Restarts need a process that is not itself a rank: this one becomes the supervisor (supervise.py).
         code = supervise(module_name, task_overrides, run_dir, restarts, os.getcwd())
         if code:
             raise RunStopped(code)
         return
-    if rank_zero and restarts and in_cluster_job() and not is_supervised():
+    if rank_zero and restarts and process_role().cluster and not process_role().supervised:
         say(
             "note: trainer.max_restarts applies to local launches; under torchrun use --max-restarts (a restarted "
             "job resumes from its run dir's newest complete checkpoint when hydra.run.dir is fixed)"
@@ -116,12 +107,12 @@ def train(
 ) -> None:
     import lightning.pytorch as pl
 
-    from disttrain.build import build_run
+    from disttrain.training.build import build_run
 
     local_processes = layout.devices_per_node
     ranks = None
     manifest: dict = {}
-    if layout.world_size > 1 and not is_child_process() and not in_cluster_job():
+    if layout.world_size > 1 and not process_role().child and not process_role().cluster:
         ranks = spawn_local_ranks(local_processes, command_for_rank, cwd=os.getcwd())
 
         def abort(rank: int, code: int) -> None:
@@ -136,7 +127,7 @@ def train(
         torch.set_num_threads(threads)
     pl.seed_everything(run_cfg.trainer.seed, workers=True, verbose=False)
 
-    rank_zero = is_global_rank_zero()
+    rank_zero = process_role().is_global_zero
     try:
         parts, module, datamodule = build_run(run_cfg, layout, plan, run_dir, facts)
         manifest = {
@@ -152,7 +143,7 @@ def train(
             "versions": versions(),
             "git": git_commit(),
             "resumed_from": str(checkpoint) if checkpoint else None,
-            "restart_attempt": restart_attempt(),
+            "restart_attempt": process_role().attempt,
             "strategy_resolved": run_cfg.strategy,
         }
         if rank_zero:
@@ -247,7 +238,7 @@ def measured_peak_memory() -> int:
 
 def say_report(run_dir: Path, wandb_trainer: object | None = None) -> None:
     """The bottleneck report, after every rank has finished writing telemetry. Never fails the run."""
-    from disttrain.build import log_report_to_wandb, write_run_report
+    from disttrain.training.build import log_report_to_wandb, write_run_report
 
     try:
         say(write_run_report(run_dir))

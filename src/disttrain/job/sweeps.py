@@ -21,12 +21,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from disttrain.launch.env import process_role
+
 FAILURE_FILE = "failure.json"
 TRACEBACK_CHARS = 6000
-
-
-def global_rank() -> int:
-    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
 
 
 def record_failure(
@@ -38,7 +36,7 @@ def record_failure(
     record: dict[str, Any] = {
         "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
         "source": source,
-        "rank": global_rank(),
+        "rank": process_role().global_rank,
         "traceback": trace[-TRACEBACK_CHARS:],
     }
     if overrides is not None:
@@ -60,11 +58,16 @@ class SweepCallback(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         run_dir = Path(str(config.hydra.runtime.output_dir))
+        rank = process_role().global_rank
         if job_return.status == JobStatus.FAILED and isinstance(job_return._return_value, BaseException):
             where = "SLURM task" if "SLURM_PROCID" in os.environ else "job"
-            record_failure(run_dir, job_return._return_value, f"{where} (rank {global_rank()})")
+            record_failure(run_dir, job_return._return_value, f"{where} (rank {rank})")
         # In a submitit job (SUBMITIT_FOLDER) other jobs run concurrently: the launcher writes the report.
-        if config.hydra.mode == RunMode.MULTIRUN and "SUBMITIT_FOLDER" not in os.environ and global_rank() == 0:
+        if (
+            config.hydra.mode == RunMode.MULTIRUN
+            and "SUBMITIT_FOLDER" not in os.environ
+            and process_role().global_rank == 0
+        ):
             write_report_quietly(Path(str(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -53,7 +53,7 @@ def checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
 
 def model_shapes(model: ModelConfig | CustomModelConfig, seed: int) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of the configured model, named as the LightningModule's state dict names them."""
-    from disttrain.build import build_model_factory
+    from disttrain.models.factory import build_model_factory
 
     meta = build_model_factory(model, seed)(device="meta")
     return {canonical(f"model.{name}"): tuple(p.shape) for name, p in meta.named_parameters()}

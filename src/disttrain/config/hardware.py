@@ -1,4 +1,4 @@
-"""Hardware profiles: what a run's machines are, and whether this machine can serve one.
+"""Hardware profiles (``conf/hw``): what a run's machines are.
 
 A profile is pure data (from ``conf/hw/*.yaml``). Peaks are *dense* FLOP/s (not the 2x structured-sparsity
 datasheet figures); each YAML cites its datasheet.
@@ -6,7 +6,6 @@ datasheet figures); each YAML cites its datasheet.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from disttrain.config.errors import ConfigError
@@ -59,38 +58,3 @@ def validate_profile(hw: HardwareProfile) -> None:
             raise ConfigError(f"hw.peak_tflops.{dtype}", f"must be > 0, got {tflops}", "use the dense datasheet peak")
     if hw.accelerator == "gpu" and hw.memory_per_device_gib is None:
         raise ConfigError("hw.memory_per_device_gib", "GPU profiles need their memory", "set it from the datasheet")
-
-
-def in_cluster_job() -> bool:
-    """True when a launcher (SLURM, torchrun, Lightning's own children) already set up a multi-node world."""
-    return any(k in os.environ for k in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "NODE_RANK", "GROUP_RANK"))
-
-
-def check_machine_can_serve(hw: HardwareProfile, cuda_device_count: int) -> None:
-    """Fail fast when this machine cannot run ``hw`` for real (dry runs skip this check).
-
-    ``cuda_device_count`` is passed in so the check stays a pure function of what the caller observed.
-    """
-    if hw.accelerator == "gpu" and cuda_device_count < hw.devices_per_node:
-        raise ConfigError(
-            "hw",
-            f"hw={hw.name} needs {hw.devices_per_node} CUDA device(s) per node but this machine has "
-            f"{cuda_device_count}",
-            "run on a machine that has them, use hw=cpu to train here, or add dry_run=true to only validate "
-            "and print what would launch",
-        )
-    if hw.num_nodes > 1 and not in_cluster_job():
-        raise ConfigError(
-            "hw.num_nodes",
-            f"hw={hw.name} spans {hw.num_nodes} nodes but this process was not started by a cluster launcher "
-            "(no SLURM/torchrun environment)",
-            "launch through SLURM (hydra/launcher=slurm) or torchrun on every node, or add dry_run=true",
-        )
-    if hw.accelerator == "cpu":
-        cores = os.cpu_count() or 1
-        if hw.devices_per_node > 4 * cores:
-            raise ConfigError(
-                "hw.devices_per_node",
-                f"{hw.devices_per_node} CPU processes on {cores} core(s) would thrash this machine",
-                f"use at most {4 * cores} (hw.devices_per_node={min(2, cores)} is the default)",
-            )

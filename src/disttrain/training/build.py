@@ -9,23 +9,16 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
-from hydra.utils import get_object
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from torch import nn
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
-from disttrain.callbacks import FinalValidation, ProgressPrinter, Throughput
-from disttrain.config.errors import ConfigError
 from disttrain.config.schema import (
     CustomDataConfig,
-    CustomModelConfig,
     DeepSpeedConfig,
     FSDPConfig,
     LoggerConfig,
@@ -35,73 +28,15 @@ from disttrain.config.schema import (
 )
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.datamodule import TokenDataModule
-from disttrain.models import (
-    apply_activation_checkpointing,
-    build_model,
-    count_parameters,
-    flops_per_token,
-    hardware_flops_per_token,
-)
-from disttrain.module import LanguageModelModule
-from disttrain.nan_guard import NonFiniteGuard
-from disttrain.preemption import CheckpointOnSignal
-from disttrain.reliability import build_reliability
-from disttrain.slurm import current_task
+from disttrain.launch.slurm import current_task
+from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
+from disttrain.models.factory import ModelFacts, build_model_factory, resolve_target
+from disttrain.models.module import LanguageModelModule
+from disttrain.reliability.callbacks import build_reliability
+from disttrain.reliability.nan_guard import NonFiniteGuard
+from disttrain.reliability.preemption import CheckpointOnSignal
 from disttrain.strategies import StrategyBuild, build_strategy
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    num_parameters: int
-    flops_per_token: float
-
-
-def _resolve_target(target: str, key: str) -> object:
-    try:
-        return get_object(target)
-    except Exception as err:  # hydra wraps import failures in several exception types
-        raise ConfigError(
-            key, f"cannot import '{target}' ({err})", "check the dotted path and that it is installed"
-        ) from None
-
-
-def build_model_factory(model: ModelConfig | CustomModelConfig, seed: int) -> partial[nn.Module]:
-    if isinstance(model, CustomModelConfig):
-        return partial(_build_custom_model, model, _resolve_target(model.target, "model._target_"))
-    return partial(_build_reference_model, model, seed)
-
-
-def _build_reference_model(model: ModelConfig, seed: int, device: str = "cpu") -> nn.Module:
-    module = build_model(model, seed=seed, device=device)
-    if model.compile:
-        # Per-block compilation (the torchtitan recipe) keeps FSDP's per-block hooks outside the graphs.
-        for index, block in enumerate(module.blocks):
-            module.blocks[index] = torch.compile(block)
-    return module
-
-
-def _build_custom_model(model: CustomModelConfig, factory: object, device: str = "cpu") -> nn.Module:
-    kwargs = {"vocab_size": model.vocab_size, "seq_len": model.seq_len, **model.kwargs}
-    try:
-        with torch.device(device):
-            module = factory(**kwargs)  # type: ignore[operator]
-    except TypeError as err:  # wrong or missing keyword arguments for the user's signature
-        problem = f"calling {model.target}(...) failed: {err}"
-        raise ConfigError("model._target_", problem, "give model the keys its signature takes") from None
-    if not isinstance(module, nn.Module):
-        raise ConfigError("model._target_", f"'{model.target}' returned {type(module).__name__}", "return an nn.Module")
-    return torch.compile(module) if model.compile else module
-
-
-def model_facts(model: ModelConfig | CustomModelConfig, seed: int) -> ModelFacts:
-    """Parameter count and training FLOPs per token, without allocating the weights."""
-    if isinstance(model, ModelConfig):
-        return ModelFacts(count_parameters(model), flops_per_token(model))
-    meta = build_model_factory(model, seed)(device="meta")
-    count = sum(p.numel() for p in meta.parameters())
-    custom = getattr(meta, "flops_per_token", None)
-    # Without the model's own accounting only the 6N matmul term is known (attention FLOPs are not).
-    return ModelFacts(count, float(custom(model.seq_len)) if callable(custom) else 6.0 * count)
+from disttrain.training.callbacks import FinalValidation, ProgressPrinter, Throughput
 
 
 def loader_batch_size(cfg: RunConfig, plan: BatchPlan) -> int:
@@ -111,7 +46,7 @@ def loader_batch_size(cfg: RunConfig, plan: BatchPlan) -> int:
 
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
     if isinstance(cfg.data, CustomDataConfig):
-        cls = _resolve_target(cfg.data.target, "data._target_")
+        cls = resolve_target(cfg.data.target, "data._target_")
         return cls(seq_len=cfg.model.seq_len, micro_batch_size=plan.micro_batch_size, **cfg.data.kwargs)  # type: ignore[operator]
     return TokenDataModule(
         cfg.data, cfg.model.seq_len, loader_batch_size(cfg, plan), plan.global_batch_size, seed=cfg.trainer.seed

@@ -20,13 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CHILD_ENV_FLAG = "DISTTRAIN_CHILD_RANK"
-PARENT_PID_ENV = "DISTTRAIN_PARENT_PID"
+from disttrain.launch.env import CHILD_ENV_FLAG, PARENT_PID_ENV
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def is_child_process() -> bool:
-    return CHILD_ENV_FLAG in os.environ
 
 
 def describe_exit(code: int) -> str:

@@ -12,7 +12,6 @@ Under torchrun the attempt number comes from ``TORCHELASTIC_RESTART_COUNT`` and 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import subprocess
@@ -20,22 +19,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from disttrain.exit_codes import NOT_RESTARTABLE
-from disttrain.launch import PARENT_PID_ENV, describe_exit, rerun_command
-
-ATTEMPT_ENV = "DISTTRAIN_RESTART_ATTEMPT"
-
-say = functools.partial(print, flush=True)
-
-
-def restart_attempt() -> int:
-    """0 for a first launch, k for the k-th restart (ours, torchrun's, or a requeued SLURM job's)."""
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT")
-    return int(os.environ.get(ATTEMPT_ENV) or restarts or 0)
-
-
-def is_supervised() -> bool:
-    return ATTEMPT_ENV in os.environ
+from disttrain.launch.env import ATTEMPT_ENV, PARENT_PID_ENV, say
+from disttrain.launch.exit_codes import NOT_RESTARTABLE
+from disttrain.launch.local import describe_exit, rerun_command
 
 
 def attempt_command(module: str, task_overrides: Sequence[str], run_dir: Path, attempt: int) -> list[str]:

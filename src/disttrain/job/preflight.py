@@ -6,14 +6,10 @@ after creating the run dir; ``run_from_hydra`` checks the rest after Hydra has w
 wrong key or option (with a did-you-mean), composes the config exactly as the job will, and runs the same
 ``prepare`` as the job (resume, typed config, cross-field checks, the run-dir guard). A mistake therefore
 exits with code 2 and one line, before any directory is created or any existing run dir is touched.
-
-``prepare`` is also what ``run_from_hydra`` calls, so both paths apply the same checks.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,114 +19,14 @@ from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
+from disttrain.checkpoint.resume import original_overrides
 from disttrain.config.errors import ConfigError, did_you_mean
-from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import AutoStrategyConfig, RunConfig
-from disttrain.config.validate import BatchPlan, WorldLayout, batch_plan, validate_run, world_layout
-from disttrain.hardware import check_machine_can_serve
-from disttrain.launch import is_child_process
-from disttrain.planning import check_fits, predict_memory, resolve_auto
-from disttrain.resume import ResumePoint, find_resume_point, newest_complete, original_overrides, run_dir_of
-from disttrain.supervise import is_supervised, restart_attempt
+from disttrain.job.prepare import check_launchable, existing_run, prepare, refuse_existing_run
+from disttrain.launch.env import process_role
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 # Config values that become names of files or dirs inside the run dir (Hydra's log file, its record dir).
 PATH_NAME_KEYS = ("hydra.job.name", "hydra.output_subdir")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A validated job: the config it runs with (re-composed on resume) and where it resumes from."""
-
-    cfg: DictConfig
-    run_cfg: RunConfig
-    layout: WorldLayout
-    plan: BatchPlan
-    auto_reason: str | None
-    resume: ResumePoint | None
-    attempt: int
-
-
-def resolve(cfg: DictConfig) -> tuple[RunConfig, WorldLayout, BatchPlan, str | None]:
-    """Typed config, world layout and batch plan; ``strategy=auto`` resolved; every cross-field check run."""
-    run_cfg = parse_run_config(cfg)
-    layout = world_layout(run_cfg)
-    auto_reason = None
-    if isinstance(run_cfg.strategy, AutoStrategyConfig):
-        run_cfg, auto_reason = resolve_auto(run_cfg, layout, batch_plan(run_cfg))
-        layout = world_layout(run_cfg)
-    plan = validate_run(run_cfg)
-    return run_cfg, layout, plan, auto_reason
-
-
-def compose_for_resume(resume: str, task_overrides: list[str]) -> DictConfig:
-    """The resumed run's config: its original overrides, then this command's (later ones win)."""
-    keep = [o for o in original_overrides(resume) + task_overrides if not o.lstrip("+~").startswith("resume=")]
-    try:
-        return compose(config_name="train", overrides=[*keep, f"resume={resume}"])
-    except HydraException as err:
-        raise ConfigError(
-            "resume",
-            f"the run's recorded overrides plus this command's do not compose ({str(err).splitlines()[0]})",
-            f"check {run_dir_of(Path(resume))}/.hydra/overrides.yaml and the overrides given with resume=",
-        ) from None
-
-
-def existing_run(run_dir: Path) -> str | None:
-    """What marks ``run_dir`` as holding a run already (its manifest or Hydra's record), or None."""
-    for marker in ("run.json", ".hydra/overrides.yaml"):
-        if (run_dir / marker).exists():
-            return marker
-    return None
-
-
-def refuse_existing_run(run_dir: Path, marker: str) -> None:
-    raise ConfigError(
-        "hydra.run.dir",
-        f"'{run_dir}' already holds a run ({marker}); it is never written over",
-        "pass hydra.run.dir=<new dir> (or start again in a moment); to continue that run use resume=<that dir>",
-    )
-
-
-def check_world_size(layout: WorldLayout) -> None:
-    """Under torchrun/SLURM the launcher decides the process count: it must match what the config describes."""
-    launched = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
-    if is_child_process() or not launched or not launched.isdigit():
-        return
-    if not any(k in os.environ for k in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "GROUP_RANK")):
-        return  # WORLD_SIZE without a cluster launcher is our own rank-0 environment (or a stale export)
-    if int(launched) != layout.world_size:
-        raise ConfigError(
-            "hw.devices_per_node",
-            f"the launcher started {launched} processes but the config describes hw.num_nodes x "
-            f"hw.devices_per_node = {layout.num_nodes} x {layout.devices_per_node} = {layout.world_size}",
-            f"set hw.num_nodes/hw.devices_per_node so their product is {launched}, or launch "
-            f"{layout.world_size} processes",
-        )
-
-
-def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) -> Prepared:
-    """All checks of one job before anything is spawned; ``run_dir`` None skips the run-dir guard."""
-    attempt = restart_attempt()
-    # Only global rank 0 guards: under SLURM/torchrun the other ranks may start after rank 0 wrote run.json.
-    secondary = is_child_process() or int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0) > 0
-    if run_dir is not None and attempt == 0 and not secondary and (run_dir / "run.json").exists():
-        # Two runs started within the same second share Hydra's timestamped dir: never write over the first.
-        refuse_existing_run(run_dir, "run.json")
-    point: ResumePoint | None = None
-    if cfg.get("resume"):
-        point = find_resume_point(str(cfg.resume))
-        cfg = compose_for_resume(str(cfg.resume), task_overrides)
-    if attempt > 0 and run_dir is not None:
-        # A restarted job continues from its own newest complete checkpoint (else from where it started).
-        point = newest_complete(run_dir / "checkpoints") or point
-    run_cfg, layout, plan, auto_reason = resolve(cfg)
-    check_world_size(layout)
-    if point is not None:
-        from disttrain.checkpoint_shapes import check_checkpoint_fits_model  # imports torch: only on resume
-
-        check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
-    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt)
 
 
 # -- the command line, before Hydra ---------------------------------------------------------------------------
@@ -243,7 +139,7 @@ def preflight(argv: list[str], conf_dir: Path) -> None:
     Commands with other Hydra flags (--help, --cfg, -cn, ...) are left to Hydra. Children and restarted
     attempts re-run a command that already passed.
     """
-    if is_child_process() or is_supervised():
+    if process_role().child or process_role().supervised:
         return
     multirun = any(a in MULTIRUN_FLAGS for a in argv)
     args = [a for a in argv if a not in MULTIRUN_FLAGS]
@@ -298,20 +194,3 @@ def preflight(argv: list[str], conf_dir: Path) -> None:
     # A cluster launcher (hydra/launcher=slurm) runs the jobs on other machines: this one need not serve them.
     remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
     check_launchable(prepared, here=not remote)
-
-
-def check_launchable(prepared: Prepared, here: bool = True) -> None:
-    """What ``run_from_hydra`` refuses before spawning: the memory prediction, and (``here``) missing devices."""
-    run_cfg = prepared.run_cfg
-    if run_cfg.dry_run:
-        return
-    memory = predict_memory(run_cfg, prepared.layout, prepared.plan)
-    check_fits(run_cfg, memory, run_cfg.check_memory)
-    if not here:
-        return
-    cuda_devices = 0
-    if run_cfg.hw.accelerator == "gpu":
-        import torch  # only GPU profiles need the device count
-
-        cuda_devices = torch.cuda.device_count()
-    check_machine_can_serve(run_cfg.hw, cuda_devices)

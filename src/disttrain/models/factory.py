@@ -1,0 +1,74 @@
+"""The model a run trains, as a factory (reference transformer or the user's ``model._target_``), and its facts.
+
+The factory is called where the weights should live: on the meta device for shape checks and parameter counts,
+inside ``LightningModule.configure_model`` for training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from hydra.utils import get_object
+from torch import nn
+
+from disttrain.config.errors import ConfigError
+from disttrain.config.schema import CustomModelConfig, ModelConfig
+from disttrain.models.accounting import count_parameters, flops_per_token
+from disttrain.models.transformer import build_model
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    num_parameters: int
+    flops_per_token: float
+
+
+def resolve_target(target: str, key: str) -> object:
+    """The object a ``_target_`` dotted path names (a model factory, a datamodule class)."""
+    try:
+        return get_object(target)
+    except Exception as err:  # hydra wraps import failures in several exception types
+        raise ConfigError(
+            key, f"cannot import '{target}' ({err})", "check the dotted path and that it is installed"
+        ) from None
+
+
+def build_model_factory(model: ModelConfig | CustomModelConfig, seed: int) -> partial[nn.Module]:
+    if isinstance(model, CustomModelConfig):
+        return partial(_build_custom_model, model, resolve_target(model.target, "model._target_"))
+    return partial(_build_reference_model, model, seed)
+
+
+def _build_reference_model(model: ModelConfig, seed: int, device: str = "cpu") -> nn.Module:
+    module = build_model(model, seed=seed, device=device)
+    if model.compile:
+        # Per-block compilation (the torchtitan recipe) keeps FSDP's per-block hooks outside the graphs.
+        for index, block in enumerate(module.blocks):
+            module.blocks[index] = torch.compile(block)
+    return module
+
+
+def _build_custom_model(model: CustomModelConfig, factory: object, device: str = "cpu") -> nn.Module:
+    kwargs = {"vocab_size": model.vocab_size, "seq_len": model.seq_len, **model.kwargs}
+    try:
+        with torch.device(device):
+            module = factory(**kwargs)  # type: ignore[operator]
+    except TypeError as err:  # wrong or missing keyword arguments for the user's signature
+        problem = f"calling {model.target}(...) failed: {err}"
+        raise ConfigError("model._target_", problem, "give model the keys its signature takes") from None
+    if not isinstance(module, nn.Module):
+        raise ConfigError("model._target_", f"'{model.target}' returned {type(module).__name__}", "return an nn.Module")
+    return torch.compile(module) if model.compile else module
+
+
+def model_facts(model: ModelConfig | CustomModelConfig, seed: int) -> ModelFacts:
+    """Parameter count and training FLOPs per token, without allocating the weights."""
+    if isinstance(model, ModelConfig):
+        return ModelFacts(count_parameters(model), flops_per_token(model))
+    meta = build_model_factory(model, seed)(device="meta")
+    count = sum(p.numel() for p in meta.parameters())
+    custom = getattr(meta, "flops_per_token", None)
+    # Without the model's own accounting only the 6N matmul term is known (attention FLOPs are not).
+    return ModelFacts(count, float(custom(model.seq_len)) if callable(custom) else 6.0 * count)
