@@ -9,13 +9,15 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from disttrain.config.parse import parse_run_config
-from disttrain.config.validate import batch_plan, validate_run, world_layout
+from disttrain.config.schema import MegatronConfig, RunConfig
+from disttrain.config.validate import BatchPlan, batch_plan, validate_run, world_layout
 from disttrain.job.describe import describe_launch
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import model_facts
 from disttrain.planner.auto import resolve_auto
 from disttrain.strategies import build_strategy
 from disttrain.strategies.megatron import MegatronStrategy
+from disttrain.strategies.megatron.module import MegatronModule
 from disttrain.training.build import build_datamodule, build_module, build_trainer
 from tests.conftest import compose_train, group_options
 
@@ -38,6 +40,22 @@ def needs_for(group: str, option: str, tmp_path: Path) -> list[str]:
         # Big enough global batches for 8-16 GPUs; dry runs only on this GPU-less machine.
         return ["dry_run=true"]
     return []
+
+
+def expect_batch(run_cfg: RunConfig, plan: BatchPlan) -> None:
+    """The batch plan against the config it came from: micro-batch, data-parallel size and global batch."""
+    world = run_cfg.hw.num_nodes * run_cfg.hw.devices_per_node
+    strategy = run_cfg.strategy
+    model_parallel = strategy.tp * strategy.pp if isinstance(strategy, MegatronConfig) else 1
+    assert (plan.micro_batch_size, plan.data_parallel_size) == (
+        run_cfg.trainer.micro_batch_size,
+        world // model_parallel,
+    )
+    rounds = strategy.num_microbatches if isinstance(strategy, MegatronConfig) else 1
+    wanted = run_cfg.trainer.global_batch_size or plan.micro_batch_size * plan.data_parallel_size * rounds
+    assert plan.global_batch_size == wanted and plan.accumulation == wanted // (
+        plan.micro_batch_size * plan.data_parallel_size
+    )
 
 
 CASES = [(group, option) for group in GROUPS for option in group_options(group)]
@@ -68,13 +86,20 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
     text = describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token)
     assert f"{facts.num_parameters:,} parameters" in text
-    assert plan.global_batch_size == plan.micro_batch_size * plan.data_parallel_size * plan.accumulation
+    assert f"{plan.global_batch_size * run_cfg.model.seq_len:,} tokens/step" in text
+    expect_batch(run_cfg, plan)
 
     strategy = build_strategy(run_cfg, layout.world_size, apply_activation_checkpointing)
     expected = {"fsdp": ModelParallelStrategy, "megatron": MegatronStrategy}.get(run_cfg.strategy.name, DDPStrategy)
     assert isinstance(strategy.strategy, expected)
     module = build_module(run_cfg, plan, strategy, facts)
-    assert module.flops_per_token == facts.flops_per_token
+    assert module.max_steps == run_cfg.trainer.max_steps
+    if isinstance(run_cfg.strategy, MegatronConfig):
+        assert isinstance(module, MegatronModule)
+        # A Megatron step runs the pipeline schedule `rounds` times over num_microbatches micro-batches each.
+        assert module.settings.rounds * run_cfg.strategy.num_microbatches == plan.accumulation
+    else:
+        assert module.model_factory is not None and module.accumulation == plan.accumulation
     datamodule = build_datamodule(run_cfg, plan)
     if run_cfg.hw.accelerator != "cpu":
         return  # a GPU Trainer cannot be constructed without CUDA; dry runs stop before it too
@@ -93,8 +118,7 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
 @pytest.mark.parametrize("experiment", group_options("experiment"))
 def test_experiment_recipes_validate(experiment: str) -> None:
     run_cfg = parse_run_config(compose_train([f"experiment={experiment}", "dry_run=true"]))
-    plan = validate_run(run_cfg)
-    assert plan.global_batch_size % (plan.micro_batch_size * plan.data_parallel_size) == 0
+    expect_batch(run_cfg, validate_run(run_cfg))
 
 
 def test_llama7b_recipe_layout() -> None:
