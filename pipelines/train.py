@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
@@ -14,8 +15,13 @@ from omegaconf import DictConfig
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
 from disttrain.launch.exit_codes import RunStopped
 
+if TYPE_CHECKING:
+    from disttrain.job.prepare import Prepared
+
 # Resolved through the real path so an editable install finds conf/ from any working directory.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The job preflight prepared in this process (None for a multirun): Hydra's main takes no other arguments.
+preflighted: Prepared | None = None
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -23,7 +29,7 @@ def main(cfg: DictConfig) -> None:
     from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
 
     try:
-        run_from_hydra(cfg, module_name="train")
+        run_from_hydra(cfg, module_name="train", prepared=preflighted)
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
@@ -37,8 +43,9 @@ def cli(argv: list[str] | None = None) -> None:
     """Check the command before Hydra creates a run dir (see disttrain.job.preflight), then run it."""
     from disttrain.job.preflight import preflight
 
+    global preflighted
     try:
-        preflight(sys.argv[1:] if argv is None else argv, CONF_DIR)
+        preflighted = preflight(sys.argv[1:] if argv is None else argv, CONF_DIR)
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)

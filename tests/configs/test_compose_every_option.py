@@ -44,7 +44,7 @@ def needs_for(group: str, option: str, tmp_path: Path) -> list[str]:
 
 def expect_batch(run_cfg: RunConfig, plan: BatchPlan) -> None:
     """The batch plan against the config it came from: micro-batch, data-parallel size and global batch."""
-    world = run_cfg.hw.num_nodes * run_cfg.hw.devices_per_node
+    world = run_cfg.hw.world_size
     strategy = run_cfg.strategy
     model_parallel = strategy.tp * strategy.pp if isinstance(strategy, MegatronConfig) else 1
     assert (plan.micro_batch_size, plan.data_parallel_size) == (

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from disttrain.config.hardware import HardwareProfile
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -287,7 +289,7 @@ class RunConfig:
     data: DataConfig
     strategy: StrategyConfig | AutoStrategyConfig
     precision: PrecisionConfig
-    hw: Any  # disttrain.config.hardware.HardwareProfile (kept Any to avoid an import cycle)
+    hw: HardwareProfile
     optimizer: OptimizerConfig
     trainer: TrainerConfig
     logger: LoggerConfig

@@ -56,7 +56,7 @@ class BatchPlan:
 
 def world_layout(cfg: RunConfig) -> WorldLayout:
     """DDP, FSDP and DeepSpeed shard data over every process; Megatron over world / (tp x pp) of them."""
-    world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+    world = cfg.hw.world_size
     dp = megatron_degrees(cfg.strategy, world).dp if isinstance(cfg.strategy, MegatronConfig) else world
     return WorldLayout(cfg.hw.num_nodes, cfg.hw.devices_per_node, world, dp)
 
@@ -326,7 +326,7 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             raise ConfigError(
                 "precision", "FSDP2 here supports fp32 and bf16 policies", "use precision=bf16-mixed with strategy=fsdp"
             )
-        world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+        world = cfg.hw.world_size
         replicas = cfg.strategy.dp_replicate
         if replicas < 1 or world % replicas:
             ok = [d for d in range(1, world + 1) if world % d == 0]
@@ -336,7 +336,7 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
                 f"use one of {ok} (hw.num_nodes={cfg.hw.num_nodes} shards within each node)",
             )
     elif isinstance(cfg.strategy, MegatronConfig):
-        world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+        world = cfg.hw.world_size
         validate_megatron(cfg.strategy, cfg.model, world, cfg.precision.name)
     elif isinstance(cfg.strategy, DDPConfig):
         validate_ddp(cfg.strategy, cfg)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from disttrain.checkpoint.resume import original_overrides
 from disttrain.config.errors import ConfigError, did_you_mean
-from disttrain.job.prepare import check_launchable, existing_run, prepare, refuse_existing_run
+from disttrain.job.prepare import Prepared, check_launchable, existing_run, prepare, refuse_existing_run
 from disttrain.launch.env import process_role
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -133,18 +133,19 @@ def check_key_exists(cfg: DictConfig, key: str) -> None:
     )
 
 
-def preflight(argv: list[str], conf_dir: Path) -> None:
-    """Raise ConfigError for anything wrong with ``python -m train ARGV``; returns quietly when it is fine.
+def preflight(argv: list[str], conf_dir: Path) -> Prepared | None:
+    """Raise ConfigError for anything wrong with ``python -m train ARGV``; when it is fine, the prepared job for
+    ``run_from_hydra`` to go on with (None for a multirun, whose jobs each prepare their own).
 
     Commands with other Hydra flags (--help, --cfg, -cn, ...) are left to Hydra. Children and restarted
     attempts re-run a command that already passed.
     """
     if process_role().child or process_role().supervised:
-        return
+        return None
     multirun = any(a in MULTIRUN_FLAGS for a in argv)
     args = [a for a in argv if a not in MULTIRUN_FLAGS]
     if any(a.startswith("-") for a in args):
-        return
+        return None
     overrides = parse_overrides(args)
     groups = {p.name for p in conf_dir.iterdir() if p.is_dir()} - {"hydra"}
     for o in overrides:
@@ -194,3 +195,5 @@ def preflight(argv: list[str], conf_dir: Path) -> None:
     # A cluster launcher (hydra/launcher=slurm) runs the jobs on other machines: this one need not serve them.
     remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
     check_launchable(prepared, here=not remote)
+    # A multirun's jobs, and a restart (it resumes from its run dir, unknown here), each prepare their own.
+    return None if multirun or prepared.attempt else prepared

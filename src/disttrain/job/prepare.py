@@ -1,12 +1,15 @@
 """One job, checked and resolved before anything is spawned: ``prepare`` and the launch check.
 
-``prepare`` finds the resume point (re-composing the resumed run's config), parses and validates the typed
-config, resolves ``strategy=auto`` and guards the run dir. ``preflight`` (before Hydra) and ``run_from_hydra``
-(inside the job) both call it, so both paths apply the same checks.
+``prepare`` reads top to bottom: guard the run dir, find the resume point (re-composing the resumed run's
+config), parse the typed config, validate it, resolve ``strategy=auto``, check the world the launcher started and
+the checkpoint's shapes, predict memory. It runs once per process: ``preflight`` (before Hydra) passes its result
+on to ``run_from_hydra`` in the same process; local ranks, restart attempts and cluster tasks run it themselves.
+``check_launchable`` is the one launch check (memory, devices, nodes) of both paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +23,15 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import AutoStrategyConfig, RunConfig
-from disttrain.config.validate import BatchPlan, WorldLayout, batch_plan, validate_run, world_layout
+from disttrain.config.validate import BatchPlan, WorldLayout, validate_run, world_layout
 from disttrain.launch.env import process_role
+from disttrain.planner import MemoryBreakdown
 from disttrain.planner.auto import check_fits, predict_memory, resolve_auto
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated job: the config it runs with (re-composed on resume) and where it resumes from."""
+    """A validated job: the config it runs with (re-composed on resume), where it resumes from, what it needs."""
 
     cfg: DictConfig
     run_cfg: RunConfig
@@ -36,18 +40,20 @@ class Prepared:
     auto_reason: str | None
     resume: ResumePoint | None
     attempt: int
+    memory: MemoryBreakdown | None  # predicted per device; None for a user model the planner cannot see into
+
+    def with_hydra_config(self, cfg: DictConfig) -> Prepared:
+        """This job as the Hydra app composed it: preflight's config carried Hydra's own node (and a resumed
+        run's config is the re-composed one either way)."""
+        return self if self.resume is not None else dataclasses.replace(self, cfg=cfg)
 
 
-def resolve(cfg: DictConfig) -> tuple[RunConfig, WorldLayout, BatchPlan, str | None]:
-    """Typed config, world layout and batch plan; ``strategy=auto`` resolved; every cross-field check run."""
-    run_cfg = parse_run_config(cfg)
-    layout = world_layout(run_cfg)
-    auto_reason = None
-    if isinstance(run_cfg.strategy, AutoStrategyConfig):
-        run_cfg, auto_reason = resolve_auto(run_cfg, layout, batch_plan(run_cfg))
-        layout = world_layout(run_cfg)
-    plan = validate_run(run_cfg)
-    return run_cfg, layout, plan, auto_reason
+def resolve_strategy(run_cfg: RunConfig, plan: BatchPlan) -> tuple[RunConfig, BatchPlan, str | None]:
+    """``strategy=auto`` replaced by the layout the planner picks, validated again as that strategy."""
+    if not isinstance(run_cfg.strategy, AutoStrategyConfig):
+        return run_cfg, plan, None
+    run_cfg, reason = resolve_auto(run_cfg, world_layout(run_cfg), plan)
+    return run_cfg, validate_run(run_cfg), reason
 
 
 def compose_for_resume(resume: str, task_overrides: list[str]) -> DictConfig:
@@ -97,14 +103,20 @@ def check_world_size(layout: WorldLayout) -> None:
         )
 
 
-def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) -> Prepared:
-    """All checks of one job before anything is spawned; ``run_dir`` None skips the run-dir guard."""
+def guard_new_run_dir(run_dir: Path) -> None:
+    """Two runs started within the same second share Hydra's timestamped dir: never write over the first.
+
+    Only a first attempt's global rank 0 guards: under SLURM/torchrun the other ranks may start after rank 0 wrote
+    run.json, and a restart continues in its own run dir."""
     role = process_role()
-    attempt = role.attempt
-    # Only global rank 0 guards: under SLURM/torchrun the other ranks may start after rank 0 wrote run.json.
-    if run_dir is not None and attempt == 0 and role.is_global_zero and (run_dir / "run.json").exists():
-        # Two runs started within the same second share Hydra's timestamped dir: never write over the first.
+    if role.attempt == 0 and role.is_global_zero and (run_dir / "run.json").exists():
         refuse_existing_run(run_dir, "run.json")
+
+
+def find_resume(
+    cfg: DictConfig, run_dir: Path | None, task_overrides: list[str], attempt: int
+) -> tuple[DictConfig, ResumePoint | None]:
+    """The config to run (``resume=``: the resumed run's, re-composed) and the checkpoint it continues from."""
     point: ResumePoint | None = None
     if cfg.get("resume"):
         point = find_resume_point(str(cfg.resume))
@@ -112,22 +124,35 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
     if attempt > 0 and run_dir is not None:
         # A restarted job continues from its own newest complete checkpoint (else from where it started).
         point = newest_complete(run_dir / "checkpoints") or point
-    run_cfg, layout, plan, auto_reason = resolve(cfg)
+    return cfg, point
+
+
+def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) -> Prepared:
+    """All checks of one job before anything is spawned; ``run_dir`` None skips the run-dir guard."""
+    attempt = process_role().attempt
+    if run_dir is not None:
+        guard_new_run_dir(run_dir)
+    cfg, point = find_resume(cfg, run_dir, task_overrides, attempt)
+    run_cfg = parse_run_config(cfg)
+    plan = validate_run(run_cfg)
+    run_cfg, plan, auto_reason = resolve_strategy(run_cfg, plan)
+    layout = world_layout(run_cfg)
     check_world_size(layout)
     if point is not None:
         from disttrain.checkpoint.shapes import check_checkpoint_fits_model  # imports torch: only on resume
 
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
-    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt)
+    memory = predict_memory(run_cfg, layout, plan)
+    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory)
 
 
 def check_launchable(prepared: Prepared, here: bool = True) -> None:
-    """What ``run_from_hydra`` refuses before spawning: the memory prediction, and (``here``) missing devices."""
+    """What a real launch refuses before spawning: the memory prediction, and (``here``: this machine runs the
+    job) devices or nodes it does not have. A dry run launches nothing and is refused nothing."""
     run_cfg = prepared.run_cfg
     if run_cfg.dry_run:
         return
-    memory = predict_memory(run_cfg, prepared.layout, prepared.plan)
-    check_fits(run_cfg, memory, run_cfg.check_memory)
+    check_fits(run_cfg, prepared.memory, run_cfg.check_memory)
     if not here:
         return
     cuda_devices = 0

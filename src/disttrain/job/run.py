@@ -1,7 +1,8 @@
 """One training run, from a composed Hydra config to the summary line.
 
 Order matters: everything that can be wrong with the user's input is checked before a process is spawned
-or a file is written; only then are local ranks started, the run recorded, and the Trainer fitted.
+or a file is written (``prepare``, once per process, and the launch check); only then does ``train`` spawn the
+local ranks, fit (build, record the run, ``Trainer.fit``) and finish (run.json, the summary, the report).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -24,24 +26,35 @@ from disttrain.config.schema import RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_launch, describe_result
 from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
-from disttrain.job.prepare import check_machine_can_serve, prepare
+from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
 from disttrain.launch.env import process_role, say
 from disttrain.launch.exit_codes import NONFINITE, RunStopped
-from disttrain.launch.local import child_command, describe_exit, die_with_parent, spawn_local_ranks
+from disttrain.launch.local import LocalRanks, child_command, describe_exit, die_with_parent, spawn_local_ranks
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
-from disttrain.planner.auto import check_fits, describe_memory, predict_memory
+from disttrain.planner.auto import check_fits, describe_memory
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
-def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
+    from disttrain.training.build import TrainerParts
+
+
+def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None = None) -> None:
+    """``prepared``: what ``preflight`` prepared and checked in this process (None: prepare here)."""
     started = time.time()
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     task_overrides = list(hydra_cfg.overrides.task)
     die_with_parent()  # a spawned rank or restart attempt must not outlive the process that started it
-    prepared = prepare(cfg, run_dir, task_overrides)
+    if prepared is None:  # a process preflight did not see: a local rank, a restart attempt, a multirun job
+        prepared = prepare(cfg, run_dir, task_overrides)
+        check_launchable(prepared)
+    else:  # Hydra made the run dir after preflight looked: a run started in the same second may own it now
+        guard_new_run_dir(run_dir)
+        prepared = prepared.with_hydra_config(cfg)
     cfg, run_cfg, layout, plan, auto_reason = (
         prepared.cfg,
         prepared.run_cfg,
@@ -50,7 +63,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
         prepared.auto_reason,
     )
     checkpoint = prepared.resume.checkpoint if prepared.resume is not None else None
-    memory = predict_memory(run_cfg, layout, plan)
+    memory = prepared.memory
 
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
     rank_zero = process_role().is_global_zero
@@ -68,8 +81,6 @@ def run_from_hydra(cfg: DictConfig, module_name: str) -> None:
                 say(f"warning: a real launch would be refused: {err}")
             say("dry run: configuration is valid; nothing was launched")
         return
-    check_fits(run_cfg, memory, run_cfg.check_memory)
-    check_machine_can_serve(run_cfg.hw, torch.cuda.device_count())
     restarts = run_cfg.trainer.max_restarts
     if restarts and process_role().starts_the_job:
         # Restarts need a process that is not itself a rank: this one becomes the supervisor (supervise.py).
@@ -105,23 +116,47 @@ def train(
     started: float,
     predicted_memory_bytes: int | None = None,
 ) -> None:
+    """This process's part of the job: spawn the local ranks (rank 0 of a local launch), fit, finish."""
+    manifest: dict = {}  # run.json's content once the run is built; a rank that dies marks it failed
+    ranks = spawn(layout, command_for_rank, run_dir, manifest)
+    parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, manifest)
+    finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, predicted_memory_bytes)
+
+
+def spawn(layout: WorldLayout, command_for_rank: partial, run_dir: Path, manifest: dict) -> LocalRanks | None:
+    """Local ranks 1..n-1 as children of this process, watched: one dying stops the job (None: nothing to spawn)."""
+    role = process_role()
+    if layout.world_size == 1 or role.child or role.cluster:
+        return None
+    ranks = spawn_local_ranks(layout.devices_per_node, command_for_rank, cwd=os.getcwd())
+
+    def abort(rank: int, code: int) -> None:
+        # The survivors would wait forever in their next collective: stop the whole job now.
+        ranks.kill()
+        say(rank_died(run_dir, manifest, rank, code), file=sys.stderr)
+        os._exit(1)
+
+    ranks.watch(abort)
+    return ranks
+
+
+def fit(
+    run_cfg: RunConfig,
+    cfg: DictConfig,
+    layout: WorldLayout,
+    plan: BatchPlan,
+    facts: ModelFacts,
+    run_dir: Path,
+    checkpoint: Path | None,
+    ranks: LocalRanks | None,
+    manifest: dict,
+) -> tuple[TrainerParts, pl.LightningDataModule]:
+    """Build the run, record it (config.yaml, run.json) and fit; a dead local rank is named as the cause."""
     import lightning.pytorch as pl
 
     from disttrain.training.build import build_run
 
     local_processes = layout.devices_per_node
-    ranks = None
-    manifest: dict = {}
-    if layout.world_size > 1 and not process_role().child and not process_role().cluster:
-        ranks = spawn_local_ranks(local_processes, command_for_rank, cwd=os.getcwd())
-
-        def abort(rank: int, code: int) -> None:
-            # The survivors would wait forever in their next collective: stop the whole job now.
-            ranks.kill()
-            say(rank_died(run_dir, manifest, rank, code), file=sys.stderr)
-            os._exit(1)
-
-        ranks.watch(abort)
     threads = run_cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // local_processes)
     if run_cfg.hw.accelerator == "cpu":
         torch.set_num_threads(threads)
@@ -130,7 +165,7 @@ def train(
     rank_zero = process_role().is_global_zero
     try:
         parts, module, datamodule = build_run(run_cfg, layout, plan, run_dir, facts)
-        manifest = {
+        manifest |= {
             "status": "running",
             # Credentials from the environment or in credential-named keys never reach a file (redaction.py).
             "command": redact(command_line()),
@@ -174,7 +209,21 @@ def train(
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Frees what DDP holds; FSDP2/DTensor groups outlive this (C++ hook cycles), see process_exit.py.
             torch.distributed.destroy_process_group()
+    return parts, datamodule
 
+
+def finish(
+    run_cfg: RunConfig,
+    parts: TrainerParts,
+    datamodule: pl.LightningDataModule,
+    ranks: LocalRanks | None,
+    run_dir: Path,
+    manifest: dict,
+    started: float,
+    predicted_memory_bytes: int | None,
+) -> None:
+    """Wait for the local ranks; on rank 0 complete run.json, print the summary and write the report."""
+    rank_zero = process_role().is_global_zero
     guard = parts.nonfinite
     stopped = guard is not None and guard.stopped
     failed = ranks.wait() if ranks is not None else []

@@ -151,7 +151,7 @@ def megatron_config_of(layout: Layout) -> MegatronConfig:
 def megatron_candidates(cfg: RunConfig, batch: BatchPlan) -> list[tuple[MegatronConfig, Layout]]:
     """The planner's TP x PP x DP layouts for this world that also pass strategy=megatron's own checks."""
     assert isinstance(cfg.model, ModelConfig)
-    world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+    world = cfg.hw.world_size
     options = []
     for layout in megatron_layouts(model_shape(cfg.model), cfg.hw, workload(cfg, batch)):
         option = megatron_config_of(layout)

@@ -59,7 +59,7 @@ def build_module(cfg: RunConfig, plan: BatchPlan, strategy: StrategyBuild, facts
         from disttrain.strategies.megatron.module import MegatronModule
 
         assert isinstance(cfg.model, ModelConfig)  # validated: megatron needs the reference transformer
-        world = cfg.hw.num_nodes * cfg.hw.devices_per_node
+        world = cfg.hw.world_size
         rounds = plan.accumulation // cfg.strategy.num_microbatches
         settings = engine_settings(cfg.strategy, cfg.model, cfg.precision, world, cfg.trainer.seed, rounds)
         return MegatronModule(
