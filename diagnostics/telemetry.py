@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,17 +112,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, set | tuple):
         return list(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def read_records(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """Every record of every rank, in file order per rank; a torn last line (a killed rank) is skipped."""
-    for path in sorted((Path(run_dir) / TELEMETRY_DIR).glob("rank*.jsonl")):
-        with path.open(encoding="utf-8") as handle:
-            for line in handle:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    continue

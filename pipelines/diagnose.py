@@ -20,8 +20,7 @@ from diagnostics.recommend import ab_tests
 from diagnostics.report import AB_TOP_K, Report, build_report, write_report
 from diagnostics.report.compare import compare_reports
 from diagnostics.telemetry import TELEMETRY_DIR
-
-USER_ERROR_EXIT_CODE = 2
+from disttrain.config.errors import USER_ERROR_EXIT_CODE  # torch-free: the CLI stays laptop-friendly
 
 
 class UserError(Exception):

@@ -195,7 +195,14 @@ class DiagnosticsCallback(pl.Callback):
     def on_before_optimizer_step(self, *args: Any) -> None:
         self._timed(self.timer.before_optimizer_step)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # A module whose engine runs the step's micro-batches itself (Megatron's pipeline schedule) times them.
+        pop_timing = getattr(pl_module, "pop_schedule_timing", None)
+        timing = pop_timing() if callable(pop_timing) else None
+        if timing is not None:
+            self._timed(
+                lambda: self.timer.schedule_ran(timing.forward_s, timing.backward_s, timing.wall_s, timing.pipelined)
+            )
         step = trainer.global_step
         if step == self._last_step:  # a micro-batch inside gradient accumulation
             self._timed(self.timer.batch_end)

@@ -7,10 +7,10 @@ report because both read only the run directory.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from diagnostics.analysis import analyse
+from diagnostics.files import write_text_atomic
 from diagnostics.recommend import ab_tests, recommend_all
 from diagnostics.report.html import to_html
 from diagnostics.report.markdown import to_markdown
@@ -32,21 +32,14 @@ def ab_lines(report: Report, top_k: int = AB_TOP_K) -> str:
     return "\n".join(t.shell() for t in tests)
 
 
-def _write(path: Path, text: str) -> None:
-    # Write then rename: a reader (a browser refresh, a CI artifact upload) never sees half a report.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_report(report: Report, run_dir: Path | None = None) -> Path:
     """Write report.md, report.html and report.json under ``RUN_DIR/report/``; returns that directory."""
     out = Path(run_dir or report.run_dir) / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     ab = ab_lines(report)
-    _write(out / "report.json", json.dumps(report.to_json(), indent=2, default=str) + "\n")
-    _write(out / "report.md", to_markdown(report, ab))
-    _write(out / "report.html", to_html(report, ab))
+    write_text_atomic(out / "report.json", json.dumps(report.to_json(), indent=2, default=str) + "\n")
+    write_text_atomic(out / "report.md", to_markdown(report, ab))
+    write_text_atomic(out / "report.html", to_html(report, ab))
     report.written_to = out
     return out
 

@@ -247,7 +247,7 @@ def build_sweep_report(sweep_dir: Path) -> SweepReport:
 
 def write_sweep_report(report: SweepReport) -> Path:
     """``SWEEP_DIR/report/sweep.{json,md,html}``; returns that directory."""
-    from diagnostics.report import _write as write_text_atomic  # write-then-rename, like the run report
+    from diagnostics.files import write_text_atomic  # write-then-rename, like the run report
     from diagnostics.report.sweep_render import to_html, to_markdown
 
     out = report.sweep_dir / SWEEP_REPORT_DIR

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from disttrain.config.degrees import megatron_degrees
 from disttrain.config.schema import MegatronConfig, ModelConfig
-from disttrain.models.tensor_parallel import tensor_parallel_param_count
 from disttrain.models.module import param_groups
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 
@@ -65,10 +65,16 @@ def run_layout(model: ModelConfig, strategy: MegatronConfig, world: int, rounds:
         losses.append(loss.item() / world)
     return {
         "losses": losses,
-        "local_numel": tensor_parallel_param_count(container),
+        "local_numel": local_numel(container),
         "stages": engine.stage_ids,
         "coords": degrees.coordinates(dist.get_rank()),
     }
+
+
+def local_numel(model: torch.nn.Module) -> int:
+    """Elements this rank holds (a DTensor shard by its local size; a tied weight once)."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
 
 
 def worker(rank: int, world: int, port: int, model_json: str, layouts_json: str, out_dir: str) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
 from diagnostics.collect.intervals import intersection_total, split_window, total, union
 from diagnostics.collect.profile_window import Event, is_comm, split_events
 from diagnostics.collect.sampler import CpuReader, make_reader
@@ -246,3 +248,21 @@ def test_phase_timer_takes_a_pipeline_schedules_own_timing() -> None:
     unpipelined = timer.finish_step()
     assert unpipelined is not None and unpipelined.bubble_fraction is None
     assert unpipelined.other_s == pytest.approx(0.1)
+
+
+def test_collector_reads_a_schedules_timing_from_the_module_once(tmp_path: Path) -> None:
+    """A module whose engine runs the step's micro-batches itself (Megatron) offers their timing through
+    ``pop_schedule_timing``; the collector takes it at the step's end, exactly once."""
+    facts = RunFacts("megatron", "fp32", "fp32", "cpu", 10, 60.0, 60.0, 64, 2, 4, 8, 10, None)
+    callback = DiagnosticsCallback(CollectSettings(), facts, tmp_path, lambda: None)
+    timings = [SimpleNamespace(forward_s=0.25, backward_s=0.45, wall_s=1.0, pipelined=True)]
+    module = SimpleNamespace(pop_schedule_timing=lambda: timings.pop() if timings else None)
+    trainer = SimpleNamespace(global_step=3)
+    callback._last_step = 3  # inside the step: the collector adds to it without closing it
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    current = callback.timer.current
+    assert (current.forward_s, current.backward_s, current.pipelined) == (0.25, 0.45, True)
+    assert current.pipeline_wait_s == pytest.approx(0.3)
+    callback.on_train_batch_end(trainer, SimpleNamespace(), None, None, 0)  # a module without an engine
+    assert callback.timer.current.forward_s == 0.25

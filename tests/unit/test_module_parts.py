@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from disttrain.checkpoint.files import checkpoint_name, relink_last
-from disttrain.checkpoint.resume import find_checkpoint, original_overrides
+from disttrain.checkpoint.resume import find_resume_point, original_overrides
 from disttrain.config.errors import ConfigError
 from disttrain.models.module import lr_lambda, param_groups
 
@@ -35,25 +35,25 @@ def test_matrices_decay_vectors_do_not() -> None:
     assert no_decay["weight_decay"] == 0.0
 
 
-def test_find_checkpoint_takes_the_newest_complete_step(tmp_path: Path) -> None:
+def test_find_resume_point_takes_the_newest_complete_step(tmp_path: Path) -> None:
     ckpts = tmp_path / "run" / "checkpoints"
     ckpts.mkdir(parents=True)
     for step in (100, 20, 300):
         torch.save({"global_step": step}, ckpts / checkpoint_name(step))
-    assert find_checkpoint(str(tmp_path / "run")).name == "step000300.ckpt"
+    assert find_resume_point(str(tmp_path / "run")).checkpoint.name == "step000300.ckpt"
     # last.ckpt is a convenience link; a kill between publishing a checkpoint and relinking can leave it behind.
     relink_last(ckpts, checkpoint_name(100))
-    assert find_checkpoint(str(tmp_path / "run")).name == "step000300.ckpt"
-    assert find_checkpoint(str(ckpts / "step000020.ckpt")).name == "step000020.ckpt"
+    assert find_resume_point(str(tmp_path / "run")).checkpoint.name == "step000300.ckpt"
+    assert find_resume_point(str(ckpts / "step000020.ckpt")).checkpoint.name == "step000020.ckpt"
 
 
-def test_find_checkpoint_errors_name_resume(tmp_path: Path) -> None:
+def test_find_resume_point_errors_name_resume(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist") as info:
-        find_checkpoint(str(tmp_path / "missing"))
+        find_resume_point(str(tmp_path / "missing"))
     assert info.value.key == "resume"
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no checkpoint found"):
-        find_checkpoint(str(tmp_path / "empty"))
+        find_resume_point(str(tmp_path / "empty"))
 
 
 def test_original_overrides_come_from_hydra_record(tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ from disttrain.launch.slurm import (
     first_node,
     master_port,
     node_address,
-    read_attempts,
     record_attempt,
     rendezvous_env,
 )
@@ -87,7 +86,8 @@ def test_attempts_are_appended_and_metrics_of_the_previous_attempt_kept(tmp_path
     assert task is not None
     record_attempt(tmp_path, task, "start", resumed_from=None)
     record_attempt(tmp_path, task, "preempted", step=7)
-    assert [(a["event"], a.get("step")) for a in read_attempts(tmp_path)] == [("start", None), ("preempted", 7)]
+    lines = (tmp_path / "attempts.jsonl").read_text().splitlines()
+    assert [(a["event"], a.get("step")) for a in map(json.loads, lines)] == [("start", None), ("preempted", 7)]
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "metrics.csv").write_text("step,train/loss\n0,1.0\n")
     keep_previous_metrics(tmp_path, attempt=0)  # a first attempt moves nothing

@@ -69,11 +69,6 @@ def find_resume_point(resume: str) -> ResumePoint:
     return point
 
 
-def find_checkpoint(resume: str) -> Path:
-    """The checkpoint ``resume`` designates (see ``find_resume_point``)."""
-    return find_resume_point(resume).checkpoint
-
-
 def original_overrides(resume: str) -> list[str]:
     """Overrides recorded by Hydra when the run to resume was started ([] if it left no record)."""
     record = run_dir_of(Path(resume).expanduser()) / ".hydra" / "overrides.yaml"

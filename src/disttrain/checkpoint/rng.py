@@ -20,6 +20,8 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
+from disttrain.launch.env import say_once
+
 CHECKPOINT_KEY = "rng_states"
 
 
@@ -71,13 +73,11 @@ class RankRngState(pl.Callback):
         if not states:
             return  # a checkpoint from before RNG states were saved: resume as well as it can
         if len(states) != trainer.world_size:
-            if trainer.is_global_zero:
-                print(
-                    f"disttrain: the checkpoint holds RNG states of {len(states)} ranks but this run has "
-                    f"{trainer.world_size}; random draws (dropout) will differ from an uninterrupted run",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            say_once(
+                f"disttrain: the checkpoint holds RNG states of {len(states)} ranks but this run has "
+                f"{trainer.world_size}; random draws (dropout) will differ from an uninterrupted run",
+                file=sys.stderr,
+            )
             return
         self.pending = states[trainer.global_rank]
 

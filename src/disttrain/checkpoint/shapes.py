@@ -14,15 +14,7 @@ import torch
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import CustomModelConfig, ModelConfig
-
-# Wrappers that change parameter names but not the model: torch.compile, activation checkpointing.
-WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
-
-
-def canonical(name: str) -> str:
-    for part in WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
+from disttrain.models.transformer import canonical_name
 
 
 def checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
@@ -36,7 +28,7 @@ def checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
             index = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
             prefix = "state_dict."
             return {
-                canonical(k[len(prefix) :]): tuple(m.size)
+                canonical_name(k[len(prefix) :]): tuple(m.size)
                 for k, m in index.items()
                 if k.startswith(prefix) and hasattr(m, "size")
             }
@@ -48,7 +40,7 @@ def checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
             "point resume at a run dir whose checkpoints were written by disttrain",
         ) from None
     weights = state.get("state_dict", {}) if isinstance(state, dict) else {}
-    return {canonical(k): tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    return {canonical_name(k): tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
 
 
 def model_shapes(model: ModelConfig | CustomModelConfig, seed: int) -> dict[str, tuple[int, ...]]:
@@ -56,7 +48,7 @@ def model_shapes(model: ModelConfig | CustomModelConfig, seed: int) -> dict[str,
     from disttrain.models.factory import build_model_factory
 
     meta = build_model_factory(model, seed)(device="meta")
-    return {canonical(f"model.{name}"): tuple(p.shape) for name, p in meta.named_parameters()}
+    return {canonical_name(f"model.{name}"): tuple(p.shape) for name, p in meta.named_parameters()}
 
 
 def check_checkpoint_fits_model(checkpoint: Path, model: ModelConfig | CustomModelConfig, seed: int) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
@@ -77,6 +77,8 @@ def _type_ok(value: Any, annotation: Any) -> tuple[bool, Any]:
         return False, value
     if annotation is type(None):
         return value is None, value
+    if origin is Literal:  # the allowed values are validate's to name (with the fix); here only the type
+        return _type_ok(value, type(typing.get_args(annotation)[0]))
     if annotation is Any:
         return True, value
     if annotation is bool:
@@ -97,6 +99,8 @@ def _type_ok(value: Any, annotation: Any) -> tuple[bool, Any]:
 def _type_name(annotation: Any) -> str:
     if typing.get_origin(annotation) in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is Literal:
+        return _type_name(type(typing.get_args(annotation)[0]))
     return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 

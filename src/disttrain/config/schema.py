@@ -8,9 +8,17 @@ a ``RunConfig`` and reports unknown keys and wrong types with the dotted key tha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from disttrain.config.hardware import HardwareProfile
+
+# The reference transformer's choices: the names the schema, the validation and the model all use.
+Norm = Literal["layernorm", "rmsnorm"]
+Mlp = Literal["gelu", "swiglu"]
+PosEmb = Literal["learned", "rope"]
+NORMS: tuple[str, ...] = get_args(Norm)
+MLPS: tuple[str, ...] = get_args(Mlp)
+POS_EMBS: tuple[str, ...] = get_args(PosEmb)
 
 
 @dataclass(frozen=True)
@@ -26,9 +34,9 @@ class ModelConfig:
     ffn_hidden: int = 512
     vocab_size: int = 256
     seq_len: int = 128
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    mlp: str = "gelu"  # gelu | swiglu
-    pos_emb: str = "learned"  # learned | rope
+    norm: Norm = "layernorm"
+    mlp: Mlp = "gelu"
+    pos_emb: PosEmb = "learned"
     rope_theta: float = 10000.0
     bias: bool = True
     tie_embeddings: bool = True

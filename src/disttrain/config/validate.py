@@ -13,6 +13,9 @@ from disttrain.config.degrees import megatron_degrees, validate_megatron
 from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.schema import (
     COMM_HOOKS,
+    MLPS,
+    NORMS,
+    POS_EMBS,
     CustomDataConfig,
     CustomModelConfig,
     DDPConfig,
@@ -26,12 +29,7 @@ from disttrain.config.schema import (
     TokensDataConfig,
     TrainerConfig,
 )
-
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
-POS_EMBS = ("learned", "rope")
-# The Markov source keeps a dense V^order x V table in memory.
-MAX_MARKOV_TABLE = 2**26
+from disttrain.data.markov import MAX_TABLE_ENTRIES
 
 
 @dataclass(frozen=True)
@@ -150,7 +148,7 @@ def validate_data(cfg: RunConfig, plan: BatchPlan) -> None:
             raise ConfigError("data.vocab_size", f"must be >= 2, got {d.vocab_size}", "use data.vocab_size=64")
         if d.order < 1:
             raise ConfigError("data.order", f"must be >= 1, got {d.order}", "use data.order=2")
-        if d.vocab_size ** (d.order + 1) > MAX_MARKOV_TABLE:
+        if d.vocab_size ** (d.order + 1) > MAX_TABLE_ENTRIES:  # the source's dense V^order x V table
             raise ConfigError(
                 "data.order",
                 f"vocab_size^(order+1) = {d.vocab_size}^{d.order + 1} transition entries is too large",

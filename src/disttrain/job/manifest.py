@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from diagnostics.files import write_text_atomic
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,10 +61,7 @@ def to_jsonable(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write to a temporary name and rename, so a reader (or a crash) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(to_jsonable(payload), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(to_jsonable(payload), indent=2, sort_keys=False) + "\n")
 
 
 def command_line() -> list[str]:

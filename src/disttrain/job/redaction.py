@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from diagnostics.files import write_text_atomic
+
 # Whole words of a name (split at _ - . and camelCase): HF_TOKEN and api_key are credentials,
 # data.num_train_tokens, keep_last_n and tokenizer are not.
 CREDENTIAL_WORDS = frozenset(
@@ -83,6 +85,4 @@ def redact_yaml_files(paths: list[Path], secrets: Mapping[str, str] | None = Non
         loaded = yaml.safe_load(path.read_text())
         clean = redact(loaded, secrets)
         if clean != loaded:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(yaml.safe_dump(clean, sort_keys=False))
-            os.replace(tmp, path)
+            write_text_atomic(path, yaml.safe_dump(clean, sort_keys=False))

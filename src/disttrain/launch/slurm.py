@@ -116,10 +116,3 @@ def record_attempt(run_dir: Path, task: SlurmTask, event: str, **details: object
     line = {"time": time.time(), "event": event, **asdict(task), **details}
     with (run_dir / ATTEMPTS_FILE).open("a", encoding="utf-8") as handle:
         handle.write(json.dumps(line, default=str) + "\n")
-
-
-def read_attempts(run_dir: Path) -> list[dict]:
-    path = run_dir / ATTEMPTS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -13,7 +13,6 @@ position embedding can be added to it; the first block then takes its own slice 
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -90,17 +89,3 @@ def apply_tensor_parallel(
         model.lm_head.weight = model.tok_emb.weight
     if sequence_parallel:
         model.sequence_shards = tp_mesh.size()
-
-
-def tensor_parallel_param_count(model: nn.Module) -> int:
-    """Elements this rank holds locally (DTensor shards counted by their local size)."""
-    from torch.distributed.tensor import DTensor
-
-    seen: set[int] = set()
-    total = 0
-    for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        total += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
-    return total

@@ -18,15 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.config.schema import ModelConfig
-
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
-POS_EMBS = ("learned", "rope")
+from disttrain.config.schema import MLPS, NORMS, POS_EMBS, ModelConfig
 
 # Prefixes inserted into parameter names by wrappers; stripped so init seeds depend on the model, not on
 # which wrappers (activation checkpointing, torch.compile, FSDP1) were applied before init_weights.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 def _check_config(cfg: ModelConfig) -> None:
@@ -237,7 +233,7 @@ class Transformer(nn.Module):
                     named += [(f"blocks.{block.layer_id}.{n}".rstrip("."), m) for n, m in block.named_modules()]
             else:
                 named += [(f"{name}.{n}".rstrip("."), m) for n, m in child.named_modules()]
-        return [(_canonical(n), m) for n, m in named]
+        return [(canonical_name(n), m) for n, m in named]
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -279,8 +275,9 @@ class Transformer(nn.Module):
         self.reset_rope_cache()
 
 
-def _canonical(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
+def canonical_name(name: str) -> str:
+    """A parameter or module name without the parts wrappers insert (``_orig_mod.``, ...)."""
+    for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "").replace(prefix.rstrip("."), "")
     return name.replace("..", ".").strip(".")
 

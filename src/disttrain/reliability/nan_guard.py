@@ -21,6 +21,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from disttrain.launch.env import say_once
+
 
 def local_tensor(grad: torch.Tensor) -> torch.Tensor:
     """This rank's part of a gradient (FSDP2 gradients are DTensors sharded over ranks)."""
@@ -82,5 +84,4 @@ class NonFiniteGuard(pl.Callback):
         if self.record is not None:
             with contextlib.suppress(Exception):  # telemetry is a record of the decision, never a reason to crash
                 self.record("nonfinite", step=step, what=what, action=action, skipped_total=len(self.skipped_steps))
-        if trainer.is_global_zero:
-            print(message, file=sys.stderr, flush=True)
+        say_once(message, file=sys.stderr)

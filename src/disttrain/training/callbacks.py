@@ -6,6 +6,8 @@ import time
 
 import lightning.pytorch as pl
 
+from disttrain.launch.env import say
+
 
 class FinalValidation(pl.Callback):
     """At ``max_steps``, ask Lightning to validate before it stops (it does so when ``should_stop`` is set).
@@ -81,4 +83,4 @@ class ProgressPrinter(pl.Callback):
             parts.append(f"lr {lr:.2e}")
         if self.throughput.tokens_per_s:
             parts.append(f"{self.throughput.tokens_per_s:,.0f} tok/s")
-        print("  ".join(parts), flush=True)
+        say("  ".join(parts))

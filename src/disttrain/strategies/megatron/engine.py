@@ -39,6 +39,7 @@ class StepTiming:
     forward_s: float = 0.0
     backward_s: float = 0.0
     wall_s: float = 0.0
+    pipelined: bool = False  # under a pipeline schedule: the rest of the wall time is waiting for other stages
 
 
 class _Stopwatch:
@@ -254,7 +255,8 @@ class MegatronEngine:
                     total += sum((_plain(loss.detach()) for loss in losses), torch.zeros((), device=self.device))
         if self.tied is not None:
             self.tied.sync()
-        self.last_timing = StepTiming(forward.total, backward_clock.total, time.perf_counter() - started)
+        wall = time.perf_counter() - started
+        self.last_timing = StepTiming(forward.total, backward_clock.total, wall, self.schedule is not None)
         return self._broadcast_loss(total)
 
     def _step_schedule(self, x: torch.Tensor, y: torch.Tensor, losses: list, train: bool) -> None:

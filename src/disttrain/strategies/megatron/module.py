@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diagnostics.collect.callback import DiagnosticsCallback
 from disttrain.config.schema import OptimizerConfig
 from disttrain.models.module import LanguageModelModule
-from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine
+from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, StepTiming
 
 
 class StageUnion(nn.Module):
@@ -53,6 +52,7 @@ class MegatronModule(LanguageModelModule):
         self.settings = settings
         self.grad_clip = grad_clip
         self.engine: MegatronEngine | None = None
+        self._schedule_timing: StepTiming | None = None
 
     def configure_model(self) -> None:
         if self.engine is not None:
@@ -72,9 +72,9 @@ class MegatronModule(LanguageModelModule):
         optimizer.zero_grad(set_to_none=True)
         inputs, targets = batch
         # Plain backward, not manual_backward: Lightning's backward hooks would time one micro-batch as the
-        # whole step; the engine times its own phases and hands them to the diagnostics below.
+        # whole step; the engine times its own phases, which the diagnostics read (pop_schedule_timing).
         loss = self.engine.forward_backward(inputs, targets, torch.Tensor.backward)
-        self._report_phases()
+        self._schedule_timing = self.engine.last_timing
         if self.grad_clip:
             self.engine.clip_grad_norm_(self.grad_clip)
         optimizer.step()
@@ -83,13 +83,13 @@ class MegatronModule(LanguageModelModule):
             self.log("train/loss", loss, on_step=True, on_epoch=False, sync_dist=True)
         return loss
 
-    def _report_phases(self) -> None:
-        assert self.engine is not None
-        timing = self.engine.last_timing
-        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, DiagnosticsCallback):
-                pipelined = self.engine.schedule is not None
-                callback.timer.schedule_ran(timing.forward_s, timing.backward_s, timing.wall_s, pipelined)
+    def pop_schedule_timing(self) -> StepTiming | None:
+        """The last training step's forward/backward/wall time inside the engine, once (None when already read).
+
+        The diagnostics collector reads it at the step's end: the schedule runs its micro-batches outside
+        Lightning's backward hooks, so the collector cannot time them itself."""
+        timing, self._schedule_timing = self._schedule_timing, None
+        return timing
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         assert self.engine is not None
