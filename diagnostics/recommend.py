@@ -341,7 +341,19 @@ def for_hang(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     return [_no_lever(why, "the job completes")]
 
 
+def for_crash(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    ev = finding.evidence
+    where = f" at {ev['raised_at']}" if ev.get("raised_at") else ""
+    record = ev.get("record") or "RUN_DIR"
+    why = (
+        f"fix the error rank {ev.get('rank')} raised{where} (its traceback: {record}, and the rank's log "
+        "train.log / train_rank<N>.log); then resume=RUN_DIR continues from the newest complete checkpoint"
+    )
+    return [_no_lever(why, "the run completes")]
+
+
 RECOMMENDERS = {
+    "crash": for_crash,
     "input_bound": for_input_bound,
     "straggler": for_straggler,
     "comm_bound": for_comm_bound,
