@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from torch import nn
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+from diagnostics.report import diagnose_run
 from disttrain.callbacks import FinalValidation, ProgressPrinter, Throughput
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import (
@@ -206,17 +207,8 @@ def build_diagnostics(
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
     )
     return DiagnosticsCallback(
-        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=lambda: write_run_report(run_dir)
+        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=partial(diagnose_run, run_dir)
     )
-
-
-def write_run_report(run_dir: Path) -> str:
-    """Build RUN_DIR/report/ from the telemetry; returns the short text summary."""
-    from diagnostics.report import build_report, write_report
-
-    report = build_report(run_dir)
-    write_report(report, run_dir)
-    return report.text_summary()
 
 
 def log_report_to_wandb(trainer: pl.Trainer, run_dir: Path) -> bool:

@@ -245,16 +245,22 @@ def measured_peak_memory() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def say_report(run_dir: Path, wandb_trainer: object | None = None) -> None:
-    """The bottleneck report, after every rank has finished writing telemetry. Never fails the run."""
-    from disttrain.build import log_report_to_wandb, write_run_report
+def say_report(run_dir: Path, wandb_trainer: object | None = None, quiet: bool = False) -> Path | None:
+    """The bottleneck report, after every rank has finished writing telemetry, through the function that
+    ``python -m diagnose`` uses; prints its summary unless ``quiet``. Never fails the run. Returns report.md."""
+    from diagnostics.report import diagnose_run
+    from disttrain.build import log_report_to_wandb
 
     try:
-        say(write_run_report(run_dir))
+        report = diagnose_run(run_dir)
+        if not quiet:
+            say(report.text_summary())
         if wandb_trainer is not None and log_report_to_wandb(wandb_trainer, run_dir):  # type: ignore[arg-type]
             say("  the report is attached to the wandb run as an artifact")
+        return report.written_to / "report.md" if report.written_to else None
     except Exception as err:  # a broken report must not turn a finished training run into a failure
         say(f"disttrain: could not write the diagnostics report: {type(err).__name__}: {err}", file=sys.stderr)
+        return None
 
 
 __all__ = ["ConfigError", "run_from_hydra"]
