@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import resource
 import sys
+import threading
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -19,14 +22,30 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from disttrain.build import ModelFacts, model_facts
+from diagnostics.crash import (
+    describe_site,
+    first_line,
+    is_peer_failure,
+    primary_crash,
+    read_crash_records,
+    retire_crash_records,
+    write_crash_record,
+)
+from disttrain.build import ModelFacts, TrainerParts, model_facts
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.describe import RunResult, describe_launch, describe_result
-from disttrain.exit_codes import NONFINITE, RunStopped
+from disttrain.exit_codes import FAILED, NONFINITE, RunStopped
 from disttrain.hardware import check_machine_can_serve, in_cluster_job
-from disttrain.launch import child_command, describe_exit, die_with_parent, is_child_process, spawn_local_ranks
+from disttrain.launch import (
+    LocalRanks,
+    child_command,
+    describe_exit,
+    die_with_parent,
+    is_child_process,
+    spawn_local_ranks,
+)
 from disttrain.manifest import command_line, git_commit, versions, write_json_atomic
 from disttrain.planning import check_fits, describe_memory, predict_memory
 from disttrain.preemption import keep_previous_metrics, slurm_attempt
@@ -34,6 +53,7 @@ from disttrain.preflight import prepare
 from disttrain.redaction import redact, redact_yaml_files
 from disttrain.resume import newest_complete
 from disttrain.supervise import is_supervised, restart_attempt, supervise
+from disttrain.sweeps import TRACEBACK_CHARS, global_rank, write_failure
 
 say = functools.partial(print, flush=True)
 
@@ -120,15 +140,23 @@ def train(
 
     local_processes = layout.devices_per_node
     ranks = None
+    parts: TrainerParts | None = None
     manifest: dict = {}
+    report = run_cfg.diagnostics.enabled and run_cfg.diagnostics.report
+    reporting = threading.Lock()  # one failure report per job: the main thread's or the rank watcher's
+    reports_failures = not is_child_process() and not in_cluster_job()  # the launcher, or a 1-process run
+    if reports_failures:
+        retire_crash_records(run_dir)  # a restart runs in the same run dir
     if layout.world_size > 1 and not is_child_process() and not in_cluster_job():
         ranks = spawn_local_ranks(local_processes, command_for_rank, cwd=os.getcwd())
 
         def abort(rank: int, code: int) -> None:
             # The survivors would wait forever in their next collective: stop the whole job now.
-            ranks.kill()
-            say(rank_died(run_dir, manifest, rank, code), file=sys.stderr)
-            os._exit(1)
+            if not reporting.acquire(blocking=False):
+                return  # the main thread is already reporting this failure
+            stop = stop_for_failure(run_dir, manifest, ranks, [(rank, code)], None, report)
+            say(stop.message, file=sys.stderr)
+            os._exit(stop.exit_code)
 
         ranks.watch(abort)
     threads = run_cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // local_processes)
@@ -166,6 +194,16 @@ def train(
             # Past the last collective a rank ending (even non-zero: a non-finite stop) cannot hang the others.
             ranks.stop_watching()
     except BaseException as err:
+        crashed = isinstance(err, Exception) and not isinstance(err, ConfigError | RunStopped)
+        if crashed:
+            record_crash(run_dir, err, parts)
+        if crashed and is_child_process():
+            # The launcher prints the error of the rank that caused the failure, once: this one's goes to its log.
+            log_to_own_file(run_dir, "".join(traceback.format_exception(err)))
+            raise RunStopped(FAILED) from None
+        if crashed and reports_failures:
+            reporting.acquire()  # if the rank watcher holds it, it is ending this process
+            raise stop_for_failure(run_dir, manifest, ranks, None, err, report) from None
         if ranks is None:
             raise
         # A rank that died makes rank 0's next collective fail at once ("connection reset"): name the cause.
@@ -227,6 +265,79 @@ def train(
         last = newest_complete(parts.ckpt_dir)
         kept = f"; last good checkpoint: {last.checkpoint}" if last else "; no checkpoint was saved before it"
         raise RunStopped(NONFINITE, f"disttrain: stopped: {guard.stop_reason}{kept}")
+
+
+def record_crash(run_dir: Path, error: BaseException, parts: TrainerParts | None) -> None:
+    """This rank's crash record (diagnostics/crash.py): its error, and the step and phase it was in as far as known."""
+    step = phase = None
+    if parts is not None:
+        trainer = parts.trainer
+        step = trainer.global_step + 1 if trainer.training else trainer.global_step  # the step that did not finish
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if hasattr(callback, "crash_site"):  # the diagnostics callback knows the phase
+                step, phase = callback.crash_site(trainer)
+    with contextlib.suppress(Exception):  # the error itself must still reach the user
+        write_crash_record(run_dir, global_rank(), error, step, phase)
+
+
+def log_to_own_file(run_dir: Path, text: str) -> None:
+    """Append ``text`` to this process's log file (Hydra's job log: train.log, train_rank<N>.log), not the console."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    record = logging.LogRecord("disttrain", logging.ERROR, __file__, 0, text.rstrip("\n"), None, None)
+    for handler in files:
+        handler.handle(record)
+    if not files:  # Hydra's logging switched off
+        with contextlib.suppress(OSError), (run_dir / f"train_rank{global_rank()}.log").open("a") as log:
+            log.write(text)
+
+
+def stop_for_failure(
+    run_dir: Path,
+    manifest: dict,
+    ranks: LocalRanks | None,
+    dead: list[tuple[int, int]] | None,
+    own_error: BaseException | None,
+    report: bool,
+) -> RunStopped:
+    """Name the rank whose error stopped the job, from the ranks' crash records; record it in run.json and
+    failure.json, write the report, print that rank's traceback once (the others' echoes go to their logs) and
+    return the stop whose one-line message ends the console."""
+    if ranks is not None:
+        if dead is None:
+            # A peer's connection closing means it is exiting: wait for it, and for its crash record.
+            peer_left = own_error is not None and is_peer_failure(type(own_error).__name__, str(own_error))
+            dead = ranks.dead(wait_s=30.0 if peer_left else 3.0)
+        ranks.kill()
+    cause = primary_crash(read_crash_records(run_dir))
+    if cause is not None:
+        rank, error, trace = cause["rank"], cause["error"], cause.get("traceback") or ""
+        site = describe_site(cause.get("step"), cause.get("phase"))
+        failure = f"rank {rank} raised " + (f"{site}: " if site else "") + error
+        details = {"exception": cause.get("exception"), "step": cause.get("step"), "phase": cause.get("phase")}
+    elif dead:
+        rank, code = dead[0]
+        error, trace, details = describe_exit(code), "", {}
+        failure = f"rank {rank} died ({error})"
+    else:
+        assert own_error is not None, "a failure without a dead rank is this process's own error"
+        rank, error = global_rank(), first_line(own_error)
+        trace, details = "".join(traceback.format_exception(own_error)), {"exception": type(own_error).__name__}
+        failure = f"rank {rank} raised {error}"
+    if own_error is not None and (cause is None or cause["rank"] != global_rank()):
+        log_to_own_file(run_dir, "".join(traceback.format_exception(own_error)))  # an echo of the failure
+    with contextlib.suppress(Exception):  # the job must end whatever happens here
+        write_json_atomic(
+            run_dir / "run.json", {**manifest, "status": "failed", "failure": failure, "failed_rank": rank, **details}
+        )
+        source = f"rank {rank}" + (" (local rank started by rank 0)" if rank else "")
+        write_failure(run_dir, {"error": error, "source": source, "rank": rank, "traceback": trace[-TRACEBACK_CHARS:]})
+    where = ""
+    if report:
+        written = say_report(run_dir, quiet=True)
+        where = f"; report: {written}" if written else ""
+    if trace:
+        say(trace.rstrip("\n"), file=sys.stderr)
+    return RunStopped(FAILED, f"disttrain: {failure}; stopping the job{where}")
 
 
 def rank_died(run_dir: Path, manifest: dict, rank: int, code: int) -> str:

@@ -21,19 +21,21 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from disttrain.launch import CHILD_ENV_FLAG
+
 FAILURE_FILE = "failure.json"
 TRACEBACK_CHARS = 6000
 
 
 def global_rank() -> int:
-    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+    """This process's rank: torchrun's or SLURM's, or the local rank of a rank that rank 0 spawned (single node)."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get(CHILD_ENV_FLAG) or 0)
 
 
 def record_failure(
     run_dir: Path, error: BaseException, source: str, overrides: list[str] | None = None, log: str | None = None
 ) -> bool:
     """Write ``RUN_DIR/failure.json`` unless one exists (the first failure is the cause; later ones follow it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     record: dict[str, Any] = {
         "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
@@ -45,6 +47,12 @@ def record_failure(
         record["overrides"] = overrides
     if log is not None:
         record["log"] = log
+    return write_failure(run_dir, record)
+
+
+def write_failure(run_dir: Path, record: dict[str, Any]) -> bool:
+    """Write ``record`` as ``RUN_DIR/failure.json`` unless one exists; False when it did."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(run_dir / FAILURE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
