@@ -343,11 +343,16 @@ def for_hang(finding: Finding, ctx: RunContext) -> list[Recommendation]:
 
 def for_crash(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     ev = finding.evidence
+    resume = "then resume=RUN_DIR continues from the newest complete checkpoint"
+    if ev.get("exception") is None and ev.get("failure"):  # killed without a record of its own (run.json)
+        why = (
+            f"find out why rank {ev.get('rank')} ended ({ev['failure']}): the kernel's out-of-memory killer (dmesg), "
+            f"the scheduler, or a crash below Python (its log, train_rank<N>.log); {resume}"
+        )
+        return [_no_lever(why, "the run completes")]
     where = f" at {ev['raised_at']}" if ev.get("raised_at") else ""
-    record = ev.get("record") or "RUN_DIR"
     why = (
-        f"fix the error rank {ev.get('rank')} raised{where} (its traceback: {record}, and the rank's log "
-        "train.log / train_rank<N>.log); then resume=RUN_DIR continues from the newest complete checkpoint"
+        f"fix the error rank {ev.get('rank')} raised{where} (its traceback: {ev.get('record') or 'RUN_DIR'}); {resume}"
     )
     return [_no_lever(why, "the run completes")]
 

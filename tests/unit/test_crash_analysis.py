@@ -85,6 +85,8 @@ def test_a_rank_killed_without_a_record_is_named_from_run_json(tmp_path: Path) -
     assert crash.ranks == [1] and crash.severity == "critical"
     assert crash.message == "rank 1 died (killed by SIGKILL); the run stopped"
     assert crash.evidence["peer_failures"] == [0]
+    (advice,) = recommend_all(analyse(run_dir))[0]
+    assert advice.override == "" and "out-of-memory killer" in advice.why
 
     manifest.update(status="running", failed_rank=None)  # no launcher record either: only the echo is known
     (run_dir / "run.json").write_text(json.dumps(manifest))
