@@ -272,7 +272,7 @@ def record_crash(run_dir: Path, error: BaseException, parts: TrainerParts | None
     step = phase = None
     if parts is not None:
         trainer = parts.trainer
-        step = trainer.global_step + 1 if trainer.training else trainer.global_step  # the step that did not finish
+        step = trainer.global_step + 1  # the step that did not finish (Lightning has left its training state here)
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if hasattr(callback, "crash_site"):  # the diagnostics callback knows the phase
                 step, phase = callback.crash_site(trainer)
