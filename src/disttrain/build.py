@@ -21,7 +21,6 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from torch import nn
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
-from diagnostics.report import diagnose_run
 from disttrain.callbacks import FinalValidation, ProgressPrinter, Throughput
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import (
@@ -172,6 +171,8 @@ class TrainerParts:
 def build_diagnostics(
     cfg: RunConfig, plan: BatchPlan, facts: ModelFacts, run_dir: Path, throughput: Throughput
 ) -> DiagnosticsCallback:
+    from diagnostics.report import diagnose_run  # for the hang watchdog, which writes the report before it ends the job
+
     d = cfg.diagnostics
     settings = CollectSettings(
         step_every=d.step_every,
