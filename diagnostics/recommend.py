@@ -341,7 +341,24 @@ def for_hang(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     return [_no_lever(why, "the job completes")]
 
 
+def for_crash(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    ev = finding.evidence
+    resume = "then resume=RUN_DIR continues from the newest complete checkpoint"
+    if ev.get("exception") is None and ev.get("failure"):  # killed without a record of its own (run.json)
+        why = (
+            f"find out why rank {ev.get('rank')} ended ({ev['failure']}): the kernel's out-of-memory killer (dmesg), "
+            f"the scheduler, or a crash below Python (its log, train_rank<N>.log); {resume}"
+        )
+        return [_no_lever(why, "the run completes")]
+    where = f" at {ev['raised_at']}" if ev.get("raised_at") else ""
+    why = (
+        f"fix the error rank {ev.get('rank')} raised{where} (its traceback: {ev.get('record') or 'RUN_DIR'}); {resume}"
+    )
+    return [_no_lever(why, "the run completes")]
+
+
 RECOMMENDERS = {
+    "crash": for_crash,
     "input_bound": for_input_bound,
     "straggler": for_straggler,
     "comm_bound": for_comm_bound,

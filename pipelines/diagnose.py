@@ -16,8 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from diagnostics.crash import read_crash_records
 from diagnostics.recommend import ab_tests
-from diagnostics.report import AB_TOP_K, Report, build_report, write_report
+from diagnostics.report import AB_TOP_K, Report, build_report, diagnose_run
 from diagnostics.report.compare import compare_reports
 from diagnostics.telemetry import TELEMETRY_DIR
 from disttrain.config.errors import USER_ERROR_EXIT_CODE  # torch-free: the CLI stays laptop-friendly
@@ -27,7 +28,8 @@ class UserError(Exception):
     """Bad input from the command line: printed as one line, exit code 2."""
 
 
-def load_report(run_dir: str) -> Report:
+def checked_run_dir(run_dir: str) -> Path:
+    """``run_dir`` as a path, once it holds something to report on (telemetry, or a rank's crash record)."""
     path = Path(run_dir)
     if not path.exists():
         raise UserError(
@@ -36,7 +38,7 @@ def load_report(run_dir: str) -> Report:
         )
     if not path.is_dir():
         raise UserError(f"'{run_dir}' is a file, not a run directory; pass the directory that holds run.json")
-    if not any((path / TELEMETRY_DIR).glob("rank*.jsonl")):
+    if not any((path / TELEMETRY_DIR).glob("rank*.jsonl")) and not read_crash_records(path):
         jobs = sorted(p.name for p in path.iterdir() if p.is_dir() and any((p / TELEMETRY_DIR).glob("rank*.jsonl")))
         if jobs:  # a Hydra multirun dir: its jobs are the runs
             raise UserError(
@@ -47,15 +49,19 @@ def load_report(run_dir: str) -> Report:
             f"'{run_dir}' has no telemetry ({path / TELEMETRY_DIR}/rank*.jsonl is missing): it ran with diagnostics "
             "off or died before its first step; train again with diagnostics on (the default) to get a report"
         )
-    return build_report(path)
+    return path
+
+
+def load_report(run_dir: str) -> Report:
+    return build_report(checked_run_dir(run_dir))
 
 
 def report_command(args: argparse.Namespace) -> int:
-    report = load_report(args.run_dir)
     if not (args.ab or args.run):
-        write_report(report)
-        print(report.text_summary())
+        # The function the end of a training run writes its report with: both give the same report.
+        print(diagnose_run(checked_run_dir(args.run_dir)).text_summary())
         return 0
+    report = load_report(args.run_dir)
     tests = ab_tests(report.analysis, report.recommendations, args.top_k)
     if not tests:
         print("# no recommendation with a config override to A/B-test")

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
-from disttrain.launch.exit_codes import RunStopped
+from disttrain.launch.exit_codes import FAILED, RunStopped
 
 if TYPE_CHECKING:
     from disttrain.job.prepare import Prepared
@@ -33,9 +35,11 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
-    except RunStopped as stop:  # a run that ended without completing (non-finite stop, failed restarts)
+    except RunStopped as stop:  # a run that ended without completing (a crash, a non-finite stop, failed restarts)
         if stop.message:
             print(stop.message, file=sys.stderr)
+        if stop.exit_code == FAILED and HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # one failed job of a sweep: Hydra records it, runs the other jobs, then ends with the failure
         sys.exit(stop.exit_code)
 
 

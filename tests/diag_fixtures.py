@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from diagnostics.crash import crash_path, write_crash_record
 from diagnostics.telemetry import TelemetryWriter
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import validate_run, world_layout
@@ -46,6 +47,8 @@ class Scenario:
     throttle_rank: int | None = None
     bubble: float | None = None
     hang_after: int | None = None  # last completed step before every rank stops
+    # (rank, step, phase): that rank raises in that step; the others' next collective fails ("closed by peer").
+    crash: tuple[int, int, str] | None = None
     jitter: float = 0.03
     comm_ops: tuple[str, ...] = ("gloo:all_reduce",)  # profiled communication, split evenly over these ops
     grad_hook: bool = True  # False: as under FSDP2, backward's communication wait is timed as compute
@@ -80,6 +83,7 @@ SCENARIOS: dict[str, Scenario] = {
         comm_ops=("gloo:send", "gloo:recv"),
     ),
     "hang": Scenario(hang_after=7),
+    "crash": Scenario(crash=(1, 8, "forward")),
 }
 
 
@@ -126,7 +130,8 @@ def _timeline(sc: Scenario, world: int) -> list[tuple[float, list[tuple[float, f
     """Per step: (step_s, per rank (data_wait, forward, backward, optimizer, local_compute))."""
     rng = random.Random(1234)
     steps = []
-    for _ in range(sc.steps if sc.hang_after is None else sc.hang_after):
+    completed = sc.steps if sc.hang_after is None else sc.hang_after
+    for _ in range(completed if sc.crash is None else sc.crash[1] - 1):
         rows = []
         for rank in range(world):
             slow = sc.slow_factor if rank == sc.slow_rank else 1.0
@@ -228,21 +233,37 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                 stacks_dir="hang",
                 in_collective={str(r): r != 1 for r in range(world)},
             )
+    elif sc.crash is not None:
+        _write_profile(writers, sc, t, mean_step)  # its window ended before the crash
+        _write_crash(run_dir, sc.crash, world, t)
     else:
         _write_end(writers, sc, t, mean_step, tokens_per_s, peak, calibrated)
     for w in writers:
         w.close()
 
 
-def _write_end(
-    writers: list[TelemetryWriter],
-    sc: Scenario,
-    t: float,
-    mean_step: float,
-    tokens_per_s: float,
-    peak: float | None,
-    calibrated: float,
-) -> None:
+def _raised(error: Exception) -> Exception:
+    try:
+        raise error
+    except Exception as caught:  # a real traceback, as a rank's except path has it
+        return caught
+
+
+def _write_crash(run_dir: Path, crash: tuple[int, int, str], world: int, t: float) -> None:
+    """The crash records of a run: the raising rank's own, then each survivor's echo of its peer leaving."""
+    rank, step, phase = crash
+    error = _raised(ValueError("bad batch in training forward (deliberate)\nsecond line"))
+    write_crash_record(run_dir, rank, error, step, phase)
+    echo = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2946"
+    others = [r for r in range(world) if r != rank]
+    for other in others:
+        write_crash_record(run_dir, other, _raised(RuntimeError(echo)), step, "backward")
+    for offset, r in enumerate([rank, *others]):  # the cause first, then its echoes
+        path = crash_path(run_dir, r)
+        path.write_text(json.dumps({**json.loads(path.read_text()), "t": t + 1 + offset}))
+
+
+def _write_profile(writers: list[TelemetryWriter], sc: Scenario, t: float, mean_step: float) -> None:
     for rank, w in enumerate(writers):
         slow = sc.slow_factor if rank == sc.slow_rank else 1.0
         compute = (sc.forward + sc.backward + sc.optimizer) * slow
@@ -260,6 +281,19 @@ def _write_end(
             trace_file=None,
             backend="gloo",
         )
+
+
+def _write_end(
+    writers: list[TelemetryWriter],
+    sc: Scenario,
+    t: float,
+    mean_step: float,
+    tokens_per_s: float,
+    peak: float | None,
+    calibrated: float,
+) -> None:
+    _write_profile(writers, sc, t, mean_step)
+    for w in writers:
         if sc.gpu:
             total = 80 * GIB
             w.write(

@@ -144,3 +144,21 @@ class BigramModelWithCredentials(BigramModel):
     def __init__(self, vocab_size: int, seq_len: int, api_token: str = "", note: str = "") -> None:
         super().__init__(vocab_size, seq_len)
         self.has_credentials = bool(api_token or note)
+
+
+class RaisingRankModel(BigramModel):
+    """BigramModel raising ``ValueError`` in its ``at_call``-th training forward on local rank ``raise_rank``: a user's
+    bug that hits one rank only, while the others go on into the next collective."""
+
+    def __init__(self, vocab_size: int, seq_len: int, raise_rank: int = 1, at_call: int = 4) -> None:
+        super().__init__(vocab_size, seq_len)
+        self.raises = _rank() == raise_rank
+        self.at_call = at_call
+        self.calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.raises and self.calls >= self.at_call:
+                raise ValueError(f"bad batch in training forward {self.calls} (deliberate)\nsecond line of the message")
+        return super().forward(tokens)

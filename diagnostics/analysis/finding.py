@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 KINDS = (
+    "crash",
     "hang",
     "input_bound",
     "straggler",
@@ -16,7 +17,7 @@ KINDS = (
     "low_overlap",
     "host_overhead",
     "low_mfu",
-)  # also the tie-break order: a hang explains everything else, low MFU is usually a consequence
+)  # also the tie-break order: a crash or a hang explains everything else, low MFU is usually a consequence
 SEVERITIES = ("critical", "warning", "info")
 
 
@@ -28,6 +29,8 @@ class Finding:
     evidence: dict[str, Any]
     message: str  # one line
     metric: float | None = field(default=None, compare=False)  # the number the severity was graded on
+    # The share of the run this finding takes away and how that was estimated ({"fraction", "basis"}).
+    cost: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -41,6 +44,8 @@ class Finding:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("metric")
+        if out["cost"] is None:  # only the kinds that estimate it carry it
+            out.pop("cost")
         return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from diagnostics.analysis.detect_crash import detect_crash, temper_after_crash
 from diagnostics.analysis.detect_devices import (
     detect_hang,
     detect_low_mfu,
@@ -34,7 +35,11 @@ PHASE_DETECTORS = (
 
 
 def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
-    """All findings, critical first; within a severity, in the order of ``KINDS`` (root causes first)."""
+    """All findings, critical first; within a severity, in the order of ``KINDS`` (root causes first). A crash
+    comes first, and the other findings of a crashed run are graded on the little the run measured."""
     findings = [f for detect in PHASE_DETECTORS for f in detect(run, phases)]
     findings += detect_low_mfu(run, summary)
+    crash = detect_crash(run)
+    if crash:
+        findings = crash + temper_after_crash(findings, run)
     return sorted(findings, key=Finding.sort_key)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diagnostics.crash import read_crash_records
 from diagnostics.telemetry import TELEMETRY_DIR
 
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
@@ -109,6 +110,7 @@ class RunTelemetry:
     manifest: dict[str, Any] | None
     overrides: list[str] | None
     problems: list[str]
+    crashes: dict[int, dict[str, Any]] = field(default_factory=dict)  # failure_rank<N>.json records by rank
 
     @property
     def world_size(self) -> int:
@@ -261,12 +263,14 @@ def read_overrides(run_dir: Path) -> list[str] | None:
 
 
 def load_run(run_dir: Path) -> RunTelemetry:
-    """Parse ``RUN_DIR/telemetry/rank*.jsonl`` (+ run.json); raises FileNotFoundError if there is no telemetry."""
+    """Parse ``RUN_DIR/telemetry/rank*.jsonl``, the ranks' crash records and run.json; raises FileNotFoundError if
+    there is neither telemetry nor a crash record (a run that failed before its first step has only the latter)."""
     run_dir = Path(run_dir)
     files = sorted(
         (int(m.group(1)), p) for p in (run_dir / TELEMETRY_DIR).glob("rank*.jsonl") if (m := RANK_FILE.match(p.name))
     )
-    if not files:
+    crashes = read_crash_records(run_dir)
+    if not files and not crashes:
         raise FileNotFoundError(f"no telemetry files in {run_dir / TELEMETRY_DIR}")
     problems: list[str] = []
     ranks: dict[int, RankTelemetry] = {}
@@ -282,9 +286,9 @@ def load_run(run_dir: Path) -> RunTelemetry:
     manifest, manifest_problem = read_manifest(run_dir)
     if manifest_problem:
         problems.append(manifest_problem)
-    run = RunTelemetry(run_dir, ranks, windows, manifest, read_overrides(run_dir), problems)
+    run = RunTelemetry(run_dir, ranks, windows, manifest, read_overrides(run_dir), problems, crashes)
     missing = sorted(set(range(run.world_size)) - set(ranks))
-    if missing:
+    if missing and files:
         problems.append(f"no telemetry from rank(s) {missing} of {run.world_size}: those ranks never started writing")
     for tele in ranks.values():
         tele.steps.sort(key=lambda s: s.step)

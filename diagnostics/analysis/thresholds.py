@@ -77,3 +77,9 @@ LOW_MFU_CRITICAL = 0.10
 # of the devices idle.
 BUBBLE_FRACTION = 0.15
 BUBBLE_CRITICAL_FRACTION = 0.30
+
+# A run that crashed: its other findings rest on the steps before the crash. With fewer steps than this on a
+# rank (after warm-up, typically only a start-up window and at most one profiler window) they are reported as
+# info only; with more, at most as warnings: the crash is the thing to fix, the rest is measured on a run
+# that did not finish.
+CRASHED_RUN_MIN_STEPS = 10

@@ -262,16 +262,19 @@ class DiagnosticsCallback(pl.Callback):
         self.window = []
 
     def on_validation_start(self, *args: Any) -> None:
+        self.timer.phase = "validation"
         if self.watchdog is not None:
             self.watchdog.beat(self._last_step)
 
     def on_validation_end(self, *args: Any) -> None:
         # Validation is not part of a training step: restart the step clock after it.
         self.timer.reset_clock()
+        self.timer.phase = "other"
         if self.watchdog is not None:
             self.watchdog.beat(self._last_step)
 
     def on_save_checkpoint(self, *args: Any) -> None:
+        self.timer.phase = "checkpoint"  # the write follows this hook; the next data fetch ends the phase
         if self.watchdog is not None:
             self.watchdog.beat(self._last_step)
 
@@ -328,6 +331,13 @@ class DiagnosticsCallback(pl.Callback):
         if self.profiler is not None:
             self.guarded("profiler", self.profiler.close)
             self.profiler = None
+
+    def crash_site(self, trainer: pl.Trainer) -> tuple[int, str]:
+        """(step, phase) this rank is in, for its crash record; steps are numbered as the step records are
+        (the n-th optimizer step), so a step that had not finished is the one after ``global_step``."""
+        phase = self.timer.phase
+        in_step = phase in ("data", "forward", "backward", "optimizer")
+        return trainer.global_step + (1 if in_step else 0), phase
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.teardown_collectors()

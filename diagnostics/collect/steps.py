@@ -62,6 +62,8 @@ class PhaseTimer:
     _backward_start: float = 0.0
     _grad_ready: float | None = None
     _optimizer_start: float | None = None
+    # Where this rank is now (one of diagnostics.crash.PHASES): a crash record names it.
+    phase: str = "other"
 
     def now(self) -> float:
         return self.clock()  # type: ignore[operator]
@@ -71,12 +73,14 @@ class PhaseTimer:
 
     def batch_start(self) -> None:
         self._batch_start = self.now()
+        self.phase = "forward"
 
     def before_backward(self) -> None:
         now = self.now()
         self.current.forward_s += now - self._batch_start
         self._backward_start = now
         self._grad_ready = None
+        self.phase = "backward"
 
     def grad_ready(self) -> None:
         """The first parameter's gradient was accumulated: this rank's backward compute is done."""
@@ -87,6 +91,7 @@ class PhaseTimer:
         self.current.backward_s += now - self._backward_start
         end = self._grad_ready if self._grad_ready is not None and self._grad_ready <= now else now
         self.current.backward_compute_s += end - self._backward_start
+        self.phase = "optimizer"  # gradient clipping and the non-finite check belong to the optimizer step
 
     def schedule_ran(self, forward_s: float, backward_s: float, wall_s: float, pipelined: bool) -> None:
         """A training step whose micro-batches an engine ran itself (Megatron's), outside Lightning's backward
@@ -101,6 +106,7 @@ class PhaseTimer:
 
     def before_optimizer_step(self) -> None:
         self._optimizer_start = self.now()
+        self.phase = "optimizer"
 
     def batch_end(self) -> None:
         """A micro-batch inside gradient accumulation ended; its phases are already added to the step."""
@@ -108,6 +114,7 @@ class PhaseTimer:
     def finish_step(self) -> StepPhases | None:
         """Close the optimizer step that just ended; None for the very first (no previous end to measure from)."""
         now = self.now()
+        self.phase = "other"
         if self._optimizer_start is not None:
             self.current.optimizer_s += now - self._optimizer_start
             self._optimizer_start = None
@@ -138,11 +145,14 @@ class DataWaitProfiler(Profiler):
     def start(self, action_name: str) -> None:
         if action_name.endswith(self.ACTION):
             self._started[action_name] = time.perf_counter()
+            if self.timer is not None:
+                self.timer.phase = "data"
 
     def stop(self, action_name: str) -> None:
         started = self._started.pop(action_name, None)
         if started is not None and self.timer is not None:
             self.timer.data_fetched(time.perf_counter() - started)
+            self.timer.phase = "other"
 
     def summary(self) -> str:
         return ""

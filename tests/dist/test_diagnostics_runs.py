@@ -106,3 +106,46 @@ def test_hung_rank_fires_the_watchdog_names_it_and_leaves_no_process(tmp_path: P
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert leftover == [], f"processes left behind: {leftover}"
+
+
+@pytest.mark.parametrize("raise_rank", [1, 0])
+def test_a_rank_that_raises_is_named_and_its_error_ends_the_console(raise_rank: int, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*SHORT, "trainer.max_steps=20", *USER_MODEL, "+model._target_=tests.plugins.RaisingRankModel",
+            f"+model.raise_rank={raise_rank}", "+model.at_call=6", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    result = run_cli(args, cwd=REPO, timeout=180)
+    assert result.returncode == 1, result.stderr[-3000:]
+    error = "ValueError: bad batch in training forward 6 (deliberate)"
+
+    # The console ends with the raising rank's traceback, once, and the job's one-line summary.
+    lines = result.stderr.rstrip().splitlines()
+    assert lines[-1] == (
+        f"disttrain: rank {raise_rank} raised in forward of step 6: {error}; stopping the job; "
+        f"report: {run_dir / 'report' / 'report.md'}"
+    )
+    assert lines[-3:-1] == [error, "second line of the message"]
+    assert result.stderr.count("Traceback (most recent call last)") == 1
+    console = result.stdout + result.stderr
+    assert "Connection closed by peer" not in console and "Error executing job" not in console
+
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["status"] == "failed" and manifest["failed_rank"] == raise_rank
+    assert (manifest["exception"], manifest["step"], manifest["phase"]) == ("ValueError", 6, "forward")
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["rank"] == raise_rank and failure["error"] == error and "plugins.py" in failure["traceback"]
+    if raise_rank == 1:  # the child's own copy of its error is in its log, not on the console twice
+        assert error in (run_dir / "train_rank1.log").read_text()
+
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    top = report["findings"][0]
+    assert (top["kind"], top["severity"], top["ranks"]) == ("crash", "critical", [raise_rank])
+    ev = top["evidence"]
+    assert (ev["exception"], ev["message"], ev["step"], ev["phase"]) == (
+        "ValueError", "bad batch in training forward 6 (deliberate)", 6, "forward")  # fmt: skip
+    assert all(f["severity"] != "critical" for f in report["findings"][1:])
+
+    # python -m diagnose on the run dir gives the same top finding (the same function wrote both).
+    rebuilt = subprocess.run([sys.executable, "-m", "diagnose", str(run_dir)], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert rebuilt.returncode == 0
+    assert f"critical crash: rank {raise_rank} raised in forward of step 6" in rebuilt.stdout

@@ -117,6 +117,24 @@ def test_data_wait_profiler_forwards_only_the_dataloader_action() -> None:
     assert timer.current.data_wait_s > 0.0
 
 
+def test_phase_timer_knows_which_phase_a_crash_would_interrupt() -> None:
+    from diagnostics.collect.steps import DataWaitProfiler
+
+    timer = PhaseTimer(clock=FakeClock())
+    profiler = DataWaitProfiler()
+    profiler.timer = timer
+    seen = [timer.phase]
+    profiler.start("[_TrainingEpochLoop].train_dataloader_next")
+    seen.append(timer.phase)
+    profiler.stop("[_TrainingEpochLoop].train_dataloader_next")
+    for hook in (timer.batch_start, timer.before_backward, timer.after_backward, timer.before_optimizer_step):
+        hook()
+        seen.append(timer.phase)
+    timer.finish_step()
+    seen.append(timer.phase)
+    assert seen == ["other", "data", "forward", "backward", "optimizer", "optimizer", "other"]
+
+
 def test_profile_split_on_gloo_counts_worker_thread_collectives_as_comm() -> None:
     events = [
         Event("aten::mm", 0.0, 4.0, False),

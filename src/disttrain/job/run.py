@@ -7,11 +7,11 @@ local ranks, fit (build, record the run, ``Trainer.fit``) and finish (run.json, 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import sys
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,17 +20,19 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from diagnostics.crash import retire_crash_records
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_launch, describe_result
+from disttrain.job.failure import FailureReporting, log_to_own_file, rank_died, record_crash, stop_for_failure
 from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
 from disttrain.launch.env import process_role, say
-from disttrain.launch.exit_codes import NONFINITE, RunStopped
-from disttrain.launch.local import LocalRanks, child_command, describe_exit, die_with_parent, spawn_local_ranks
+from disttrain.launch.exit_codes import FAILED, NONFINITE, RunStopped
+from disttrain.launch.local import LocalRanks, child_command, die_with_parent, spawn_local_ranks
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
 from disttrain.planner.auto import check_fits, describe_memory
@@ -118,12 +120,16 @@ def train(
 ) -> None:
     """This process's part of the job: spawn the local ranks (rank 0 of a local launch), fit, finish."""
     manifest: dict = {}  # run.json's content once the run is built; a rank that dies marks it failed
-    ranks = spawn(layout, command_for_rank, run_dir, manifest)
-    parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, manifest)
+    failures = FailureReporting(run_dir, manifest, run_cfg.diagnostics.enabled and run_cfg.diagnostics.report)
+    role = process_role()
+    if not role.child and not role.cluster:  # the launcher, or a 1-process run, reports the job's failure
+        retire_crash_records(run_dir)  # a restart runs in the same run dir
+    ranks = spawn(layout, command_for_rank, failures)
+    parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, failures)
     finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, predicted_memory_bytes)
 
 
-def spawn(layout: WorldLayout, command_for_rank: partial, run_dir: Path, manifest: dict) -> LocalRanks | None:
+def spawn(layout: WorldLayout, command_for_rank: partial, failures: FailureReporting) -> LocalRanks | None:
     """Local ranks 1..n-1 as children of this process, watched: one dying stops the job (None: nothing to spawn)."""
     role = process_role()
     if layout.world_size == 1 or role.child or role.cluster:
@@ -132,9 +138,11 @@ def spawn(layout: WorldLayout, command_for_rank: partial, run_dir: Path, manifes
 
     def abort(rank: int, code: int) -> None:
         # The survivors would wait forever in their next collective: stop the whole job now.
-        ranks.kill()
-        say(rank_died(run_dir, manifest, rank, code), file=sys.stderr)
-        os._exit(1)
+        if not failures.lock.acquire(blocking=False):
+            return  # the main thread is already reporting this failure
+        stop = stop_for_failure(failures, ranks, [(rank, code)], None)
+        say(stop.message, file=sys.stderr)
+        os._exit(stop.exit_code)
 
     ranks.watch(abort)
     return ranks
@@ -149,7 +157,7 @@ def fit(
     run_dir: Path,
     checkpoint: Path | None,
     ranks: LocalRanks | None,
-    manifest: dict,
+    failures: FailureReporting,
 ) -> tuple[TrainerParts, pl.LightningDataModule]:
     """Build the run, record it (config.yaml, run.json) and fit; a dead local rank is named as the cause."""
     import lightning.pytorch as pl
@@ -162,7 +170,10 @@ def fit(
         torch.set_num_threads(threads)
     pl.seed_everything(run_cfg.trainer.seed, workers=True, verbose=False)
 
-    rank_zero = process_role().is_global_zero
+    role = process_role()
+    rank_zero = role.is_global_zero
+    manifest = failures.manifest
+    parts: TrainerParts | None = None
     try:
         parts, module, datamodule = build_run(run_cfg, layout, plan, run_dir, facts)
         manifest |= {
@@ -192,6 +203,16 @@ def fit(
             # Past the last collective a rank ending (even non-zero: a non-finite stop) cannot hang the others.
             ranks.stop_watching()
     except BaseException as err:
+        crashed = isinstance(err, Exception) and not isinstance(err, ConfigError | RunStopped)
+        if crashed:
+            record_crash(run_dir, err, parts)
+        if crashed and role.child:
+            # The launcher prints the error of the rank that caused the failure, once: this one's goes to its log.
+            log_to_own_file(run_dir, "".join(traceback.format_exception(err)))
+            raise RunStopped(FAILED) from None
+        if crashed and not role.cluster:
+            failures.lock.acquire()  # if the rank watcher holds it, it is ending this process
+            raise stop_for_failure(failures, ranks, None, err) from None
         if ranks is None:
             raise
         # A rank that died makes rank 0's next collective fail at once ("connection reset"): name the cause.
@@ -269,15 +290,6 @@ def finish(
         raise RunStopped(NONFINITE, f"disttrain: stopped: {guard.stop_reason}{kept}")
 
 
-def rank_died(run_dir: Path, manifest: dict, rank: int, code: int) -> str:
-    """The one-line report of a dead rank; also marks the run failed in run.json (best effort)."""
-    failure = f"rank {rank} died ({describe_exit(code)})"
-    if manifest:
-        with contextlib.suppress(Exception):  # the job must end whatever happens here
-            write_json_atomic(run_dir / "run.json", {**manifest, "status": "failed", "failure": failure})
-    return f"disttrain: {failure}; stopping the job"
-
-
 def measured_peak_memory() -> int:
     """Peak bytes this rank used: GPU allocator peak on CUDA, else the process's peak RSS."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -285,16 +297,22 @@ def measured_peak_memory() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def say_report(run_dir: Path, wandb_trainer: object | None = None) -> None:
-    """The bottleneck report, after every rank has finished writing telemetry. Never fails the run."""
-    from disttrain.training.build import log_report_to_wandb, write_run_report
+def say_report(run_dir: Path, wandb_trainer: object | None = None, quiet: bool = False) -> Path | None:
+    """The bottleneck report, after every rank has finished writing telemetry, through the function that
+    ``python -m diagnose`` uses; prints its summary unless ``quiet``. Never fails the run. Returns report.md."""
+    from diagnostics.report import diagnose_run
+    from disttrain.training.build import log_report_to_wandb
 
     try:
-        say(write_run_report(run_dir))
+        report = diagnose_run(run_dir)
+        if not quiet:
+            say(report.text_summary())
         if wandb_trainer is not None and log_report_to_wandb(wandb_trainer, run_dir):  # type: ignore[arg-type]
             say("  the report is attached to the wandb run as an artifact")
+        return report.written_to / "report.md" if report.written_to else None
     except Exception as err:  # a broken report must not turn a finished training run into a failure
         say(f"disttrain: could not write the diagnostics report: {type(err).__name__}: {err}", file=sys.stderr)
+        return None
 
 
 __all__ = ["ConfigError", "run_from_hydra"]

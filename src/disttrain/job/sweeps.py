@@ -31,7 +31,6 @@ def record_failure(
     run_dir: Path, error: BaseException, source: str, overrides: list[str] | None = None, log: str | None = None
 ) -> bool:
     """Write ``RUN_DIR/failure.json`` unless one exists (the first failure is the cause; later ones follow it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     record: dict[str, Any] = {
         "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
@@ -43,6 +42,12 @@ def record_failure(
         record["overrides"] = overrides
     if log is not None:
         record["log"] = log
+    return write_failure(run_dir, record)
+
+
+def write_failure(run_dir: Path, record: dict[str, Any]) -> bool:
+    """Write ``record`` as ``RUN_DIR/failure.json`` unless one exists; False when it did."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(run_dir / FAILURE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:

@@ -46,7 +46,8 @@ def process_role(env: Mapping[str, str] | None = None) -> ProcessRole:
     restarts = env.get("TORCHELASTIC_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT")
     world = env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or ""
     return ProcessRole(
-        global_rank=int(env.get("RANK") or env.get("SLURM_PROCID") or 0),
+        # A local rank spawned by rank 0 (single node) carries its rank only in CHILD_ENV_FLAG.
+        global_rank=int(env.get("RANK") or env.get("SLURM_PROCID") or env.get(CHILD_ENV_FLAG) or 0),
         local_rank=int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0),
         launched_world_size=int(world) if world.isdigit() else None,
         child=CHILD_ENV_FLAG in env,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -106,6 +107,8 @@ class TrainerParts:
 def build_diagnostics(
     cfg: RunConfig, plan: BatchPlan, facts: ModelFacts, run_dir: Path, throughput: Throughput
 ) -> DiagnosticsCallback:
+    from diagnostics.report import diagnose_run  # for the hang watchdog, which writes the report before it ends the job
+
     d = cfg.diagnostics
     settings = CollectSettings(
         step_every=d.step_every,
@@ -141,17 +144,8 @@ def build_diagnostics(
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
     )
     return DiagnosticsCallback(
-        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=lambda: write_run_report(run_dir)
+        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=partial(diagnose_run, run_dir)
     )
-
-
-def write_run_report(run_dir: Path) -> str:
-    """Build RUN_DIR/report/ from the telemetry; returns the short text summary."""
-    from diagnostics.report import build_report, write_report
-
-    report = build_report(run_dir)
-    write_report(report, run_dir)
-    return report.text_summary()
 
 
 def log_report_to_wandb(trainer: pl.Trainer, run_dir: Path) -> bool:

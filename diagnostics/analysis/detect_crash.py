@@ -1,0 +1,81 @@
+"""The crash detector: which rank raised what, where in which step; and what a crash does to the other findings.
+
+Read from the ranks' own crash records (``failure_rank<N>.json``, see ``diagnostics.crash``), else from run.json
+(a rank killed by a signal leaves no record; the launcher names it there). Survivors' errors that only say a
+peer went away are evidence of the crash, never its cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from diagnostics.analysis.finding import Finding
+from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.thresholds import CRASHED_RUN_MIN_STEPS
+from diagnostics.crash import describe_site, primary_crash, raised_at
+
+LOST = "the run stopped: every step after it is lost until it is fixed and resumed"
+
+
+def detect_crash(run: RunTelemetry) -> list[Finding]:
+    """One critical ``crash`` finding naming the rank whose error stopped the run; none for a run that did not."""
+    echoes = sorted(rank for rank, record in run.crashes.items() if record.get("peer_failure"))
+    cause = primary_crash(run.crashes)
+    if cause is not None:
+        return [_from_record(run, cause, echoes)]
+    manifest = run.manifest or {}
+    failed_rank = manifest.get("failed_rank")
+    if manifest.get("status") == "failed" and isinstance(failed_rank, int):
+        return [_from_manifest(manifest, failed_rank, echoes)]
+    if echoes:  # every rank that wrote a record saw only a peer vanish: the one that failed left none
+        first = run.crashes[echoes[0]]
+        evidence = {"peer_failures": echoes, "seen": first.get("error"), "step": first.get("step")}
+        message = (
+            f"ranks {echoes} lost a peer ({first.get('error')}); the rank that failed first left no record "
+            "(killed by a signal or the out-of-memory killer?)"
+        )
+        return [_finding(echoes, evidence, message)]
+    return []
+
+
+def _from_record(run: RunTelemetry, record: dict[str, Any], echoes: list[int]) -> Finding:
+    rank = record["rank"]
+    site = describe_site(record.get("step"), record.get("phase"))
+    evidence = {
+        "rank": rank,
+        "exception": record.get("exception"),
+        "message": record.get("message"),
+        "step": record.get("step"),
+        "phase": record.get("phase"),
+        "raised_at": raised_at(str(record.get("traceback") or "")),
+        "record": f"failure_rank{rank}.json",
+        "peer_failures": echoes,  # ranks whose own error only says this one went away
+        "steps_recorded": len(run.ranks[rank].steps) if rank in run.ranks else None,
+    }
+    message = f"rank {rank} raised " + (f"{site}: " if site else "") + f"{record.get('error')}; the run stopped"
+    return _finding([rank], evidence, message)
+
+
+def _from_manifest(manifest: dict[str, Any], rank: int, echoes: list[int]) -> Finding:
+    evidence = {"rank": rank, "failure": manifest.get("failure"), "record": "run.json", "peer_failures": echoes}
+    for key in ("exception", "step", "phase"):
+        evidence[key] = manifest.get(key)
+    return _finding([rank], evidence, f"{manifest.get('failure') or f'rank {rank} failed'}; the run stopped")
+
+
+def _finding(ranks: list[int], evidence: dict[str, Any], message: str) -> Finding:
+    return Finding("crash", "critical", ranks, evidence, message, metric=1.0, cost={"fraction": 1.0, "basis": LOST})
+
+
+def temper_after_crash(findings: list[Finding], run: RunTelemetry) -> list[Finding]:
+    """Other findings of a crashed run, graded no higher than the steps before the crash support (thresholds)."""
+    counts = [len(tele.steps) for tele in run.ranks.values()]
+    ceiling = "info" if not counts or min(counts) < CRASHED_RUN_MIN_STEPS else "warning"
+    tempered = []
+    for finding in findings:
+        if finding.severity == "critical" or (finding.severity == "warning" and ceiling == "info"):
+            evidence = {**finding.evidence, "graded_before_crash": finding.severity}
+            finding = dataclasses.replace(finding, severity=ceiling, evidence=evidence)
+        tempered.append(finding)
+    return tempered

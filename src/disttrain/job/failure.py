@@ -1,0 +1,130 @@
+"""A failed run names its cause: the rank that raised (or died), its error, the step and the phase.
+
+Every rank that raises writes its own crash record (``diagnostics/crash.py``) before it exits; the process that
+reports the job's failure (rank 0 of a local launch, or a 1-process run) reads the records, picks the rank whose
+own error it was (not a peer that only saw the connection close), records it in run.json and failure.json,
+writes the report, prints that rank's traceback once and ends with one line. Survivors' echoes go to their logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from diagnostics.crash import (
+    describe_site,
+    first_line,
+    is_peer_failure,
+    primary_crash,
+    read_crash_records,
+    write_crash_record,
+)
+from disttrain.job.manifest import write_json_atomic
+from disttrain.job.sweeps import TRACEBACK_CHARS, write_failure
+from disttrain.launch.env import process_role, say
+from disttrain.launch.exit_codes import FAILED, RunStopped
+from disttrain.launch.local import LocalRanks, describe_exit
+
+if TYPE_CHECKING:
+    from disttrain.training.build import TrainerParts
+
+
+@dataclass
+class FailureReporting:
+    """What the failure path of one job needs: where to write, run.json's content so far, whether to write the
+    report, and a lock so that the main thread and the rank watcher report a failure once between them."""
+
+    run_dir: Path
+    manifest: dict
+    report: bool
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def record_crash(run_dir: Path, error: BaseException, parts: TrainerParts | None) -> None:
+    """This rank's crash record: its error, and the step and phase it was in as far as known."""
+    step = phase = None
+    if parts is not None:
+        trainer = parts.trainer
+        step = trainer.global_step + 1  # the step that did not finish (Lightning has left its training state here)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if hasattr(callback, "crash_site"):  # the diagnostics callback knows the phase
+                step, phase = callback.crash_site(trainer)
+    with contextlib.suppress(Exception):  # the error itself must still reach the user
+        write_crash_record(run_dir, process_role().global_rank, error, step, phase)
+
+
+def log_to_own_file(run_dir: Path, text: str) -> None:
+    """Append ``text`` to this process's log file (Hydra's job log: train.log, train_rank<N>.log), not the console."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    record = logging.LogRecord("disttrain", logging.ERROR, __file__, 0, text.rstrip("\n"), None, None)
+    for handler in files:
+        handler.handle(record)
+    if not files:  # Hydra's logging switched off
+        with contextlib.suppress(OSError), (run_dir / f"train_rank{process_role().global_rank}.log").open("a") as log:
+            log.write(text)
+
+
+def stop_for_failure(
+    failure_reporting: FailureReporting,
+    ranks: LocalRanks | None,
+    dead: list[tuple[int, int]] | None,
+    own_error: BaseException | None,
+) -> RunStopped:
+    """Name the rank whose error stopped the job, from the ranks' crash records; record it in run.json and
+    failure.json, write the report, print that rank's traceback once (the others' echoes go to their logs) and
+    return the stop whose one-line message ends the console."""
+    from disttrain.job.run import say_report
+
+    run_dir, manifest = failure_reporting.run_dir, failure_reporting.manifest
+    own_rank = process_role().global_rank
+    if ranks is not None:
+        if dead is None:
+            # A peer's connection closing means it is exiting: wait for it, and for its crash record.
+            peer_left = own_error is not None and is_peer_failure(type(own_error).__name__, str(own_error))
+            dead = ranks.dead(wait_s=30.0 if peer_left else 3.0)
+        ranks.kill()
+    cause = primary_crash(read_crash_records(run_dir))
+    if cause is not None:
+        rank, error, trace = cause["rank"], cause["error"], cause.get("traceback") or ""
+        site = describe_site(cause.get("step"), cause.get("phase"))
+        failure = f"rank {rank} raised " + (f"{site}: " if site else "") + error
+        details = {"exception": cause.get("exception"), "step": cause.get("step"), "phase": cause.get("phase")}
+    elif dead:
+        rank, code = dead[0]
+        error, trace, details = describe_exit(code), "", {}
+        failure = f"rank {rank} died ({error})"
+    else:
+        assert own_error is not None, "a failure without a dead rank is this process's own error"
+        rank, error = own_rank, first_line(own_error)
+        trace, details = "".join(traceback.format_exception(own_error)), {"exception": type(own_error).__name__}
+        failure = f"rank {rank} raised {error}"
+    if own_error is not None and (cause is None or cause["rank"] != own_rank):
+        log_to_own_file(run_dir, "".join(traceback.format_exception(own_error)))  # an echo of the failure
+    with contextlib.suppress(Exception):  # the job must end whatever happens here
+        write_json_atomic(
+            run_dir / "run.json", {**manifest, "status": "failed", "failure": failure, "failed_rank": rank, **details}
+        )
+        source = f"rank {rank}" + (" (local rank started by rank 0)" if rank else "")
+        write_failure(run_dir, {"error": error, "source": source, "rank": rank, "traceback": trace[-TRACEBACK_CHARS:]})
+    where = ""
+    if failure_reporting.report:
+        written = say_report(run_dir, quiet=True)
+        where = f"; report: {written}" if written else ""
+    if trace:
+        say(trace.rstrip("\n"), file=sys.stderr)
+    return RunStopped(FAILED, f"disttrain: {failure}; stopping the job{where}")
+
+
+def rank_died(run_dir: Path, manifest: dict, rank: int, code: int) -> str:
+    """The one-line report of a dead rank; also marks the run failed in run.json (best effort)."""
+    failure = f"rank {rank} died ({describe_exit(code)})"
+    if manifest:
+        with contextlib.suppress(Exception):  # the job must end whatever happens here
+            write_json_atomic(run_dir / "run.json", {**manifest, "status": "failed", "failure": failure})
+    return f"disttrain: {failure}; stopping the job"
