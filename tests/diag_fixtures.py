@@ -48,6 +48,7 @@ class Scenario:
     # Ranks also meet before forward, as DDP's buffer broadcast or FSDP's first all-gather makes them: a rank
     # that waits there for a slower one has the wait inside its forward time.
     sync_before_forward: bool = False
+    skew: float = 0.0  # each step one rank, drawn at random, is held this long in forward (a shared host's scheduler)
     mfu: float = 0.35  # against the datasheet (GPU) or calibrated (CPU) peak
     mem_fraction: float = 0.45  # GPU reserved / device memory
     throttle_rank: int | None = None
@@ -172,6 +173,8 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
                 "optimizer": sc.optimizer * slow * j[2] + extra.get("optimizer", 0.0),
             }
             rows.append(seg)
+        if sc.skew:
+            rows[rng.randrange(world)]["forward"] += sc.skew
         if sc.sync_before_forward:
             ready = [start[r] + rows[r]["other"] + rows[r]["data"] for r in range(world)]
             for r in range(world):

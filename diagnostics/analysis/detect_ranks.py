@@ -50,58 +50,70 @@ def segments(s: StepRecord) -> list[float] | None:
     return [other, data, s.forward_s, max(0.0, s.backward_s - wait), wait, optimizer]
 
 
-def lateness_growth(run: RunTelemetry) -> tuple[dict[int, list[list[float]]], int]:
-    """Per rank, per steady step both ranks recorded, how much the rank fell behind in each segment."""
+def lateness_growth(run: RunTelemetry) -> list[dict[int, list[float]]]:
+    """Per steady step that at least two ranks recorded: per rank, how much it fell behind in each segment."""
     by_step: dict[int, dict[int, StepRecord]] = {}
     for rank, tele in run.ranks.items():
         for s in steady(tele.steps):
             if s.bubble_fraction is None:  # pipeline stages do different work by design
                 by_step.setdefault(s.step, {})[rank] = s
-    growth: dict[int, list[list[float]]] = {r: [] for r in run.ranks}
-    steps = 0
+    out: list[dict[int, list[float]]] = []
     for step in sorted(by_step):
         rows = {r: seg for r, rec in by_step[step].items() if (seg := segments(rec)) is not None}
         if len(rows) < 2:
             continue
-        steps += 1
         ends = {r: [by_step[step][r].start_t or 0.0] for r in rows}
         for r, seg in rows.items():
             for seconds in seg:
                 ends[r].append(ends[r][-1] + seconds)
         first = [min(ends[r][i] for r in rows) for i in range(len(SEGMENTS) + 1)]
-        for r in rows:
-            late = [ends[r][i] - first[i] for i in range(len(SEGMENTS) + 1)]
-            growth[r].append([late[i + 1] - late[i] for i in range(len(SEGMENTS))])
-    return growth, steps
+        late = {r: [ends[r][i] - first[i] for i in range(len(SEGMENTS) + 1)] for r in rows}
+        out.append({r: [late[r][i + 1] - late[r][i] for i in range(len(SEGMENTS))] for r in rows})
+    return out
 
 
-def _by_phase(per_step: list[list[float]]) -> dict[str, tuple[float, float]]:
-    """Phase -> (mean growth per step, share of steps in which the rank fell behind in it)."""
-    out: dict[str, tuple[float, float]] = {}
+def _by_phase(per_step: list[list[float]]) -> dict[str, float]:
+    """Phase -> mean growth per step."""
+    out: dict[str, float] = {}
     for phase in dict.fromkeys(name for _, name in SEGMENTS):
         idx = [i for i, (_, name) in enumerate(SEGMENTS) if name == phase]
-        totals = [sum(row[i] for i in idx) for row in per_step]
-        out[phase] = (sum(totals) / len(totals), sum(1 for t in totals if t >= MIN_PHASE_S) / len(totals))
+        out[phase] = sum(sum(row[i] for i in idx) for row in per_step) / len(per_step)
+    return out
+
+
+def _fell_behind(row: list[float]) -> float:
+    """Seconds a rank fell behind in one step, over every phase but data (input_bound's, with its own levers)."""
+    return sum(max(0.0, g) for g, (_, name) in zip(row, SEGMENTS, strict=True) if name != "data")
+
+
+def _excess(steps: list[dict[int, list[float]]], rank: int) -> list[float]:
+    """Per step, how much more ``rank`` fell behind than the median of the other ranks.
+
+    On a shared host every rank falls behind now and then (the scheduler preempts one, then the other): both
+    show the same mean fall-behind. Only what one rank loses beyond the others is a straggler's.
+    """
+    out = []
+    for step in steps:
+        if rank in step:
+            others = median(_fell_behind(row) for r, row in step.items() if r != rank) or 0.0
+            out.append(_fell_behind(step[rank]) - others)
     return out
 
 
 def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
-    growth, steps = lateness_growth(run)
+    steps = lateness_growth(run)
     if not steps:
         return _by_local_compute(run, phases)
     step_s = mean(job_step_times(run)) or 0.0
     slow: dict[int, tuple[str, float, float]] = {}  # rank -> (phase, seconds per step, persistence)
     table: dict[int, dict[str, float]] = {}
-    for rank, per_step in growth.items():
-        if not per_step:
-            continue
-        phases_of_rank = _by_phase(per_step)
-        table[rank] = {p: rounded(v[0]) or 0.0 for p, v in phases_of_rank.items()}
-        phase, (_, share) = max(phases_of_rank.items(), key=lambda kv: kv[1][0])
-        phase = NAMED.get(phase, phase)
-        # Everything the rank falls behind by, over all phases but data: the others wait for all of it. A slow
-        # data pipeline is input_bound's finding (it names the same rank, with the loader's levers).
-        seconds = sum(max(0.0, g) for p, (g, _) in phases_of_rank.items() if p != "data")
+    for rank in sorted({r for step in steps for r in step}):
+        per_step = [step[rank] for step in steps if rank in step]
+        growth = _by_phase(per_step)
+        table[rank] = {p: rounded(v) or 0.0 for p, v in growth.items()}
+        phase = NAMED.get(top := max(growth, key=lambda p: growth[p]), top)
+        excess = _excess(steps, rank)
+        seconds, share = sum(excess) / len(excess), sum(1 for e in excess if e > 0) / len(excess)
         if phase != "data" and step_s and seconds >= STRAGGLER_MIN_COST * step_s and share >= STRAGGLER_PERSISTENCE:
             slow[rank] = (phase, seconds, share)
     if not slow:
@@ -113,9 +125,9 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         "slow_phase": slow[worst][0],
         "slow_phase_by_rank": {r: slow[r][0] for r in flagged},
         "falls_behind_s_per_step": {r: rounded(slow[r][1]) for r in flagged},
-        "steps_falling_behind": {r: rounded(slow[r][2]) for r in flagged},
+        "steps_behind_the_others": {r: rounded(slow[r][2]) for r in flagged},
         "lateness_growth_s_per_step": table,  # per rank and phase; a waiting rank's stays near zero
-        "steps": steps,
+        "steps": len(steps),
         "step_s": rounded(step_s),
         "source": "order of arrival (step start times + phases)",
         "hostnames": hosts,
@@ -126,11 +138,14 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         f"(+{1e3 * slow[r][1]:.0f} ms per step)"
         for r in flagged
     ]
-    waiting = sorted(set(growth) - set(slow))
+    waiting = sorted(set(table) - set(slow))
     message = "; ".join(parts)
     if waiting:
         message += f": {ranks_verb(waiting, 'waits', 'wait')} for {'it' if len(slow) == 1 else 'them'}"
-    basis = f"time rank {worst} falls behind the earliest rank per step / mean step time, over {steps} steps"
+    basis = (
+        f"time rank {worst} falls behind the earliest rank per step beyond the other ranks' median / mean step time, "
+        f"over {len(steps)} steps"
+    )
     return [costed("straggler", sorted(flagged), evidence, message, slow[worst][1] / step_s, basis)]
 
 

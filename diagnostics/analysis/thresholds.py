@@ -33,11 +33,12 @@ INPUT_BOUND_PERSISTENCE = 0.5
 
 # straggler, by order of arrival: per step, how much later than the earliest rank a rank reaches the end of each
 # phase (its lateness). A rank that is slow in a phase falls behind during that phase; a rank that only waits
-# for it at a collective never falls behind, it is caught up with. The slow rank's mean fall-behind per step
-# must be at least 5% of the step (the warning cost: scheduling noise of identical ranks on shared CPUs is
-# ~1-3% per phase and averages out over steps), and it must fall behind in at least half of the steps.
+# for it at a collective never falls behind, it is caught up with. On a shared host every rank falls behind
+# now and then (on the README's default run under load: ~70 ms a step each, the scheduler's choice), so what
+# counts is how much more one rank falls behind than the others' median: at least 5% of the step (the warning
+# cost) and in at least 70% of the steps (random preemption puts a rank behind in about half of them).
 STRAGGLER_MIN_COST = 0.05
-STRAGGLER_PERSISTENCE = 0.5
+STRAGGLER_PERSISTENCE = 0.7
 # Records without phase start times (older collectors): a rank's local compute against the median of the other
 # ranks; identical ranks on shared CPUs differ by ~5-10% from scheduling noise, 25% is outside that band.
 STRAGGLER_RATIO = 1.25

@@ -133,8 +133,6 @@ class Report:
             lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{fix}")
         if len(pairs) > TEXT_FINDINGS:
             lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")
-        if not pairs:
-            lines.append("  no bottleneck found: no detector crossed its threshold")
         if self.analysis.run.problems:
             lines.append(f"  {len(self.analysis.run.problems)} telemetry problem(s) noted in the report")
         if self.written_to is not None:

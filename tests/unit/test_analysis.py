@@ -145,6 +145,14 @@ def test_without_start_times_a_straggler_is_info_at_most(tmp_path: Path) -> None
     assert finding.evidence["corroborated"] is False and "local compute" in finding.evidence["source"]
 
 
+def test_ranks_that_fall_behind_in_turn_are_not_stragglers(tmp_path: Path) -> None:
+    """A loaded shared host: each step the scheduler holds one rank or the other. Both fall behind ~half the
+    time by the same amount; the others' wait is real (the verdict's "waiting"), but no rank is the cause."""
+    analysis = analyse(write_run(tmp_path / "skew", "healthy", skew=0.08, steps=60))
+    assert "straggler" not in {f.kind for f in analysis.findings}
+    assert analysis.summary.step_shares["waiting"] > 0.05
+
+
 def test_mild_imbalance_costs_what_it_costs_and_noise_is_not_a_straggler(tmp_path: Path) -> None:
     mild = findings_of(tmp_path / "a", "straggler", slow_factor=1.1)["straggler"]
     assert mild.severity == "warning" and mild.cost["fraction"] == pytest.approx(0.1 * 0.32 / 0.36, rel=0.15)
