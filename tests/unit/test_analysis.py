@@ -337,3 +337,10 @@ def test_findings_are_ordered_by_cost(tmp_path: Path) -> None:
     assert [f.kind for f in found] == ["input_bound", "low_overlap"]
     assert found[0].cost["fraction"] > found[1].cost["fraction"]
     assert found[0].severity == "warning"
+
+
+def test_low_mfu_against_a_calibrated_peak_is_a_hint_without_a_cost(tmp_path: Path) -> None:
+    cpu = findings_of(tmp_path / "cpu", "healthy", mfu=0.05)["low_mfu"]
+    assert cpu.severity == "info" and cpu.cost["fraction"] == 0.0 and "not estimated" in cpu.cost["basis"]
+    gpu = findings_of(tmp_path / "gpu", "low_mfu")["low_mfu"]  # 5% of a datasheet peak: 75% would go at 20%
+    assert gpu.severity == "critical" and gpu.cost["fraction"] == pytest.approx(0.75, abs=0.01)
