@@ -8,7 +8,7 @@ finding without a config lever (a slow host, a hot GPU, a hang) says so in ``why
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +26,27 @@ DEFAULT_GPU_WORKERS = 4
 LOG_EVERY_N_STEPS = 10
 
 
+NOT_ESTIMATED = {"fraction": 0.0, "basis": "not estimated from this run's telemetry"}
+
+
+def gain(finding: Finding, share: float, basis: str) -> dict[str, Any]:
+    """Expected gain: ``share`` of the finding's cost (a share of the step time), and how it was estimated."""
+    return {"fraction": round(min(1.0, max(0.0, share * finding.cost_fraction)), 4), "basis": basis}
+
+
 @dataclass(frozen=True)
 class Recommendation:
-    """``key=value`` is the change to try; ``pinned`` overrides keep everything else equal to the original."""
+    """``key=value`` is the change to try; ``pinned`` overrides keep everything else equal to the original.
+
+    ``expected_gain``: the share of the step time it should save ({"fraction", "basis"}), from the finding's cost.
+    """
 
     key: str | None
     value: str | None
     why: str
     expected_effect: str
     pinned: tuple[str, ...] = ()
+    expected_gain: dict[str, Any] = field(default_factory=lambda: dict(NOT_ESTIMATED), compare=False)
 
     @property
     def override(self) -> str:
@@ -44,7 +56,15 @@ class Recommendation:
         return " ".join([*self.pinned, f"{self.key}={self.value}"])
 
     def to_json(self) -> dict[str, Any]:
-        return {"override": self.override, "why": self.why, "expected_effect": self.expected_effect}
+        return {
+            "override": self.override,
+            "why": self.why,
+            "expected_effect": self.expected_effect,
+            "expected_gain": self.expected_gain,
+        }
+
+    def gaining(self, expected: dict[str, Any]) -> Recommendation:
+        return replace(self, expected_gain=expected)
 
 
 def _rec(key: str | None, value: Any, why: str, effect: str, pinned: tuple[str, ...] = ()) -> Recommendation:
@@ -53,6 +73,11 @@ def _rec(key: str | None, value: Any, why: str, effect: str, pinned: tuple[str, 
 
 def _no_lever(why: str, effect: str) -> Recommendation:
     return Recommendation(None, None, f"No config lever: {why}", effect)
+
+
+# What each lever is expected to recover of its finding's cost, and why (keyed by override key, or value).
+ALL_OF_IT = 1.0
+HALF = 0.5
 
 
 def _kept_global(ctx: RunContext) -> tuple[str, ...]:
@@ -115,28 +140,39 @@ def for_input_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     why = f"batches are produced {now}; {workers} workers per rank load ahead while the current batch trains"
     if not key.startswith("data."):
         why += " (passed to your datamodule's constructor)"
-    recs = [_rec(key, workers, why, f"up to {wait:.0%} shorter steps if loading parallelizes")]
+    hidden = gain(finding, ALL_OF_IT, "the slowest rank's data wait, hidden if the workers keep up")
+    recs = [_rec(key, workers, why, f"up to {wait:.0%} shorter steps if loading parallelizes").gaining(hidden)]
     if ctx.on_gpu and ctx.get("data.pin_memory") is False:
         why = "page-locked host batches copy to the GPU asynchronously"
         recs.append(_rec("data.pin_memory", True, why, "hides the host-to-device copy"))
     if ctx.get("data.name") == "custom" or not ctx.has("data.num_workers"):
-        recs.append(_no_lever("profile your datamodule's __getitem__/collate; the loader cannot be faster", "-"))
+        note = _no_lever("profile your datamodule's __getitem__/collate; the loader cannot be faster", "-")
+        recs.append(note.gaining(gain(finding, ALL_OF_IT, "the data wait, once batches are produced in time")))
     return recs
 
 
+# Where to look, by the phase a rank is slow in.
+SLOW_PHASE_HINTS = {
+    "forward": "its compute (other processes: top / nvidia-smi, clocks and temperature: nvidia-smi -q -d "
+    "PERFORMANCE, CPU/NUMA binding) or rank-dependent work in the model's forward",
+    "backward": "its compute (other processes, clocks, CPU/NUMA binding) or rank-dependent work in backward hooks",
+    "optimizer": "its optimizer step (CPU offload, gradient clipping or hooks that run on this rank only)",
+    "other": "work between steps on this rank only: logging, checkpoint writes, callbacks, rank-0-only hooks",
+}
+
+
 def for_straggler(finding: Finding, ctx: RunContext) -> list[Recommendation]:
-    rank = finding.ranks[0]
+    slow = finding.evidence.get("slow_phase_by_rank") or {}
+    rank = max(finding.ranks, key=lambda r: (finding.evidence.get("falls_behind_s_per_step") or {}).get(r, 0.0))
     host = (finding.evidence.get("hostnames") or {}).get(rank)
-    ratio = (finding.evidence.get("ratio_to_median_of_others") or {}).get(rank, 0.0)
+    phase = slow.get(rank) or finding.evidence.get("slow_phase") or "forward"
     where = f"rank {rank}" + (f" on host {host}" if host else "")
-    return [
-        _no_lever(
-            f"{where} computes {ratio:.2f}x slower than the others with the same work; check that host (other "
-            "processes: top / nvidia-smi, clocks and temperature: nvidia-smi -q -d PERFORMANCE, CPU/NUMA binding) "
-            "and exclude it (sbatch --exclude) if it stays slow",
-            f"steps about {1 - 1 / ratio:.0%} shorter once every rank runs at the others' pace" if ratio else "-",
-        )
-    ]
+    why = (
+        f"{where} is slow in {phase} while the others wait for it; check {SLOW_PHASE_HINTS.get(phase, phase)}, and "
+        "exclude a slow host (sbatch --exclude) if it stays slow"
+    )
+    expected = gain(finding, ALL_OF_IT, "the time the others wait for it per step")
+    return [_no_lever(why, "every rank at the others' pace").gaining(expected)]
 
 
 # PowerSGD's default rank and warm-up (conf/strategy/ddp.yaml); a matrix below this width compresses < 8x.
@@ -145,13 +181,14 @@ POWERSGD_WARMUP_STEPS = 50
 POWERSGD_MIN_WIDTH = 64
 
 
-def _ddp_comm_hooks(ctx: RunContext) -> list[Recommendation]:
+def _ddp_comm_hooks(ctx: RunContext, finding: Finding) -> list[Recommendation]:
     """DDP comm hooks that send fewer bytes than the run did (strategy.comm_hook), smallest change first."""
     hook = ctx.get("strategy.comm_hook") or "none"
     recs: list[Recommendation] = []
     if hook == "none" and ctx.get("precision.name") != "bf16-true":  # bf16-true gradients are 2 bytes already
         why = "gradients are all-reduced in fp32; a bf16 copy of each bucket keeps fp32's range at half the size"
-        recs.append(_rec("strategy.comm_hook", "bf16", why, "half the gradient all-reduce bytes"))
+        half = gain(finding, HALF, "half the bytes: half of the exposed communication time (bandwidth-bound)")
+        recs.append(_rec("strategy.comm_hook", "bf16", why, "half the gradient all-reduce bytes").gaining(half))
     width = ctx.get("model.d_model")
     max_steps = ctx.get("trainer.max_steps")
     if hook != "powersgd" and (not isinstance(width, int) or width >= POWERSGD_MIN_WIDTH):
@@ -168,24 +205,31 @@ def _ddp_comm_hooks(ctx: RunContext) -> list[Recommendation]:
                 return recs  # no step would be left after PowerSGD's shortest warm-up
             pinned = (f"strategy.powersgd_warmup_steps={max(2, max_steps // 10)}",)
         effect = "gradient bytes cut by about the ratio above after the warm-up; check the loss curve"
-        recs.append(_rec("strategy.comm_hook", "powersgd", why, effect, pinned))
+        most = gain(finding, 0.8, "most of the exposed communication; compression costs compute on both ends")
+        recs.append(_rec("strategy.comm_hook", "powersgd", why, effect, pinned).gaining(most))
     rank = ctx.get("strategy.powersgd_rank")
     if hook == "powersgd" and isinstance(rank, int) and rank > 1:
         why = f"the P and Q factors grow with the rank: rank {rank // 2} sends half of what rank {rank} does"
-        recs.append(_rec("strategy.powersgd_rank", rank // 2, why, "half the compressed bytes; a coarser gradient"))
+        effect = "half the compressed bytes; a coarser gradient"
+        half = gain(finding, HALF, "half of the compressed bytes' exposed time")
+        recs.append(_rec("strategy.powersgd_rank", rank // 2, why, effect).gaining(half))
     return recs
 
 
 def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     why = "gradients are reduced once per optimizer step; twice the accumulation halves the reductions per token"
-    recs = _bigger_global(ctx, why, "communication per token halves (the batch doubles: retune lr if needed)")
+    effect = "communication per token halves (the batch doubles: retune lr if needed)"
+    per_token = gain(finding, HALF, "one reduction per twice the tokens: half the communication per token")
+    recs = [r.gaining(per_token) for r in _bigger_global(ctx, why, effect)]
     precision = ctx.get("precision.name")
+    busy = bool(ctx.host_cores_busy())
     if ctx.strategy == "ddp":
-        recs += _ddp_comm_hooks(ctx)
+        recs += _ddp_comm_hooks(ctx, finding)
         bucket = ctx.get("strategy.bucket_cap_mb") or 25
         why = f"fewer, larger all-reduces than {bucket} MB buckets pay the collective latency fewer times"
         recs.append(_rec("strategy.bucket_cap_mb", 4 * bucket, why, "less exposed communication if latency-bound"))
-        if precision != "fp16-mixed":  # FSDP2 here takes fp32 and bf16 policies only
+        # Moving communication behind compute needs a free core (or a GPU) to run it on.
+        if precision != "fp16-mixed" and not busy:  # FSDP2 here takes fp32 and bf16 policies only
             why = (
                 "FSDP reduce-scatters gradients per block during backward (in bf16 if asked); it moves 1.5x DDP's "
                 "bytes, so it pays when overlap, not bandwidth, is the limit"
@@ -194,14 +238,35 @@ def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     elif ctx.strategy == "fsdp":
         if precision in ("bf16-mixed", "bf16-true") and ctx.get("strategy.reduce_dtype") == "fp32":
             why = "reduce-scatter gradients in bf16 instead of fp32"
-            recs.append(_rec("strategy.reduce_dtype", "bf16", why, "half the gradient bytes"))
+            half = gain(finding, HALF, "half the bytes: half of the exposed communication time")
+            recs.append(_rec("strategy.reduce_dtype", "bf16", why, "half the gradient bytes").gaining(half))
         if ctx.get("strategy.reshard_after_forward") is True:
             why = "keep gathered parameters from forward to backward: one all-gather per block instead of two"
             recs.append(_rec("strategy.reshard_after_forward", False, why, "a third less traffic, more memory"))
     return recs
 
 
+def _nothing_to_overlap_with(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    """A CPU host whose compute threads fill every core: overlap cannot help, fewer bytes can."""
+    threads = f"{ctx.num_threads} thread(s)" if ctx.num_threads else "the default threads"
+    ranks = ctx.ranks_per_host or ctx.local_ranks()
+    why = (
+        f"{ranks} rank(s) x {threads} already occupy all {ctx.cpu_count} cores of the host, so communication "
+        "started earlier (smaller buckets, prefetching) would only take cores from the compute; sending fewer "
+        "bytes is what shortens it"
+    )
+    recs = _ddp_comm_hooks(ctx, finding) if ctx.strategy == "ddp" else []
+    return [*recs, _no_lever(why, "overlap gains nothing on this host")]
+
+
 def for_low_overlap(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    if finding.evidence.get("host_cores_busy") or ctx.host_cores_busy():
+        return _nothing_to_overlap_with(finding, ctx)
+    hidden = gain(finding, ALL_OF_IT, "the exposed communication, hidden behind backward compute")
+    return [r.gaining(hidden) if r.key else r for r in _overlap_levers(ctx)]
+
+
+def _overlap_levers(ctx: RunContext) -> list[Recommendation]:
     if ctx.strategy == "ddp":
         bucket = ctx.get("strategy.bucket_cap_mb") or 25
         smaller = max(1, bucket // 4)
@@ -237,6 +302,11 @@ def for_low_overlap(finding: Finding, ctx: RunContext) -> list[Recommendation]:
 
 
 def for_memory_pressure(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    headroom = {"fraction": 0.0, "basis": "memory headroom, not speed: these levers trade some step time for memory"}
+    return [r.gaining(headroom) for r in _memory_levers(ctx)]
+
+
+def _memory_levers(ctx: RunContext) -> list[Recommendation]:
     recs: list[Recommendation] = []
     if ctx.strategy == "fsdp" and ctx.get("strategy.activation_checkpointing") is False:
         why = "recompute each block's activations in backward instead of keeping them"
@@ -286,7 +356,8 @@ def _compile(ctx: RunContext) -> list[Recommendation]:
 
 
 def for_host_overhead(finding: Finding, ctx: RunContext) -> list[Recommendation]:
-    recs = _compile(ctx) + _larger_micro(ctx)
+    amortized = gain(finding, HALF, "the per-step overhead spread over twice the tokens")
+    recs = _compile(ctx) + [r.gaining(amortized) for r in _larger_micro(ctx)]
     every = ctx.get("trainer.log_every_n_steps")
     if isinstance(every, int) and every < LOG_EVERY_N_STEPS:
         why = f"logging every {every} step(s) syncs the loss across ranks each time"
@@ -313,15 +384,27 @@ def for_pipeline_bubble(finding: Finding, ctx: RunContext) -> list[Recommendatio
                 "the step, with the same optimizer batch"
             )
             pinned = (f"trainer.micro_batch_size={micro // 2}", *_kept_global(ctx))
-            recs.append(_rec("strategy.microbatches", 2 * m, why, "about half the idle share per step", pinned))
+            rec = _rec("strategy.microbatches", 2 * m, why, "about half the idle share per step", pinned)
+            recs.append(rec.gaining(_bubble_gain(finding, pp, 2 * m)))
         layers = ctx.get("model.n_layers")
         interleavable = isinstance(layers, int) and layers % (2 * pp) == 0 and m % pp == 0
         if ctx.get("strategy.schedule") in ("gpipe", "1f1b") and interleavable:
             why = "two model chunks per pipeline rank (interleaved 1F1B) divide the bubble by two at the same batch"
             effect = "half the bubble, for twice the stage-to-stage messages"
-            recs.append(_rec("strategy.schedule", "interleaved_1f1b", why, effect, ("strategy.virtual_stages=2",)))
+            rec = _rec("strategy.schedule", "interleaved_1f1b", why, effect, ("strategy.virtual_stages=2",))
+            recs.append(rec.gaining(gain(finding, HALF, "two chunks per rank halve the bubble")))
     why = "more microbatches per step shrink the schedule's bubble, (pp-1)/(m+pp-1) of the step"
-    return recs + _bigger_global(ctx, why, "smaller idle share per step")
+    bigger = _bigger_global(ctx, why, "smaller idle share per step")
+    if isinstance(pp, int) and pp > 1 and isinstance(m, int):
+        bigger = [r.gaining(_bubble_gain(finding, pp, 2 * m)) for r in bigger]
+    return recs + bigger
+
+
+def _bubble_gain(finding: Finding, pp: int, m: int) -> dict[str, Any]:
+    """The measured bubble minus the schedule's bubble at ``m`` micro-batches, (pp-1)/(m+pp-1)."""
+    after = (pp - 1) / (m + pp - 1)
+    saved = max(0.0, finding.cost_fraction - after)
+    return {"fraction": round(saved, 4), "basis": f"measured bubble - (pp-1)/(m+pp-1) at m={m}"}
 
 
 def for_throttling(finding: Finding, ctx: RunContext) -> list[Recommendation]:
@@ -329,7 +412,7 @@ def for_throttling(finding: Finding, ctx: RunContext) -> list[Recommendation]:
         f"{finding.message}; check cooling and power limits (nvidia-smi -q -d PERFORMANCE,POWER,TEMPERATURE) and "
         "move the job off that node if it persists"
     )
-    return [_no_lever(why, "full clocks again on that device")]
+    return [_no_lever(why, "full clocks again on that device").gaining(gain(finding, ALL_OF_IT, "the clock lost"))]
 
 
 def for_hang(finding: Finding, ctx: RunContext) -> list[Recommendation]:
@@ -338,7 +421,7 @@ def for_hang(finding: Finding, ctx: RunContext) -> list[Recommendation]:
         " a rank outside the collective the others wait in is usually a rank-dependent branch, an exception "
         "swallowed on one rank, or a deadlocked data loader"
     )
-    return [_no_lever(why, "the job completes")]
+    return [_no_lever(why, "the job completes").gaining({"fraction": 1.0, "basis": "the run completes"})]
 
 
 def for_crash(finding: Finding, ctx: RunContext) -> list[Recommendation]:

@@ -8,12 +8,14 @@ on a laptop, without torch or a GPU.
 Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
 
 - ``meta``: once per rank at start. What ran: world layout, device, which sampler was available, the
-  FLOPs accounting and the peaks MFU is measured against.
+  FLOPs accounting and the peaks MFU is measured against; ``cpu_count`` and ``num_threads`` (torch threads
+  per rank) say whether the compute already fills the host's cores.
 - ``step``: per optimizer step (or every ``step_every`` steps). Wall time of the step and its phases as seen
   by this rank. ``data_wait_s`` is time inside ``next(dataloader)``; ``local_compute_s`` is forward +
   backward + optimizer work timed *without* waiting for other ranks; ``comm_wait_s`` is the part of backward
   after this rank's gradients were ready (exposed all-reduce, and waiting for slower ranks); ``other_s`` is
-  the rest of the step (hooks, logging, checkpoint writes).
+  the rest of the step (hooks, logging, checkpoint writes). ``start_t`` is the unix time the step started on
+  this rank's host: with the phases it orders the ranks' arrivals (who fell behind in which phase).
 - ``ranks``: written by rank 0 every few steps from a tiny all-gather: per-rank lists (index = rank) of the
   mean local compute, step time and data wait over the last window. DDP equalizes step times, so this is
   where a straggler shows.
@@ -44,14 +46,14 @@ TELEMETRY_DIR = "telemetry"
 
 RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "meta": (
-        "world_size", "local_rank", "hostname", "pid", "cpu_count", "host_memory_bytes", "device", "sampler",
-        "strategy", "precision", "hw",
+        "world_size", "local_rank", "hostname", "pid", "cpu_count", "num_threads", "host_memory_bytes", "device",
+        "sampler", "strategy", "precision", "hw",
         "compute_dtype", "num_parameters", "flops_per_token", "hardware_flops_per_token", "tokens_per_step",
         "micro_batch_size", "accumulation", "seq_len", "peak_flops", "peak_flops_source", "max_steps",
     ),
     "step": (
         "step", "step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s",
-        "comm_wait_s", "other_s", "tokens",
+        "comm_wait_s", "other_s", "tokens", "start_t",
     ),
     "ranks": ("step", "window_steps", "local_compute_s", "step_s", "data_wait_s"),
     "sample": (

@@ -40,8 +40,16 @@ class Scenario:
     comm: float = 0.02  # true exposed communication per step, paid by every rank
     overlap: float = 0.7  # share of profiled communication hidden behind compute
     profile_comm: float = 0.05  # profiled communication per step (hidden + exposed)
+    other: float = 0.001  # hooks and loop overhead between two steps (before the data fetch)
     slow_rank: int | None = None
-    slow_factor: float = 1.0
+    slow_factor: float = 1.0  # slow_rank's forward, backward and optimizer take this many times longer
+    slow_phase: str | None = None  # or: slow_rank spends slow_s more in this phase (data|forward|...|other)
+    slow_s: float = 0.0
+    cpu_count: int | None = None  # of the host (None: unknown, as from an older collector); 1 thread per rank
+    # Ranks also meet before forward, as DDP's buffer broadcast or FSDP's first all-gather makes them: a rank
+    # that waits there for a slower one has the wait inside its forward time.
+    sync_before_forward: bool = False
+    skew: float = 0.0  # each step one rank, drawn at random, is held this long in forward (a shared host's scheduler)
     mfu: float = 0.35  # against the datasheet (GPU) or calibrated (CPU) peak
     mem_fraction: float = 0.45  # GPU reserved / device memory
     throttle_rank: int | None = None
@@ -66,7 +74,7 @@ SCENARIOS: dict[str, Scenario] = {
     "comm_bound": Scenario(comm=0.40, profile_comm=0.42, overlap=0.05),
     "low_overlap": Scenario(comm=0.06, profile_comm=0.08, overlap=0.1),
     # Well overlapped, but the all-reduce takes as long as the backward: no headroom (a WideModel-like run).
-    "comm_saturated": Scenario(comm=0.03, profile_comm=0.22, overlap=0.9),
+    "comm_saturated": Scenario(comm=0.03, profile_comm=0.22, overlap=0.9, cpu_count=2),
     "host_overhead": Scenario(host_gap=0.25),
     "throttled": Scenario(overrides=(*GPU, "precision=bf16-mixed"), throttle_rank=1),
     "memory_pressure": Scenario(overrides=(*GPU, "precision=bf16-mixed"), mem_fraction=0.985),
@@ -126,20 +134,67 @@ def write_run(run_dir: Path, name: str, *, manifest: bool = True, **changes: obj
     return run_dir
 
 
-def _timeline(sc: Scenario, world: int) -> list[tuple[float, list[tuple[float, float, float, float, float]]]]:
-    """Per step: (step_s, per rank (data_wait, forward, backward, optimizer, local_compute))."""
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's step as the collector records it (seconds; start_t on the shared host clock)."""
+
+    start_t: float
+    step_s: float
+    other: float
+    data: float
+    forward: float
+    backward_compute: float
+    comm_wait: float
+    optimizer: float
+
+    @property
+    def local_compute(self) -> float:
+        return self.forward + self.backward_compute + self.optimizer
+
+
+def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
+    """Per step, per rank, a DDP-like step on one clock: ranks meet at the gradient all-reduce.
+
+    Each rank starts when its previous step ended, runs other, data, forward and backward on its own, waits at
+    the end of backward until the last rank arrives plus the true communication, then steps its optimizer. A
+    slow rank's extra time therefore shows up as the others' comm wait (or, with ``grad_hook=False`` as under
+    FSDP2, inside their backward).
+    """
     rng = random.Random(1234)
-    steps = []
+    steps: list[list[RankStep]] = []
+    start = [T0] * world
     completed = sc.steps if sc.hang_after is None else sc.hang_after
     for _ in range(completed if sc.crash is None else sc.crash[1] - 1):
         rows = []
         for rank in range(world):
             slow = sc.slow_factor if rank == sc.slow_rank else 1.0
-            j = [1 + rng.uniform(-sc.jitter, sc.jitter) for _ in range(4)]
-            f, b, o = (sc.forward + sc.host_gap) * slow * j[0], sc.backward * slow * j[1], sc.optimizer * slow * j[2]
-            rows.append((sc.data_wait * j[3], f, b, o, f + b + o + sc.overhead))
-        # DDP equalizes step time: everyone finishes with the slowest rank, plus the true communication.
-        steps.append((max(d + lc for d, _, _, _, lc in rows) + sc.comm, rows))
+            extra = {sc.slow_phase: sc.slow_s} if rank == sc.slow_rank and sc.slow_phase else {}
+            j = [1 + rng.uniform(-sc.jitter, sc.jitter) for _ in range(5)]
+            seg = {
+                "other": sc.other * j[4] + extra.get("other", 0.0),
+                "data": sc.data_wait * j[3] + extra.get("data", 0.0),
+                "forward": (sc.forward + sc.host_gap) * slow * j[0] + extra.get("forward", 0.0),
+                "backward": sc.backward * slow * j[1] + sc.overhead + extra.get("backward", 0.0),
+                "optimizer": sc.optimizer * slow * j[2] + extra.get("optimizer", 0.0),
+            }
+            rows.append(seg)
+        if sc.skew:
+            rows[rng.randrange(world)]["forward"] += sc.skew
+        if sc.sync_before_forward:
+            ready = [start[r] + rows[r]["other"] + rows[r]["data"] for r in range(world)]
+            for r in range(world):
+                rows[r]["forward"] += max(ready) - ready[r]
+        arrive = [start[r] + rows[r]["other"] + rows[r]["data"] + rows[r]["forward"] + rows[r]["backward"]
+                  for r in range(world)]  # fmt: skip
+        release = max(arrive) + sc.comm
+        step = []
+        for rank, seg in enumerate(rows):
+            end = release + seg["optimizer"]
+            wait = release - arrive[rank]
+            times = (seg["other"], seg["data"], seg["forward"], seg["backward"], wait, seg["optimizer"])
+            step.append(RankStep(start[rank], end - start[rank], *times))
+            start[rank] = end
+        steps.append(step)
     return steps
 
 
@@ -148,7 +203,7 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
     seq_len = config["model"]["seq_len"]
     tokens_per_step = batch["global_batch_size"] * seq_len
     timeline = _timeline(sc, world)
-    mean_step = sum(s for s, _ in timeline) / len(timeline)
+    mean_step = sum(max(r.step_s for r in rows) for rows in timeline) / len(timeline)
     tokens_per_s = tokens_per_step / mean_step
     peak = 989.4e12 if sc.gpu else None
     calibrated = 40e9
@@ -163,6 +218,8 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
             local_rank=rank,
             hostname=f"node{rank // 8}",
             pid=1000 + rank,
+            cpu_count=sc.cpu_count,
+            num_threads=1,
             device=f"cuda:{rank}" if sc.gpu else "cpu",
             sampler="nvml" if sc.gpu else "cpu",
             strategy=config["strategy"]["name"],
@@ -184,27 +241,27 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
             w.write("calibration", t=T0, dtype="fp32", matrix_size=1024, flops_per_s=calibrated, seconds=0.5)
     t = T0
     window: list[list[tuple[float, float, float]]] = []
-    for step, (step_s, rows) in enumerate(timeline, start=1):
-        t += step_s
+    for step, rows in enumerate(timeline, start=1):
+        t = max(r.start_t + r.step_s for r in rows)
         measured = []
-        for rank, (d, f, b, o, lc) in enumerate(rows):
+        for rank, r in enumerate(rows):
             extra = {} if sc.bubble is None else {"bubble_fraction": sc.bubble}
             # As the collector times it: backward's wall time includes DDP's wait for the last buckets.
-            wait = step_s - d - lc
-            backward_wall = b + sc.overhead + wait
+            local, wait = r.local_compute, r.comm_wait
             if not sc.grad_hook:
-                lc, wait = lc + wait, 0.0
-            measured.append((lc, step_s, d))
+                local, wait = local + wait, 0.0
+            measured.append((local, r.step_s, r.data))
             writers[rank].write(
                 "step",
-                t=t,
+                t=r.start_t + r.step_s,
                 step=step,
-                step_s=step_s,
-                data_wait_s=d,
-                forward_s=f,
-                backward_s=backward_wall,
-                optimizer_s=o,
-                local_compute_s=lc,
+                step_s=r.step_s,
+                start_t=r.start_t,
+                data_wait_s=r.data,
+                forward_s=r.forward,
+                backward_s=r.backward_compute + r.comm_wait,
+                optimizer_s=r.optimizer,
+                local_compute_s=local,
                 comm_wait_s=wait,
                 tokens=tokens_per_step,
                 **extra,
@@ -352,3 +409,20 @@ def _sample(w: TelemetryWriter, sc: Scenario, rank: int, step: int, t: float) ->
         temp_c=89.0 if throttled else 62.0,
         throttle_reasons=["sw_thermal_slowdown", "hw_thermal_slowdown"] if throttled else [],
     )
+
+
+def slice_steps(run_dir: Path, first: int, last: int, out: Path) -> Path:
+    """A copy of ``run_dir`` whose telemetry keeps only the meta records and the steps ``first``..``last``.
+
+    One spawned run can then hold several scenarios in consecutive step ranges, each analysed on its own.
+    """
+    out.mkdir(parents=True)
+    for name in ("run.json", ".hydra"):
+        if (run_dir / name).is_file():
+            (out / name).write_bytes((run_dir / name).read_bytes())
+    (out / "telemetry").mkdir()
+    for path in sorted((run_dir / "telemetry").glob("rank*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        kept = [r for r in records if r["kind"] == "meta" or (r["kind"] == "step" and first <= r["step"] <= last)]
+        (out / "telemetry" / path.name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return out

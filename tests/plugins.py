@@ -162,3 +162,89 @@ class RaisingRankModel(BigramModel):
             if self.raises and self.calls >= self.at_call:
                 raise ValueError(f"bad batch in training forward {self.calls} (deliberate)\nsecond line of the message")
         return super().forward(tokens)
+
+
+# -- a slow rank in every phase, one after another (tests/dist/test_diagnostics_ranks.py) -------------------------
+SLOW_PHASES = ("data", "forward", "backward", "optimizer", "other")
+PHASE_SLEEP_S = 0.08  # several times a step of BigramModel: far above scheduling noise on a shared CPU
+PHASE_SEGMENT_STEPS = 8
+PHASE_FIRST_STEP = 6  # after the warm-up steps the analysis drops anyway
+
+
+def phase_plan() -> list[tuple[str, int, int, int]]:
+    """(phase, slow rank, first step, last step) of each segment, steps counted from 0 by optimizer steps taken.
+
+    The telemetry numbers a step by ``global_step`` after it, so segment steps [a, b] are records a+1 .. b+1.
+    """
+    plan, step = [], PHASE_FIRST_STEP
+    for phase in SLOW_PHASES:
+        for rank in (0, 1):
+            plan.append((phase, rank, step, step + PHASE_SEGMENT_STEPS - 1))
+            step += PHASE_SEGMENT_STEPS
+    return plan
+
+
+class _PhaseClock:
+    """This process's optimizer steps so far (a global optimizer hook) and the sleep the plan asks for now."""
+
+    steps = 0
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+        cls.installed = True
+
+        def after_step(*_: object) -> None:
+            # Not a pre-hook: Lightning's optimizer.step(closure) runs the hooks before the closure (forward and
+            # backward); after the update is the optimizer phase as the step timer sees it.
+            cls.delay("optimizer")
+            cls.steps += 1
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(after_step)
+
+    @classmethod
+    def delay(cls, phase: str) -> None:
+        import time
+
+        rank = _rank()
+        for name, slow_rank, first, last in phase_plan():
+            if name == phase and slow_rank == rank and first <= cls.steps <= last:
+                time.sleep(PHASE_SLEEP_S)
+
+
+class PhaseSlowModel(BigramModel):
+    """BigramModel whose rank sleeps in forward, at the start of backward, or before the optimizer step when
+    ``phase_plan()`` says so (data and the time between steps: ``PhaseSlowData``)."""
+
+    def __init__(self, vocab_size: int, seq_len: int) -> None:
+        super().__init__(vocab_size, seq_len)
+        _PhaseClock.install()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            _PhaseClock.delay("forward")
+        logits = super().forward(tokens)
+        if self.training and logits.requires_grad:
+            logits.register_hook(lambda _: _PhaseClock.delay("backward"))  # the first thing backward runs
+        return logits
+
+
+class PhaseSlowData(CountingData):
+    """CountingData whose rank is slow to produce a batch (data) or to hand it over (other), by ``phase_plan()``."""
+
+    def train_dataloader(self) -> DataLoader:
+        def collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+            _PhaseClock.delay("data")
+            return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+        return DataLoader(self.data, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, collate_fn=collate)
+
+    def on_after_batch_transfer(self, batch: object, dataloader_idx: int) -> object:
+        # Runs after the batch is fetched and before the step's forward: time no phase timer covers ("other").
+        if self.trainer is not None and self.trainer.training:
+            _PhaseClock.delay("other")
+        return batch

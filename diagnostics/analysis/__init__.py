@@ -11,6 +11,7 @@ from pathlib import Path
 from diagnostics.analysis.finding import KINDS, SEVERITIES, Finding
 from diagnostics.analysis.findings import find_all
 from diagnostics.analysis.load import RunTelemetry, load_run
+from diagnostics.analysis.shares import step_shares
 from diagnostics.analysis.summary import RankPhases, Summary, summarize
 
 
@@ -26,6 +27,7 @@ def analyse(run_dir: Path) -> Analysis:
     """Load ``run_dir``'s telemetry and run every detector (FileNotFoundError if it has no telemetry)."""
     run = load_run(Path(run_dir))
     summary, phases = summarize(run)
+    summary.step_shares = step_shares(run, phases)
     return Analysis(run, summary, phases, find_all(run, summary, phases))
 
 

@@ -32,12 +32,40 @@ class RunContext:
     config: dict[str, Any]
     batch: dict[str, Any]
     cpu_count: int | None
+    num_threads: int | None = None  # torch intra-op threads per rank (meta; not in every collector version)
+    ranks_per_host: int | None = None  # ranks that reported the same hostname
 
     @classmethod
     def from_run(cls, run: RunTelemetry) -> RunContext:
         manifest = run.manifest or {}
         cpus = run.meta("cpu_count")  # of the training host; not in every collector version
-        return cls(manifest.get("config") or {}, manifest.get("batch") or {}, cpus if isinstance(cpus, int) else None)
+        threads = run.meta("num_threads")
+        hosts: dict[str, int] = {}
+        for tele in run.ranks.values():
+            if isinstance(host := (tele.meta or {}).get("hostname"), str):
+                hosts[host] = hosts.get(host, 0) + 1
+        return cls(
+            manifest.get("config") or {},
+            manifest.get("batch") or {},
+            cpus if isinstance(cpus, int) else None,
+            threads if isinstance(threads, int) and not isinstance(threads, bool) else None,
+            max(hosts.values()) if hosts else None,
+        )
+
+    def host_cores_busy(self) -> bool | None:
+        """Whether a CPU run's compute threads already occupy every core of the host (None: unknown).
+
+        Then communication has no idle core to run on while compute runs: overlapping it (smaller buckets,
+        prefetching) cannot shorten the step, and overlapped communication slows the compute it shares cores
+        with. Threads default to cores // local ranks (trainer.num_threads: null), which fills the host.
+        """
+        if self.on_gpu or self.get("hw.accelerator") not in (None, "cpu") or not self.cpu_count:
+            return None
+        threads = self.num_threads or self.get("trainer.num_threads")
+        ranks = self.ranks_per_host or self.local_ranks()
+        if not isinstance(threads, int):
+            threads = max(1, self.cpu_count // ranks)
+        return threads * ranks >= self.cpu_count
 
     def get(self, dotted: str) -> Any:
         node: Any = self.config

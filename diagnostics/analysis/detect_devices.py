@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from diagnostics.analysis.finding import Finding, grade, ranks_text
+from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.detect_steps import collective_comm_s, exposed_comm
+from diagnostics.analysis.finding import Finding, cost, costed, ranks_text, ranks_verb
 from diagnostics.analysis.load import RunTelemetry, num
-from diagnostics.analysis.stats import mean, present, ratio, rounded
+from diagnostics.analysis.stats import mean, median, present, ratio, rounded
 from diagnostics.analysis.summary import RankPhases, Summary
 from diagnostics.analysis.thresholds import (
     LOW_MFU,
-    LOW_MFU_CRITICAL,
-    LOW_OVERLAP_CRITICAL_RATIO,
     LOW_OVERLAP_RATIO,
     MEMORY_CRITICAL_FRACTION,
     MEMORY_PRESSURE_FRACTION,
     OVERLAP_MIN_COMM_FRACTION,
-    THROTTLE_CRITICAL_FRACTION,
     THROTTLE_SAMPLE_FRACTION,
 )
 
@@ -47,34 +46,48 @@ def slowdown_reasons(value: Any) -> list[str]:
 
 
 def detect_low_overlap(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
-    overlap: dict[int, float] = {}
-    comm_share: dict[int, float] = {}
-    for p in phases:
-        # Pipeline sends/receives are the bubble's, not collectives to hide (see profile_collective_share).
-        share = ratio((p.profile_comm_s or 0.0) * p.profile_collective_share, p.profile_total_s)
-        hidden = ratio(p.profile_overlap_s or 0.0, p.profile_comm_s)
-        if p.profile_comm_s is None:
-            share = None
-        if share is not None and hidden is not None and share >= OVERLAP_MIN_COMM_FRACTION:
-            comm_share[p.rank] = share
-            if hidden < LOW_OVERLAP_RATIO:
-                overlap[p.rank] = hidden
-    if not overlap:
+    """Collective communication the profile saw mostly unhidden, costed by what the whole run confirms.
+
+    A collective is one event for all ranks: its hidden share is the ranks' median and its exposed cost the
+    minimum over ranks (see collective_comm_s). The profile window is 3 steps; the whole run's step records
+    (DDP: the wait after each rank's own backward) must show the same exposed time, else the windows of every
+    rank must agree (FSDP, whose waits the step timer cannot separate). The cost is the smaller of the two.
+    """
+    comm_s = collective_comm_s(phases)
+    hidden = {p.rank: h for p in phases if (h := ratio(p.profile_overlap_s or 0.0, p.profile_comm_s)) is not None}
+    if comm_s is None or not hidden or (median(hidden.values()) or 0.0) >= LOW_OVERLAP_RATIO:
         return []
-    flagged = sorted(overlap)
-    worst = min(overlap.values())
-    severity = grade(worst, LOW_OVERLAP_RATIO, LOW_OVERLAP_CRITICAL_RATIO, below=True) or "warning"
+    steps, profile, _ = exposed_comm(run, phases)
+    ranks = sorted(hidden)
+    if not profile or len(profile) < len(ranks):
+        return []
+    window = min(profile.values())
+    if len(steps) == len(ranks):
+        fraction, corroborated = min(window, min(steps.values())), True
+        basis = "exposed communication / step time: the smaller of the profile window and the whole run's comm wait"
+    else:
+        fraction, corroborated = window, len(profile) >= 2
+        basis = "exposed communication / profiled step time, minimum over the ranks' profile windows"
+    if fraction < OVERLAP_MIN_COMM_FRACTION:
+        return []
+    busy = RunContext.from_run(run).host_cores_busy()
     evidence = {
-        "overlap_over_comm": {r: rounded(overlap[r]) for r in flagged},
-        "comm_fraction_of_window": {r: rounded(comm_share[r]) for r in flagged},
-        "comm_by_op_s": {r: run.ranks[r].profiles[-1].comm_by_op for r in flagged if run.ranks[r].profiles},
+        "overlap_over_comm": {r: rounded(hidden[r]) for r in ranks},
+        "exposed_comm_fraction_profile": {r: rounded(f) for r, f in sorted(profile.items())},
+        "exposed_comm_fraction_steps": {r: rounded(f) for r, f in sorted(steps.items())},
+        "collective_comm_s_per_step": rounded(comm_s),
+        "comm_by_op_s": {r: run.ranks[r].profiles[-1].comm_by_op for r in ranks if run.ranks[r].profiles},
+        "host_cores_busy": busy,
         "threshold_ratio": LOW_OVERLAP_RATIO,
     }
     message = (
-        f"{ranks_text(flagged)} hide only {100 * worst:.0f}% of their communication behind compute "
-        f"(communication is {100 * max(comm_share[r] for r in flagged):.0f}% of the profiled window)"
+        f"{ranks_verb(ranks, 'hides', 'hide')} only {100 * (median(hidden.values()) or 0.0):.0f}% of "
+        f"{'its' if len(ranks) == 1 else 'their'} communication behind compute: {100 * fraction:.0f}% of the step "
+        "is exposed communication"
     )
-    return [Finding("low_overlap", severity, flagged, evidence, message, 1.0 - worst)]
+    if busy:
+        message += " (the compute threads fill every core: there is nothing to overlap with)"
+    return [costed("low_overlap", ranks, evidence, message, fraction, basis, corroborated=corroborated)]
 
 
 def _host_memory_total(run: RunTelemetry, rank: int) -> float | None:
@@ -124,9 +137,11 @@ def detect_memory_pressure(run: RunTelemetry, phases: list[RankPhases]) -> list[
         "peak_rss_bytes": {r: by_rank[r].peak_rss_bytes for r in flagged if by_rank[r].peak_rss_bytes},
         "threshold_fraction": MEMORY_PRESSURE_FRACTION,
     }
-    severity = grade(worst, MEMORY_PRESSURE_FRACTION, MEMORY_CRITICAL_FRACTION) or "warning"
+    # A risk, not time: nothing is lost until the OOM, which loses the run. Graded on the headroom left.
+    severity = "critical" if worst >= MEMORY_CRITICAL_FRACTION else "warning"
     message = f"{ranks_text(flagged)} peak at {100 * worst:.0f}% of memory ({basis[flagged[0]]}): close to OOM"
-    return [Finding("memory_pressure", severity, flagged, evidence, message, worst)]
+    price = cost(0.0, "no step time lost yet: a risk of running out of memory, graded on the headroom")
+    return [Finding("memory_pressure", severity, flagged, evidence, message, worst, price)]
 
 
 def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
@@ -140,7 +155,10 @@ def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
             continue
         shares[rank] = sum(1 for h in hits if h) / len(nvml)
         reasons[rank] = sorted({n for h in hits for n in h})
+        slow = mean(s.sm_clock_mhz for s, h in zip(nvml, hits, strict=True) if h)
+        full = mean(s.sm_clock_mhz for s, h in zip(nvml, hits, strict=True) if not h)
         clocks[rank] = {
+            "clock_lost": rounded(1.0 - slow / full) if slow and full else None,
             "mean_sm_clock_mhz": rounded(mean(s.sm_clock_mhz for s in nvml)),
             "max_temp_c": max(present(s.temp_c for s in nvml), default=None),
             "max_power_w": max(present(s.power_w for s in nvml), default=None),
@@ -149,7 +167,8 @@ def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     if not flagged:
         return []
     worst = max(shares[r] for r in flagged)
-    severity = grade(worst, THROTTLE_SAMPLE_FRACTION, THROTTLE_CRITICAL_FRACTION) or "warning"
+    # A synchronous job runs at its slowest device: the worst device's clock loss is the job's.
+    lost = {r: shares[r] * (clocks[r]["clock_lost"] if clocks[r]["clock_lost"] is not None else 1.0) for r in flagged}
     evidence = {
         "throttled_sample_fraction": {r: rounded(shares[r]) for r in flagged},
         "reasons": {r: reasons[r] for r in flagged},
@@ -160,20 +179,21 @@ def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
         f"{ranks_text(flagged)}: GPU clocks held down ({', '.join(reasons[flagged[0]])}) in "
         f"{100 * worst:.0f}% of samples"
     )
-    return [Finding("throttling", severity, flagged, evidence, message, worst)]
+    basis = "throttled share of NVML samples x SM clock lost in them (unknown clocks: the share), worst device"
+    return [costed("throttling", flagged, evidence, message, max(lost.values()), basis, metric=worst)]
 
 
 def detect_low_mfu(run: RunTelemetry, summary: Summary) -> list[Finding]:
     if summary.mfu is not None:
         value, peak, source = summary.mfu, summary.peak_flops, summary.peak_flops_source or "datasheet"
-        severity = grade(value, LOW_MFU, LOW_MFU_CRITICAL, below=True)
+        trusted = True
     elif summary.calibrated_mfu is not None:
         # A measured matmul peak is a moving target (threads, clocks): worth knowing, not worth alarming.
         value, peak, source = summary.calibrated_mfu, summary.calibrated_peak_flops, "calibrated matmul"
-        severity = "info" if value < LOW_MFU else None
+        trusted = False
     else:
         return []
-    if severity is None:
+    if value >= LOW_MFU:
         return []
     evidence = {
         "mfu": rounded(value),
@@ -188,7 +208,12 @@ def detect_low_mfu(run: RunTelemetry, summary: Summary) -> list[Finding]:
     }
     per_device = f"{(peak or 0) / 1e12:.1f} TFLOP/s" if (peak or 0) >= 1e12 else f"{(peak or 0) / 1e9:.1f} GFLOP/s"
     message = f"MFU is {100 * value:.1f}% of the {source} peak ({per_device} per device)"
-    return [Finding("low_mfu", severity, list(range(summary.world_size)), evidence, message, 1.0 - value)]
+    basis = f"step time that would go at {100 * LOW_MFU:.0f}% MFU: 1 - MFU / {LOW_MFU}"
+    ranks = list(range(summary.world_size))
+    fraction = 1.0 - value / LOW_MFU
+    if not trusted:  # a tiny model on a CPU is far from any matmul peak and no faster for knowing it
+        fraction, basis = 0.0, "not estimated: against a calibrated matmul peak MFU is a hint, not a measured loss"
+    return [costed("low_mfu", ranks, evidence, message, fraction, basis, corroborated=trusted, metric=value)]
 
 
 def _in_collective(run: RunTelemetry) -> dict[int, bool]:
@@ -239,4 +264,5 @@ def detect_hang(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
         f"no step completed within {first.get('timeout_s', '?')} s; {ranks_text(named)} {why} — the others wait "
         f"for {'it' if len(named) == 1 else 'them'}; stacks in {stacks or 'RUN_DIR/hang/'}"
     )
-    return [Finding("hang", "critical", named, evidence, message)]
+    lost = cost(1.0, "no step completes: the run is lost")
+    return [Finding("hang", "critical", named, evidence, message, None, lost)]

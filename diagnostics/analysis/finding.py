@@ -1,9 +1,11 @@
-"""What a detector reports: one limiting factor of the run, with the numbers that prove it."""
+"""What a detector reports: one limiting factor of the run, with the numbers that prove it and what it costs."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING
 
 KINDS = (
     "crash",
@@ -17,8 +19,21 @@ KINDS = (
     "low_overlap",
     "host_overhead",
     "low_mfu",
-)  # also the tie-break order: a crash or a hang explains everything else, low MFU is usually a consequence
+)  # the tie-break order at equal cost: a crash or a hang explains everything else, low MFU is usually a consequence
 SEVERITIES = ("critical", "warning", "info")
+PHASES = ("data", "forward", "backward", "optimizer", "other")  # what a slow rank is slow in
+
+
+def cost(fraction: float, basis: str) -> dict[str, Any]:
+    """``fraction``: share of the step time that would go away without the bottleneck, clipped to [0, 1]."""
+    return {"fraction": round(min(1.0, max(0.0, fraction)), 4), "basis": basis}
+
+
+def severity_of(fraction: float, *, corroborated: bool = True) -> str:
+    """The one scale for every kind; evidence that no second source confirms is info at most."""
+    if not corroborated or fraction < COST_WARNING:
+        return "info"
+    return "critical" if fraction >= COST_CRITICAL else "warning"
 
 
 @dataclass(frozen=True)
@@ -28,9 +43,8 @@ class Finding:
     ranks: list[int]
     evidence: dict[str, Any]
     message: str  # one line
-    metric: float | None = field(default=None, compare=False)  # the number the severity was graded on
-    # The share of the run this finding takes away and how that was estimated ({"fraction", "basis"}).
-    cost: dict[str, Any] | None = field(default=None, compare=False)
+    metric: float | None = field(default=None, compare=False)  # the detector's own number (compare shows it)
+    cost: dict[str, Any] = field(default_factory=lambda: cost(0.0, "not estimated"))  # {"fraction", "basis"}
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -38,8 +52,14 @@ class Finding:
         if self.severity not in SEVERITIES:
             raise ValueError(f"unknown severity {self.severity!r}; use one of {SEVERITIES}")
 
-    def sort_key(self) -> tuple[int, int, float]:
-        return SEVERITIES.index(self.severity), KINDS.index(self.kind), -(self.metric or 0.0)
+    @property
+    def cost_fraction(self) -> float:
+        return float(self.cost.get("fraction") or 0.0)
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Biggest lever first. Severity follows cost, except that uncorroborated findings are info whatever their
+        estimate, and risks (memory) are graded on headroom: so severity first, then cost, then root causes."""
+        return SEVERITIES.index(self.severity), -self.cost_fraction, KINDS.index(self.kind)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -49,12 +69,33 @@ class Finding:
         return out
 
 
-def grade(value: float, warning: float, critical: float, *, below: bool = False) -> str | None:
-    """Severity of ``value`` against two thresholds (``below``: smaller is worse); None when fine."""
-    if below:
-        return "critical" if value < critical else "warning" if value < warning else None
-    return "critical" if value >= critical else "warning" if value >= warning else None
+def costed(
+    kind: str,
+    ranks: list[int],
+    evidence: dict[str, Any],
+    message: str,
+    fraction: float,
+    basis: str,
+    *,
+    corroborated: bool = True,
+    metric: float | None = None,
+) -> Finding:
+    """A finding graded on its cost; ``corroborated=False`` (one source only) caps it at info."""
+    price = cost(fraction, basis)
+    severity = severity_of(price["fraction"], corroborated=corroborated)
+    if not corroborated:
+        evidence = {**evidence, "corroborated": False}
+    return Finding(kind, severity, ranks, evidence, message, metric, price)
+
+
+def pct(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%"
 
 
 def ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
+
+
+def ranks_verb(ranks: list[int], singular: str, plural: str) -> str:
+    """``rank 1 hides`` / ``ranks 0,1 hide``: the verb agrees with the number of ranks."""
+    return f"{ranks_text(ranks)} {singular if len(ranks) == 1 else plural}"

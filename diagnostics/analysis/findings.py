@@ -10,12 +10,12 @@ from diagnostics.analysis.detect_devices import (
     detect_memory_pressure,
     detect_throttling,
 )
+from diagnostics.analysis.detect_ranks import detect_straggler
 from diagnostics.analysis.detect_steps import (
     detect_comm_bound,
     detect_host_overhead,
     detect_input_bound,
     detect_pipeline_bubble,
-    detect_straggler,
 )
 from diagnostics.analysis.finding import Finding
 from diagnostics.analysis.load import RunTelemetry
@@ -35,8 +35,8 @@ PHASE_DETECTORS = (
 
 
 def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
-    """All findings, critical first; within a severity, in the order of ``KINDS`` (root causes first). A crash
-    comes first, and the other findings of a crashed run are graded on the little the run measured."""
+    """All findings, the biggest lever first (cost descending; see ``Finding.sort_key``). A crash comes first,
+    and the other findings of a crashed run are graded on the little the run measured."""
     findings = [f for detect in PHASE_DETECTORS for f in detect(run, phases)]
     findings += detect_low_mfu(run, summary)
     crash = detect_crash(run)

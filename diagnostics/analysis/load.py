@@ -42,6 +42,7 @@ class StepRecord:
     comm_wait_s: float | None = None
     tokens: float | None = None
     bubble_fraction: float | None = None  # pipeline schedules only; not in every collector version
+    start_t: float | None = None  # unix time the step started on this rank's host; not in every collector version
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ def _step(rec: dict[str, Any]) -> StepRecord | None:
         step=step,
         step_s=num(rec.get("step_s")),
         bubble_fraction=num(rec.get("bubble_fraction")),
+        start_t=num(rec.get("start_t")),
         **{k: num(rec.get(k)) for k in keys},
     )
 

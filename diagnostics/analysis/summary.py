@@ -63,6 +63,7 @@ class Summary:
     step_time: dict[str, float | None] = field(default_factory=dict)
     peak_memory: dict[str, float | None] = field(default_factory=dict)
     accounting_errors: list[str] = field(default_factory=list)
+    step_shares: dict[str, float] | None = None  # where the step goes (analysis.shares), filled by analyse()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,7 +87,7 @@ def _collective_share(tele: RankTelemetry) -> float:
     return 1.0 - p2p / total if total > 0 else 1.0
 
 
-def _unattributed(s: StepRecord) -> float | None:
+def unattributed_s(s: StepRecord) -> float | None:
     compute = s.local_compute_s
     if compute is None and s.forward_s is not None:
         compute = sum(present([s.forward_s, s.backward_s, s.optimizer_s]))
@@ -121,7 +122,7 @@ def rank_phases(tele: RankTelemetry) -> RankPhases:
     other = None
     if means["step_s"] is not None and accounted:
         other = max(0.0, means["step_s"] - sum(accounted))
-    per_step = [_unattributed(s) for s in steps]
+    per_step = [unattributed_s(s) for s in steps]
     mem = tele.memory or {}
     return RankPhases(
         rank=tele.rank,

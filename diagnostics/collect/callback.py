@@ -122,6 +122,7 @@ class DiagnosticsCallback(pl.Callback):
             hostname=socket.gethostname(),
             pid=os.getpid(),
             cpu_count=os.cpu_count(),
+            num_threads=torch.get_num_threads(),  # with cpu_count and ranks per host: are the cores all busy?
             host_memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             device=str(device),
             sampler=reader.source,  # type: ignore[attr-defined]
@@ -172,8 +173,23 @@ class DiagnosticsCallback(pl.Callback):
         self.watchdog.start()
 
     def _hook_first_parameter(self, pl_module: pl.LightningModule) -> None:
+        """Mark the end of this rank's backward compute: the gradient of the first parameter (the input embedding,
+        which autograd computes last) and of that module's output.
+
+        The output's gradient is computed under every strategy, just before the embedding's own, and fires first;
+        the parameter hook is the fallback where that module's output needs no gradient (FSDP2 calls it only after
+        its reduce-scatter). The rest of backward (the final all-reduce / reduce-scatter and the wait for slower
+        ranks) is comm wait.
+        """
         first = next(p for p in pl_module.parameters() if p.requires_grad)
         first.register_post_accumulate_grad_hook(lambda _: self._timed(self.timer.grad_ready))
+        owner = next((m for m in pl_module.modules() if any(p is first for p in m.parameters(recurse=False))), None)
+        if owner is not None:
+            owner.register_forward_hook(self._mark_output_gradient)
+
+    def _mark_output_gradient(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if module.training and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda _: self._timed(self.timer.grad_ready))
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -224,6 +240,7 @@ class DiagnosticsCallback(pl.Callback):
                 "step",
                 step=step,
                 step_s=phases.step_s,
+                start_t=phases.start_t,
                 data_wait_s=phases.data_wait_s,
                 forward_s=phases.forward_s,
                 backward_s=phases.backward_s,

@@ -6,9 +6,10 @@ after backward -> before optimizer step -> batch end; whatever else happens betw
 logging, checkpoint writes) is ``other_s``. DDP all-reduces during backward and waits for the last buckets at its
 end, so backward wall time mixes compute with waiting for slower ranks. A post-accumulate-grad hook on the
 model's first parameter (the input embedding, whose gradient autograd computes last) marks when this rank's
-own backward compute ended; the rest of backward is exposed communication. Where that hook never fires
-(FSDP2 assigns sharded gradients outside autograd) the whole backward counts as compute, and the comm wait
-is read from the profiler window instead.
+own backward compute ended; the rest of backward is exposed communication. FSDP2 assigns sharded gradients
+outside autograd, so there a hook on the gradient of that module's output marks it instead. Where neither
+fires (a first parameter outside any module's forward) the whole backward counts as compute, and the comm
+wait is read from the profiler window instead.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class StepPhases:
     pipeline_wait_s: float = 0.0  # pipeline schedules: time inside the schedule computing nothing (bubble, p2p)
     pipelined: bool = False
     step_s: float = 0.0
+    # Unix time the step started (the previous step's end): ranks on one host share the clock, so the analysis
+    # can tell which rank reached each phase end last (the order of arrival; see diagnostics/analysis/detect_ranks).
+    start_t: float = 0.0
 
     @property
     def local_compute_s(self) -> float:
@@ -56,8 +60,10 @@ class PhaseTimer:
     """Accumulates micro-batch phases into the current optimizer step; ``finish_step`` returns and resets."""
 
     clock: object = time.perf_counter
+    wall_clock: object = time.time
     current: StepPhases = field(default_factory=StepPhases)
     _last_step_end: float | None = None
+    _last_step_end_wall: float = 0.0
     _batch_start: float = 0.0
     _backward_start: float = 0.0
     _grad_ready: float | None = None
@@ -83,8 +89,13 @@ class PhaseTimer:
         self.phase = "backward"
 
     def grad_ready(self) -> None:
-        """The first parameter's gradient was accumulated: this rank's backward compute is done."""
-        self._grad_ready = self.now()
+        """The input embedding's gradient is (about to be) computed: this rank's backward compute is done.
+
+        The first call of a backward counts: FSDP2 runs the first parameter's post-accumulate-grad hook itself
+        after its reduce-scatter (and the wait for the other ranks), which is communication, not compute.
+        """
+        if self._grad_ready is None:
+            self._grad_ready = self.now()
 
     def after_backward(self) -> None:
         now = self.now()
@@ -118,12 +129,14 @@ class PhaseTimer:
         if self._optimizer_start is not None:
             self.current.optimizer_s += now - self._optimizer_start
             self._optimizer_start = None
-        done, previous_end = self.current, self._last_step_end
+        done, previous_end, previous_wall = self.current, self._last_step_end, self._last_step_end_wall
         self.current = StepPhases()
         self._last_step_end = now
+        self._last_step_end_wall = self.wall_clock()  # type: ignore[operator]
         if previous_end is None:
             return None
         done.step_s = now - previous_end
+        done.start_t = previous_wall
         return done
 
     def reset_clock(self) -> None:

@@ -64,3 +64,14 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
         else:
             out[dotted] = value
     return out
+
+
+def cost_text(finding: Any) -> str:
+    """``23% of the step``: a finding's cost as the report shows it."""
+    return f"{pct(finding.cost_fraction, 0)} of the step"
+
+
+def gain_text(rec: Any) -> str:
+    """``saves ~20% of the step: basis`` of a recommendation (its expected gain)."""
+    expected = rec.expected_gain
+    return f"saves ~{pct(expected.get('fraction'), 0)} of the step: {expected.get('basis')}"

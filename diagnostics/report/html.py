@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from html import escape
 
-from diagnostics.report.fmt import rank_label
+from diagnostics.report.fmt import cost_text, gain_text, rank_label
 from diagnostics.report.markdown import PHASE_HEADER, phase_rows, summary_rows
 from diagnostics.report.model import Report
 from diagnostics.report.plots import all_plots
@@ -44,14 +44,14 @@ def _findings(report: Report) -> str:
     for finding, recs in zip(report.findings, report.recommendations, strict=True):
         items = "".join(
             f"<li>{f'<code>{_e(r.override)}</code>: ' if r.override else ''}"
-            f"{_e(r.why)}. <em>Expected:</em> {_e(r.expected_effect)}.</li>"
+            f"{_e(r.why)}. <em>Expected:</em> {_e(r.expected_effect)} ({_e(gain_text(r))}).</li>"
             for r in recs
         )
         parts.append(
             f'<div class="finding {_e(finding.severity)}" data-kind="{_e(finding.kind)}">'
             f'<span class="sev">{_e(finding.severity)}</span> <strong>{_e(finding.kind)}</strong>'
-            f" ({_e(rank_label(finding.ranks))})"
-            f"<p>{_e(finding.message)}</p><ol>{items}</ol>"
+            f" ({_e(rank_label(finding.ranks))}), costs <strong>{_e(cost_text(finding))}</strong>"
+            f"<p>{_e(finding.message)}</p><p><em>Cost basis:</em> {_e(finding.cost.get('basis'))}</p><ol>{items}</ol>"
             f"<details><summary>evidence</summary><pre>{_e(json.dumps(finding.evidence, indent=1, default=str))}"
             "</pre></details></div>"
         )
@@ -81,6 +81,7 @@ def to_html(report: Report, ab_lines: str | None = None) -> str:
         _table(["metric", "value"], summary_rows(report)),
         errors,
         "<h2>Findings</h2>",
+        f"<p><strong>Verdict:</strong> {_e(report.verdict())}</p>",
         _findings(report),
         "<h2>Plots</h2>",
         _plots(report),

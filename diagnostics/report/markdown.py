@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from diagnostics.report.fmt import flops, gib, pct, peak_memory, rank_label, rate, seconds
+from diagnostics.report.fmt import cost_text, flops, gain_text, gib, pct, peak_memory, rank_label, rate, seconds
 from diagnostics.report.model import Report
 
 
@@ -71,11 +71,15 @@ def to_markdown(report: Report, ab_lines: str | None = None) -> str:
     lines += ["", "## Findings", ""]
     if not report.findings:
         lines.append("No detector crossed its threshold.")
+    if report.findings or report.analysis.summary.step_shares:
+        lines += [f"**Verdict:** {report.verdict()}", ""]
     for finding, recs in zip(report.findings, report.recommendations, strict=True):
         lines += [
-            f"### {finding.severity}: {finding.kind} ({rank_label(finding.ranks)})",
+            f"### {finding.severity}: {finding.kind} ({rank_label(finding.ranks)}), costs {cost_text(finding)}",
             "",
             finding.message,
+            "",
+            f"Cost basis: {finding.cost.get('basis')}.",
             "",
             "```json",
             json.dumps(finding.evidence, indent=1, default=str),
@@ -84,7 +88,7 @@ def to_markdown(report: Report, ab_lines: str | None = None) -> str:
         ]
         for i, rec in enumerate(recs, 1):
             override = f"`{rec.override}`: " if rec.override else ""
-            lines.append(f"{i}. {override}{rec.why}. Expected: {rec.expected_effect}.")
+            lines.append(f"{i}. {override}{rec.why}. Expected: {rec.expected_effect} ({gain_text(rec)}).")
         lines.append("")
     lines += ["## Per-rank phases (mean per steady step)", "", *_table(PHASE_HEADER, phase_rows(report))]
     if ab_lines:

@@ -12,11 +12,12 @@ from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis import thresholds as thresholds_module
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.stats import rounded
+from diagnostics.analysis.thresholds import COST_WARNING
 from diagnostics.recommend import Recommendation
 from diagnostics.report.fmt import flatten, gib, pct, peak_memory, rate, seconds
 
 SCHEMA_VERSION = 1
-TEXT_FINDINGS = 8  # the end-of-run summary stays within ~12 lines
+TEXT_FINDINGS = 7  # the end-of-run summary stays within ~12 lines
 
 
 def _round_tree(value: Any) -> Any:
@@ -98,18 +99,40 @@ class Report:
             f" p99 {seconds(st.get('p99'))} | peak {label} {gib(peak)}"
         )
 
+    def top_fix(self) -> tuple[Finding, Recommendation | None] | None:
+        """The costliest finding above info and its first recommendation with an override (or None)."""
+        for finding, recs in zip(self.findings, self.recommendations, strict=True):
+            if finding.severity != "info":
+                return finding, next((r for r in recs if r.override), None)
+        return None
+
+    def verdict(self) -> str:
+        """Where the step goes, and what the top fix is expected to buy."""
+        shares = self.analysis.summary.step_shares
+        split = "step split n/a (no step records)"
+        if shares:
+            shown = [f"{name} {pct(v, 0)}" for name, v in shares.items() if name != "waiting" or v >= 0.005]
+            split = "step = " + ", ".join(shown)
+        top = self.top_fix()
+        if top is None:
+            return f"{split}; nothing costs {pct(COST_WARNING, 0)} of the step or more: no fix worth making"
+        finding, rec = top
+        lead = f"{split}; top: {finding.kind} costs {pct(finding.cost_fraction, 0)}"
+        if rec is None:
+            return f"{lead} (no config lever: see report)"
+        return f"{lead}, {rec.override} expected to save ~{pct(rec.expected_gain['fraction'], 0)} of the step"
+
     def text_summary(self) -> str:
-        """A few lines for the end of a run: headline numbers, top findings with their first override."""
-        lines = [f"diagnostics: {self.headline()}"]
+        """A few lines for the end of a run: the verdict, headline numbers, findings with their first override."""
+        lines = [f"diagnostics: {self.verdict()}", f"  {self.headline()}"]
         pairs = list(zip(self.findings, self.recommendations, strict=True))
         for finding, recs in pairs[:TEXT_FINDINGS]:
             first = next((r for r in recs if r.override), None)
             fix = f" -> try {first.override}" if first else " (no config lever: see report)"
-            lines.append(f"  {finding.severity:<8} {finding.kind}: {finding.message}{fix}")
+            price = f"[{pct(finding.cost_fraction, 0)} of step]"
+            lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{fix}")
         if len(pairs) > TEXT_FINDINGS:
             lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")
-        if not pairs:
-            lines.append("  no bottleneck found: no detector crossed its threshold")
         if self.analysis.run.problems:
             lines.append(f"  {len(self.analysis.run.problems)} telemetry problem(s) noted in the report")
         if self.written_to is not None:

@@ -47,10 +47,11 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     assert (run_dir / ".hydra" / "overrides.yaml").exists()
     metrics = (run_dir / "metrics" / "metrics.csv").read_text()
     assert "train/loss" in metrics and "val/loss" in metrics
-    # Diagnostics are on by default: a healthy run gets its report and no false alarm.
+    # Diagnostics are on by default: a healthy run gets its report and no false alarm. Its exposed all-reduce
+    # (~2% of the step) and the ranks' turns at being preempted on a shared host are info at most.
     report = json.loads((run_dir / "report" / "report.json").read_text())
-    kinds = {finding["kind"] for finding in report["findings"]}
-    assert not kinds & {"input_bound", "straggler", "hang", "comm_bound"}, report["findings"]
+    alarms = [(f["kind"], f["severity"], f["cost"]) for f in report["findings"] if f["severity"] != "info"]
+    assert alarms == [], report["findings"]
     assert report["summary"]["tokens_per_s"] > 0
     for rank in (0, 1):
         records = [json.loads(line) for line in telemetry_path(run_dir, rank).read_text().splitlines()]

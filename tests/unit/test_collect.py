@@ -65,6 +65,27 @@ def test_phase_timer_separates_compute_from_waiting_at_the_end_of_backward() -> 
     assert phases.other_s == pytest.approx(0.0)
 
 
+def test_phase_timer_keeps_the_first_end_of_backward_compute_and_the_step_start_time() -> None:
+    """FSDP2 calls the first parameter's post-accumulate hook itself after its reduce-scatter: the output-gradient
+    hook, which fired first, is the end of compute; the later call must not turn the wait into compute."""
+    clock, wall = FakeClock(), FakeClock()
+    wall.advance(1_700_000_000.0)
+    timer = PhaseTimer(clock=clock, wall_clock=wall)
+    timer.finish_step()
+    start = wall.t
+    timer.batch_start()
+    clock.advance(0.3), wall.advance(0.3)
+    timer.before_backward()
+    clock.advance(0.4), wall.advance(0.4)
+    timer.grad_ready()  # the embedding output's gradient
+    clock.advance(0.5), wall.advance(0.5)
+    timer.grad_ready()  # FSDP2's post-reduce-scatter call of the parameter hook
+    timer.after_backward()
+    phases = timer.finish_step()
+    assert phases is not None and phases.comm_wait_s == pytest.approx(0.5)
+    assert phases.start_t == start  # on the host clock: the analysis orders the ranks' arrivals with it
+
+
 def test_phase_timer_sums_accumulated_micro_batches() -> None:
     clock = FakeClock()
     timer = PhaseTimer(clock=clock)

@@ -210,3 +210,37 @@ def test_pipeline_bubble_on_megatron_gets_more_microbatches_then_interleaving(tm
     assert overrides[0] == "trainer.micro_batch_size=4 trainer.global_batch_size=16 strategy.microbatches=4"
     assert overrides[1] == "strategy.virtual_stages=2 strategy.schedule=interleaved_1f1b"
     assert overrides[2] == "trainer.global_batch_size=32"
+
+
+def test_no_overlap_lever_on_a_cpu_host_whose_cores_the_compute_already_fills(tmp_path: Path) -> None:
+    """The README default run: 2 ranks x 1 thread on 2 cores. Smaller buckets would start the all-reduce earlier
+    but on no free core; sending fewer bytes is the lever left."""
+    free = analyse(write_run(tmp_path / "free", "low_overlap", cpu_count=16))
+    busy = analyse(write_run(tmp_path / "busy", "low_overlap", cpu_count=2))
+    (free_recs,) = recommend_all(free)
+    (busy_recs,) = recommend_all(busy)
+    assert [r.override for r in free_recs] == ["strategy.bucket_cap_mb=6"]
+    assert free_recs[0].expected_gain["fraction"] == free.findings[0].cost["fraction"]
+    assert not any("bucket_cap_mb" in r.override for r in busy_recs)
+    assert [r.override for r in busy_recs][:2] == ["strategy.comm_hook=bf16", "strategy.comm_hook=powersgd"]
+    assert busy_recs[0].expected_gain["fraction"] == pytest.approx(busy.findings[0].cost["fraction"] / 2, abs=1e-4)
+    assert busy_recs[-1].override == "" and "occupy all 2 cores" in busy_recs[-1].why
+    assert busy.findings[0].evidence["host_cores_busy"] is True
+    assert "nothing to overlap with" in busy.findings[0].message
+
+
+def test_every_recommendation_states_its_expected_gain(tmp_path: Path) -> None:
+    for scenario in sorted(set(SCENARIOS) - {"healthy"}):
+        analysis = analyse(write_run(tmp_path / scenario, scenario))
+        for finding, recs in zip(analysis.findings, recommend_all(analysis), strict=True):
+            for rec in recs:
+                gain = rec.to_json()["expected_gain"]
+                assert set(gain) == {"fraction", "basis"} and gain["basis"], (scenario, rec)
+                assert 0.0 <= gain["fraction"] <= max(finding.cost["fraction"], 1.0 if finding.kind == "hang" else 0)
+
+
+def test_straggler_advice_names_the_slow_phase(tmp_path: Path) -> None:
+    analysis = analyse(write_run(tmp_path / "s", "healthy", slow_rank=1, slow_phase="optimizer", slow_s=0.06))
+    (rec,) = recommend_all(analysis)[0]
+    assert "rank 1 on host node0 is slow in optimizer" in rec.why and "optimizer step" in rec.why
+    assert rec.expected_gain["fraction"] == analysis.findings[0].cost["fraction"]

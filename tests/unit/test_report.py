@@ -30,8 +30,14 @@ def test_report_json_schema(tmp_path: Path) -> None:
             assert isinstance(row[phase], float)
     assert [f["kind"] for f in data["findings"]] == ["comm_bound", "low_overlap"]
     for finding in data["findings"]:
-        assert set(finding) == {"kind", "severity", "ranks", "evidence", "message", "recommendations"}
-        assert finding["recommendations"] and all({"override", "why"} <= set(r) for r in finding["recommendations"])
+        assert set(finding) == {"kind", "severity", "ranks", "evidence", "message", "cost", "recommendations"}
+        assert 0.0 <= finding["cost"]["fraction"] <= 1.0 and finding["cost"]["basis"]
+        for rec in finding["recommendations"]:
+            assert {"override", "why", "expected_gain"} <= set(rec)
+            gain = rec["expected_gain"]
+            assert 0.0 <= gain["fraction"] <= finding["cost"]["fraction"] and gain["basis"]
+    costs = [f["cost"]["fraction"] for f in data["findings"]]
+    assert costs == sorted(costs, reverse=True)  # the biggest lever first
     assert data["findings"][0]["recommendations"][0]["override"] == "trainer.global_batch_size=64"
     assert data["thresholds"]["COMM_BOUND_FRACTION"] == 0.25
     assert data["context"]["strategy"] == "ddp"
@@ -70,14 +76,20 @@ def test_markdown_and_text_summary(tmp_path: Path) -> None:
     text = report.text_summary()
     lines = text.splitlines()
     assert len(lines) <= 12
-    assert lines[0].startswith("diagnostics: ") and "tokens/s" in lines[0]
-    assert "input_bound" in lines[1] and "-> try data.num_workers=2" in lines[1]
+    # The verdict leads: where the step goes, then what the top fix buys; the headline numbers follow.
+    assert lines[0].startswith("diagnostics: step = compute ")
+    for share in ("data 46%", "communication ", "bubble 0%", "host "):
+        assert share in lines[0]
+    assert lines[0].endswith("top: input_bound costs 46%, data.num_workers=2 expected to save ~46% of the step")
+    assert "tokens/s" in lines[1]
+    assert "critical input_bound [46% of step]" in lines[2] and "-> try data.num_workers=2" in lines[2]
+    assert "costs 46% of the step" in md and "saves ~46% of the step" in md
     assert lines[-1].startswith(f"report: {run_dir / 'report' / 'report.html'}")
 
 
 def test_healthy_text_summary_says_nothing_is_wrong(tmp_path: Path) -> None:
     report = build_report(write_run(tmp_path / "ok", "healthy"))
-    assert "no bottleneck found" in report.text_summary()
+    assert "nothing costs 5% of the step or more: no fix worth making" in report.text_summary().splitlines()[0]
     assert report.written_to is None and "report:" not in report.text_summary()
 
 

@@ -1,0 +1,183 @@
+"""straggler: the rank that makes the others wait, and the phase it is slow in, from the order of arrival.
+
+Step time does not show a straggler (every rank leaves a collective together), and neither does a rank's own
+phase time: a rank that waits for a slow peer waits *inside* some phase — DDP's end of backward (timed apart),
+but also DDP's buffer broadcast before forward, FSDP's all-gathers in forward and backward, a logging sync —
+and that wait looks exactly like slow work of its own. What tells them apart is time order. Each step record
+carries its start time on the host clock; adding the phases gives the moment each rank finishes each phase.
+A rank's *lateness* at a phase end is how long after the earliest rank it got there. A slow rank falls behind
+during the phase it is slow in (its lateness grows); a rank that waits for it never falls behind, it is caught
+up with (the slow rank's lateness shrinks during the wait). So the (rank, phase) whose lateness grows is the
+cause, the growth per step is what every other rank waits for it, and ranks that only wait are never named.
+
+Phase order within a step as the collector times it: other (hooks and logging after the previous step, batch
+transfer), data (``next(dataloader)``), forward, backward compute, comm wait (DDP's wait for the last buckets),
+optimizer. Data never contains a collective; a data-slow rank is reported by input_bound, not here.
+"""
+
+from __future__ import annotations
+
+from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
+from diagnostics.analysis.load import RunTelemetry, StepRecord
+from diagnostics.analysis.stats import mean, median, present, rounded, steady
+from diagnostics.analysis.summary import RankPhases, job_step_times
+from diagnostics.analysis.thresholds import (
+    MIN_PHASE_S,
+    STRAGGLER_MIN_COST,
+    STRAGGLER_PERSISTENCE,
+    STRAGGLER_RATIO,
+)
+
+# (segment of the step record, its phase). DDP's comm wait is where the others catch up with a slow rank: the
+# slow rank's lateness shrinks there, so it stays a phase of its own instead of cancelling backward compute.
+SEGMENTS = (
+    ("other", "other"),
+    ("data", "data"),
+    ("forward", "forward"),
+    ("backward_compute", "backward"),
+    ("comm_wait", "comm_wait"),
+    ("optimizer", "optimizer"),
+)
+NAMED = {"comm_wait": "backward"}  # a rank that falls behind inside DDP's wait: its transfer (end of backward)
+
+
+def segments(s: StepRecord) -> list[float] | None:
+    """The step's phases in time order (seconds), or None if the record lacks what the order needs."""
+    if s.start_t is None or s.step_s is None or s.forward_s is None or s.backward_s is None:
+        return None
+    data, wait, optimizer = s.data_wait_s or 0.0, s.comm_wait_s or 0.0, s.optimizer_s or 0.0
+    other = max(0.0, s.step_s - data - s.forward_s - s.backward_s - optimizer)
+    return [other, data, s.forward_s, max(0.0, s.backward_s - wait), wait, optimizer]
+
+
+def lateness_growth(run: RunTelemetry) -> list[dict[int, list[float]]]:
+    """Per steady step that at least two ranks recorded: per rank, how much it fell behind in each segment."""
+    by_step: dict[int, dict[int, StepRecord]] = {}
+    for rank, tele in run.ranks.items():
+        for s in steady(tele.steps):
+            if s.bubble_fraction is None:  # pipeline stages do different work by design
+                by_step.setdefault(s.step, {})[rank] = s
+    out: list[dict[int, list[float]]] = []
+    for step in sorted(by_step):
+        rows = {r: seg for r, rec in by_step[step].items() if (seg := segments(rec)) is not None}
+        if len(rows) < 2:
+            continue
+        ends = {r: [by_step[step][r].start_t or 0.0] for r in rows}
+        for r, seg in rows.items():
+            for seconds in seg:
+                ends[r].append(ends[r][-1] + seconds)
+        first = [min(ends[r][i] for r in rows) for i in range(len(SEGMENTS) + 1)]
+        late = {r: [ends[r][i] - first[i] for i in range(len(SEGMENTS) + 1)] for r in rows}
+        out.append({r: [late[r][i + 1] - late[r][i] for i in range(len(SEGMENTS))] for r in rows})
+    return out
+
+
+def _by_phase(per_step: list[list[float]]) -> dict[str, float]:
+    """Phase -> mean growth per step."""
+    out: dict[str, float] = {}
+    for phase in dict.fromkeys(name for _, name in SEGMENTS):
+        idx = [i for i, (_, name) in enumerate(SEGMENTS) if name == phase]
+        out[phase] = sum(sum(row[i] for i in idx) for row in per_step) / len(per_step)
+    return out
+
+
+def _fell_behind(row: list[float]) -> float:
+    """Seconds a rank fell behind in one step, over every phase but data (input_bound's, with its own levers)."""
+    return sum(max(0.0, g) for g, (_, name) in zip(row, SEGMENTS, strict=True) if name != "data")
+
+
+def _excess(steps: list[dict[int, list[float]]], rank: int) -> list[float]:
+    """Per step, how much more ``rank`` fell behind than the median of the other ranks.
+
+    On a shared host every rank falls behind now and then (the scheduler preempts one, then the other): both
+    show the same mean fall-behind. Only what one rank loses beyond the others is a straggler's.
+    """
+    out = []
+    for step in steps:
+        if rank in step:
+            others = median(_fell_behind(row) for r, row in step.items() if r != rank) or 0.0
+            out.append(_fell_behind(step[rank]) - others)
+    return out
+
+
+def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
+    steps = lateness_growth(run)
+    if not steps:
+        return _by_local_compute(run, phases)
+    step_s = mean(job_step_times(run)) or 0.0
+    slow: dict[int, tuple[str, float, float]] = {}  # rank -> (phase, seconds per step, persistence)
+    table: dict[int, dict[str, float]] = {}
+    for rank in sorted({r for step in steps for r in step}):
+        per_step = [step[rank] for step in steps if rank in step]
+        growth = _by_phase(per_step)
+        table[rank] = {p: rounded(v) or 0.0 for p, v in growth.items()}
+        phase = NAMED.get(top := max(growth, key=lambda p: growth[p]), top)
+        excess = _excess(steps, rank)
+        seconds, share = sum(excess) / len(excess), sum(1 for e in excess if e > 0) / len(excess)
+        if phase != "data" and step_s and seconds >= STRAGGLER_MIN_COST * step_s and share >= STRAGGLER_PERSISTENCE:
+            slow[rank] = (phase, seconds, share)
+    if not slow:
+        return []
+    flagged = sorted(slow, key=lambda r: -slow[r][1])
+    worst = flagged[0]
+    hosts = {p.rank: p.hostname for p in phases if p.rank in slow and p.hostname}
+    evidence = {
+        "slow_phase": slow[worst][0],
+        "slow_phase_by_rank": {r: slow[r][0] for r in flagged},
+        "falls_behind_s_per_step": {r: rounded(slow[r][1]) for r in flagged},
+        "steps_behind_the_others": {r: rounded(slow[r][2]) for r in flagged},
+        "lateness_growth_s_per_step": table,  # per rank and phase; a waiting rank's stays near zero
+        "steps": len(steps),
+        "step_s": rounded(step_s),
+        "source": "order of arrival (step start times + phases)",
+        "hostnames": hosts,
+        "threshold_cost": STRAGGLER_MIN_COST,
+    }
+    parts = [
+        f"rank {r}{f' on {hosts[r]}' if r in hosts else ''} is slow in {slow[r][0]} "
+        f"(+{1e3 * slow[r][1]:.0f} ms per step)"
+        for r in flagged
+    ]
+    waiting = sorted(set(table) - set(slow))
+    message = "; ".join(parts)
+    if waiting:
+        message += f": {ranks_verb(waiting, 'waits', 'wait')} for {'it' if len(slow) == 1 else 'them'}"
+    basis = (
+        f"time rank {worst} falls behind the earliest rank per step beyond the other ranks' median / mean step time, "
+        f"over {len(steps)} steps"
+    )
+    return [costed("straggler", sorted(flagged), evidence, message, slow[worst][1] / step_s, basis)]
+
+
+def _by_local_compute(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
+    """Records without start times (older collectors): local compute against the other ranks' median.
+
+    A rank that waits inside a phase counted as compute (FSDP's all-gathers, DDP's buffer broadcast) looks slow
+    here too, so this is info at most.
+    """
+    local = {p.rank: p.local_compute_s for p in phases if p.local_compute_s is not None}
+    if len(local) < 2:
+        return []
+    ratios = {}
+    for rank, value in local.items():
+        others = median(v for r, v in local.items() if r != rank)
+        if value is not None and others and value >= STRAGGLER_RATIO * others and value - others >= MIN_PHASE_S:
+            ratios[rank] = (value / others, value - others)
+    if not ratios:
+        return []
+    flagged = sorted(ratios)
+    worst = max(flagged, key=lambda r: ratios[r][1])
+    step_s = mean(present(p.step_s for p in phases)) or 0.0
+    evidence = {
+        "local_compute_s": {r: rounded(v) for r, v in local.items()},
+        "ratio_to_median_of_others": {r: rounded(ratios[r][0]) for r in flagged},
+        "source": "per-rank local compute (no phase start times: waiting and working are not told apart)",
+        "threshold_ratio": STRAGGLER_RATIO,
+    }
+    message = (
+        f"{ranks_text(flagged)} compute {ratios[worst][0]:.2f}x longer than the others; without phase start times "
+        "a rank that waits inside its compute looks the same"
+    )
+    basis = "excess local compute / mean step time (uncorroborated: waits may count as compute)"
+    fraction = ratios[worst][1] / step_s if step_s else 0.0
+    return [costed("straggler", flagged, evidence, message, fraction, basis, corroborated=False)]
