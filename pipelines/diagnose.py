@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from diagnostics.ab import next_set_dir, plan_arms, run_ab, write_verdict
+from diagnostics.ab.stats import METHOD
 from diagnostics.ab.verdict import VERDICT_JSON, VERDICT_MD, text_table
 from diagnostics.recommend import ab_tests
 from diagnostics.report import AB_TOP_K, Report, build_report, write_report
@@ -78,7 +79,7 @@ def report_command(args: argparse.Namespace) -> int:
     verdict = write_verdict(ab, report.run_dir)
     # The original run's report now shows each tested recommendation with its verdict.
     write_report(build_report(report.run_dir))
-    print(f"ab verdict ({ab.rounds} rounds, {ab.set_dir}):")
+    print(f"ab verdict after {ab.rounds} rounds ({ab.set_dir}); change: {METHOD}")
     print(text_table(verdict, ab.set_dir.name))
     ab_dir = ab.set_dir.parent
     print(f"verdict: {ab_dir / VERDICT_MD} (also {VERDICT_JSON}); report: {report.run_dir / 'report' / 'report.md'}")
