@@ -127,6 +127,9 @@ def test_ab_run_interleaves_the_arms_and_writes_a_verdict_each(tmp_path: Path) -
         "A/B-tested: failed (3 of 3 runs of the recommended arm failed)"
         in (run_dir / "report" / "report.md").read_text()
     )
+    html = (run_dir / "report" / "report.html").read_text()
+    assert "<h2>A/B verdicts</h2>" in html
+    assert '<strong class="ab" data-verdict="confirmed">A/B-tested: confirmed +20.3%' in html
 
 
 def test_ab_run_adds_rounds_while_unresolved_and_a_new_set_each_time(tmp_path: Path) -> None:
