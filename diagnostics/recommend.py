@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from diagnostics.analysis import Analysis, Finding, analyse
+from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis.context import RunContext, hydra_value
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
@@ -468,11 +468,18 @@ def recommend_all(analysis: Analysis) -> list[list[Recommendation]]:
 
 @dataclass(frozen=True)
 class AbTest:
-    """One Hydra multirun: the original overrides, ``pinned``, and ``key`` swept over (original, recommended)."""
+    """One Hydra multirun: the original overrides, ``pinned``, and ``key`` swept over (original, recommended).
+
+    ``original`` and ``recommended`` are the two arms as plain ``python -m train`` overrides, for a runner that
+    launches them one run at a time (``diagnostics.ab``); ``override`` is the recommendation's own override.
+    """
 
     key: str
     argv: tuple[str, ...]  # arguments after ``python -m train``
     note: str
+    original: tuple[str, ...] = ()
+    recommended: tuple[str, ...] = ()
+    override: str = ""
 
     def shell(self) -> str:
         return f"# {self.note}\npython -m train " + " ".join(shlex.quote(a) for a in self.argv)
@@ -506,7 +513,9 @@ def ab_test(rec: Recommendation, ctx: RunContext, original: list[str], run_dir: 
         swept = f"{key}={rec.value}"
         arms = f"original value unknown: compare with {run_dir}"
     note = f"A/B {rec.key}: {arms}" + (f"; replaces {' '.join(dropped)}" if dropped else "")
-    return AbTest(rec.key, ("-m", *base, *rec.pinned, swept, sweep_dir), note)
+    multirun = ("-m", *base, *rec.pinned, swept, sweep_dir)
+    recommended = (*base, *rec.pinned, f"{key}={rec.value}")
+    return AbTest(rec.key, multirun, note, tuple(original), recommended, rec.override)
 
 
 def _original_overrides(analysis: Analysis) -> list[str]:
@@ -529,12 +538,3 @@ def ab_tests(analysis: Analysis, recommendations: list[list[Recommendation]], to
             if (test := ab_test(rec, ctx, original, analysis.run.run_dir)) is not None:
                 tests.append(test)
     return tests
-
-
-def ab_multirun(run_dir: Path, top_k: int = 3) -> str:
-    """Shell lines: one ``python -m train -m`` A/B sweep (original vs recommended) per top recommendation key."""
-    analysis = analyse(Path(run_dir))
-    tests = ab_tests(analysis, recommend_all(analysis), top_k)
-    if not tests:
-        return "# no recommendation with a config override to A/B-test"
-    return "\n".join(t.shell() for t in tests)

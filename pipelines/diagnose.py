@@ -1,7 +1,7 @@
 """``python -m diagnose``: rebuild a run's bottleneck report from its telemetry, A/B its fixes, compare runs.
 
     python -m diagnose RUN_DIR               report/ from RUN_DIR/telemetry, then the short summary
-    python -m diagnose RUN_DIR --ab [--run]  the A/B multirun command(s) for the top recommendations (and run them)
+    python -m diagnose RUN_DIR --ab [--run]  the A/B arms of the top recommendations (and run them: a verdict each)
     python -m diagnose compare RUN_A RUN_B   config diff, metric deltas, findings gone/new, and why
     python -m diagnose sweep MULTIRUN_DIR    every run of a sweep compared: MULTIRUN_DIR/report/sweep.{md,html,json}
 
@@ -11,17 +11,22 @@ Pure Python over the run directory (no torch): works on a laptop over a director
 from __future__ import annotations
 
 import argparse
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
+from diagnostics.ab import next_set_dir, plan_arms, run_ab, write_verdict
+from diagnostics.ab.stats import METHOD
+from diagnostics.ab.verdict import VERDICT_JSON, VERDICT_MD, text_table
 from diagnostics.crash import read_crash_records
 from diagnostics.recommend import ab_tests
-from diagnostics.report import AB_TOP_K, Report, build_report, diagnose_run
+from diagnostics.report import AB_TOP_K, Report, build_report, diagnose_run, write_report
 from diagnostics.report.compare import compare_reports
 from diagnostics.telemetry import TELEMETRY_DIR
 from disttrain.config.errors import USER_ERROR_EXIT_CODE  # torch-free: the CLI stays laptop-friendly
+
+MIN_REPEATS = 3
+# Enough rounds to resolve a 3% change when one pair of runs varies by ~3% (t-interval of 10 paired log ratios).
+DEFAULT_MAX_REPEATS = 10
 
 
 class UserError(Exception):
@@ -57,6 +62,7 @@ def load_report(run_dir: str) -> Report:
 
 
 def report_command(args: argparse.Namespace) -> int:
+    _check_repeats(args)
     if not (args.ab or args.run):
         # The function the end of a training run writes its report with: both give the same report.
         print(diagnose_run(checked_run_dir(args.run_dir)).text_summary())
@@ -66,17 +72,45 @@ def report_command(args: argparse.Namespace) -> int:
     if not tests:
         print("# no recommendation with a config override to A/B-test")
         return 0
-    print("\n".join(t.shell() for t in tests))
+    set_dir = next_set_dir(report.run_dir).resolve()
+    print(
+        f"# A/B: arms interleaved per round ({' '.join(a.name for a in plan_arms(tests))}), {args.repeats} rounds, up "
+        f"to {args.max_repeats} while a change is unresolved; run NN of arm X goes to {set_dir}/NN-X"
+    )
+    for arm in plan_arms(tests):
+        print(f"# {arm.name}: {arm.label}\n{arm.shell(set_dir / f'01-{arm.name}')}")
     if not args.run:
         return 0
-    status = 0
-    for test in tests:
-        # One sweep at a time: each job uses the whole machine, and parallel sweeps would skew the comparison.
-        command = [sys.executable, "-m", "train", *test.argv]
-        print(f"\n$ {shlex.join(command)}", flush=True)
-        code = subprocess.run(command, check=False).returncode
-        status = status or code
-    return status
+    ab = run_ab(report.run_dir, tests, args.repeats, args.max_repeats)
+    verdict = write_verdict(ab, report.run_dir)
+    # The original run's report now shows each tested recommendation with its verdict.
+    write_report(build_report(report.run_dir))
+    print(f"ab verdict after {ab.rounds} rounds ({ab.set_dir}); change: {METHOD}")
+    print(text_table(verdict, ab.set_dir.name))
+    ab_dir = ab.set_dir.parent
+    print(f"verdict: {ab_dir / VERDICT_MD} (also {VERDICT_JSON}); report: {report.run_dir / 'report' / 'report.md'}")
+    return 0
+
+
+def _check_repeats(args: argparse.Namespace) -> None:
+    if args.repeats is None and args.max_repeats is None:
+        args.repeats, args.max_repeats = MIN_REPEATS, DEFAULT_MAX_REPEATS
+        return
+    if not (args.ab or args.run):
+        raise UserError("--repeats and --max-repeats set the A/B runs: add --ab --run")
+    args.repeats = MIN_REPEATS if args.repeats is None else args.repeats
+    if args.repeats < MIN_REPEATS:
+        raise UserError(
+            f"--repeats {args.repeats} is too few: an interval from fewer than {MIN_REPEATS} paired rounds cannot "
+            f"resolve a 3% change; pass --repeats {MIN_REPEATS} or more"
+        )
+    if args.max_repeats is None:
+        args.max_repeats = max(DEFAULT_MAX_REPEATS, args.repeats)
+    if args.max_repeats < args.repeats:
+        raise UserError(
+            f"--max-repeats {args.max_repeats} is below --repeats {args.repeats}; pass --max-repeats "
+            f"{args.repeats} or more (equal: exactly {args.repeats} rounds)"
+        )
 
 
 def compare_command(args: argparse.Namespace) -> int:
@@ -107,9 +141,20 @@ def _report_parser() -> argparse.ArgumentParser:
         epilog="Compare two runs: python -m diagnose compare RUN_A RUN_B; a whole sweep: python -m diagnose sweep DIR",
     )
     parser.add_argument("run_dir", help="a training run directory (holds telemetry/ and run.json)")
-    parser.add_argument("--ab", action="store_true", help="print the Hydra multirun A/B command per top recommendation")
-    parser.add_argument("--run", action="store_true", help="with --ab: launch those multiruns (python -m train -m ...)")
+    parser.add_argument("--ab", action="store_true", help="print the A/B arms of the top recommendations")
+    parser.add_argument(
+        "--run", action="store_true", help="with --ab: run the arms interleaved and write RUN_DIR/ab/verdict.{md,json}"
+    )
     parser.add_argument("--top-k", type=int, default=AB_TOP_K, help="how many recommendations to A/B (default 3)")
+    parser.add_argument(
+        "--repeats", type=int, help=f"rounds of every arm (at least and default {MIN_REPEATS})", metavar="N"
+    )
+    parser.add_argument(
+        "--max-repeats",
+        type=int,
+        metavar="M",
+        help=f"more rounds, up to M, while a change is unresolved (default {DEFAULT_MAX_REPEATS})",
+    )
     return parser
 
 

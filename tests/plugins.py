@@ -65,6 +65,35 @@ class SlowCountingData(CountingData):
         )
 
 
+class _SlowItems(torch.utils.data.Dataset):
+    """A dataset whose every item takes ``delay_s`` to load (a decode, a read): loader workers parallelize it."""
+
+    def __init__(self, data: TensorDataset, delay_s: float) -> None:
+        self.data, self.delay_s = data, delay_s
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import time
+
+        time.sleep(self.delay_s)
+        return self.data[index]
+
+
+class SlowLoaderData(CountingData):
+    """An input-bound datamodule that takes ``num_workers`` (a user's ``+data.num_workers=N`` reaches it)."""
+
+    def __init__(self, seq_len: int, micro_batch_size: int, num_workers: int = 0, delay_s: float = 0.03) -> None:
+        super().__init__(seq_len, micro_batch_size)
+        self.num_workers, self.delay_s = num_workers, delay_s
+
+    def train_dataloader(self) -> DataLoader:
+        items = _SlowItems(self.data, self.delay_s)
+        workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+        return DataLoader(items, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, **workers)
+
+
 class SleepyRankModel(BigramModel):
     """BigramModel whose forward sleeps ``sleep_s`` on local rank ``slow_rank``: a straggler DDP hides."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from diagnostics.ab.verdict import verdicts_by_override
 from diagnostics.analysis import analyse
 from diagnostics.files import write_text_atomic
 from diagnostics.recommend import ab_tests, recommend_all
@@ -23,13 +24,16 @@ AB_TOP_K = 3
 def build_report(run_dir: Path) -> Report:
     """Analyse ``run_dir``'s telemetry and attach recommendations (FileNotFoundError without telemetry)."""
     analysis = analyse(Path(run_dir))
-    return Report(Path(run_dir), analysis, recommend_all(analysis))
+    return Report(Path(run_dir), analysis, recommend_all(analysis), verdicts=verdicts_by_override(Path(run_dir)))
 
 
 def ab_lines(report: Report, top_k: int = AB_TOP_K) -> str:
     """The A/B multirun command lines of the report's top recommendations ('' if none has an override)."""
     tests = ab_tests(report.analysis, report.recommendations, top_k)
-    return "\n".join(t.shell() for t in tests)
+    if not tests:
+        return ""
+    measured = f"# measured, with repeats and a verdict: python -m diagnose {report.run_dir} --ab --run"
+    return "\n".join([measured, "# or by hand, one Hydra multirun per recommendation:", *(t.shell() for t in tests)])
 
 
 def write_report(report: Report, run_dir: Path | None = None) -> Path:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from html import escape
 
+from diagnostics.ab.verdict import phrase
+from diagnostics.recommend import Recommendation
 from diagnostics.report.fmt import cost_text, gain_text, rank_label
-from diagnostics.report.markdown import PHASE_HEADER, phase_rows, summary_rows
+from diagnostics.report.markdown import AB_VERDICT, PHASE_HEADER, phase_rows, summary_rows
 from diagnostics.report.model import Report
 from diagnostics.report.plots import all_plots
 
@@ -44,7 +46,7 @@ def _findings(report: Report) -> str:
     for finding, recs in zip(report.findings, report.recommendations, strict=True):
         items = "".join(
             f"<li>{f'<code>{_e(r.override)}</code>: ' if r.override else ''}"
-            f"{_e(r.why)}. <em>Expected:</em> {_e(r.expected_effect)} ({_e(gain_text(r))}).</li>"
+            f"{_e(r.why)}. <em>Expected:</em> {_e(r.expected_effect)} ({_e(gain_text(r))}).{_tested(report, r)}</li>"
             for r in recs
         )
         parts.append(
@@ -56,6 +58,14 @@ def _findings(report: Report) -> str:
             "</pre></details></div>"
         )
     return "\n".join(parts)
+
+
+def _tested(report: Report, rec: Recommendation) -> str:
+    tested = report.verdict_of(rec)
+    if tested is None:
+        return ""
+    verdict = _e(tested.get("verdict"))
+    return f' <strong class="ab" data-verdict="{verdict}">A/B-tested: {_e(phrase(tested))}</strong>'
 
 
 def _plots(report: Report) -> str:
@@ -88,6 +98,11 @@ def to_html(report: Report, ab_lines: str | None = None) -> str:
         "<h2>Per-rank phases (mean per steady step)</h2>",
         _table(PHASE_HEADER, phase_rows(report)),
     ]
+    if report.verdicts:
+        items = "".join(f"<li><code>{_e(o)}</code>: {_e(phrase(v))}</li>" for o, v in report.verdicts.items())
+        where = f"<code>{_e(AB_VERDICT)}</code> in the run dir"
+        sections += ["<h2>A/B verdicts</h2>", f"<p>Measured by <code>python -m diagnose --ab --run</code>: {where}</p>"]
+        sections.append(f"<ul>{items}</ul>")
     if ab_lines:
         sections += ["<h2>A/B test the top recommendations</h2>", f"<pre>{_e(ab_lines)}</pre>"]
     if problems:

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import json
 
+from diagnostics.ab.runner import AB_DIR
+from diagnostics.ab.verdict import VERDICT_MD, phrase
+from diagnostics.recommend import Recommendation
 from diagnostics.report.fmt import cost_text, flops, gain_text, gib, pct, peak_memory, rank_label, rate, seconds
 from diagnostics.report.model import Report
+
+AB_VERDICT = f"{AB_DIR}/{VERDICT_MD}"
+AB_LINK = f"../{AB_VERDICT}"  # the report lives in RUN/report/, the verdict in RUN/ab/
+
+
+def tested_note(report: Report, rec: Recommendation) -> str:
+    """`` A/B-tested: <verdict>`` for a recommendation that ``--ab --run`` measured, else ''."""
+    tested = report.verdict_of(rec)
+    return f" **A/B-tested: {phrase(tested)}** ({AB_VERDICT})" if tested else ""
 
 
 def _cell(value: object) -> str:
@@ -88,9 +100,14 @@ def to_markdown(report: Report, ab_lines: str | None = None) -> str:
         ]
         for i, rec in enumerate(recs, 1):
             override = f"`{rec.override}`: " if rec.override else ""
-            lines.append(f"{i}. {override}{rec.why}. Expected: {rec.expected_effect} ({gain_text(rec)}).")
+            lines.append(
+                f"{i}. {override}{rec.why}. Expected: {rec.expected_effect} ({gain_text(rec)}).{tested_note(report, rec)}"
+            )
         lines.append("")
     lines += ["## Per-rank phases (mean per steady step)", "", *_table(PHASE_HEADER, phase_rows(report))]
+    if report.verdicts:
+        lines += ["", "## A/B verdicts", "", f"Measured by `python -m diagnose --ab --run`: [{AB_VERDICT}]({AB_LINK})"]
+        lines += [f"- `{o}`: {phrase(v)}" for o, v in report.verdicts.items()]
     if ab_lines:
         lines += ["", "## A/B test the top recommendations", "", "```sh", ab_lines, "```"]
     if report.analysis.run.problems:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diagnostics.ab.runner import AB_DIR
+from diagnostics.ab.verdict import VERDICT_MD, phrase
 from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis import thresholds as thresholds_module
 from diagnostics.analysis.context import RunContext
@@ -41,6 +43,8 @@ class Report:
     recommendations: list[list[Recommendation]]  # parallel to analysis.findings
     generated_at: float = dataclasses.field(default_factory=time.time)
     written_to: Path | None = None  # the report/ directory once write_report ran
+    # RUN/ab/verdict.json's newest verdict per tested override (``python -m diagnose RUN --ab --run``).
+    verdicts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def findings(self) -> list[Finding]:
@@ -67,7 +71,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         findings = []
         for finding, recs in zip(self.findings, self.recommendations, strict=True):
-            findings.append({**finding.to_json(), "recommendations": [r.to_json() for r in recs]})
+            findings.append({**finding.to_json(), "recommendations": [self._rec_json(r) for r in recs]})
         return _round_tree(
             {
                 "schema_version": SCHEMA_VERSION,
@@ -79,8 +83,34 @@ class Report:
                 "context": self.context(),
                 "problems": self.analysis.run.problems,
                 "thresholds": thresholds(),
+                "ab_verdict": f"{AB_DIR}/{VERDICT_MD}" if self.verdicts else None,
             }
         )
+
+    def verdict_of(self, rec: Recommendation) -> dict[str, Any] | None:
+        """The A/B verdict of ``rec`` when it was tested, else None."""
+        return self.verdicts.get(rec.override) if rec.override else None
+
+    def _rec_json(self, rec: Recommendation) -> dict[str, Any]:
+        tested = self.verdict_of(rec)
+        if tested is None:
+            return rec.to_json()
+        keys = ("verdict", "change", "ci", "pairs", "set", "reason")
+        return {**rec.to_json(), "verdict": {k: tested.get(k) for k in keys}}
+
+    def next_step(self, recs: list[Recommendation]) -> str:
+        """What the end-of-run line says to do for a finding: its first untested override, or what A/B found."""
+        levers = [r for r in recs if r.override]
+        if not levers:
+            return " (no config lever: see report)"
+        first, tested = levers[0], self.verdict_of(levers[0])
+        if tested is None:
+            return f" -> try {first.override}"
+        if tested.get("verdict") == "confirmed":
+            return f" -> {first.override}: A/B {phrase(tested)}"
+        untested = next((r for r in levers if self.verdict_of(r) is None), None)
+        nxt = f"try {untested.override}; " if untested else ""
+        return f" -> {nxt}{first.override} was A/B-tested: {phrase(tested)}"
 
     def headline(self) -> str:
         s = self.analysis.summary
@@ -127,14 +157,14 @@ class Report:
         lines = [f"diagnostics: {self.verdict()}", f"  {self.headline()}"]
         pairs = list(zip(self.findings, self.recommendations, strict=True))
         for finding, recs in pairs[:TEXT_FINDINGS]:
-            first = next((r for r in recs if r.override), None)
-            fix = f" -> try {first.override}" if first else " (no config lever: see report)"
             price = f"[{pct(finding.cost_fraction, 0)} of step]"
-            lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{fix}")
+            lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{self.next_step(recs)}")
         if len(pairs) > TEXT_FINDINGS:
             lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")
         if self.analysis.run.problems:
             lines.append(f"  {len(self.analysis.run.problems)} telemetry problem(s) noted in the report")
+        if self.verdicts:
+            lines.append(f"  A/B verdicts: {self.run_dir / AB_DIR / VERDICT_MD}")
         if self.written_to is not None:
             lines.append(f"report: {self.written_to / 'report.html'} (also report.md, report.json)")
         return "\n".join(lines)

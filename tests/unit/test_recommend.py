@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.analysis import Finding, analyse
 from diagnostics.analysis.context import RunContext, hydra_value
-from diagnostics.recommend import ab_multirun, ab_tests, recommend, recommend_all
+from diagnostics.recommend import ab_tests, recommend, recommend_all
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import BatchPlan, validate_run
 from tests.conftest import compose_train
@@ -92,14 +92,36 @@ def test_smaller_micro_batch_keeps_the_global_batch(tmp_path: Path) -> None:
     assert recommend_all(fsdp)[0][0].override == "strategy.activation_checkpointing=true"
 
 
+def ab_text(run_dir: Path, top_k: int = 3) -> str:
+    analysis = analyse(run_dir)
+    return "\n".join(t.shell() for t in ab_tests(analysis, recommend_all(analysis), top_k))
+
+
 def test_ab_multirun_sweeps_original_against_recommended(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "ib", "input_bound")
-    text = ab_multirun(run_dir, top_k=3)
+    text = ab_text(run_dir, top_k=3)
     commands = [line for line in text.splitlines() if not line.startswith("#")]
     assert commands == [
         f"python -m train -m data.num_workers=0,2 hydra.sweep.dir={run_dir.resolve()}/ab/data.num_workers"
     ]
     assert "job 0 = original (data.num_workers=0)" in text
+
+
+def test_ab_arms_are_the_original_overrides_and_the_recommended_change(tmp_path: Path) -> None:
+    run_dir = write_run(
+        tmp_path / "o",
+        "memory_pressure",
+        overrides=(*SCENARIOS["memory_pressure"].overrides, "strategy.bucket_cap_mb=50", "hydra.run.dir=x"),
+    )
+    analysis = analyse(run_dir)
+    tests = ab_tests(analysis, recommend_all(analysis), top_k=3)
+    base = [*SCENARIOS["memory_pressure"].overrides, "strategy.bucket_cap_mb=50"]
+    assert all(list(t.original) == base for t in tests)  # the run as it ran, minus its Hydra settings
+    micro, swap = tests[0], next(t for t in tests if t.key == "strategy")
+    assert micro.override == "trainer.global_batch_size=32 trainer.micro_batch_size=8"
+    assert micro.recommended == (*base, "trainer.global_batch_size=32", "trainer.micro_batch_size=8")
+    assert swap.recommended == (*SCENARIOS["memory_pressure"].overrides, "strategy=fsdp")
+    validate(list(swap.recommended))  # composes and validates: a legal run
 
 
 def _arms(argv: tuple[str, ...]) -> list[list[str]]:
@@ -142,7 +164,7 @@ def test_ab_replaces_original_overrides_of_the_swept_key(tmp_path: Path) -> None
 
 def test_without_run_json_the_analysed_run_is_the_baseline(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "bare", "input_bound", manifest=False)
-    text = ab_multirun(run_dir)
+    text = ab_text(run_dir)
     assert "original value unknown" in text
     assert "python -m train -m data.num_workers=2 " in text
 

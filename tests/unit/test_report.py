@@ -99,13 +99,13 @@ def test_analysis_recommend_report_and_cli_run_without_torch(tmp_path: Path) -> 
 import sys
 for blocked in ("torch", "torch.distributed", "lightning", "lightning.pytorch", "pytorch_lightning", "disttrain"):
     sys.modules[blocked] = None  # any import of these now raises ImportError
-import diagnostics.analysis, diagnostics.recommend, diagnostics.report, diagnostics.mfu
+import diagnostics.analysis, diagnostics.recommend, diagnostics.report, diagnostics.mfu, diagnostics.ab
 del sys.modules["disttrain"]  # the CLI (pipelines/) may use the core's torch-free parts, e.g. its exit codes
 import diagnose
 report = diagnostics.report.diagnose_run({str(run_dir)!r})
 assert report.kinds() == ["straggler"], report.kinds()
-print(diagnostics.recommend.ab_multirun({str(run_dir)!r}))
 assert diagnose.main([{str(run_dir)!r}]) == 0
+assert diagnose.main([{str(run_dir)!r}, "--ab"]) == 0
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -1,0 +1,182 @@
+"""A/B verdict files: ``RUN/ab/setN/verdict.{md,json}`` per set and ``RUN/ab/verdict.{md,json}`` over all sets.
+
+The top-level files hold, per recommendation (keyed by its override), the verdict of the newest set that
+tested it; the report of the original run reads them to show a tested recommendation as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from diagnostics.ab.runner import AB_DIR, AbSet, ArmRuns, RunOutcome
+from diagnostics.ab.stats import CONFIDENCE, METHOD, RESOLUTION, arm_stats, judge
+
+VERDICT_JSON = "verdict.json"
+VERDICT_MD = "verdict.md"
+SCHEMA_VERSION = 1
+
+
+def _arm_json(runs: list[RunOutcome], run_root: Path) -> dict[str, Any]:
+    stats = arm_stats([r.tokens_per_s for r in runs])
+    return {
+        "median_tokens_per_s": stats.median,
+        "min_tokens_per_s": stats.low,
+        "max_tokens_per_s": stats.high,
+        "spread": stats.spread,
+        "runs": stats.runs,
+        "failed": stats.failed,
+        "tokens_per_s": [r.tokens_per_s for r in runs],
+        "run_dirs": [os.path.relpath(r.run_dir, run_root) for r in runs],
+        "errors": [r.error for r in runs if r.error],
+    }
+
+
+def _test_json(ab: AbSet, runs: ArmRuns, run_root: Path) -> dict[str, Any]:
+    rounds = sorted(runs.rounds)
+    original = [ab.arms[0].rounds[r] for r in rounds]
+    mine = [runs.rounds[r] for r in rounds]
+    verdict = judge([r.tokens_per_s for r in original], [r.tokens_per_s for r in mine])
+    change = verdict.change
+    return {
+        "override": runs.arm.label,
+        "set": ab.set_dir.name,
+        "arm": runs.arm.name,
+        "verdict": verdict.verdict,
+        "reason": verdict.reason,
+        "change": change.estimate if change else None,
+        "ci": [change.low, change.high] if change else None,
+        "pairs": change.pairs if change else 0,
+        "resolved": change.resolved if change else False,
+        "rounds": rounds,
+        "original": _arm_json(original, run_root),
+        "recommended": _arm_json(mine, run_root),
+        "command": {"original": list(ab.arms[0].arm.overrides), "recommended": list(runs.arm.overrides)},
+    }
+
+
+def set_verdict(ab: AbSet, run_dir: Path) -> dict[str, Any]:
+    """The JSON verdict of one A/B set; run dirs are relative to the original run's directory."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run_dir": str(run_dir),
+        "method": METHOD,
+        "confidence": CONFIDENCE,
+        "resolution": RESOLUTION,
+        "sets": [ab.set_dir.name],
+        "recommendations": [_test_json(ab, runs, Path(run_dir).resolve()) for runs in ab.arms[1:]],
+    }
+
+
+def read_verdict(run_dir: Path) -> dict[str, Any] | None:
+    """``RUN/ab/verdict.json``, or None when no A/B ran (or the file is unreadable)."""
+    try:
+        data = json.loads((Path(run_dir) / AB_DIR / VERDICT_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("recommendations"), list) else None
+
+
+def verdicts_by_override(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The newest verdict of every tested recommendation, keyed by its override."""
+    data = read_verdict(run_dir) or {}
+    return {v["override"]: v for v in data.get("recommendations", []) if isinstance(v, dict) and "override" in v}
+
+
+def merged(previous: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` plus the verdicts of ``previous`` for recommendations that ``new`` did not test again."""
+    if not previous:
+        return new
+    retested = {v["override"] for v in new["recommendations"]}
+    kept = [v for v in previous.get("recommendations", []) if v.get("override") not in retested]
+    sets = [s for s in previous.get("sets", []) if s not in new["sets"]] + new["sets"]
+    return {**new, "sets": sets, "recommendations": new["recommendations"] + kept}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
+def _rate(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
+def phrase(v: dict[str, Any]) -> str:
+    """One line for a report: ``confirmed +12.0% (95% CI +8.1% .. +16.0%, 3 rounds)``."""
+    if v.get("verdict") == "failed":
+        rec = v.get("recommended") or {}
+        return f"failed ({rec.get('failed')} of {rec.get('runs')} runs of the recommended arm failed)"
+    if v.get("change") is None or not v.get("ci"):
+        return str(v.get("verdict"))
+    low, high = v["ci"]
+    return f"{v['verdict']} {_pct(v['change'])} ({CONFIDENCE:.0%} CI {_pct(low)} .. {_pct(high)}, {v['pairs']} rounds)"
+
+
+def to_markdown(data: dict[str, Any]) -> str:
+    lines = [
+        f"# A/B verdict: {data['run_dir']}",
+        "",
+        f"Sets: {', '.join(data['sets'])}. Arms ran interleaved, round by round. Change: {data['method']}; a change "
+        f"is resolved when its interval excludes zero or lies within ±{data['resolution']:.0%}.",
+        "",
+        "| recommendation | verdict | change | CI | original tokens/s: median (min .. max), spread | "
+        "recommended tokens/s: median (min .. max), spread | failed runs (A / B) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for v in data["recommendations"]:
+        ci = f"{_pct(v['ci'][0])} .. {_pct(v['ci'][1])}" if v.get("ci") else "n/a"
+        arms = []
+        for arm in (v["original"], v["recommended"]):
+            spread = "n/a" if arm["spread"] is None else f"{arm['spread']:.1%}"
+            low, high = _rate(arm["min_tokens_per_s"]), _rate(arm["max_tokens_per_s"])
+            arms.append(f"{_rate(arm['median_tokens_per_s'])} ({low} .. {high}), {spread}")
+        failed = f"{v['original']['failed']} / {v['recommended']['failed']}"
+        row = [f"`{v['override']}`", v["verdict"], _pct(v["change"]), ci, *arms, failed]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |")
+    for v in data["recommendations"]:
+        lines += ["", f"## `{v['override']}` ({v['set']}, arm {v['arm']}): {v['verdict']}", "", v["reason"], ""]
+        lines.append("| round | original tokens/s | recommended tokens/s | run dirs |")
+        lines.append("|---|---|---|---|")
+        a, b = v["original"], v["recommended"]
+        for i, round_no in enumerate(v["rounds"]):
+            dirs = f"{a['run_dirs'][i]}, {b['run_dirs'][i]}"
+            lines.append(f"| {round_no} | {_rate(a['tokens_per_s'][i])} | {_rate(b['tokens_per_s'][i])} | {dirs} |")
+        if a["errors"] or b["errors"]:
+            lines += ["", *(f"- failed: {err}" for err in a["errors"] + b["errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_verdict(ab: AbSet, run_dir: Path) -> dict[str, Any]:
+    """Write the set's verdict files and the merged ``RUN/ab/verdict.{md,json}``; returns the merged verdict."""
+    new = set_verdict(ab, run_dir)
+    everything = merged(read_verdict(run_dir), new)
+    for out, data in ((ab.set_dir, new), (Path(run_dir) / AB_DIR, everything)):
+        _write(out / VERDICT_JSON, json.dumps(data, indent=2) + "\n")
+        _write(out / VERDICT_MD, to_markdown(data))
+    return everything
+
+
+def text_table(data: dict[str, Any], set_name: str | None = None) -> str:
+    """The console lines of a verdict: one per recommendation (of ``set_name`` only, when given)."""
+    lines = []
+    for v in data["recommendations"]:
+        if set_name is not None and v["set"] != set_name:
+            continue
+        a, b = v["original"], v["recommended"]
+        lines.append(
+            f"  {v['override']}: {phrase(v)}; tokens/s median {_rate(a['median_tokens_per_s'])} -> "
+            f"{_rate(b['median_tokens_per_s'])} (spread {_spread(a)} / {_spread(b)})"
+        )
+    return "\n".join(lines)
+
+
+def _spread(arm: dict[str, Any]) -> str:
+    return "n/a" if arm["spread"] is None else f"{arm['spread']:.1%}"
