@@ -100,9 +100,8 @@ def to_markdown(report: Report, ab_lines: str | None = None) -> str:
         ]
         for i, rec in enumerate(recs, 1):
             override = f"`{rec.override}`: " if rec.override else ""
-            lines.append(
-                f"{i}. {override}{rec.why}. Expected: {rec.expected_effect} ({gain_text(rec)}).{tested_note(report, rec)}"
-            )
+            expected = f"Expected: {rec.expected_effect} ({gain_text(rec)})."
+            lines.append(f"{i}. {override}{rec.why}. {expected}{tested_note(report, rec)}")
         lines.append("")
     lines += ["## Per-rank phases (mean per steady step)", "", *_table(PHASE_HEADER, phase_rows(report))]
     if report.verdicts:
