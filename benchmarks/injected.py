@@ -52,19 +52,22 @@ _optimizer_sleep: dict[str, object] = {}
 
 
 def sleep_in_optimizer_step(sleep_s: float, slow_ranks: list[int] | None) -> None:
-    """Every optimizer step on ``slow_ranks`` first sleeps ``sleep_s`` (a global torch optimizer hook).
+    """Every optimizer step on ``slow_ranks`` ends with a ``sleep_s`` sleep (a global torch optimizer hook).
+
+    A post-step hook, not a pre-step one: Lightning runs forward and backward in the closure that
+    ``optimizer.step`` calls, so a pre-step sleep would land before the forward.
 
     Registered once per process although a model may be built more than once (on the meta device for its
     parameter count, then for real); the rank is read when the step runs, after the launcher has set it.
     """
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     if not _optimizer_sleep:
-        register_optimizer_step_pre_hook(_sleep_before_step)
+        register_optimizer_step_post_hook(_sleep_after_step)
     _optimizer_sleep.update(sleep_s=sleep_s, slow_ranks=slow_ranks)
 
 
-def _sleep_before_step(optimizer: object, args: object, kwargs: object) -> None:
+def _sleep_after_step(optimizer: object, args: object, kwargs: object) -> None:
     if is_slow_here(_optimizer_sleep["slow_ranks"]):  # type: ignore[arg-type]
         time.sleep(_optimizer_sleep["sleep_s"])  # type: ignore[arg-type]
 
