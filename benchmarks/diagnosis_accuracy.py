@@ -60,15 +60,6 @@ PLUGIN_MODEL = [
     "+model.width=512",
 ]
 
-# Many parameters, little compute: 4 x 2048^2 weights over one 16-token sequence per rank.
-WIDE_TINY_BATCH = [
-    *PLUGIN_MODEL[:-2],
-    "+model.seq_len=16",
-    "+model.width=2048",
-    *PLUGIN_DATA,
-    "trainer.micro_batch_size=1",
-]
-
 
 @dataclass(frozen=True)
 class Scenario:
@@ -163,10 +154,10 @@ SCENARIOS = [
         [0, 1],
     ),
     Scenario(
-        "comm-ddp",
-        "DDP, plug-in wide model (4 x 2048^2) with 1 sequence of 16 tokens per rank",
-        [*WIDE_TINY_BATCH, "optimizer.lr=1e-3"],
-        [*WIDE_TINY_BATCH, "optimizer.lr=1e-3", "+data.local_grads=true"],
+        "comm-slow-link-ddp",
+        "DDP, built-in gpt-nano, gradient all-reduce over an emulated 40 MB/s link (7.3 MB of gradients)",
+        [*PLUGIN_DATA, "+data.link_bytes_per_s=40e6"],
+        [*PLUGIN_DATA, "+data.local_grads=true"],
         "comm_bound",
         [0, 1],
         basis="the same per-rank work without the gradient all-reduce (local gradients)",

@@ -10,6 +10,7 @@ No ``from __future__ import annotations``: DDP inspects a comm hook's signature 
 
 import os
 import time
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
@@ -33,19 +34,36 @@ def local_gradient_hook(state, bucket):  # no annotations: DDP reads the signatu
     return future
 
 
-def keep_gradients_local() -> None:
-    """Make DDP register ``local_gradient_hook`` in this process, whatever ``strategy.comm_hook`` says.
+def slow_link_hook(state, bucket):  # no annotations: DDP reads the signature
+    """DDP's all-reduce followed by ``bytes / state`` seconds, as over a link of ``state`` bytes/s.
+
+    The wait happens in the future's callback (gloo's thread), so it overlaps the rest of the backward and
+    what is left is exposed at its end, as a slow network's transfer would be.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    seconds = bucket.buffer().numel() * bucket.buffer().element_size() / state
+
+    def after_transfer(future):
+        time.sleep(seconds)
+        return future.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(after_transfer)
+
+
+def use_ddp_comm_hook(hook: Callable, state: object = None) -> None:
+    """Make DDP register ``hook`` in this process, whatever ``strategy.comm_hook`` says.
 
     Replaces the strategy's hook registration in this rank's process only (each rank is its own
-    ``python -m train``): the product's code and config are unchanged, and a run without ``local_grads`` never
-    calls this.
+    ``python -m train``): the product's code and config are unchanged, and a run without ``local_grads`` or
+    ``link_bytes_per_s`` never calls this.
     """
     from disttrain.strategies.ddp import HookedDDPStrategy
 
-    def register_local_hook(self: HookedDDPStrategy) -> None:
-        self.model.register_comm_hook(state=None, hook=local_gradient_hook)
+    def register(self: HookedDDPStrategy) -> None:
+        self.model.register_comm_hook(state=state, hook=hook)
 
-    HookedDDPStrategy._register_ddp_hooks = register_local_hook  # type: ignore[method-assign]
+    HookedDDPStrategy._register_ddp_hooks = register  # type: ignore[method-assign]
 
 
 _optimizer_sleep: dict[str, object] = {}
@@ -75,8 +93,9 @@ def _sleep_after_step(optimizer: object, args: object, kwargs: object) -> None:
 class RandomTokens(pl.LightningDataModule):
     """Uniform random tokens whose batches take ``delay_s`` each to produce on ``slow_ranks`` (None: all).
 
-    ``optimizer_sleep_s`` slows the optimizer step of ``slow_ranks`` instead (set here so that a built-in model
-    can carry the fault); ``local_grads`` is the communication counterfactual (see ``keep_gradients_local``).
+    ``optimizer_sleep_s`` slows the optimizer step of ``slow_ranks`` instead, and ``link_bytes_per_s`` makes
+    DDP's gradient all-reduce as slow as over a link of that bandwidth (set here so that a built-in model can
+    carry the fault); ``local_grads`` is the communication counterfactual (see ``local_gradient_hook``).
     """
 
     def __init__(
@@ -88,6 +107,7 @@ class RandomTokens(pl.LightningDataModule):
         optimizer_sleep_s: float = 0.0,
         slow_ranks: list[int] | None = None,
         local_grads: bool = False,
+        link_bytes_per_s: float = 0.0,
         num_sequences: int = 2048,
     ) -> None:
         super().__init__()
@@ -100,7 +120,9 @@ class RandomTokens(pl.LightningDataModule):
         if optimizer_sleep_s:
             sleep_in_optimizer_step(optimizer_sleep_s, slow_ranks)
         if local_grads:
-            keep_gradients_local()
+            use_ddp_comm_hook(local_gradient_hook)
+        elif link_bytes_per_s:
+            use_ddp_comm_hook(slow_link_hook, link_bytes_per_s)
 
     def train_dataloader(self) -> DataLoader:
         delay_s = self.delay_s if is_slow_here(self.slow_ranks) else 0.0
@@ -133,9 +155,7 @@ class SleepInBackward(torch.autograd.Function):
 class InjectedModel(nn.Module):
     """An MLP language model (``blocks`` for FSDP) that sleeps ``sleep_s`` in ``phase`` on ``slow_ranks``.
 
-    ``phase`` is forward, backward or optimizer; ``sleep_s=0`` is the healthy counterfactual. A wide model with
-    tiny batches (``width=2048``, ``micro_batch_size=1``) is communication-bound under DDP; ``local_grads`` is its
-    counterfactual.
+    ``phase`` is forward, backward or optimizer; ``sleep_s=0`` is the healthy counterfactual.
     """
 
     def __init__(
@@ -159,7 +179,7 @@ class InjectedModel(nn.Module):
         if sleep_s and phase == "optimizer":
             sleep_in_optimizer_step(sleep_s, slow_ranks)
         if local_grads:
-            keep_gradients_local()
+            use_ddp_comm_hook(local_gradient_hook)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # The rank is read here, not at construction: the launcher builds the model once before it knows its rank.
