@@ -49,6 +49,7 @@ def test_healthy_run_with_a_warning_misses_only_when_the_counterfactual_shows_un
     loud = [ran(980.0, finding("low_overlap", [1], "critical"), finding("low_mfu", [0, 1], "info"))]
     verdict = judge(HEALTHY, loud, [ran(1000.0)])
     assert verdict.loud_on_healthy == ["low_overlap[1] critical"]
+    assert verdict.kind_right is None  # a healthy run is judged by its own target
     assert verdict.targets == {"quiet when healthy": False}
     # 20% to gain: a warning may be justified, so the healthy target does not apply.
     assert judge(HEALTHY, loud, [ran(1250.0)]).targets == {"quiet when healthy": None}
