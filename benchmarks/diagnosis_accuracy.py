@@ -85,8 +85,8 @@ SCENARIOS = [
     ),
     Scenario(
         "healthy-fsdp",
-        "FSDP, built-in gpt-nano and data, nothing injected",
-        ["strategy=fsdp"],
+        "FSDP, built-in gpt-nano, plug-in data, nothing injected",
+        ["strategy=fsdp", *PLUGIN_DATA],
         [*PLUGIN_DATA, "+data.local_grads=true"],
         None,
         basis="the same model and batch under DDP without any collective (local gradients)",
