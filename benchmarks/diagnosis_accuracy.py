@@ -1,0 +1,442 @@
+"""Does the report name the bottleneck we injected, on the right rank, at the cost it really has?
+
+Each scenario is a 2-rank CPU run with a known fault (``benchmarks/injected.py``, plugged in by ``_target_``) and
+a counterfactual arm: the same run with the fault off, or for communication the same per-rank work without the
+collective (DDP gradients kept local by a benchmark-only comm hook). The arms are interleaved (fault,
+counterfactual, fault, ...) so drift on a shared machine hits both. Per scenario it prints the expected finding,
+the report's top finding per faulty run (``report.json`` ``findings[0]``: findings come ordered by cost), whether
+kind and ranks were right, and the cost the report states against the measured one:
+
+    measured cost = 1 - throughput(fault) / throughput(counterfactual)
+
+with throughput = tokens per step / median step time (rank 0's steady steps, so the one-time profiler window
+does not count). A pipeline bubble has no fault-free run of the same shape, so its counterfactual is the same
+pipeline with more micro-batches per step, and the measured cost is the share of the faulty step that does not
+grow with the micro-batches (step time t(m) = a·m + b over the two arms: 1 - a·m / t(m)); that share also holds
+the optimizer step, a few points here.
+
+Targets (issue 11): right top finding and rank in every scenario; no warning or critical finding on a healthy
+run whose counterfactual shows < 5% to gain; reported cost within 5 points of the measured one. It is a
+measurement: it prints the table and exits 0 whether the targets are met or not.
+
+    python benchmarks/diagnosis_accuracy.py [--repeats 2] [--only NAME ...] [--json PATH] [--keep DIR]
+    python benchmarks/diagnosis_accuracy.py --from DIR [--repeats N]   # re-judge kept runs with today's analysis
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HEALTHY_GAIN = 0.05  # a healthy run may have this much to gain without a warning being justified
+COST_TOLERANCE = 0.05  # reported cost within 5 points of the measured one
+LOUD = ("critical", "warning")
+
+SHORT = [
+    "trainer.max_steps=40",
+    "trainer.log_every_n_steps=10",
+    "trainer.val_every_n_steps=40",
+    "trainer.val_batches=1",
+    "trainer.ckpt_every_n_steps=1000",
+    "trainer.micro_batch_size=8",
+    "diagnostics.gather_every=5",
+    "diagnostics.profile_wait_steps=15",
+    "diagnostics.sample_interval_s=0.5",
+]
+PLUGIN_DATA = ["~data", "+data._target_=benchmarks.injected.RandomTokens"]
+PLUGIN_MODEL = [
+    "~model",
+    "+model._target_=benchmarks.injected.InjectedModel",
+    "+model.vocab_size=256",
+    "+model.seq_len=128",
+    "+model.width=512",
+]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    what: str
+    fault: list[str]
+    counterfactual: list[str]
+    expected_kind: str | None  # None: a healthy run, no warning or critical finding expected
+    expected_ranks: list[int] = field(default_factory=list)  # sorted
+    basis: str = "the same run with the fault off"
+    microbatches: tuple[int, int] | None = None  # (fault, counterfactual): cost from the step time's fixed part
+
+
+SCENARIOS = [
+    Scenario(
+        "healthy-ddp",
+        "DDP, built-in gpt-nano, plug-in data, nothing injected",
+        [*PLUGIN_DATA],
+        [*PLUGIN_DATA, "+data.local_grads=true"],
+        None,
+        basis="the same run without the gradient all-reduce (local gradients)",
+    ),
+    Scenario(
+        "healthy-fsdp",
+        "FSDP, built-in gpt-nano, plug-in data, nothing injected",
+        ["strategy=fsdp", *PLUGIN_DATA],
+        [*PLUGIN_DATA, "+data.local_grads=true"],
+        None,
+        basis="the same model and batch under DDP without any collective (local gradients)",
+    ),
+    Scenario(
+        "input-all-ddp",
+        "DDP, built-in gpt-nano, plug-in data 0.2 s per batch on every rank",
+        [*PLUGIN_DATA, "+data.delay_s=0.2"],
+        [*PLUGIN_DATA],
+        "input_bound",
+        [0, 1],
+    ),
+    Scenario(
+        "input-rank1-ddp",
+        "DDP, plug-in model and data, 0.2 s per batch on rank 1 only",
+        [*PLUGIN_MODEL, *PLUGIN_DATA, "+data.delay_s=0.2", "+data.slow_ranks=[1]"],
+        [*PLUGIN_MODEL, *PLUGIN_DATA],
+        "input_bound",
+        [1],
+    ),
+    Scenario(
+        "forward-rank1-ddp",
+        "DDP, plug-in model sleeps 0.2 s in forward on rank 1",
+        [*PLUGIN_MODEL, *PLUGIN_DATA, "+model.sleep_s=0.2", "+model.slow_ranks=[1]"],
+        [*PLUGIN_MODEL, *PLUGIN_DATA],
+        "straggler",
+        [1],
+    ),
+    Scenario(
+        "forward-rank0-fsdp",
+        "FSDP, plug-in model sleeps 0.2 s in forward on rank 0",
+        ["strategy=fsdp", *PLUGIN_MODEL, *PLUGIN_DATA, "+model.sleep_s=0.2", "+model.slow_ranks=[0]"],
+        ["strategy=fsdp", *PLUGIN_MODEL, *PLUGIN_DATA],
+        "straggler",
+        [0],
+    ),
+    Scenario(
+        "optimizer-rank1-ddp",
+        "DDP, built-in gpt-nano, optimizer step sleeps 0.2 s on rank 1",
+        [*PLUGIN_DATA, "+data.optimizer_sleep_s=0.2", "+data.slow_ranks=[1]"],
+        [*PLUGIN_DATA],
+        "straggler",
+        [1],
+    ),
+    Scenario(
+        "backward-rank0-deepspeed",
+        "DeepSpeed ZeRO-2, plug-in model sleeps 0.2 s in backward on rank 0",
+        [
+            "strategy=deepspeed",
+            *PLUGIN_MODEL,
+            *PLUGIN_DATA,
+            "+model.phase=backward",
+            "+model.sleep_s=0.2",
+            "+model.slow_ranks=[0]",
+        ],
+        ["strategy=deepspeed", *PLUGIN_MODEL, *PLUGIN_DATA],
+        "straggler",
+        [0],
+    ),
+    Scenario(
+        "input-all-deepspeed",
+        "DeepSpeed ZeRO-2, built-in gpt-nano, plug-in data 0.2 s per batch on every rank",
+        ["strategy=deepspeed", *PLUGIN_DATA, "+data.delay_s=0.2"],
+        ["strategy=deepspeed", *PLUGIN_DATA],
+        "input_bound",
+        [0, 1],
+    ),
+    Scenario(
+        "comm-slow-link-ddp",
+        "DDP, built-in gpt-nano, gradient all-reduce over an emulated 40 MB/s link (7.3 MB of gradients)",
+        [*PLUGIN_DATA, "+data.link_bytes_per_s=40e6"],
+        [*PLUGIN_DATA, "+data.local_grads=true"],
+        "comm_bound",
+        [0, 1],
+        basis="the same per-rank work without the gradient all-reduce (local gradients)",
+    ),
+    Scenario(
+        "bubble-megatron-pp2",
+        "Megatron pp=2, built-in gpt-nano, 2 micro-batches per step (1F1B)",
+        ["strategy=megatron", "strategy.pp=2", "strategy.microbatches=2", "trainer.micro_batch_size=4"],
+        ["strategy=megatron", "strategy.pp=2", "strategy.microbatches=8", "trainer.micro_batch_size=4"],
+        "pipeline_bubble",
+        [0, 1],
+        basis="the same pipeline with 8 micro-batches: the step time's part that does not grow with them",
+        microbatches=(2, 8),
+    ),
+]
+
+
+# ---- one run --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    ok: bool
+    throughput: float | None = None  # tokens per second from the median steady step of rank 0
+    step_s: float | None = None  # that median step
+    findings: list[dict] = field(default_factory=list)
+    error: str = ""
+
+
+def run_train(overrides: list[str], run_dir: Path, base: list[str] = SHORT) -> RunResult:
+    """``python -m train BASE OVERRIDES`` from the repo root (so ``benchmarks.injected`` resolves in every rank)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    env.pop("LOCAL_RANK", None)
+    log = run_dir.with_suffix(".log")
+    with log.open("w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "train", *base, *overrides, f"hydra.run.dir={run_dir}"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        )
+    if proc.returncode != 0:
+        tail = [line for line in log.read_text().splitlines() if line.strip()][-3:]
+        return RunResult(False, error=f"exit {proc.returncode}: " + " | ".join(tail))
+    return load_run(run_dir)
+
+
+def load_run(run_dir: Path, rediagnose: bool = False) -> RunResult:
+    """A finished run's throughput and findings; ``rediagnose`` first rebuilds its report with today's analysis."""
+    if not (run_dir / "telemetry" / "rank0000.jsonl").exists():
+        return RunResult(False, error=f"{run_dir} has no telemetry")
+    if rediagnose:
+        subprocess.run([sys.executable, "-m", "diagnose", str(run_dir)], cwd=REPO, capture_output=True, check=False)
+    report_path = run_dir / "report" / "report.json"
+    findings = json.loads(report_path.read_text())["findings"] if report_path.exists() else []
+    tokens, step_s = median_step(run_dir)
+    return RunResult(True, tokens / step_s if tokens and step_s else None, step_s, findings)
+
+
+def median_step(run_dir: Path) -> tuple[int | None, float | None]:
+    """Tokens per step and rank 0's median step time after the warm-up (robust to the profiler window)."""
+    tokens, steps = None, []
+    for line in (run_dir / "telemetry" / "rank0000.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("kind") == "meta":
+            tokens = record.get("tokens_per_step")
+        elif record.get("kind") == "step" and record.get("step_s") and record.get("step", 0) >= 2:
+            steps.append(record["step_s"])
+    return tokens, statistics.median(steps) if steps else None
+
+
+# ---- verdicts (pure) ------------------------------------------------------------------------------------------
+
+
+def finding_cost(finding: dict | None) -> float | None:
+    """The share of step time a finding says it takes (``cost.fraction``), None where the report has none."""
+    if not finding:
+        return None
+    fraction = (finding.get("cost") or {}).get("fraction")
+    return float(fraction) if fraction is not None else None
+
+
+def top_label(finding: dict | None) -> str:
+    if not finding:
+        return "none"
+    ranks = ",".join(str(r) for r in finding.get("ranks", []))
+    phase = (finding.get("evidence") or {}).get("slow_phase")
+    return f"{finding['kind']}[{ranks}]" + (f"/{phase}" if phase else "") + f" {finding.get('severity', '?')}"
+
+
+@dataclass
+class Verdict:
+    name: str
+    expected: str
+    tops: list[str]  # the top finding of each faulty run
+    kind_right: bool | None  # in every faulty run; None for a healthy scenario (see targets)
+    ranks_right: bool | None
+    reported_cost: float | None  # median over the faulty runs of the cost stated by the expected kind's finding
+    measured_cost: float | None  # median over the repeats of 1 - fault / counterfactual throughput
+    cost_spread: tuple[float, float] | None
+    loud_on_healthy: list[str]  # warning/critical findings raised on a healthy run
+    errors: list[str]
+    basis: str
+    targets: dict[str, bool | None]  # None: the target does not apply (or could not be measured)
+
+    @property
+    def points_apart(self) -> float | None:
+        if self.reported_cost is None or self.measured_cost is None:
+            return None
+        return 100 * (self.reported_cost - self.measured_cost)
+
+
+def expected_text(scenario: Scenario) -> str:
+    if scenario.expected_kind is None:
+        return "healthy (no warning)"
+    return f"{scenario.expected_kind}[{','.join(str(r) for r in scenario.expected_ranks)}]"
+
+
+def measured_cost(scenario: Scenario, fault: RunResult, counterfactual: RunResult) -> float | None:
+    """The share of the faulty run's step that the fault takes, from one pair of runs."""
+    if scenario.microbatches is None:
+        if not fault.throughput or not counterfactual.throughput:
+            return None
+        return 1.0 - fault.throughput / counterfactual.throughput
+    if not fault.step_s or not counterfactual.step_s:
+        return None
+    m_fault, m_counterfactual = scenario.microbatches
+    per_microbatch = (counterfactual.step_s - fault.step_s) / (m_counterfactual - m_fault)
+    return 1.0 - per_microbatch * m_fault / fault.step_s
+
+
+def judge(scenario: Scenario, faults: list[RunResult], counterfactuals: list[RunResult]) -> Verdict:
+    """The scenario's verdict from its faulty runs and counterfactual runs (paired by repeat)."""
+    good = [r for r in faults if r.ok]
+    tops = [r.findings[0] if r.findings else None for r in good]
+    pairs = [(f, c) for f, c in zip(faults, counterfactuals, strict=False) if f.ok and c.ok]
+    costs = [cost for f, c in pairs if (cost := measured_cost(scenario, f, c)) is not None]
+    measured = statistics.median(costs) if costs else None
+    spread = (min(costs), max(costs)) if costs else None
+    errors = [r.error for r in [*faults, *counterfactuals] if not r.ok]
+    targets: dict[str, bool | None] = {}
+    loud: list[str] = []
+    reported = None
+    if scenario.expected_kind is None:
+        loud = sorted({top_label(f) for r in good for f in r.findings if f.get("severity") in LOUD})
+        kind_right = ranks_right = None
+        applies = measured is not None and measured < HEALTHY_GAIN
+        targets["quiet when healthy"] = (not loud) if applies and good else None
+    else:
+        kind_right = bool(tops) and all(t is not None and t["kind"] == scenario.expected_kind for t in tops)
+        ranks_right = bool(tops) and all(t is not None and sorted(t["ranks"]) == scenario.expected_ranks for t in tops)
+        targets["top finding and rank"] = (kind_right and ranks_right) if good else None
+        matching = [next((f for f in r.findings if f["kind"] == scenario.expected_kind), None) for r in good]
+        stated = [c for f in matching if (c := finding_cost(f)) is not None]
+        reported = statistics.median(stated) if stated else None
+        if measured is None:
+            targets["cost within 5 points"] = None
+        else:
+            targets["cost within 5 points"] = reported is not None and abs(reported - measured) <= COST_TOLERANCE + 1e-9
+    return Verdict(
+        scenario.name,
+        expected_text(scenario),
+        [top_label(t) for t in tops],
+        kind_right,
+        ranks_right,
+        reported,
+        measured,
+        spread,
+        loud,
+        errors,
+        scenario.basis,
+        targets,
+    )
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def _yes(value: bool | None) -> str:
+    return "n/a" if value is None else ("yes" if value else "NO")
+
+
+def format_table(verdicts: list[Verdict]) -> str:
+    header = ("scenario", "expected", "top finding per faulty run", "kind", "rank", "reported", "measured (spread)",
+              "pts apart", "healthy quiet")  # fmt: skip
+    rows = [header]
+    for v in verdicts:
+        spread = f" ({_pct(v.cost_spread[0])}..{_pct(v.cost_spread[1])})" if v.cost_spread else ""
+        apart = "n/a" if v.points_apart is None else f"{v.points_apart:+.0f}"
+        rows.append(
+            (
+                v.name,
+                v.expected,
+                "; ".join(v.tops) or "no run",
+                _yes(v.kind_right),
+                _yes(v.ranks_right),
+                _pct(v.reported_cost),
+                _pct(v.measured_cost) + spread,
+                apart,
+                _yes(v.targets.get("quiet when healthy")) if "quiet when healthy" in v.targets else "-",
+            )
+        )
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for v in verdicts:
+        for problem in v.errors:
+            lines.append(f"{v.name}: run failed: {problem}")
+        if v.loud_on_healthy:
+            lines.append(f"{v.name}: raised on a healthy run: {', '.join(v.loud_on_healthy)}")
+    return "\n".join(lines)
+
+
+def targets_line(verdicts: list[Verdict]) -> str:
+    judged = [(v.name, t, ok) for v in verdicts for t, ok in v.targets.items() if ok is not None]
+    met = sum(ok for _, _, ok in judged)
+    missed = [f"{name}: {target}" for name, target, ok in judged if not ok]
+    tail = f"; missed: {'; '.join(missed)}" if missed else ""
+    return f"targets met: {met} of {len(judged)}{tail}"
+
+
+# ---- driver ---------------------------------------------------------------------------------------------------
+
+
+def measure(scenario: Scenario, repeats: int, root: Path, reuse: bool = False) -> Verdict:
+    """Run the scenario's arms interleaved, or with ``reuse`` judge the runs already in ``root`` (re-diagnosed)."""
+    faults: list[RunResult] = []
+    counterfactuals: list[RunResult] = []
+    for i in range(repeats):
+        for arm, overrides, results in (("fault", scenario.fault, faults),
+                                        ("counterfactual", scenario.counterfactual, counterfactuals)):  # fmt: skip
+            start = time.monotonic()
+            run_dir = root / f"{scenario.name}-{arm}-{i}"
+            result = load_run(run_dir, rediagnose=True) if reuse else run_train(overrides, run_dir)
+            results.append(result)
+            rate = f"{result.throughput:,.0f} tokens/s" if result.throughput else result.error
+            top = f", top {top_label(result.findings[0] if result.findings else None)}" if arm == "fault" else ""
+            print(f"  {scenario.name} {arm} #{i + 1}: {rate}{top} ({time.monotonic() - start:.0f} s)", flush=True)
+    return judge(scenario, faults, counterfactuals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per arm (default 2)")
+    parser.add_argument("--only", nargs="*", default=[], help="scenario names to run (default: all)")
+    parser.add_argument("--json", type=Path, help="write the verdicts here")
+    parser.add_argument("--keep", type=Path, help="keep the run directories here (default: a temporary one)")
+    parser.add_argument(
+        "--from",
+        dest="reuse",
+        type=Path,
+        help="judge the runs an earlier --keep left in this directory again, with their reports rebuilt by today's "
+        "analysis (python -m diagnose), instead of running anything",
+    )
+    args = parser.parse_args()
+    names = [s.name for s in SCENARIOS]
+    unknown = [n for n in args.only if n not in names]
+    if unknown:
+        parser.error(f"--only: unknown scenario {', '.join(unknown)}; choose from {', '.join(names)}")
+    chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.reuse or args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        verdicts = []
+        for scenario in chosen:
+            print(f"{scenario.name}: {scenario.what}; counterfactual: {scenario.basis}", flush=True)
+            verdicts.append(measure(scenario, args.repeats, root, reuse=args.reuse is not None))
+    print()
+    print(format_table(verdicts))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(v) for v in verdicts], indent=2) + "\n")
+    print(targets_line(verdicts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Injected bottlenecks for ``benchmarks/diagnosis_accuracy.py``: a model and a datamodule plugged in by ``_target_``.
+
+Each injection is a sleep on chosen local ranks in one phase of the step (data, forward, backward, optimizer),
+switched off by its own argument, so a scenario's counterfactual is the same command with the fault off. The
+communication counterfactual keeps every rank's gradients local (``local_grads=true``): the same per-rank work
+without the gradient all-reduce. Both are benchmark-only: nothing here is imported by the product.
+
+No ``from __future__ import annotations``: DDP inspects a comm hook's signature and refuses string annotations.
+"""
+
+import os
+import time
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_slow_here(slow_ranks: list[int] | None) -> bool:
+    """``None`` slows every rank; a list slows only those local ranks."""
+    return slow_ranks is None or local_rank() in slow_ranks
+
+
+def local_gradient_hook(state, bucket):  # no annotations: DDP reads the signature
+    """A DDP comm hook that returns this rank's own gradient bucket unreduced: no collective at all."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def slow_link_hook(state, bucket):  # no annotations: DDP reads the signature
+    """DDP's all-reduce followed by ``bytes / state`` seconds, as over a link of ``state`` bytes/s.
+
+    The wait happens in the future's callback (gloo's thread), so it overlaps the rest of the backward and
+    what is left is exposed at its end, as a slow network's transfer would be.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    seconds = bucket.buffer().numel() * bucket.buffer().element_size() / state
+
+    def after_transfer(future):
+        time.sleep(seconds)
+        return future.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(after_transfer)
+
+
+def use_ddp_comm_hook(hook: Callable, state: object = None) -> None:
+    """Make DDP register ``hook`` in this process, whatever ``strategy.comm_hook`` says.
+
+    Replaces the strategy's hook registration in this rank's process only (each rank is its own
+    ``python -m train``): the product's code and config are unchanged, and a run without ``local_grads`` or
+    ``link_bytes_per_s`` never calls this.
+    """
+    from disttrain.strategies.ddp import HookedDDPStrategy
+
+    def register(self: HookedDDPStrategy) -> None:
+        self.model.register_comm_hook(state=state, hook=hook)
+
+    HookedDDPStrategy._register_ddp_hooks = register  # type: ignore[method-assign]
+
+
+_optimizer_sleep: dict[str, object] = {}
+
+
+def sleep_in_optimizer_step(sleep_s: float, slow_ranks: list[int] | None) -> None:
+    """Every optimizer step on ``slow_ranks`` ends with a ``sleep_s`` sleep (a global torch optimizer hook).
+
+    A post-step hook, not a pre-step one: Lightning runs forward and backward in the closure that
+    ``optimizer.step`` calls, so a pre-step sleep would land before the forward.
+
+    Registered once per process although a model may be built more than once (on the meta device for its
+    parameter count, then for real); the rank is read when the step runs, after the launcher has set it.
+    """
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if not _optimizer_sleep:
+        register_optimizer_step_post_hook(_sleep_after_step)
+    _optimizer_sleep.update(sleep_s=sleep_s, slow_ranks=slow_ranks)
+
+
+def _sleep_after_step(optimizer: object, args: object, kwargs: object) -> None:
+    if is_slow_here(_optimizer_sleep["slow_ranks"]):  # type: ignore[arg-type]
+        time.sleep(_optimizer_sleep["sleep_s"])  # type: ignore[arg-type]
+
+
+class RandomTokens(pl.LightningDataModule):
+    """Uniform random tokens whose batches take ``delay_s`` each to produce on ``slow_ranks`` (None: all).
+
+    ``optimizer_sleep_s`` slows the optimizer step of ``slow_ranks`` instead, and ``link_bytes_per_s`` makes
+    DDP's gradient all-reduce as slow as over a link of that bandwidth (set here so that a built-in model can
+    carry the fault); ``local_grads`` is the communication counterfactual (see ``local_gradient_hook``).
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        micro_batch_size: int,
+        vocab_size: int = 256,
+        delay_s: float = 0.0,
+        optimizer_sleep_s: float = 0.0,
+        slow_ranks: list[int] | None = None,
+        local_grads: bool = False,
+        link_bytes_per_s: float = 0.0,
+        num_sequences: int = 2048,
+    ) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab_size, (num_sequences, seq_len + 1), generator=generator)
+        self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        self.micro_batch_size = micro_batch_size
+        self.delay_s = delay_s
+        self.slow_ranks = slow_ranks
+        if optimizer_sleep_s:
+            sleep_in_optimizer_step(optimizer_sleep_s, slow_ranks)
+        if local_grads:
+            use_ddp_comm_hook(local_gradient_hook)
+        elif link_bytes_per_s:
+            use_ddp_comm_hook(slow_link_hook, link_bytes_per_s)
+
+    def train_dataloader(self) -> DataLoader:
+        delay_s = self.delay_s if is_slow_here(self.slow_ranks) else 0.0
+
+        def collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
+            if delay_s:
+                time.sleep(delay_s)
+            return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+        return DataLoader(self.data, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, collate_fn=collate)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.micro_batch_size, drop_last=True)
+
+
+class SleepInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a rank that is slow in its backward pass."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sleep_s: float) -> torch.Tensor:
+        ctx.sleep_s = sleep_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.sleep_s)
+        return grad, None
+
+
+class InjectedModel(nn.Module):
+    """An MLP language model (``blocks`` for FSDP) that sleeps ``sleep_s`` in ``phase`` on ``slow_ranks``.
+
+    ``phase`` is forward, backward or optimizer; ``sleep_s=0`` is the healthy counterfactual.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        width: int = 256,
+        depth: int = 4,
+        phase: str = "forward",
+        sleep_s: float = 0.0,
+        slow_ranks: list[int] | None = None,
+        local_grads: bool = False,
+    ) -> None:
+        super().__init__()
+        if phase not in ("forward", "backward", "optimizer"):
+            raise ValueError(f"model.phase: unknown phase {phase!r}; use forward, backward or optimizer")
+        self.embed = nn.Embedding(vocab_size, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.head = nn.Linear(width, vocab_size)
+        self.phase, self.sleep_s, self.slow_ranks = phase, sleep_s, slow_ranks
+        if sleep_s and phase == "optimizer":
+            sleep_in_optimizer_step(sleep_s, slow_ranks)
+        if local_grads:
+            use_ddp_comm_hook(local_gradient_hook)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # The rank is read here, not at construction: the launcher builds the model once before it knows its rank.
+        slow = self.training and self.sleep_s > 0 and is_slow_here(self.slow_ranks)
+        if slow and self.phase == "forward":
+            time.sleep(self.sleep_s)
+        h = self.embed(tokens)
+        if slow and self.phase == "backward":
+            h = SleepInBackward.apply(h, self.sleep_s)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return 6.0 * sum(p.numel() for name, p in self.named_parameters() if not name.startswith("embed"))

@@ -1,0 +1,88 @@
+"""The verdict and table logic of benchmarks/diagnosis_accuracy.py and diagnosis_stability.py (no runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.diagnosis_accuracy import RunResult, Scenario, format_table, judge, targets_line
+from benchmarks.diagnosis_stability import agreement, loud_kinds
+
+STRAGGLER = Scenario("slow-rank1", "test", ["+model.sleep_s=0.1"], [], "straggler", [1])
+HEALTHY = Scenario("healthy", "test", [], ["+data.local_grads=true"], None)
+
+
+def finding(kind: str, ranks: list[int], severity: str = "warning", cost: float | None = None, **evidence) -> dict:
+    out = {"kind": kind, "ranks": ranks, "severity": severity, "evidence": evidence, "message": "m"}
+    if cost is not None:
+        out["cost"] = {"fraction": cost, "basis": "test"}
+    return out
+
+
+def ran(throughput: float, *findings: dict) -> RunResult:
+    """A finished run with this throughput (tokens/s) and report findings."""
+    return RunResult(True, throughput, findings=list(findings))
+
+
+def test_right_top_finding_and_cost_within_five_points_meet_both_targets() -> None:
+    faults = [ran(700.0, finding("straggler", [1], cost=0.32, slow_phase="forward")),
+              ran(800.0, finding("straggler", [1], cost=0.28))]  # fmt: skip
+    counterfactuals = [ran(1000.0), ran(1000.0)]
+    verdict = judge(STRAGGLER, faults, counterfactuals)
+    assert verdict.measured_cost == pytest.approx(0.25)  # median of 30% and 20%
+    assert verdict.cost_spread == pytest.approx((0.2, 0.3))
+    assert verdict.reported_cost == pytest.approx(0.30)
+    assert verdict.points_apart == pytest.approx(5.0)
+    assert verdict.targets == {"top finding and rank": True, "cost within 5 points": True}
+    assert verdict.tops[0] == "straggler[1]/forward warning"
+
+
+def test_waiting_rank_blamed_misses_the_rank_and_a_missing_cost_misses_the_cost_target() -> None:
+    faults = [ran(700.0, finding("straggler", [0]), finding("input_bound", [1]))]
+    verdict = judge(STRAGGLER, faults, [ran(1000.0)])
+    assert verdict.kind_right and not verdict.ranks_right
+    assert verdict.reported_cost is None
+    assert verdict.targets == {"top finding and rank": False, "cost within 5 points": False}
+    assert "n/a" in format_table([verdict])  # the reported cost column
+
+
+def test_healthy_run_with_a_warning_misses_only_when_the_counterfactual_shows_under_five_percent() -> None:
+    loud = [ran(980.0, finding("low_overlap", [1], "critical"), finding("low_mfu", [0, 1], "info"))]
+    verdict = judge(HEALTHY, loud, [ran(1000.0)])
+    assert verdict.loud_on_healthy == ["low_overlap[1] critical"]
+    assert verdict.kind_right is None  # a healthy run is judged by its own target
+    assert verdict.targets == {"quiet when healthy": False}
+    # 20% to gain: a warning may be justified, so the healthy target does not apply.
+    assert judge(HEALTHY, loud, [ran(1250.0)]).targets == {"quiet when healthy": None}
+    quiet = judge(HEALTHY, [ran(990.0, finding("low_mfu", [0, 1], "info"))], [ran(1000.0)])
+    assert quiet.targets == {"quiet when healthy": True}
+
+
+def test_failed_runs_are_listed_and_their_targets_not_judged() -> None:
+    verdict = judge(STRAGGLER, [RunResult(False, error="exit 1: boom")], [ran(1000.0)])
+    assert verdict.targets == {"top finding and rank": None, "cost within 5 points": None}
+    table = format_table([verdict])
+    assert "slow-rank1: run failed: exit 1: boom" in table
+    assert targets_line([verdict]) == "targets met: 0 of 0"
+
+
+def test_targets_line_counts_and_names_the_misses() -> None:
+    good = judge(STRAGGLER, [ran(750.0, finding("straggler", [1], cost=0.25))], [ran(1000.0)])
+    bad = judge(HEALTHY, [ran(1000.0, finding("comm_bound", [0, 1]))], [ran(1000.0)])
+    assert targets_line([good, bad]) == "targets met: 2 of 3; missed: healthy: quiet when healthy"
+
+
+def test_bubble_cost_is_the_step_share_that_does_not_grow_with_the_micro_batches() -> None:
+    bubble = Scenario("bubble", "test", [], [], "pipeline_bubble", [0, 1], microbatches=(2, 8))
+    # t(m) = 0.1 s per micro-batch + 0.1 s fixed: at m=2 the fixed part is a third of the 0.3 s step.
+    verdict = judge(bubble, [RunResult(True, step_s=0.3, findings=[finding("pipeline_bubble", [0, 1], cost=0.3)])],
+                    [RunResult(True, step_s=0.9)])  # fmt: skip
+    assert verdict.measured_cost == pytest.approx(1 / 3)
+    assert verdict.targets == {"top finding and rank": True, "cost within 5 points": True}
+
+
+def test_stability_compares_sets_of_loud_kinds_with_their_ranks() -> None:
+    run = ran(1.0, finding("straggler", [1]), finding("low_mfu", [0, 1], "info"))
+    assert loud_kinds(run) == ["straggler[1]"]
+    assert agreement([["straggler[1]"], ["straggler[1]"], None]) is True
+    assert agreement([["straggler[1]"], ["straggler[0]"]]) is False
+    assert agreement([["straggler[1]"], None]) is None
