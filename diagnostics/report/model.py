@@ -147,6 +147,8 @@ class Report:
         if top is None:
             return f"{split}; nothing costs {pct(COST_WARNING, 0)} of the step or more: no fix worth making"
         finding, rec = top
+        if finding.kind == "crash":
+            return f"{split}; the run crashed: {finding.message}"
         lead = f"{split}; top: {finding.kind} costs {pct(finding.cost_fraction, 0)}"
         if rec is None:
             return f"{lead} (no config lever: see report)"
@@ -157,7 +159,8 @@ class Report:
         lines = [f"diagnostics: {self.verdict()}", f"  {self.headline()}"]
         pairs = list(zip(self.findings, self.recommendations, strict=True))
         for finding, recs in pairs[:TEXT_FINDINGS]:
-            price = f"[{pct(finding.cost_fraction, 0)} of step]"
+            # A crash does not slow steps down: it ends the run.
+            price = "[run stopped]" if finding.kind == "crash" else f"[{pct(finding.cost_fraction, 0)} of step]"
             lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{self.next_step(recs)}")
         if len(pairs) > TEXT_FINDINGS:
             lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")

@@ -148,4 +148,4 @@ def test_a_rank_that_raises_is_named_and_its_error_ends_the_console(raise_rank: 
     rebuilt = subprocess.run([sys.executable, "-m", "diagnose", str(run_dir)], cwd=REPO, capture_output=True,
                              text=True, timeout=120)  # fmt: skip
     assert rebuilt.returncode == 0
-    assert f"critical crash: rank {raise_rank} raised in forward of step 6" in rebuilt.stdout
+    assert f"critical crash [run stopped]: rank {raise_rank} raised in forward of step 6" in rebuilt.stdout

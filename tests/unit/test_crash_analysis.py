@@ -126,7 +126,7 @@ def test_a_run_that_crashed_before_any_telemetry_still_gets_a_report(tmp_path: P
     assert json.loads((run_dir / "report" / "report.json").read_text())["findings"][0]["kind"] == "crash"
     assert diagnose_main([str(run_dir)]) == 0  # python -m diagnose: the same function, the same report
     out = capsys.readouterr().out
-    assert "critical crash: rank 0 raised ImportError: no module named 'mymodel'" in out
+    assert "critical crash [run stopped]: rank 0 raised ImportError: no module named 'mymodel'" in out
 
 
 def test_the_crash_recommendation_points_at_the_traceback_without_an_override(tmp_path: Path) -> None:
