@@ -43,6 +43,9 @@ class FailureReporting:
     run_dir: Path
     manifest: dict
     report: bool
+    # Whether this process reports the job's failure: the launcher or a 1-process run, decided before local ranks
+    # are spawned (spawning sets the launcher's own NODE_RANK, after which it looks like a cluster task).
+    reports: bool
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 

@@ -120,9 +120,10 @@ def train(
 ) -> None:
     """This process's part of the job: spawn the local ranks (rank 0 of a local launch), fit, finish."""
     manifest: dict = {}  # run.json's content once the run is built; a rank that dies marks it failed
-    failures = FailureReporting(run_dir, manifest, run_cfg.diagnostics.enabled and run_cfg.diagnostics.report)
     role = process_role()
-    if not role.child and not role.cluster:  # the launcher, or a 1-process run, reports the job's failure
+    report = run_cfg.diagnostics.enabled and run_cfg.diagnostics.report
+    failures = FailureReporting(run_dir, manifest, report, reports=not role.child and not role.cluster)
+    if failures.reports:
         retire_crash_records(run_dir)  # a restart runs in the same run dir
     ranks = spawn(layout, command_for_rank, failures)
     parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, failures)
@@ -210,7 +211,7 @@ def fit(
             # The launcher prints the error of the rank that caused the failure, once: this one's goes to its log.
             log_to_own_file(run_dir, "".join(traceback.format_exception(err)))
             raise RunStopped(FAILED) from None
-        if crashed and not role.cluster:
+        if crashed and failures.reports:
             failures.lock.acquire()  # if the rank watcher holds it, it is ending this process
             raise stop_for_failure(failures, ranks, None, err) from None
         if ranks is None:
