@@ -201,6 +201,25 @@ def _fsdp_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBre
 
 
 def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBreakdown:
+    """ZeRO-1/2/3 model states, as DeepSpeed allocates them.
+
+    Against DeepSpeed's own ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_..._needs`` (what the
+    ``*_all_cold`` functions print; ``tests/unit/test_planner_deepspeed_estimators.py`` compares byte for byte):
+    their GPU figure equals ``params + grads + optimizer_states`` plus the fp32 gradient partition (and, for
+    stage 3, 4 bytes x the largest layer) here, for stage 2 with and without optimizer offload and stage 3 with
+    optimizer (and parameter) offload. Where we differ, and why:
+
+    - Stage 3 without offload: DeepSpeed's estimator counts 18 bytes per parameter partition; stage 3 also keeps
+      the 16-bit gradient partition it reduces into (``grad_partitions_flat_buffer``, on the GPU unless the
+      optimizer is offloaded) while the step upcasts it to fp32, so 20 here.
+    - Partitions are ``ceil(P / N)`` (DeepSpeed pads flat buffers to equal partitions); the estimator floors
+      ``18 P / N``. They agree when N divides P.
+    - The estimator has no reduce/all-gather buckets; Lightning's defaults allocate them (``buffers``).
+    - Host memory: the estimator's CPU column is per node, times a 1.5 safety factor, and for stages 1/2 (no
+      ``zero.Init``) the whole fp32 model loaded by every process at start-up; ``host`` here is the steady
+      state one rank keeps there (fp32 master, momentum, variance, fp32 gradients, offloaded parameters), which
+      times the node's GPUs equals the estimator's zero-init figure before its 1.5 factor.
+    """
     n, dp, stage = shape.num_parameters, layout.dp, layout.zero_stage
     if precision == "fp32":
         p16, g16, k, fp32_grads = 4, 4, 2 * 4, 0  # no master copy: K = 8 (momentum, variance)
@@ -217,10 +236,16 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
     else:
         buffers += p16 * min(DEEPSPEED_ALLGATHER_BUCKET, n)
     host = 0
-    if layout.offload_optimizer:  # states and the fp32 gradient partition move to the host (ZeRO-Offload)
+    if layout.offload_optimizer:
+        # ZeRO-Offload: states, the step and the fp32 gradient partition move to the host. Stage 3 allocates its
+        # gradient partition buffer on the CPU; stage 2 copies each reduced bucket into the CPU fp32 gradients.
+        # Stage 1 does not partition gradients: the 16-bit gradients accumulate on the GPU until the step.
         host += optimizer + fp32_grads * shard
         buffers -= fp32_grads * shard
         optimizer = 0
+        if stage > 1:
+            host += g16 * shard if fp32_grads == 0 else 0  # fp32 training: the partition itself is the fp32 one
+            grads = 0
     if layout.offload_params:  # ZeRO-Infinity: the 16-bit parameter partition lives on the host too
         host += params
         params = 0
