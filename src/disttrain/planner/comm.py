@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from disttrain.hardware import HardwareProfile
-from disttrain.planner.memory import compute_bytes
+from disttrain.planner.memory import compute_bytes, rank_parameters
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, Workload
 
@@ -205,12 +205,14 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         chunks = layout.virtual_stages if layout.schedule in ("interleaved_1f1b", "zero_bubble") else 1
         message = activation / tp if layout.sequence_parallel else activation
         exposed += collective_bytes("p2p", message, groups["pp"]).scale(2 * chunks)  # forward and backward
-    stage_params = max(shape.stage_parameters(tp, pp, 0), shape.stage_parameters(tp, pp, pp - 1))
+    stage_params = max(rank_parameters(shape, layout, 0), rank_parameters(shape, layout, pp - 1))
     param_bytes = 4 if precision == "fp32" else 2
     grads = collective_bytes("reduce_scatter", 4 * stage_params, groups["dp"])  # fp32 main gradients
     params = collective_bytes("all_gather", param_bytes * stage_params, groups["dp"])
     step_exposed = ZERO
-    if shape.tied_embeddings and pp > 1:  # the two copies of a tied embedding all-reduce their gradients
+    # The two copies of a tied embedding all-reduce their gradients, except under the V schedule, whose rank 0
+    # holds both copies and sums them locally (``TiedEmbeddingSync``).
+    if shape.tied_embeddings and pp > 1 and layout.schedule != "zero_bubble":
         tied = sum(t.tp_numel(tp) for t in shape.embedding if t.kind == "tied")
         pair = Group(2, 2 if groups["pp"].per_node >= pp else 1)
         step_exposed = collective_bytes("all_reduce", 4 * tied, pair)

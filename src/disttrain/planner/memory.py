@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from disttrain.planner.bubble import microbatches_in_flight
+from disttrain.planner.bubble import last_stage_rank, microbatches_in_flight, stages_of_rank
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, Workload
 
@@ -148,11 +148,18 @@ def output_activation_bytes(
     return hidden + LOGITS_BYTES_PER_ELEMENT * tokens * math.ceil(shape.vocab_size / tp)
 
 
+def rank_parameters(shape: ModelShape, layout: Layout, rank: int) -> int:
+    """Parameters pipeline rank ``rank`` holds on one TP rank: the layers of all its chunks, the embeddings
+    where stage 0 runs, the head (and a tied embedding's second copy) where the last stage runs."""
+    stages = stages_of_rank(rank, layout.pp, layout.virtual_stages, layout.schedule)
+    return shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, layout.pp * len(stages))
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stage: int, flash: bool) -> float:
     """Peak activation bytes on pipeline rank ``stage`` (the only rank when pp == 1).
 
-    Stored layers times micro-batches in flight, the head's logits on the last stage, and the transient of
-    recomputation: in backward one layer's full activations (or attention core) exist again.
+    Stored layers times micro-batches in flight, the head's logits on the rank of the last stage, and the
+    transient of recomputation: in backward one layer's full activations (or attention core) exist again.
     """
     if not shape.known:
         return 0.0
@@ -164,8 +171,11 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stag
     per_layer = layer_activation_bytes(shape, b, s, recompute=layout.recompute, **common)
     in_flight = microbatches_in_flight(layout.schedule, pp, layout.per_schedule, layout.virtual_stages, stage)
     total = in_flight * (shape.n_layers // pp) * per_layer
-    if stage == pp - 1:
-        total += in_flight * output_activation_bytes(shape, b, s, act, res, tp, sp)
+    if stage == last_stage_rank(pp, layout.schedule):
+        # The V schedule's last stage sits at its turning point on rank 0: each micro-batch's backward follows its
+        # forward there, as on 1F1B's last stage, so one micro-batch's logits are alive at a time.
+        logits_in_flight = 1.0 if layout.schedule == "zero_bubble" else in_flight
+        total += logits_in_flight * output_activation_bytes(shape, b, s, act, res, tp, sp)
     if layout.recompute == "full":
         total += layer_activation_bytes(shape, b, s, recompute="none", **common)
     elif layout.recompute == "selective":
@@ -253,7 +263,7 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
 
 
 def _megatron_states(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
-    n = shape.stage_parameters(layout.tp, layout.pp, stage)
+    n = rank_parameters(shape, layout, stage)
     p = 4 if workload.precision == "fp32" else 2
     # Main gradients are fp32 (Megatron accumulates and reduces 16-bit models' gradients in fp32); the
     # distributed optimizer shards fp32 master weights (when params are 16-bit), momentum and variance over dp.
@@ -281,7 +291,8 @@ def model_state_bytes(shape: ModelShape, layout: Layout, workload: Workload, sta
 
 
 def memory_per_gpu(shape: ModelShape, layout: Layout, workload: Workload, flash_attention: bool) -> MemoryBreakdown:
-    """The peak over pipeline stages (first: embeddings, most micro-batches in flight; last: head, logits)."""
+    """The peak over pipeline ranks (first: embeddings, most micro-batches in flight; the last stage's: head,
+    logits; under the V schedule both are rank 0)."""
     stages = (0, layout.pp - 1) if layout.pp > 1 else (0,)
     best: MemoryBreakdown | None = None
     for stage in stages:

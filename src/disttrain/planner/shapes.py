@@ -143,6 +143,13 @@ class ModelShape:
                 total += sum(t.tp_numel(tp) for t in self.embedding if t.kind == "tied")
         return total
 
+    def pipeline_rank_parameters(self, tp: int, pp: int, stages: list[int], num_stages: int) -> int:
+        """Parameters one rank holds when it runs the pipeline ``stages`` of ``num_stages`` (several under
+        interleaving and the V schedule, whose rank 0 holds both the embeddings and the head)."""
+        if not self.known:
+            return math.ceil(self.num_parameters / (tp * pp))
+        return sum(self.stage_parameters(tp, num_stages, stage) for stage in stages)
+
 
 def _linear(name: str, d_out: int, d_in: int, bias: bool, tp: str) -> tuple[ParamTensor, ...]:
     weight = ParamTensor(f"{name}.weight", (d_out, d_in), tp, "linear")
