@@ -249,3 +249,12 @@ def test_layer_activations_equal_what_autograd_saves(cfg: ModelConfig) -> None:
     tokens = b * cfg.seq_len
     allowed = 2 * 2 * 2 * tokens + (2 * 2 * cfg.seq_len * cfg.head_dim if cfg.pos_emb == "rope" else 0)
     assert abs(per_layer - predicted) <= allowed, (per_layer, predicted)
+
+
+def test_raw_count_fsdp_without_resharding_holds_the_whole_16bit_model() -> None:
+    # `python -m plan num_parameters=1T hw=8xa100` recommended this layout at 0.0 GiB per GPU.
+    shape = count_shape(10**12, seq_len=2048)
+    workload = Workload(1, 8, 2048, "bf16-mixed")
+    for offload in (False, True):
+        layout = Layout("fsdp", dp=8, reshard_after_forward=False, offload_optimizer=offload)
+        assert memory_per_gpu(shape, layout, workload, flash_attention=True).buffers == 2 * 10**12

@@ -203,6 +203,10 @@ def _fsdp_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBre
     block = shape.block_parameters
     gathered_blocks = 2 if layout.reshard_after_forward else shape.n_layers
     working = shape.root_parameters * (gather + reduce) + gathered_blocks * block * gather + block * (gather + reduce)
+    if not shape.known and not layout.reshard_after_forward:
+        # A raw count has no layers, but without resharding every parameter stays gathered from its forward to its
+        # backward: the whole model in the compute dtype is a lower bound that follows from the count alone.
+        working = shape.num_parameters * gather
     states = MemoryBreakdown(p * shard, p * shard, ADAM_STATES * p * shard, 0, working, step_temporaries=p * shard)
     if layout.offload_optimizer:  # CPUOffloadPolicy: sharded parameters, gradients and the step live on the host
         host = states.params + states.grads + states.optimizer_states
