@@ -11,8 +11,10 @@ Each strategy's real layout, not one generic formula:
   master weights, momentum and variance, partitioned per stage; optimizer/parameter offload; the stage-3
   working set is at least the largest layer (DeepSpeed's own ``estimate_zero3_model_states_mem_needs`` uses
   4 bytes x its parameters).
-- Megatron-style TP x PP x DP: the stage's tensor-parallel shard, bf16 parameters, fp32 main gradients and a
-  distributed optimizer on dp (6 + 12/d bytes per parameter, Megatron-Core "Distributed Optimizer" docs).
+- strategy=megatron (TP x PP x DP): the pipeline rank's tensor-parallel slice under FSDP2 on the data-parallel
+  ranks as ``strategy.dp_type`` sets them (fsdp, hsdp, replicate); for comparison, Megatron-LM's DDP with its
+  distributed optimizer (6 + 12/d bytes per parameter, Megatron-Core "Distributed Optimizer" docs) or without
+  it (18).
 
 Totals add activations and buffers to model states although gradients grow while activations are freed in
 backward: the sum is the conservative peak that DeepSpeed's and Megatron's estimators also use.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 from disttrain.planner.bubble import last_stage_rank, microbatches_in_flight, stages_of_rank
 from disttrain.planner.shapes import ModelShape
-from disttrain.planner.spec import Layout, Workload
+from disttrain.planner.spec import MEGATRON_LM_DP_TYPES, Layout, Workload
 
 ADAM_STATES = 2  # momentum and variance
 # Cross-entropy saves fp32 log-probabilities (4 B per logit) and backward starts with their fp32 gradient (4 B).
@@ -267,17 +269,46 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
 
 
 def _megatron_states(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
-    n = rank_parameters(shape, layout, stage)
-    p = 4 if workload.precision == "fp32" else 2
-    # Main gradients are fp32 (Megatron accumulates and reduces 16-bit models' gradients in fp32); the
-    # distributed optimizer shards fp32 master weights (when params are 16-bit), momentum and variance over dp.
-    master = 0 if workload.precision == "fp32" else 4
-    optimizer = math.ceil((master + ADAM_STATES * 4) * n / layout.dp)
     buffers = 0
     if layout.pp > 1:
         tokens = workload.micro_batch_size * workload.seq_len
         per_tensor = tokens * shape.d_model * compute_bytes(workload.precision) / layout.tp
         buffers = int(PIPELINE_P2P_BUFFERS * per_tensor)
+    if layout.dp_type in MEGATRON_LM_DP_TYPES:
+        return _megatron_lm_states(shape, layout, workload, stage, buffers)
+    # strategy=megatron: FSDP2 over the dp_shard ranks of each TP x pipeline slice (a shard group of one under
+    # dp_type=replicate), params in their dtype, bf16 gathers under bf16-mixed, fp32 gradient reduction.
+    precision = workload.precision
+    p = 2 if precision == "bf16-true" else 4
+    gather, reduce = compute_bytes(precision), 4
+    stages = stages_of_rank(stage, layout.pp, layout.virtual_stages, layout.schedule)
+    num_stages = layout.pp * len(stages)
+    n = shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, num_stages)
+    shard = shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, num_stages, layout.dp_shard)
+    root = sum(t.tp_numel(layout.tp) for s in stages for t in shape.stage_root(num_stages, s))
+    block = sum(t.tp_numel(layout.tp) for t in shape.block)
+    if layout.pp > 1:
+        # The engine keeps gathered weights under pipelining (every micro-batch's backward comes later): the whole
+        # rank in the compute dtype, plus one block's unsharded gradient and the root's until the step.
+        working = n * gather + block * (gather + reduce) + root * reduce
+    else:  # blocks reshard after forward, the root never does: as strategy=fsdp
+        working = root * (gather + reduce) + 2 * block * gather + block * (gather + reduce)
+    return MemoryBreakdown(
+        p * shard, p * shard, ADAM_STATES * p * shard, 0, working + buffers, step_temporaries=p * shard
+    )
+
+
+def _megatron_lm_states(
+    shape: ModelShape, layout: Layout, workload: Workload, stage: int, buffers: int
+) -> MemoryBreakdown:
+    """Megatron-LM's DDP: 16-bit parameters and fp32 main gradients on every dp rank; fp32 master weights (when
+    params are 16-bit), momentum and variance sharded over dp by the distributed optimizer or replicated without
+    it (Megatron-Core "Distributed Optimizer" docs: 6 + 12/d and 18 bytes per parameter for bf16)."""
+    n = rank_parameters(shape, layout, stage)
+    p = 4 if workload.precision == "fp32" else 2
+    master = 0 if workload.precision == "fp32" else 4
+    optimizer_dp = layout.dp if layout.dp_type == "distributed_optimizer" else 1
+    optimizer = math.ceil((master + ADAM_STATES * 4) * n / optimizer_dp)
     return MemoryBreakdown(p * n, 4 * n, optimizer, 0, buffers)
 
 

@@ -42,12 +42,13 @@ class ParamTensor:
         """Counted in N' of 6N' (everything a token multiplies with, norms included as PaLM/nanoGPT count)."""
         return self.kind != "lookup"
 
-    def tp_numel(self, tp: int) -> int:
-        """Elements one tensor-parallel rank holds."""
-        if self.tp == "rep" or tp == 1:
-            return self.numel
-        dim = 1 if self.tp == "row" else 0
-        return math.ceil(self.shape[dim] / tp) * (self.numel // self.shape[dim])
+    def tp_numel(self, tp: int, shards: int = 1) -> int:
+        """Elements one tensor-parallel rank holds; with ``shards``, its FSDP2 dim-0 chunk of that slice."""
+        shape = list(self.shape)
+        if self.tp != "rep" and tp > 1:
+            dim = 1 if self.tp == "row" else 0
+            shape[dim] = math.ceil(shape[dim] / tp)
+        return math.ceil(shape[0] / shards) * math.prod(shape[1:])
 
     def fsdp_numel(self, shards: int) -> int:
         """Elements FSDP2 allocates per rank: dim 0 chunked like ``torch.chunk``, every rank padded to chunk 0."""
@@ -124,31 +125,37 @@ class ModelShape:
     def fsdp_block_shard_parameters(self, shards: int) -> int:
         return sum(t.fsdp_numel(shards) for t in self.block)
 
-    def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
-        """Parameters one rank of pipeline ``stage`` holds under ``tp``-way tensor parallelism.
+    def stage_parameters(self, tp: int, pp: int, stage: int, shards: int = 1) -> int:
+        """Parameters one rank of pipeline ``stage`` holds under ``tp``-way tensor parallelism (and, with
+        ``shards``, its FSDP2 shard of them over the data-parallel ranks, padded per tensor as FSDP2 pads).
 
         Layers are split evenly; the first stage also holds the embeddings, the last the final norm and head.
         A tied embedding is copied onto the last stage when pp > 1 (Megatron keeps both copies and all-reduces
         their gradients), so it is counted on both.
         """
         if not self.known:
-            return math.ceil(self.num_parameters / (tp * pp))
+            return math.ceil(math.ceil(self.num_parameters / (tp * pp)) / shards)
         layers = self.n_layers // pp
-        total = layers * sum(t.tp_numel(tp) for t in self.block)
-        if stage == 0:
-            total += sum(t.tp_numel(tp) for t in self.embedding)
-        if stage == pp - 1:
-            total += sum(t.tp_numel(tp) for t in self.head)
-            if self.tied_embeddings and pp > 1:
-                total += sum(t.tp_numel(tp) for t in self.embedding if t.kind == "tied")
-        return total
+        total = layers * sum(t.tp_numel(tp, shards) for t in self.block)
+        return total + sum(t.tp_numel(tp, shards) for t in self.stage_root(pp, stage))
 
-    def pipeline_rank_parameters(self, tp: int, pp: int, stages: list[int], num_stages: int) -> int:
+    def stage_root(self, pp: int, stage: int) -> tuple[ParamTensor, ...]:
+        """The tensors of ``stage`` outside its blocks: embeddings on the first, head (+ tied copy) on the last."""
+        tensors: tuple[ParamTensor, ...] = ()
+        if stage == 0:
+            tensors += self.embedding
+        if stage == pp - 1:
+            tensors += self.head
+            if self.tied_embeddings and pp > 1:
+                tensors += tuple(t for t in self.embedding if t.kind == "tied")
+        return tensors
+
+    def pipeline_rank_parameters(self, tp: int, pp: int, stages: list[int], num_stages: int, shards: int = 1) -> int:
         """Parameters one rank holds when it runs the pipeline ``stages`` of ``num_stages`` (several under
         interleaving and the V schedule, whose rank 0 holds both the embeddings and the head)."""
         if not self.known:
-            return math.ceil(self.num_parameters / (tp * pp))
-        return sum(self.stage_parameters(tp, num_stages, stage) for stage in stages)
+            return math.ceil(math.ceil(self.num_parameters / (tp * pp)) / shards)
+        return sum(self.stage_parameters(tp, num_stages, stage, shards) for stage in stages)
 
 
 def _linear(name: str, d_out: int, d_in: int, bias: bool, tp: str) -> tuple[ParamTensor, ...]:

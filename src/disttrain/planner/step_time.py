@@ -89,7 +89,10 @@ def gpu_optimizer_parameters(shape: ModelShape, layout: Layout) -> int:
     if layout.strategy == "deepspeed":
         return math.ceil(shape.num_parameters / layout.dp)
     stage = max(rank_parameters(shape, layout, rank) for rank in (0, layout.pp - 1))
-    return math.ceil(stage / layout.dp)  # Megatron's distributed optimizer steps its dp shard
+    # FSDP2 steps its dp_shard shard (the whole slice under dp_type=replicate); Megatron-LM's distributed optimizer
+    # steps its dp shard, its plain DDP the whole slice.
+    shards = {"distributed_optimizer": layout.dp, "replicated_optimizer": 1}.get(layout.dp_type, layout.dp_shard)
+    return math.ceil(stage / shards)
 
 
 def optimizer_step_seconds(shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile) -> float:
