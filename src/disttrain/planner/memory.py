@@ -66,6 +66,7 @@ class MemoryBreakdown:
             "activations": self.activations,
             "buffers": self.buffers,
             "total": self.total,
+            "host": self.host,
         }
 
 
@@ -111,7 +112,7 @@ def layer_activation_bytes(
         return 0.0
     tokens = micro_batch_size * seq_len
     h, f = shape.d_model, shape.ffn_hidden
-    kv = shape.kv_heads * shape.head_dim
+    q, kv = shape.n_heads * shape.head_dim, shape.kv_heads * shape.head_dim
     mask = 1 if shape.dropout > 0 else 0  # dropout keeps a 1-byte mask per element
     if recompute == "full":
         # Only the block input is kept; SP keeps its sequence shard.
@@ -124,7 +125,7 @@ def layer_activation_bytes(
     # Split over TP ranks by heads / ffn columns: q, k, v, the attention output (the output projection's input:
     # flash kernels return it in a layout the reshape only views), the MLP intermediates.
     ffn_tensors = 4 if shape.swiglu else 2  # SwiGLU: w1 out, w3 out, silu(w1 out), product; GELU: input, output
-    split = act_bytes * tokens * (h + 2 * kv + h + ffn_tensors * f)
+    split = act_bytes * tokens * (q + 2 * kv + q + ffn_tensors * f)
     if recompute != "selective":  # selective recomputation drops the attention core's saved state
         split += attention_core_bytes(shape, micro_batch_size, seq_len, act_bytes, flash_attention)
     return replicated / (tp if sequence_parallel else 1) + split / tp

@@ -173,9 +173,14 @@ def _norm(name: str, cfg: ModelConfig) -> tuple[ParamTensor, ...]:
     return (weight,)
 
 
-def model_shape(cfg: ModelConfig) -> ModelShape:
-    """The reference transformer's tensors for ``cfg``: the same names and shapes ``Transformer(cfg)`` has."""
-    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+def model_shape(cfg: ModelConfig, head_dim: int | None = None) -> ModelShape:
+    """The reference transformer's tensors for ``cfg``: the same names and shapes ``Transformer(cfg)`` has.
+
+    ``head_dim`` other than ``d_model / n_heads`` (PaLM's 48 heads of 256 at d_model 18432) plans a shape the
+    reference transformer does not build: q/k/v project to ``heads x head_dim`` and the output projection back.
+    """
+    head_dim = head_dim or cfg.head_dim
+    q_dim, kv_dim = cfg.n_heads * head_dim, cfg.kv_heads * head_dim
     block = (
         *_norm("norm1", cfg),
         *_linear("attn.wq", q_dim, cfg.d_model, cfg.bias, "col"),
@@ -205,7 +210,7 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
         d_model=cfg.d_model,
         n_heads=cfg.n_heads,
         kv_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
+        head_dim=head_dim,
         ffn_hidden=cfg.ffn_hidden,
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
