@@ -287,7 +287,7 @@ def _megatron_states(shape: ModelShape, layout: Layout, workload: Workload, stag
     n = shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, num_stages)
     shard = shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, num_stages, layout.dp_shard)
     root = sum(t.tp_numel(layout.tp) for s in stages for t in shape.stage_root(num_stages, s))
-    block = sum(t.tp_numel(layout.tp) for t in shape.block)
+    block = shape.block_tp_numel(layout.tp)
     if layout.pp > 1:
         # The engine keeps gathered weights under pipelining (every micro-batch's backward comes later): the whole
         # rank in the compute dtype, plus one block's unsharded gradient and the root's until the step.

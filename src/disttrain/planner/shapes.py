@@ -136,8 +136,21 @@ class ModelShape:
         if not self.known:
             return math.ceil(math.ceil(self.num_parameters / (tp * pp)) / shards)
         layers = self.n_layers // pp
-        total = layers * sum(t.tp_numel(tp, shards) for t in self.block)
-        return total + sum(t.tp_numel(tp, shards) for t in self.stage_root(pp, stage))
+        return layers * self.block_tp_numel(tp, shards) + sum(
+            t.tp_numel(tp, shards) for t in self.stage_root(pp, stage)
+        )
+
+    def block_tp_numel(self, tp: int, shards: int = 1) -> int:
+        """One block's elements on a TP rank (its FSDP2 shard with ``shards``); memoized, the planner asks for
+        the same few degrees across hundreds of layouts."""
+        key = (tp, shards)
+        if key not in self._block_numel:
+            self._block_numel[key] = sum(t.tp_numel(tp, shards) for t in self.block)
+        return self._block_numel[key]
+
+    @cached_property
+    def _block_numel(self) -> dict[tuple[int, int], int]:
+        return {}
 
     def stage_root(self, pp: int, stage: int) -> tuple[ParamTensor, ...]:
         """The tensors of ``stage`` outside its blocks: embeddings on the first, head (+ tied copy) on the last."""
@@ -155,7 +168,14 @@ class ModelShape:
         interleaving and the V schedule, whose rank 0 holds both the embeddings and the head)."""
         if not self.known:
             return math.ceil(math.ceil(self.num_parameters / (tp * pp)) / shards)
-        return sum(self.stage_parameters(tp, num_stages, stage, shards) for stage in stages)
+        key = (tp, tuple(stages), num_stages, shards)
+        if key not in self._rank_numel:
+            self._rank_numel[key] = sum(self.stage_parameters(tp, num_stages, stage, shards) for stage in stages)
+        return self._rank_numel[key]
+
+    @cached_property
+    def _rank_numel(self) -> dict[tuple[int, tuple[int, ...], int, int], int]:
+        return {}
 
 
 def _linear(name: str, d_out: int, d_in: int, bias: bool, tp: str) -> tuple[ParamTensor, ...]:
