@@ -209,6 +209,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         exposed += collective_bytes("p2p", message, groups["pp"]).scale(2 * chunks)  # forward and backward
     stage_params = max(rank_parameters(shape, layout, 0), rank_parameters(shape, layout, pp - 1))
     param_bytes = compute_bytes(precision)
+    mb_fwd = mb_bwd = ZERO
     if layout.dp_type == "replicated_optimizer":  # Megatron-LM DDP without its distributed optimizer
         grads, params = collective_bytes("all_reduce", 4 * stage_params, groups["dp"]), ZERO
     elif layout.dp_type == "distributed_optimizer":
@@ -219,6 +220,12 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         grads = collective_bytes("reduce_scatter", 4 * stage_params, shard_group)
         grads += collective_bytes("all_reduce", 4 * math.ceil(stage_params / n), groups["dp_replicate"])
         params = collective_bytes("all_gather", param_bytes * stage_params, shard_group)
+        if pp == 1:
+            # Without pipelining the engine reshards blocks after forward (as strategy=fsdp does): every micro-batch
+            # gathers all weights for its forward and the blocks' again for its backward; gradients reduce once.
+            blocks = shape.n_layers * shape.block_tp_numel(tp) if shape.known else stage_params
+            mb_fwd, mb_bwd = params, collective_bytes("all_gather", param_bytes * blocks, shard_group)
+            params = ZERO
     step_exposed = ZERO
     # The two copies of a tied embedding all-reduce their gradients, except under the V schedule, whose rank 0
     # holds both copies and sums them locally (``TiedEmbeddingSync``).
@@ -226,7 +233,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         tied = sum(t.tp_numel(tp) for t in shape.embedding if t.kind == "tied")
         pair = Group(2, 2 if groups["pp"].per_node >= pp else 1)
         step_exposed = collective_bytes("all_reduce", 4 * tied, pair)
-    return CommPlan(mb_exposed=exposed, step_fwd=params, step_bwd=grads, step_exposed=step_exposed)
+    return CommPlan(mb_fwd, mb_bwd, exposed, step_fwd=params, step_bwd=grads, step_exposed=step_exposed)
 
 
 def comm_plan(shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile) -> CommPlan:
