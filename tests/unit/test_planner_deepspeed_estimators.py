@@ -99,3 +99,6 @@ def test_1t_on_8xa100_fits_zero3_with_parameter_and_optimizer_offload() -> None:
     both = by_label["ZeRO-3 +offload(opt,param)"]
     assert both.memory.grads == 0 and both.fits
     assert by_label["ZeRO-3 +offload(opt)"].memory.grads == 0
+    # FSDP2 without resharding holds the whole bf16 model: it was recommended at 0.0 GiB per GPU.
+    assert not by_label["FSDP2 full shard no-reshard +cpu-offload"].fits
+    assert result.recommended is not None and "no-reshard" not in result.recommended.label
