@@ -86,6 +86,9 @@ BAD = [
     (["assumptions.compute_efficiency=0"], "assumptions.compute_efficiency"),
     (["assumptions.comm_overlap=1.5"], "assumptions.comm_overlap"),
     (["throughput.tokens_per_s=-1"], "throughput.tokens_per_s"),
+    (["sequence_parallel=maybe"], "sequence_parallel"),
+    (["model.head_dim=0"], "model.head_dim"),
+    (["model.head_dim=64", "num_parameters=7B"], "model.head_dim"),
 ]
 
 
@@ -112,3 +115,51 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
 )
 def test_parameter_counts_read_with_suffixes(value: object, count: int) -> None:
     assert parse_parameter_count(value) == count
+
+
+# PaLM 540B (Chowdhery et al. 2022, Table 1 and sec. 2): 118 layers, d_model 18432, 48 heads of width 256 (not
+# 18432 / 48), multi-query attention, SwiGLU 4 x d_model, shared input/output embedding of a 256k vocabulary.
+PALM = ["model=llama-7b", "model.n_layers=118", "model.d_model=18432", "model.n_heads=48", "model.n_kv_heads=1",
+        "model.head_dim=256", "model.ffn_hidden=73728", "model.vocab_size=256000", "model.tie_embeddings=true",
+        "model.seq_len=2048", "hw=8xa100", "hw.num_nodes=64", "trainer.micro_batch_size=1"]  # fmt: skip
+
+
+def test_head_dim_other_than_d_model_over_heads_plans_palm_540b() -> None:
+    from disttrain.planner import layer_activation_bytes
+
+    result = plan_from_config(compose_plan(PALM))
+    shape = result.shape
+    # The paper prints 540.35B; the reference block has two norms where PaLM's parallel block has one (+2.2M).
+    assert 540.35e9 <= shape.num_parameters < 540.36e9, shape.num_parameters
+    assert (shape.head_dim, shape.kv_heads) == (256, 1)
+    wide = plan_from_config(compose_plan([o for o in PALM if not o.startswith("model.head_dim")])).shape
+    assert wide.head_dim == 384  # what d_model / n_heads alone gives
+    tokens = 2048
+    # q and the attention output are 48 x 256 wide (k, v one head each): the saved activations follow.
+    less = layer_activation_bytes(wide, 1, tokens) - layer_activation_bytes(shape, 1, tokens)
+    assert less == 2 * 2 * tokens * 48 * (384 - 256) + 2 * 2 * tokens * (384 - 256)
+
+
+def test_head_dim_plan_prints_strategy_overrides_not_a_train_command(tmp_path: Path) -> None:
+    result = run_plan([*PALM, "limit=3"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "strategy overrides: strategy=" in result.stdout and "python -m train" not in result.stdout
+
+
+@pytest.mark.parametrize(("value", "allowed"), [("true", {True}), ("false", {False}), ("null", {True, False})])
+def test_sequence_parallel_can_be_left_off_tensor_parallelism(value: str, allowed: set[bool]) -> None:
+    result = plan_from_config(compose_plan(["model=llama-7b", f"sequence_parallel={value}"]))
+    tensor_parallel = [c.layout for c in result.candidates if c.strategy == "megatron" and c.layout.tp > 1]
+    assert tensor_parallel and {layout.sequence_parallel for layout in tensor_parallel} == allowed
+
+
+def test_json_has_host_memory_and_the_table_names_the_overridden_node_count(tmp_path: Path) -> None:
+    args = ["model=llama-7b", "hw=8xa100", "hw.num_nodes=4", "trainer.micro_batch_size=1"]
+    result = run_plan([*args, "output=json"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert (payload["hw"], payload["world_size"]) == ("4x8xa100", 32)
+    offloaded = [c for c in payload["candidates"] if c["options"].get("offload_optimizer")]
+    assert offloaded and all(c["memory_bytes"]["host"] > 0 for c in offloaded)
+    table = run_plan([*args, "limit=1"], tmp_path)
+    assert "llama-7b on 4x8xa100" in table.stdout and "on 8xa100" not in table.stdout

@@ -64,16 +64,19 @@ def test_llama70b_layouts_shard_as_planned(world: int, strategy: MegatronConfig)
             engine = MegatronEngine(settings, mesh, torch.device("meta"))
             assert engine.schedule is not None
             for chunk, stage in zip(engine.chunks, engine.stage_ids, strict=True):
-                tp_share = 0
+                tp_share = local_share = 0
                 for name, param in chunk.named_parameters():
                     assert isinstance(param, DTensor), name
                     names = param.device_mesh.mesh_dim_names
                     tp_shape = tp_local_shape(param, names.index("tp")) if "tp" in names else list(param.shape)
                     tp_share += math.prod(tp_shape)
                     local = list(param.to_local().shape)
+                    local_share += math.prod(local)
                     expected = [chunk_size(tp_shape[0], degrees.dp_shard, shard_rank), *tp_shape[1:]]
                     assert local == expected, f"rank {rank} {name}: {local} != {expected}"
                 assert tp_share == shape.stage_parameters(degrees.tp, num_stages, stage), f"stage {stage}"
+                if shard_rank == 0:  # chunk 0 of every tensor: the padded shard the planner counts
+                    assert local_share == shape.stage_parameters(degrees.tp, num_stages, stage, degrees.dp_shard)
                 assert len(chunk.block_list()) == LLAMA_70B.n_layers // num_stages
 
 

@@ -135,7 +135,8 @@ def test_json_entries_have_exactly_the_issue_keys() -> None:
     assert payload["recommended"]["overrides"][0].startswith("strategy=")
     for entry in payload["candidates"]:
         assert tuple(entry) == JSON_KEYS
-        assert set(entry["memory_bytes"]) == {"params", "grads", "optimizer_states", "activations", "buffers", "total"}
+        memory_keys = {"params", "grads", "optimizer_states", "activations", "buffers", "total", "host"}
+        assert set(entry["memory_bytes"]) == memory_keys
         assert set(entry["comm_bytes_per_step"]) == {"intra_node", "inter_node", "total"}
     assert payload["candidates"][0]["strategy"] == payload["recommended"]["strategy"]
 

@@ -144,3 +144,21 @@ def test_pipeline_schedules_trade_bubble_for_nothing_else_in_time() -> None:
     assert times["1f1b"].bubble_fraction == pytest.approx(3 / 32)
     assert times["interleaved_1f1b"].bubble_fraction == pytest.approx(3 / 64)
     assert times["zero_bubble"].step_time_s < times["interleaved_1f1b"].step_time_s < times["1f1b"].step_time_s
+
+
+def test_megatron_without_pipelining_gathers_weights_every_micro_batch() -> None:
+    """strategy=megatron at pp=1 reshards blocks after forward (FSDP2 as strategy=fsdp): per micro-batch the weights
+    are gathered for forward and the blocks again for backward; under pipelining they stay gathered all step."""
+    from disttrain.planner.comm import process_groups
+
+    shape = model_shape(model("llama-7b"))
+    workload = Workload(1, 16, 4096, "bf16-mixed")
+    flat = Layout("megatron", dp=4, tp=2, microbatches=4)
+    comm = comm_plan(shape, flat, workload, hw("8xa100"))
+    group = process_groups(flat, hw("8xa100"))["dp_shard"]
+    slice_ = shape.stage_parameters(2, 1, 0)
+    assert comm.mb_fwd == collective_bytes("all_gather", 2 * slice_, group)
+    assert comm.mb_bwd == collective_bytes("all_gather", 2 * shape.n_layers * shape.block_tp_numel(2), group)
+    assert comm.step_fwd.network == 0
+    piped = Layout("megatron", dp=2, tp=2, pp=2, microbatches=8, schedule="1f1b")
+    assert comm_plan(shape, piped, workload, hw("8xa100")).mb_fwd.network == 0

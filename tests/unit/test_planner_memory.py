@@ -74,8 +74,28 @@ def test_megatron_distributed_optimizer_bytes_per_parameter(dp: int, precision: 
     # are 6 + 12/d for bf16 parameters with fp32 gradients and 8 + 8/d for fp32 parameters and gradients.
     n = 1_024_000_000
     shape = count_shape(n, seq_len=1024)
-    got = states(model_state_bytes(shape, Layout("megatron", dp=dp), Workload(1, dp, 1024, precision)))
+    layout = Layout("megatron", dp=dp, dp_type="distributed_optimizer")
+    got = states(model_state_bytes(shape, layout, Workload(1, dp, 1024, precision)))
     assert got == (fixed + sharded / dp) * n
+    # Same guide, without the distributed optimizer: 18 bytes (bf16 params, fp32 grads) and 16 bytes (fp32).
+    plain = Layout("megatron", dp=dp, dp_type="replicated_optimizer")
+    assert states(model_state_bytes(shape, plain, Workload(1, dp, 1024, precision))) == (fixed + sharded) * n
+
+
+@pytest.mark.parametrize(("dp_type", "replicas", "shards"), [("fsdp", 1, 8), ("hsdp", 2, 4), ("replicate", 8, 1)])
+def test_megatron_engine_shards_states_over_its_dp_shard_group(dp_type: str, replicas: int, shards: int) -> None:
+    """strategy=megatron is FSDP2 on the data-parallel axes: fp32 params, gradients and AdamW states on dp_shard,
+    gathered bf16 weights of the whole rank kept under pipelining."""
+    shape = model_shape(preset("llama-7b"))
+    workload = Workload(1, 16, 4096, "bf16-mixed")
+    layout = Layout("megatron", dp=8, tp=2, pp=2, microbatches=2, schedule="1f1b", dp_type=dp_type,
+                    dp_replicate=replicas)  # fmt: skip
+    memory = model_state_bytes(shape, layout, workload, stage=0)
+    shard = shape.stage_parameters(2, 2, 0, shards)
+    assert (memory.params, memory.grads, memory.optimizer_states) == (4 * shard, 4 * shard, 8 * shard)
+    assert memory.buffers > 2 * shape.stage_parameters(2, 2, 0)  # every bf16 weight of the rank stays gathered
+    fsdp = Layout("megatron", dp=8, tp=2, pp=2, microbatches=2, schedule="1f1b")
+    assert states(memory) >= states(model_state_bytes(shape, fsdp, workload, stage=0))
 
 
 def test_adam_training_is_four_times_the_fp32_model() -> None:
@@ -249,3 +269,12 @@ def test_layer_activations_equal_what_autograd_saves(cfg: ModelConfig) -> None:
     tokens = b * cfg.seq_len
     allowed = 2 * 2 * 2 * tokens + (2 * 2 * cfg.seq_len * cfg.head_dim if cfg.pos_emb == "rope" else 0)
     assert abs(per_layer - predicted) <= allowed, (per_layer, predicted)
+
+
+def test_raw_count_fsdp_without_resharding_holds_the_whole_16bit_model() -> None:
+    # `python -m plan num_parameters=1T hw=8xa100` recommended this layout at 0.0 GiB per GPU.
+    shape = count_shape(10**12, seq_len=2048)
+    workload = Workload(1, 8, 2048, "bf16-mixed")
+    for offload in (False, True):
+        layout = Layout("fsdp", dp=8, reshard_after_forward=False, offload_optimizer=offload)
+        assert memory_per_gpu(shape, layout, workload, flash_attention=True).buffers == 2 * 10**12

@@ -41,8 +41,9 @@ def test_auto_for_llama7b_on_8xa100_shards_because_ddp_cannot_fit() -> None:
 
 
 def test_auto_refuses_when_nothing_fits() -> None:
+    # Micro-batch 64 x 4096 tokens: activations alone overflow an L4 (ZeRO-3 offload holds no model states there).
     with pytest.raises(ConfigError, match=r"no ddp/fsdp/deepspeed/megatron layout fits.*the smallest") as info:
-        resolved(["strategy=auto", "model=llama-70b", "hw=1xl4", "trainer.micro_batch_size=1"])
+        resolved(["strategy=auto", "model=llama-70b", "hw=1xl4", "trainer.micro_batch_size=64"])
     assert "python -m plan" in info.value.fix
 
 
@@ -105,3 +106,18 @@ def test_megatron_rounds_hold_one_schedule_run_of_activations() -> None:
     cfg = parse_run_config(compose_train([*base, "trainer.global_batch_size=32"]))
     layout = layout_of(cfg.strategy, world_layout(cfg), validate_run(cfg))
     assert (layout.microbatches, layout.per_schedule) == (8, 2)
+
+
+def test_megatron_prediction_follows_the_data_parallel_type() -> None:
+    """dp_type=replicate keeps whole fp32 states on every data-parallel rank, hsdp shards within each replica."""
+    base = ["strategy=megatron", "strategy.tp=2", "model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1"]
+
+    def states(extra: list[str]) -> int:
+        cfg = parse_run_config(compose_train([*base, "precision=bf16-mixed", *extra]))
+        memory = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+        assert memory is not None
+        return memory.params + memory.grads + memory.optimizer_states
+
+    fsdp, hsdp = states([]), states(["strategy.dp_type=hsdp", "strategy.dp_replicate=2"])
+    replicate = states(["strategy.dp_type=replicate"])
+    assert replicate == pytest.approx(4 * fsdp, rel=1e-3) and hsdp == pytest.approx(2 * fsdp, rel=1e-3)

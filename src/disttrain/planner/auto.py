@@ -50,6 +50,8 @@ def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) ->
             schedule=strategy.schedule if strategy.pp > 1 else "none",
             virtual_stages=strategy.virtual_stages,
             recompute=strategy.activation_checkpointing,
+            dp_type=strategy.dp_type,
+            dp_replicate={"fsdp": 1, "hsdp": strategy.dp_replicate}.get(strategy.dp_type, world.data_parallel_size),
         )
     if isinstance(strategy, DeepSpeedConfig):
         return Layout(

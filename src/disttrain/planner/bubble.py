@@ -50,3 +50,22 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int, virtual_st
     if schedule == "zero_bubble":
         return float(min(pp, microbatches))
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def stages_of_rank(rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """Pipeline stages (model chunks) pipeline rank ``rank`` runs, as ``disttrain.models.pipeline`` places them.
+
+    Looped for interleaved 1F1B (rank r runs r, r + p, ...); V-shaped for the zero-bubble V (r and 2p - 1 - r),
+    which puts the last stage, the head and the loss, on rank 0 beside the first.
+    """
+    if pp == 1 or schedule == "none":
+        return [0]
+    if schedule == "zero_bubble":
+        return [rank, 2 * pp - 1 - rank]
+    chunks = virtual_stages if schedule == "interleaved_1f1b" else 1
+    return [rank + chunk * pp for chunk in range(chunks)]
+
+
+def last_stage_rank(pp: int, schedule: str) -> int:
+    """The pipeline rank holding the head and the loss."""
+    return 0 if schedule == "zero_bubble" else pp - 1

@@ -9,9 +9,9 @@ Rules (each a hard constraint of the strategy, not a taste):
   Offload needs GPUs; FSDP2 here supports fp32/bf16 only (``disttrain.config.validate``).
 - Megatron TP x PP x DP: tp divides the GPUs of a node (TP traffic must stay on NVLink) and both the head and
   kv-head counts; pp divides the layers; sequence parallelism is on whenever tp > 1 (it only removes
-  redundant activations at the same communication volume). Interleaving needs layers divisible by pp x v and
-  micro-batches divisible by pp (Megatron's check); the zero-bubble V schedule needs two chunks per rank and
-  at least pp micro-batches.
+  redundant activations at the same communication volume) unless the caller asks for TP without it.
+  Interleaving needs layers divisible by pp x v and micro-batches divisible by pp (Megatron's check); the
+  zero-bubble V schedule needs two chunks per rank and at least pp micro-batches.
 - Recomputation: FSDP2 and DeepSpeed offer full activation checkpointing; Megatron none/selective/full.
 """
 
@@ -103,8 +103,14 @@ def tensor_parallel_degrees(shape: ModelShape, hw: HardwareProfile) -> list[int]
     ]
 
 
-def megatron_layouts(shape: ModelShape, hw: HardwareProfile, workload: Workload) -> Iterator[Layout]:
-    """Megatron TP x PP x DP layouts (also what ``strategy=auto`` chooses from)."""
+def megatron_layouts(
+    shape: ModelShape, hw: HardwareProfile, workload: Workload, sequence_parallel: bool | None = True
+) -> Iterator[Layout]:
+    """Megatron TP x PP x DP layouts (also what ``strategy=auto`` chooses from).
+
+    ``sequence_parallel``: with tp > 1, True plans TP with sequence parallelism, False TP alone, None both.
+    """
+    sp_options = (True, False) if sequence_parallel is None else (sequence_parallel,)
     if not shape.known:  # no layers to split: a raw parameter count answers model-state questions only
         return
     world = hw.world_size
@@ -117,21 +123,25 @@ def megatron_layouts(shape: ModelShape, hw: HardwareProfile, workload: Workload)
             if m is None:
                 continue
             for schedule, v in _schedules(shape, pp, m):
-                for recompute in MEGATRON_RECOMPUTE:
-                    yield Layout(
-                        "megatron",
-                        dp=dp,
-                        tp=tp,
-                        pp=pp,
-                        microbatches=m,
-                        recompute=recompute,
-                        sequence_parallel=tp > 1,
-                        schedule=schedule,
-                        virtual_stages=v,
-                    )
+                for sp in sp_options if tp > 1 else (False,):
+                    for recompute in MEGATRON_RECOMPUTE:
+                        yield Layout(
+                            "megatron",
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            microbatches=m,
+                            recompute=recompute,
+                            sequence_parallel=sp,
+                            schedule=schedule,
+                            virtual_stages=v,
+                        )
 
 
-def candidate_layouts(shape: ModelShape, hw: HardwareProfile, workload: Workload) -> list[Layout]:
+def candidate_layouts(
+    shape: ModelShape, hw: HardwareProfile, workload: Workload, sequence_parallel: bool | None = True
+) -> list[Layout]:
     """All layouts for ``hw``'s world that the rules above allow, in a stable order."""
     fsdp_ok = workload.precision != "fp16-mixed"
-    return [*_data_parallel(shape, hw, workload, fsdp_ok), *megatron_layouts(shape, hw, workload)]
+    megatron = megatron_layouts(shape, hw, workload, sequence_parallel)
+    return [*_data_parallel(shape, hw, workload, fsdp_ok), *megatron]

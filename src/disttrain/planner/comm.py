@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from disttrain.config.hardware import HardwareProfile
-from disttrain.planner.memory import compute_bytes
+from disttrain.planner.memory import compute_bytes, rank_parameters
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, Workload
 
@@ -122,13 +122,15 @@ def process_groups(layout: Layout, hw: HardwareProfile) -> dict[str, Group]:
     tp_per_node = min(layout.tp, gpn)
     dp_per_node = max(1, min(layout.dp, gpn // layout.tp))
     pp_per_node = max(1, min(layout.pp, gpn // (layout.tp * layout.dp)))
-    shard_per_node = min(layout.dp_shard, gpn)
+    # The shard group is contiguous inside each replica (mesh order pp, dp_replicate, dp_shard, tp).
+    shard_per_node = max(1, min(layout.dp_shard, gpn // layout.tp))
+    replicate_per_node = max(1, min(layout.dp_replicate, gpn // (layout.tp * layout.dp_shard)))
     return {
         "tp": Group(layout.tp, tp_per_node),
         "dp": Group(layout.dp, dp_per_node),
         "pp": Group(layout.pp, pp_per_node),
         "dp_shard": Group(layout.dp_shard, shard_per_node),
-        "dp_replicate": Group(layout.dp_replicate, max(1, gpn // layout.dp_shard)),
+        "dp_replicate": Group(layout.dp_replicate, replicate_per_node),
     }
 
 
@@ -205,16 +207,33 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         chunks = layout.virtual_stages if layout.schedule in ("interleaved_1f1b", "zero_bubble") else 1
         message = activation / tp if layout.sequence_parallel else activation
         exposed += collective_bytes("p2p", message, groups["pp"]).scale(2 * chunks)  # forward and backward
-    stage_params = max(shape.stage_parameters(tp, pp, 0), shape.stage_parameters(tp, pp, pp - 1))
-    param_bytes = 4 if precision == "fp32" else 2
-    grads = collective_bytes("reduce_scatter", 4 * stage_params, groups["dp"])  # fp32 main gradients
-    params = collective_bytes("all_gather", param_bytes * stage_params, groups["dp"])
+    stage_params = max(rank_parameters(shape, layout, 0), rank_parameters(shape, layout, pp - 1))
+    param_bytes = compute_bytes(precision)
+    mb_fwd = mb_bwd = ZERO
+    if layout.dp_type == "replicated_optimizer":  # Megatron-LM DDP without its distributed optimizer
+        grads, params = collective_bytes("all_reduce", 4 * stage_params, groups["dp"]), ZERO
+    elif layout.dp_type == "distributed_optimizer":
+        grads = collective_bytes("reduce_scatter", 4 * stage_params, groups["dp"])  # fp32 main gradients
+        params = collective_bytes("all_gather", param_bytes * stage_params, groups["dp"])
+    else:  # FSDP2 over dp_shard (size 1 under dp_type=replicate), then an all-reduce of the shard over replicas
+        shard_group, n = groups["dp_shard"], layout.dp_shard
+        grads = collective_bytes("reduce_scatter", 4 * stage_params, shard_group)
+        grads += collective_bytes("all_reduce", 4 * math.ceil(stage_params / n), groups["dp_replicate"])
+        params = collective_bytes("all_gather", param_bytes * stage_params, shard_group)
+        if pp == 1:
+            # Without pipelining the engine reshards blocks after forward (as strategy=fsdp does): every micro-batch
+            # gathers all weights for its forward and the blocks' again for its backward; gradients reduce once.
+            blocks = shape.n_layers * shape.block_tp_numel(tp) if shape.known else stage_params
+            mb_fwd, mb_bwd = params, collective_bytes("all_gather", param_bytes * blocks, shard_group)
+            params = ZERO
     step_exposed = ZERO
-    if shape.tied_embeddings and pp > 1:  # the two copies of a tied embedding all-reduce their gradients
+    # The two copies of a tied embedding all-reduce their gradients, except under the V schedule, whose rank 0
+    # holds both copies and sums them locally (``TiedEmbeddingSync``).
+    if shape.tied_embeddings and pp > 1 and layout.schedule != "zero_bubble":
         tied = sum(t.tp_numel(tp) for t in shape.embedding if t.kind == "tied")
         pair = Group(2, 2 if groups["pp"].per_node >= pp else 1)
         step_exposed = collective_bytes("all_reduce", 4 * tied, pair)
-    return CommPlan(mb_exposed=exposed, step_fwd=params, step_bwd=grads, step_exposed=step_exposed)
+    return CommPlan(mb_fwd, mb_bwd, exposed, step_fwd=params, step_bwd=grads, step_exposed=step_exposed)
 
 
 def comm_plan(shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile) -> CommPlan:

@@ -11,8 +11,10 @@ Each strategy's real layout, not one generic formula:
   master weights, momentum and variance, partitioned per stage; optimizer/parameter offload; the stage-3
   working set is at least the largest layer (DeepSpeed's own ``estimate_zero3_model_states_mem_needs`` uses
   4 bytes x its parameters).
-- Megatron-style TP x PP x DP: the stage's tensor-parallel shard, bf16 parameters, fp32 main gradients and a
-  distributed optimizer on dp (6 + 12/d bytes per parameter, Megatron-Core "Distributed Optimizer" docs).
+- strategy=megatron (TP x PP x DP): the pipeline rank's tensor-parallel slice under FSDP2 on the data-parallel
+  ranks as ``strategy.dp_type`` sets them (fsdp, hsdp, replicate); for comparison, Megatron-LM's DDP with its
+  distributed optimizer (6 + 12/d bytes per parameter, Megatron-Core "Distributed Optimizer" docs) or without
+  it (18).
 
 Totals add activations and buffers to model states although gradients grow while activations are freed in
 backward: the sum is the conservative peak that DeepSpeed's and Megatron's estimators also use.
@@ -23,9 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from disttrain.planner.bubble import microbatches_in_flight
+from disttrain.planner.bubble import last_stage_rank, microbatches_in_flight, stages_of_rank
 from disttrain.planner.shapes import ModelShape
-from disttrain.planner.spec import Layout, Workload
+from disttrain.planner.spec import MEGATRON_LM_DP_TYPES, Layout, Workload
 
 ADAM_STATES = 2  # momentum and variance
 # Cross-entropy saves fp32 log-probabilities (4 B per logit) and backward starts with their fp32 gradient (4 B).
@@ -64,6 +66,7 @@ class MemoryBreakdown:
             "activations": self.activations,
             "buffers": self.buffers,
             "total": self.total,
+            "host": self.host,
         }
 
 
@@ -109,7 +112,7 @@ def layer_activation_bytes(
         return 0.0
     tokens = micro_batch_size * seq_len
     h, f = shape.d_model, shape.ffn_hidden
-    kv = shape.kv_heads * shape.head_dim
+    q, kv = shape.n_heads * shape.head_dim, shape.kv_heads * shape.head_dim
     mask = 1 if shape.dropout > 0 else 0  # dropout keeps a 1-byte mask per element
     if recompute == "full":
         # Only the block input is kept; SP keeps its sequence shard.
@@ -122,7 +125,7 @@ def layer_activation_bytes(
     # Split over TP ranks by heads / ffn columns: q, k, v, the attention output (the output projection's input:
     # flash kernels return it in a layout the reshape only views), the MLP intermediates.
     ffn_tensors = 4 if shape.swiglu else 2  # SwiGLU: w1 out, w3 out, silu(w1 out), product; GELU: input, output
-    split = act_bytes * tokens * (h + 2 * kv + h + ffn_tensors * f)
+    split = act_bytes * tokens * (q + 2 * kv + q + ffn_tensors * f)
     if recompute != "selective":  # selective recomputation drops the attention core's saved state
         split += attention_core_bytes(shape, micro_batch_size, seq_len, act_bytes, flash_attention)
     return replicated / (tp if sequence_parallel else 1) + split / tp
@@ -148,11 +151,18 @@ def output_activation_bytes(
     return hidden + LOGITS_BYTES_PER_ELEMENT * tokens * math.ceil(shape.vocab_size / tp)
 
 
+def rank_parameters(shape: ModelShape, layout: Layout, rank: int) -> int:
+    """Parameters pipeline rank ``rank`` holds on one TP rank: the layers of all its chunks, the embeddings
+    where stage 0 runs, the head (and a tied embedding's second copy) where the last stage runs."""
+    stages = stages_of_rank(rank, layout.pp, layout.virtual_stages, layout.schedule)
+    return shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, layout.pp * len(stages))
+
+
 def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stage: int, flash: bool) -> float:
     """Peak activation bytes on pipeline rank ``stage`` (the only rank when pp == 1).
 
-    Stored layers times micro-batches in flight, the head's logits on the last stage, and the transient of
-    recomputation: in backward one layer's full activations (or attention core) exist again.
+    Stored layers times micro-batches in flight, the head's logits on the rank of the last stage, and the
+    transient of recomputation: in backward one layer's full activations (or attention core) exist again.
     """
     if not shape.known:
         return 0.0
@@ -164,8 +174,11 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stag
     per_layer = layer_activation_bytes(shape, b, s, recompute=layout.recompute, **common)
     in_flight = microbatches_in_flight(layout.schedule, pp, layout.per_schedule, layout.virtual_stages, stage)
     total = in_flight * (shape.n_layers // pp) * per_layer
-    if stage == pp - 1:
-        total += in_flight * output_activation_bytes(shape, b, s, act, res, tp, sp)
+    if stage == last_stage_rank(pp, layout.schedule):
+        # The V schedule's last stage sits at its turning point on rank 0: each micro-batch's backward follows its
+        # forward there, as on 1F1B's last stage, so one micro-batch's logits are alive at a time.
+        logits_in_flight = 1.0 if layout.schedule == "zero_bubble" else in_flight
+        total += logits_in_flight * output_activation_bytes(shape, b, s, act, res, tp, sp)
     if layout.recompute == "full":
         total += layer_activation_bytes(shape, b, s, recompute="none", **common)
     elif layout.recompute == "selective":
@@ -193,6 +206,10 @@ def _fsdp_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBre
     block = shape.block_parameters
     gathered_blocks = 2 if layout.reshard_after_forward else shape.n_layers
     working = shape.root_parameters * (gather + reduce) + gathered_blocks * block * gather + block * (gather + reduce)
+    if not shape.known and not layout.reshard_after_forward:
+        # A raw count has no layers, but without resharding every parameter stays gathered from its forward to its
+        # backward: the whole model in the compute dtype is a lower bound that follows from the count alone.
+        working = shape.num_parameters * gather
     states = MemoryBreakdown(p * shard, p * shard, ADAM_STATES * p * shard, 0, working, step_temporaries=p * shard)
     if layout.offload_optimizer:  # CPUOffloadPolicy: sharded parameters, gradients and the step live on the host
         host = states.params + states.grads + states.optimizer_states
@@ -201,6 +218,25 @@ def _fsdp_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBre
 
 
 def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBreakdown:
+    """ZeRO-1/2/3 model states, as DeepSpeed allocates them.
+
+    Against DeepSpeed's own ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_..._needs`` (what the
+    ``*_all_cold`` functions print; ``tests/unit/test_planner_deepspeed_estimators.py`` compares byte for byte):
+    their GPU figure equals ``params + grads + optimizer_states`` plus the fp32 gradient partition (and, for
+    stage 3, 4 bytes x the largest layer) here, for stage 2 with and without optimizer offload and stage 3 with
+    optimizer (and parameter) offload. Where we differ, and why:
+
+    - Stage 3 without offload: DeepSpeed's estimator counts 18 bytes per parameter partition; stage 3 also keeps
+      the 16-bit gradient partition it reduces into (``grad_partitions_flat_buffer``, on the GPU unless the
+      optimizer is offloaded) while the step upcasts it to fp32, so 20 here.
+    - Partitions are ``ceil(P / N)`` (DeepSpeed pads flat buffers to equal partitions); the estimator floors
+      ``18 P / N``. They agree when N divides P.
+    - The estimator has no reduce/all-gather buckets; Lightning's defaults allocate them (``buffers``).
+    - Host memory: the estimator's CPU column is per node, times a 1.5 safety factor, and for stages 1/2 (no
+      ``zero.Init``) the whole fp32 model loaded by every process at start-up; ``host`` here is the steady
+      state one rank keeps there (fp32 master, momentum, variance, fp32 gradients, offloaded parameters), which
+      times the node's GPUs equals the estimator's zero-init figure before its 1.5 factor.
+    """
     n, dp, stage = shape.num_parameters, layout.dp, layout.zero_stage
     if precision == "fp32":
         p16, g16, k, fp32_grads = 4, 4, 2 * 4, 0  # no master copy: K = 8 (momentum, variance)
@@ -217,10 +253,16 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
     else:
         buffers += p16 * min(DEEPSPEED_ALLGATHER_BUCKET, n)
     host = 0
-    if layout.offload_optimizer:  # states and the fp32 gradient partition move to the host (ZeRO-Offload)
+    if layout.offload_optimizer:
+        # ZeRO-Offload: states, the step and the fp32 gradient partition move to the host. Stage 3 allocates its
+        # gradient partition buffer on the CPU; stage 2 copies each reduced bucket into the CPU fp32 gradients.
+        # Stage 1 does not partition gradients: the 16-bit gradients accumulate on the GPU until the step.
         host += optimizer + fp32_grads * shard
         buffers -= fp32_grads * shard
         optimizer = 0
+        if stage > 1:
+            host += g16 * shard if fp32_grads == 0 else 0  # fp32 training: the partition itself is the fp32 one
+            grads = 0
     if layout.offload_params:  # ZeRO-Infinity: the 16-bit parameter partition lives on the host too
         host += params
         params = 0
@@ -228,17 +270,46 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
 
 
 def _megatron_states(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
-    n = shape.stage_parameters(layout.tp, layout.pp, stage)
-    p = 4 if workload.precision == "fp32" else 2
-    # Main gradients are fp32 (Megatron accumulates and reduces 16-bit models' gradients in fp32); the
-    # distributed optimizer shards fp32 master weights (when params are 16-bit), momentum and variance over dp.
-    master = 0 if workload.precision == "fp32" else 4
-    optimizer = math.ceil((master + ADAM_STATES * 4) * n / layout.dp)
     buffers = 0
     if layout.pp > 1:
         tokens = workload.micro_batch_size * workload.seq_len
         per_tensor = tokens * shape.d_model * compute_bytes(workload.precision) / layout.tp
         buffers = int(PIPELINE_P2P_BUFFERS * per_tensor)
+    if layout.dp_type in MEGATRON_LM_DP_TYPES:
+        return _megatron_lm_states(shape, layout, workload, stage, buffers)
+    # strategy=megatron: FSDP2 over the dp_shard ranks of each TP x pipeline slice (a shard group of one under
+    # dp_type=replicate), params in their dtype, bf16 gathers under bf16-mixed, fp32 gradient reduction.
+    precision = workload.precision
+    p = 2 if precision == "bf16-true" else 4
+    gather, reduce = compute_bytes(precision), 4
+    stages = stages_of_rank(stage, layout.pp, layout.virtual_stages, layout.schedule)
+    num_stages = layout.pp * len(stages)
+    n = shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, num_stages)
+    shard = shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, num_stages, layout.dp_shard)
+    root = sum(t.tp_numel(layout.tp) for s in stages for t in shape.stage_root(num_stages, s))
+    block = shape.block_tp_numel(layout.tp)
+    if layout.pp > 1:
+        # The engine keeps gathered weights under pipelining (every micro-batch's backward comes later): the whole
+        # rank in the compute dtype, plus one block's unsharded gradient and the root's until the step.
+        working = n * gather + block * (gather + reduce) + root * reduce
+    else:  # blocks reshard after forward, the root never does: as strategy=fsdp
+        working = root * (gather + reduce) + 2 * block * gather + block * (gather + reduce)
+    return MemoryBreakdown(
+        p * shard, p * shard, ADAM_STATES * p * shard, 0, working + buffers, step_temporaries=p * shard
+    )
+
+
+def _megatron_lm_states(
+    shape: ModelShape, layout: Layout, workload: Workload, stage: int, buffers: int
+) -> MemoryBreakdown:
+    """Megatron-LM's DDP: 16-bit parameters and fp32 main gradients on every dp rank; fp32 master weights (when
+    params are 16-bit), momentum and variance sharded over dp by the distributed optimizer or replicated without
+    it (Megatron-Core "Distributed Optimizer" docs: 6 + 12/d and 18 bytes per parameter for bf16)."""
+    n = rank_parameters(shape, layout, stage)
+    p = 4 if workload.precision == "fp32" else 2
+    master = 0 if workload.precision == "fp32" else 4
+    optimizer_dp = layout.dp if layout.dp_type == "distributed_optimizer" else 1
+    optimizer = math.ceil((master + ADAM_STATES * 4) * n / optimizer_dp)
     return MemoryBreakdown(p * n, 4 * n, optimizer, 0, buffers)
 
 
@@ -256,7 +327,8 @@ def model_state_bytes(shape: ModelShape, layout: Layout, workload: Workload, sta
 
 
 def memory_per_gpu(shape: ModelShape, layout: Layout, workload: Workload, flash_attention: bool) -> MemoryBreakdown:
-    """The peak over pipeline stages (first: embeddings, most micro-batches in flight; last: head, logits)."""
+    """The peak over pipeline ranks (first: embeddings, most micro-batches in flight; the last stage's: head,
+    logits; under the V schedule both are rank 0)."""
     stages = (0, layout.pp - 1) if layout.pp > 1 else (0,)
     best: MemoryBreakdown | None = None
     for stage in stages:

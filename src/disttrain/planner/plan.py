@@ -97,6 +97,7 @@ class Plan:
     assumptions: Assumptions
     memory_limit_bytes: float | None  # usable memory per GPU after headroom; None when the profile has none
     candidates: tuple[CandidatePlan, ...]  # ranked
+    sequence_parallel: bool | None = True  # Megatron TP layouts planned with SP (True), without (False), both (None)
 
     @property
     def recommended(self) -> CandidatePlan | None:
@@ -215,11 +216,13 @@ def plan(
     global_batch_size: int | None = None,
     seq_len: int | None = None,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+    sequence_parallel: bool | None = True,
 ) -> Plan:
     """Predict and rank every candidate layout of ``model`` on ``hw``.
 
     ``global_batch_size`` defaults to ``micro_batch_size x world size`` (what DDP would train), and is held
-    fixed across layouts; ``seq_len`` defaults to the model's.
+    fixed across layouts; ``seq_len`` defaults to the model's. ``sequence_parallel`` picks Megatron's TP
+    layouts: with it (True), without it (False) or both (None).
     """
     shape = resolve_shape(model, seq_len)
     if micro_batch_size < 1:
@@ -231,14 +234,15 @@ def plan(
         seq_len=seq_len or shape.seq_len,
         precision=precision,
     )
-    layouts = candidate_layouts(shape, hw, workload)
+    layouts = candidate_layouts(shape, hw, workload, sequence_parallel)
     if not layouts:
         raise ValueError(
             f"no layout of {hw.world_size} devices splits a global batch of {workload.global_batch_size} sequences "
             f"into micro-batches of {micro_batch_size}"
         )
     planned = sorted((plan_layout(shape, layout, workload, hw, assumptions) for layout in layouts), key=_rank_key)
-    return Plan(shape, hw, workload, assumptions, memory_limit(hw, assumptions.headroom), tuple(planned))
+    limit = memory_limit(hw, assumptions.headroom)
+    return Plan(shape, hw, workload, assumptions, limit, tuple(planned), sequence_parallel)
 
 
 def suggest_micro_batch(result: Plan) -> int | None:
@@ -255,6 +259,7 @@ def suggest_micro_batch(result: Plan) -> int | None:
                 global_batch_size=w.global_batch_size,
                 seq_len=w.seq_len,
                 assumptions=result.assumptions,
+                sequence_parallel=result.sequence_parallel,
             )
         except ValueError:  # this micro-batch does not split the global batch over any layout
             smaller = None

@@ -42,12 +42,13 @@ class ParamTensor:
         """Counted in N' of 6N' (everything a token multiplies with, norms included as PaLM/nanoGPT count)."""
         return self.kind != "lookup"
 
-    def tp_numel(self, tp: int) -> int:
-        """Elements one tensor-parallel rank holds."""
-        if self.tp == "rep" or tp == 1:
-            return self.numel
-        dim = 1 if self.tp == "row" else 0
-        return math.ceil(self.shape[dim] / tp) * (self.numel // self.shape[dim])
+    def tp_numel(self, tp: int, shards: int = 1) -> int:
+        """Elements one tensor-parallel rank holds; with ``shards``, its FSDP2 dim-0 chunk of that slice."""
+        shape = list(self.shape)
+        if self.tp != "rep" and tp > 1:
+            dim = 1 if self.tp == "row" else 0
+            shape[dim] = math.ceil(shape[dim] / tp)
+        return math.ceil(shape[0] / shards) * math.prod(shape[1:])
 
     def fsdp_numel(self, shards: int) -> int:
         """Elements FSDP2 allocates per rank: dim 0 chunked like ``torch.chunk``, every rank padded to chunk 0."""
@@ -124,24 +125,57 @@ class ModelShape:
     def fsdp_block_shard_parameters(self, shards: int) -> int:
         return sum(t.fsdp_numel(shards) for t in self.block)
 
-    def stage_parameters(self, tp: int, pp: int, stage: int) -> int:
-        """Parameters one rank of pipeline ``stage`` holds under ``tp``-way tensor parallelism.
+    def stage_parameters(self, tp: int, pp: int, stage: int, shards: int = 1) -> int:
+        """Parameters one rank of pipeline ``stage`` holds under ``tp``-way tensor parallelism (and, with
+        ``shards``, its FSDP2 shard of them over the data-parallel ranks, padded per tensor as FSDP2 pads).
 
         Layers are split evenly; the first stage also holds the embeddings, the last the final norm and head.
         A tied embedding is copied onto the last stage when pp > 1 (Megatron keeps both copies and all-reduces
         their gradients), so it is counted on both.
         """
         if not self.known:
-            return math.ceil(self.num_parameters / (tp * pp))
+            return math.ceil(math.ceil(self.num_parameters / (tp * pp)) / shards)
         layers = self.n_layers // pp
-        total = layers * sum(t.tp_numel(tp) for t in self.block)
+        return layers * self.block_tp_numel(tp, shards) + sum(
+            t.tp_numel(tp, shards) for t in self.stage_root(pp, stage)
+        )
+
+    def block_tp_numel(self, tp: int, shards: int = 1) -> int:
+        """One block's elements on a TP rank (its FSDP2 shard with ``shards``); memoized, the planner asks for
+        the same few degrees across hundreds of layouts."""
+        key = (tp, shards)
+        if key not in self._block_numel:
+            self._block_numel[key] = sum(t.tp_numel(tp, shards) for t in self.block)
+        return self._block_numel[key]
+
+    @cached_property
+    def _block_numel(self) -> dict[tuple[int, int], int]:
+        return {}
+
+    def stage_root(self, pp: int, stage: int) -> tuple[ParamTensor, ...]:
+        """The tensors of ``stage`` outside its blocks: embeddings on the first, head (+ tied copy) on the last."""
+        tensors: tuple[ParamTensor, ...] = ()
         if stage == 0:
-            total += sum(t.tp_numel(tp) for t in self.embedding)
+            tensors += self.embedding
         if stage == pp - 1:
-            total += sum(t.tp_numel(tp) for t in self.head)
+            tensors += self.head
             if self.tied_embeddings and pp > 1:
-                total += sum(t.tp_numel(tp) for t in self.embedding if t.kind == "tied")
-        return total
+                tensors += tuple(t for t in self.embedding if t.kind == "tied")
+        return tensors
+
+    def pipeline_rank_parameters(self, tp: int, pp: int, stages: list[int], num_stages: int, shards: int = 1) -> int:
+        """Parameters one rank holds when it runs the pipeline ``stages`` of ``num_stages`` (several under
+        interleaving and the V schedule, whose rank 0 holds both the embeddings and the head)."""
+        if not self.known:
+            return math.ceil(math.ceil(self.num_parameters / (tp * pp)) / shards)
+        key = (tp, tuple(stages), num_stages, shards)
+        if key not in self._rank_numel:
+            self._rank_numel[key] = sum(self.stage_parameters(tp, num_stages, stage, shards) for stage in stages)
+        return self._rank_numel[key]
+
+    @cached_property
+    def _rank_numel(self) -> dict[tuple[int, tuple[int, ...], int, int], int]:
+        return {}
 
 
 def _linear(name: str, d_out: int, d_in: int, bias: bool, tp: str) -> tuple[ParamTensor, ...]:
@@ -159,9 +193,14 @@ def _norm(name: str, cfg: ModelConfig) -> tuple[ParamTensor, ...]:
     return (weight,)
 
 
-def model_shape(cfg: ModelConfig) -> ModelShape:
-    """The reference transformer's tensors for ``cfg``: the same names and shapes ``Transformer(cfg)`` has."""
-    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+def model_shape(cfg: ModelConfig, head_dim: int | None = None) -> ModelShape:
+    """The reference transformer's tensors for ``cfg``: the same names and shapes ``Transformer(cfg)`` has.
+
+    ``head_dim`` other than ``d_model / n_heads`` (PaLM's 48 heads of 256 at d_model 18432) plans a shape the
+    reference transformer does not build: q/k/v project to ``heads x head_dim`` and the output projection back.
+    """
+    head_dim = head_dim or cfg.head_dim
+    q_dim, kv_dim = cfg.n_heads * head_dim, cfg.kv_heads * head_dim
     block = (
         *_norm("norm1", cfg),
         *_linear("attn.wq", q_dim, cfg.d_model, cfg.bias, "col"),
@@ -191,7 +230,7 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
         d_model=cfg.d_model,
         n_heads=cfg.n_heads,
         kv_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
+        head_dim=head_dim,
         ffn_hidden=cfg.ffn_hidden,
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,

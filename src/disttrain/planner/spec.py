@@ -14,6 +14,11 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed", "megatron")
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
+# Megatron data parallelism: what strategy=megatron runs (``strategy.dp_type``: FSDP2 over the data-parallel ranks,
+# hybrid, or replicated), and, for comparison with published figures, Megatron-LM's own DDP with and without its
+# distributed optimizer (16-bit parameters and fp32 main gradients replicated; optimizer sharded or replicated).
+MEGATRON_DP_TYPES = ("fsdp", "hsdp", "replicate")
+MEGATRON_LM_DP_TYPES = ("distributed_optimizer", "replicated_optimizer")
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,16 @@ class Layout:
     # Micro-batches per run of the pipeline schedule when a step runs it several times (strategy=megatron with a
     # global batch above micro x dp x strategy.microbatches); None: one run over all ``microbatches``.
     schedule_microbatches: int | None = None
+    # Megatron only: one of MEGATRON_DP_TYPES (hsdp: ``dp_replicate`` replicas; replicate: dp_replicate == dp) or
+    # MEGATRON_LM_DP_TYPES (a reference model, not something strategy=megatron runs).
+    dp_type: str = "fsdp"
+
+    def __post_init__(self) -> None:
+        if self.dp_type not in MEGATRON_DP_TYPES + MEGATRON_LM_DP_TYPES:
+            raise ValueError(f"unknown dp_type {self.dp_type!r}")
+        expected = {"fsdp": 1, "replicate": self.dp}.get(self.dp_type)
+        if self.strategy == "megatron" and expected is not None and self.dp_replicate != expected:
+            raise ValueError(f"dp_type={self.dp_type} needs dp_replicate={expected}, got {self.dp_replicate}")
 
     @property
     def per_schedule(self) -> int:
@@ -79,6 +94,10 @@ class Layout:
             "sequence_parallel": self.sequence_parallel,
             "activation_checkpointing": self.recompute,
         }
+        if self.dp_type != "fsdp":  # the config's default
+            options["dp_type"] = self.dp_type
+        if self.dp_type == "hsdp":
+            options["dp_replicate"] = self.dp_replicate
         if self.pp > 1:  # strategy=megatron ignores the schedule without pipelining
             options["schedule"] = self.schedule
         options["microbatches"] = self.microbatches
@@ -114,7 +133,9 @@ class Layout:
         if self.pp > 1:
             v = f" v{self.virtual_stages}" if self.schedule in ("interleaved_1f1b", "zero_bubble") else ""
             schedule = f" {self.schedule}{v} m{self.microbatches}"
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}{sp}{schedule}{ckpt}"
+        dp = {"fsdp": "", "hsdp": f" hsdp {self.dp_replicate}x{self.dp_shard}", "replicate": " replicated"}
+        dp |= {"distributed_optimizer": " Megatron-LM dist-opt", "replicated_optimizer": " Megatron-LM DDP"}
+        return f"TP{self.tp} PP{self.pp} DP{self.dp}{dp[self.dp_type]}{sp}{schedule}{ckpt}"
 
 
 def _hydra_value(value: Any) -> str:

@@ -17,6 +17,7 @@ from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import PrecisionConfig
 from disttrain.planner.bubble import bubble_fraction
 from disttrain.planner.comm import CommPlan, link_time
+from disttrain.planner.memory import rank_parameters
 from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token
 from disttrain.planner.spec import Assumptions, Layout, Workload
 
@@ -87,8 +88,11 @@ def gpu_optimizer_parameters(shape: ModelShape, layout: Layout) -> int:
         return shape.fsdp_shard_parameters(layout.dp_shard)
     if layout.strategy == "deepspeed":
         return math.ceil(shape.num_parameters / layout.dp)
-    stage = max(shape.stage_parameters(layout.tp, layout.pp, s) for s in (0, layout.pp - 1))
-    return math.ceil(stage / layout.dp)  # Megatron's distributed optimizer steps its dp shard
+    stage = max(rank_parameters(shape, layout, rank) for rank in (0, layout.pp - 1))
+    # FSDP2 steps its dp_shard shard (the whole slice under dp_type=replicate); Megatron-LM's distributed optimizer
+    # steps its dp shard, its plain DDP the whole slice.
+    shards = {"distributed_optimizer": layout.dp, "replicated_optimizer": 1}.get(layout.dp_type, layout.dp_shard)
+    return math.ceil(stage / shards)
 
 
 def optimizer_step_seconds(shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile) -> float:
