@@ -1,11 +1,11 @@
 """Does the same command give the same warnings? The set of warning/critical finding kinds over repeated runs.
 
 Runs each command ``--repeats`` times (default 3), interleaved (A, B, C, A, B, C, ...) so drift on a shared
-machine hits every command alike, and prints per command the warning/critical kinds of each run and whether
-they agree, as kinds (issue 11: the same command run three times gives the same set) and with their ranks. The
-commands: ``python -m train``
-with its defaults (``--steps`` shortens it; 220 steps take ~100 s here) and injected scenarios of
-``benchmarks/diagnosis_accuracy.py`` (their faulty arm). A measurement: it exits 0 whatever it finds.
+machine hits every command alike, and prints per command the warning/critical kinds of each run and whether they
+agree, as kinds (issue 11: the same command run three times gives the same set) and with their ranks. The
+commands: ``python -m train`` with its defaults (``--steps`` shortens it; 220 steps take ~100 s here) and
+injected scenarios of ``benchmarks/diagnosis_accuracy.py`` (their faulty arm). A measurement: it exits 0 whatever
+it finds.
 
     python benchmarks/diagnosis_stability.py [--repeats 3] [--steps 220] [--scenarios input-all-ddp ...]
 """
