@@ -1,10 +1,11 @@
 """Does the same command give the same warnings? The set of warning/critical finding kinds over repeated runs.
 
 Runs each command ``--repeats`` times (default 3), interleaved (A, B, C, A, B, C, ...) so drift on a shared
-machine hits every command alike, and prints per command the warning/critical kinds of each run and whether
-they agree (issue 11: the same command run three times gives the same set). The commands: ``python -m train``
-with its defaults (``--steps`` shortens it; 220 steps take ~100 s here) and injected scenarios of
-``benchmarks/diagnosis_accuracy.py`` (their faulty arm). A measurement: it exits 0 whatever it finds.
+machine hits every command alike, and prints per command the warning/critical kinds of each run and whether they
+agree, as kinds (issue 11: the same command run three times gives the same set) and with their ranks. The
+commands: ``python -m train`` with its defaults (``--steps`` shortens it; 220 steps take ~100 s here) and
+injected scenarios of ``benchmarks/diagnosis_accuracy.py`` (their faulty arm). A measurement: it exits 0 whatever
+it finds.
 
     python benchmarks/diagnosis_stability.py [--repeats 3] [--steps 220] [--scenarios input-all-ddp ...]
 """
@@ -25,16 +26,21 @@ DEFAULT_SCENARIOS = ["input-all-ddp", "forward-rank1-ddp"]
 
 
 def loud_kinds(result: RunResult) -> list[str]:
-    """The sorted warning/critical finding kinds of one run (with their ranks, which must agree too)."""
+    """The sorted warning/critical findings of one run as ``kind[ranks]``."""
     return sorted(
         f"{f['kind']}[{','.join(str(r) for r in f.get('ranks', []))}]" for f in result.findings if f["severity"] in LOUD
     )
 
 
-def agreement(runs: list[list[str] | None]) -> bool | None:
-    """True when every successful run raised the same set; None when fewer than two runs succeeded."""
-    sets = [frozenset(kinds) for kinds in runs if kinds is not None]
+def agreement(runs: list[list[str] | None], with_ranks: bool = False) -> bool | None:
+    """True when every successful run raised the same set of kinds (and ranks, ``with_ranks``); None when fewer
+    than two runs succeeded."""
+    sets = [frozenset(k if with_ranks else k.split("[")[0] for k in kinds) for kinds in runs if kinds is not None]
     return None if len(sets) < 2 else len(set(sets)) == 1
+
+
+def yes_no(value: bool | None) -> str:
+    return "n/a" if value is None else "yes" if value else "NO"
 
 
 def main() -> None:
@@ -69,8 +75,9 @@ def main() -> None:
     for name, runs in kinds.items():
         agree = agreement(runs)
         stable += bool(agree)
-        shown = " | ".join("failed" if k is None else (", ".join(k) or "none") for k in runs)
-        print(f"{name:<20} {shown:<70} agree: {'n/a' if agree is None else 'yes' if agree else 'NO'}")
+        print(f"{name}: kinds agree: {yes_no(agree)}; with their ranks: {yes_no(agreement(runs, with_ranks=True))}")
+        for i, run in enumerate(runs):
+            print(f"  #{i + 1}: " + ("failed" if run is None else (", ".join(run) or "none")))
     if args.json:
         args.json.write_text(json.dumps(kinds, indent=2) + "\n")
     print(f"stable: {stable} of {len(kinds)} commands give the same warning/critical kinds in every run")

@@ -1,9 +1,10 @@
 """Injected bottlenecks for ``benchmarks/diagnosis_accuracy.py``: a model and a datamodule plugged in by ``_target_``.
 
 Each injection is a sleep on chosen local ranks in one phase of the step (data, forward, backward, optimizer),
-switched off by its own argument, so a scenario's counterfactual is the same command with the fault off. The
-communication counterfactual keeps every rank's gradients local (``local_grads=true``): the same per-rank work
-without the gradient all-reduce. Both are benchmark-only: nothing here is imported by the product.
+or DDP's gradient all-reduce over an emulated slow link (``link_bytes_per_s``), switched off by its own argument,
+so a scenario's counterfactual is the same command with the fault off. The communication counterfactual keeps
+every rank's gradients local (``local_grads=true``): the same per-rank work without the gradient all-reduce.
+All of it is benchmark-only: nothing here is imported by the product.
 
 No ``from __future__ import annotations``: DDP inspects a comm hook's signature and refuses string annotations.
 """

@@ -80,9 +80,11 @@ def test_bubble_cost_is_the_step_share_that_does_not_grow_with_the_micro_batches
     assert verdict.targets == {"top finding and rank": True, "cost within 5 points": True}
 
 
-def test_stability_compares_sets_of_loud_kinds_with_their_ranks() -> None:
+def test_stability_compares_sets_of_loud_kinds_and_optionally_their_ranks() -> None:
     run = ran(1.0, finding("straggler", [1]), finding("low_mfu", [0, 1], "info"))
     assert loud_kinds(run) == ["straggler[1]"]
     assert agreement([["straggler[1]"], ["straggler[1]"], None]) is True
-    assert agreement([["straggler[1]"], ["straggler[0]"]]) is False
+    assert agreement([["straggler[1]"], ["straggler[0]"]]) is True  # the same kind...
+    assert agreement([["straggler[1]"], ["straggler[0]"]], with_ranks=True) is False  # ...on another rank
+    assert agreement([["straggler[1]", "low_overlap[0]"], ["straggler[1]"]]) is False
     assert agreement([["straggler[1]"], None]) is None
