@@ -36,6 +36,7 @@ from disttrain.launch.local import LocalRanks, child_command, die_with_parent, s
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
 from disttrain.planner.auto import check_fits, describe_memory
+from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ def train(
     role = process_role()
     if not role.child and not role.cluster:  # the launcher, or a 1-process run, reports the job's failure
         retire_crash_records(run_dir)  # a restart runs in the same run dir
+        retire_stop_markers(run_dir)
     ranks = spawn(layout, command_for_rank, failures)
     parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, failures)
     finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, predicted_memory_bytes)
@@ -135,6 +137,7 @@ def spawn(layout: WorldLayout, command_for_rank: partial, failures: FailureRepor
     if layout.world_size == 1 or role.child or role.cluster:
         return None
     ranks = spawn_local_ranks(layout.devices_per_node, command_for_rank, cwd=os.getcwd())
+    ranks.agreed_stop = partial(agreed_stop, failures.run_dir)  # a rank ending the agreed non-finite stop
 
     def abort(rank: int, code: int) -> None:
         # The survivors would wait forever in their next collective: stop the whole job now.
@@ -252,6 +255,8 @@ def finish(
         raise RuntimeError(f"local ranks exited with errors: {failed}")
     if not rank_zero:
         if stopped:
+            # Before the exit: the launcher may see it before its own stop path is done (nan_guard.py).
+            write_stop_marker(run_dir, process_role().global_rank, guard.stop_reason)
             raise RunStopped(NONFINITE)
         return
     metrics = parts.trainer.callback_metrics
