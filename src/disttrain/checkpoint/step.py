@@ -46,6 +46,7 @@ class StepCheckpoint(pl.Callback):
         self.before_publish = before_publish
         self.before_write = before_write
         self.last_saved_step = -1
+        self.saving_step: int | None = None  # the step whose checkpoint is being written: a crash site
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         step = trainer.global_step
@@ -57,7 +58,9 @@ class StepCheckpoint(pl.Callback):
         if self.skip_save is not None and self.skip_save():
             return
         self.last_saved_step = step
+        self.saving_step = step
         self.save(trainer, step)
+        self.saving_step = None  # left set if the save raised: the crash record names the checkpoint of this step
 
     def save(self, trainer: pl.Trainer, step: int) -> None:
         name = checkpoint_name(step)

@@ -26,7 +26,14 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.schema import RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_launch, describe_result
-from disttrain.job.failure import FailureReporting, log_to_own_file, rank_died, record_crash, stop_for_failure
+from disttrain.job.failure import (
+    FailureReporting,
+    log_to_own_file,
+    rank_died,
+    record_crash,
+    record_hang,
+    stop_for_failure,
+)
 from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
@@ -179,6 +186,9 @@ def fit(
     parts: TrainerParts | None = None
     try:
         parts, module, datamodule = build_run(run_cfg, layout, plan, run_dir, facts)
+        if parts.diagnostics is not None and parts.diagnostics.on_hang is not None:
+            write_report = parts.diagnostics.on_hang
+            parts.diagnostics.on_hang = lambda hang: (record_hang(failures, hang), write_report(hang))
         manifest |= {
             "status": "running",
             # Credentials from the environment or in credential-named keys never reach a file (redaction.py).
@@ -213,7 +223,9 @@ def fit(
             # The launcher prints the error of the rank that caused the failure, once: this one's goes to its log.
             log_to_own_file(run_dir, "".join(traceback.format_exception(err)))
             raise RunStopped(FAILED) from None
-        if crashed and not role.cluster:
+        # The launcher of local ranks (its environment now names a node rank: not ``role.cluster`` here), or a
+        # 1-process run, reports the job's failure.
+        if crashed and (ranks is not None or not role.cluster):
             failures.lock.acquire()  # if the rank watcher holds it, it is ending this process
             raise stop_for_failure(failures, ranks, None, err) from None
         if ranks is None:
