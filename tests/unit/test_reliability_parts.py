@@ -21,6 +21,7 @@ from disttrain.checkpoint.files import (
     discover,
     is_complete,
     publish,
+    record_sizes,
     remove_partials,
     staging_dir,
     to_delete_for_retention,
@@ -51,6 +52,13 @@ def test_completeness_of_files_and_directories(tmp_path: Path) -> None:
     assert not is_complete(dcp)  # shards without the index torch.distributed.checkpoint writes last
     (dcp / ".metadata").write_bytes(b"index")
     assert is_complete(dcp)
+    (dcp / "__1_0.distcp").write_bytes(b"rank 1's shard")
+    record_sizes(dcp)
+    assert is_complete(dcp)
+    (dcp / "__1_0.distcp").write_bytes(b"rank 1's")  # cut short after the save: a full disk, a partial copy
+    assert not is_complete(dcp)
+    (dcp / "__1_0.distcp").unlink()
+    assert not is_complete(dcp)
 
 
 def test_publish_moves_sidecars_first_and_replaces_a_directory(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from disttrain.checkpoint.files import (
     discover,
     is_complete,
     publish,
+    record_sizes,
     relink_last,
     remove_partials,
     remove_path,
@@ -76,6 +77,7 @@ class StepCheckpoint(pl.Callback):
         if self.before_publish is not None:
             self.before_publish(step)
         if trainer.is_global_zero:
+            record_sizes(staging / name)
             publish(staging, self.ckpt_dir, name)
             relink_last(self.ckpt_dir, name)
             self.apply_retention(self.ckpt_dir / name)
