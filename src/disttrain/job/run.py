@@ -186,7 +186,8 @@ def fit(
     parts: TrainerParts | None = None
     try:
         parts, module, datamodule = build_run(run_cfg, layout, plan, run_dir, facts)
-        if parts.diagnostics is not None and parts.diagnostics.on_hang is not None:
+        if rank_zero and parts.diagnostics is not None and parts.diagnostics.on_hang is not None:
+            # The watchdog of rank 0 names the hung rank in run.json, then writes the report that reads it.
             write_report = parts.diagnostics.on_hang
             parts.diagnostics.on_hang = lambda hang: (record_hang(failures, hang), write_report(hang))
         manifest |= {
