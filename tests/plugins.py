@@ -277,3 +277,18 @@ class PhaseSlowData(CountingData):
         if self.trainer is not None and self.trainer.training:
             _PhaseClock.delay("other")
         return batch
+
+
+class SlowTeardownData(CountingData):
+    """CountingData whose teardown takes ``delay_s`` on global rank 0: the launcher is still ending ``fit`` when
+    the other ranks have finished theirs (the order a rank-0-only teardown, such as a slow logger, gives)."""
+
+    def __init__(self, seq_len: int, micro_batch_size: int, delay_s: float = 3.0) -> None:
+        super().__init__(seq_len, micro_batch_size)
+        self.delay_s = delay_s
+
+    def teardown(self, stage: str) -> None:
+        if _rank() == 0:
+            import time
+
+            time.sleep(self.delay_s)

@@ -26,7 +26,8 @@ def detect_crash(run: RunTelemetry) -> list[Finding]:
         return [_from_record(run, cause, echoes)]
     manifest = run.manifest or {}
     failed_rank = manifest.get("failed_rank")
-    if manifest.get("status") == "failed" and isinstance(failed_rank, int):
+    hung = "hung_ranks" in manifest  # the watchdog ended it: the hang detector's finding, not a crash
+    if manifest.get("status") == "failed" and isinstance(failed_rank, int) and not hung:
         return [_from_manifest(manifest, failed_rank, echoes)]
     if echoes:  # every rank that wrote a record saw only a peer vanish: the one that failed left none
         first = run.crashes[echoes[0]]

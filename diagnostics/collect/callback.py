@@ -65,7 +65,7 @@ class DiagnosticsCallback(pl.Callback):
         facts: RunFacts,
         run_dir: Path,
         tokens_per_s: Callable[[], float | None],
-        on_hang: Callable[[], None] | None = None,
+        on_hang: Callable[[dict], None] | None = None,
     ) -> None:
         self.settings = settings
         self.facts = facts

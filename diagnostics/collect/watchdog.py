@@ -95,7 +95,7 @@ class Watchdog(threading.Thread):
         rank: int,
         local_rank: int,
         write: Callable[..., None],
-        on_fire: Callable[[], None] | None = None,
+        on_fire: Callable[[dict], None] | None = None,  # gets the hang: last_step, timeout_s, outside_collectives
         check_every_s: float = 1.0,
     ) -> None:
         super().__init__(name="disttrain-watchdog", daemon=True)
@@ -139,16 +139,16 @@ class Watchdog(threading.Thread):
         self.write(
             "hang", last_step=self.last_step, timeout_s=self.timeout_s, stacks_dir="hang", in_collective=collective
         )
+        outside = [int(r) for r, c in collective.items() if not c]
         print(
             f"disttrain: no step completed in {self.timeout_s:.0f} s (last step {self.last_step}); stacks of ranks "
-            f"{sorted(ranks)} in {hang_dir}; ranks not in a collective: "
-            f"{[int(r) for r, c in collective.items() if not c]}",
+            f"{sorted(ranks)} in {hang_dir}; ranks not in a collective: {outside}",
             file=sys.stderr,
             flush=True,
         )
         if self.on_fire is not None:
             try:
-                self.on_fire()
+                self.on_fire({"last_step": self.last_step, "timeout_s": self.timeout_s, "outside_collectives": outside})
             except Exception as err:  # the report is a bonus here; the abort must happen regardless
                 print(f"disttrain: report after hang failed: {err}", file=sys.stderr, flush=True)
         for pid in ranks.values():

@@ -88,7 +88,12 @@ def test_a_rank_killed_without_a_record_is_named_from_run_json(tmp_path: Path) -
     (advice,) = recommend_all(analyse(run_dir))[0]
     assert advice.override == "" and "out-of-memory killer" in advice.why
 
+    manifest.update(failure="rank 1 hung: no step completed in 10 s after step 7", hung_ranks=[1])
+    (run_dir / "run.json").write_text(json.dumps(manifest))
+    assert not [f for f in analyse(run_dir).findings if f.kind == "crash" and f.ranks == [1]]  # the hang's finding
+
     manifest.update(status="running", failed_rank=None)  # no launcher record either: only the echo is known
+    manifest.pop("hung_ranks")
     (run_dir / "run.json").write_text(json.dumps(manifest))
     (crash,) = [f for f in analyse(run_dir).findings if f.kind == "crash"]
     assert crash.ranks == [0] and "left no record" in crash.message

@@ -1,8 +1,13 @@
-"""Checkpoint files, resume discovery, RNG capture, the non-finite guard, faults and redaction, without processes."""
+"""Checkpoint files, resume discovery, RNG capture, the non-finite guard, faults and redaction (processes: only a
+few one-line children for the launcher's watch)."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import threading
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +21,7 @@ from disttrain.checkpoint.files import (
     discover,
     is_complete,
     publish,
+    record_sizes,
     remove_partials,
     staging_dir,
     to_delete_for_retention,
@@ -25,9 +31,9 @@ from disttrain.checkpoint.rng import capture, restore
 from disttrain.config.errors import ConfigError
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.job.redaction import redact, secret_values
-from disttrain.launch.local import describe_exit
-from disttrain.reliability.faults import Fault, fault_from_env, parse_fault
-from disttrain.reliability.nan_guard import NonFiniteGuard
+from disttrain.launch.local import LocalRanks, describe_exit
+from disttrain.reliability.faults import Fault, faults_from_env, parse_fault
+from disttrain.reliability.nan_guard import NonFiniteGuard, agreed_stop, retire_stop_markers, write_stop_marker
 
 
 def save(path: Path, step: int) -> Path:
@@ -46,6 +52,13 @@ def test_completeness_of_files_and_directories(tmp_path: Path) -> None:
     assert not is_complete(dcp)  # shards without the index torch.distributed.checkpoint writes last
     (dcp / ".metadata").write_bytes(b"index")
     assert is_complete(dcp)
+    (dcp / "__1_0.distcp").write_bytes(b"rank 1's shard")
+    record_sizes(dcp)
+    assert is_complete(dcp)
+    (dcp / "__1_0.distcp").write_bytes(b"rank 1's")  # cut short after the save: a full disk, a partial copy
+    assert not is_complete(dcp)
+    (dcp / "__1_0.distcp").unlink()
+    assert not is_complete(dcp)
 
 
 def test_publish_moves_sidecars_first_and_replaces_a_directory(tmp_path: Path) -> None:
@@ -166,15 +179,38 @@ def test_guard_drops_the_update_skips_then_stops() -> None:
 def test_fault_specs() -> None:
     assert parse_fault("sigkill@step=7,rank=1") == Fault("step", 7, rank=1)
     assert parse_fault("sigkill@save=6,attempt=1") == Fault("save", 6, attempt=1)
-    for bad in ("sigterm@step=1", "sigkill@rank=1", "sigkill@step=1,save=2", "sigkill@step=x"):
-        with pytest.raises(ValueError):
+    assert parse_fault("enospc@save=6,rank=1") == Fault("save", 6, rank=1, kind="enospc")
+    assert parse_fault("nan_grad@step=3") == Fault("step", 3, kind="nan_grad")
+    bad_specs = ("sigterm@step=1", "sigkill@rank=1", "sigkill@step=1,save=2", "sigkill@step=x", "enospc@step=2")
+    for bad in (*bad_specs, "raise@save=3", "hang@step=1,rank=-1"):
+        with pytest.raises(ValueError, match="DISTTRAIN_FAULT"):
             parse_fault(bad)
 
 
-def test_fault_applies_to_its_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DISTTRAIN_FAULT", "sigkill@step=4")
-    assert fault_from_env(0) == Fault("step", 4)
-    assert fault_from_env(1) is None
+def test_faults_apply_to_their_attempt_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DISTTRAIN_FAULT", "sigkill@step=4; raise@step=2,rank=1,attempt=1")
+    assert faults_from_env(0) == [Fault("step", 4)]
+    assert faults_from_env(1) == [Fault("step", 2, rank=1, attempt=1, kind="raise")]
+    assert faults_from_env(2) == []
+
+
+def test_launcher_tells_an_agreed_stop_from_a_death(tmp_path: Path) -> None:
+    """Exit 4 with the rank's stop marker is the agreed non-finite stop; exit 4 without it, or any other code, is a
+    death, reported at once."""
+    write_stop_marker(tmp_path, 1, "non-finite loss at step 4 (nan_policy=stop)")
+    exits = {1: 4, 2: 4, 3: 1}  # rank 1 stops as agreed; rank 2 exits 4 without a marker; rank 3 fails
+    procs = [subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"]) for code in exits.values()]
+    for proc in procs:
+        proc.wait()
+    ranks = LocalRanks(procs=procs, agreed_stop=partial(agreed_stop, tmp_path))
+    reported: list[tuple[int, int]] = []
+    done = threading.Event()
+    ranks.watch(lambda rank, code: (reported.append((rank, code)), done.set()), period_s=0.05)
+    assert done.wait(30)
+    assert reported == [(2, 4)] and ranks.stopped == [(1, 4)]  # the watch stops at the first death
+    assert ranks.dead(wait_s=0) == [(2, 4), (3, 1)]
+    retire_stop_markers(tmp_path)
+    assert not agreed_stop(tmp_path, 1, 4)
 
 
 def test_exit_descriptions() -> None:

@@ -10,6 +10,7 @@ the sidecars and then the checkpoint are renamed into place, so a name matching 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,6 +25,9 @@ LAST_LINK = "last.ckpt"
 # A directory checkpoint is complete once its writer's index exists: ``.metadata`` is written last by
 # torch.distributed.checkpoint (after every rank's shards), ``latest`` by DeepSpeed's save_checkpoint.
 DIR_COMPLETE_MARKERS = (".metadata", "latest")
+# The size of every file of a directory checkpoint, recorded once every rank has written its part: a shard cut
+# short or lost afterwards (a full disk, a partial copy) makes the checkpoint incomplete, not a failed resume.
+SIZES_FILE = ".disttrain-sizes.json"
 
 
 def checkpoint_name(step: int) -> str:
@@ -44,9 +48,34 @@ def artifacts_of(ckpt_dir: Path, name: str) -> list[Path]:
 def is_complete(path: Path) -> bool:
     """Whether ``path`` holds a whole checkpoint (a truncated zip or a dir without its index does not)."""
     if path.is_dir():
-        return any((path / marker).exists() for marker in DIR_COMPLETE_MARKERS)
+        return any((path / marker).exists() for marker in DIR_COMPLETE_MARKERS) and sizes_match(path)
     # torch.save writes a zip whose central directory is at the end: a cut-off file has none.
     return path.is_file() and zipfile.is_zipfile(path)
+
+
+def record_sizes(checkpoint: Path) -> None:
+    """Record the size of every file of a directory checkpoint in it (nothing for a file checkpoint)."""
+    if not checkpoint.is_dir():
+        return
+    sizes = {str(f.relative_to(checkpoint)): f.stat().st_size for f in sorted(checkpoint.rglob("*")) if f.is_file()}
+    (checkpoint / SIZES_FILE).write_text(json.dumps(sizes, indent=1) + "\n", encoding="utf-8")
+
+
+def sizes_match(checkpoint: Path) -> bool:
+    """Every file recorded by ``record_sizes`` is there with its size (a checkpoint without the record: True)."""
+    try:
+        sizes = json.loads((checkpoint / SIZES_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return True  # written before the record existed
+    except (OSError, ValueError):
+        return False
+    for name, size in sizes.items():
+        try:
+            if (checkpoint / name).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def remove_path(path: Path) -> None:

@@ -58,6 +58,9 @@ def record_crash(run_dir: Path, error: BaseException, parts: TrainerParts | None
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if hasattr(callback, "crash_site"):  # the diagnostics callback knows the phase
                 step, phase = callback.crash_site(trainer)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if getattr(callback, "saving_step", None) is not None:  # a step checkpoint's save raised
+                step, phase = callback.saving_step, "checkpoint"
     with contextlib.suppress(Exception):  # the error itself must still reach the user
         write_crash_record(run_dir, process_role().global_rank, error, step, phase)
 
@@ -122,6 +125,21 @@ def stop_for_failure(
     if trace:
         say(trace.rstrip("\n"), file=sys.stderr)
     return RunStopped(FAILED, f"disttrain: {failure}; stopping the job{where}")
+
+
+def record_hang(failure_reporting: FailureReporting, hang: dict) -> None:
+    """The hang watchdog fired (local rank 0, before it writes the report and ends the job with exit code 3): name
+    the ranks that hung outside a collective (the others were waiting for them) in run.json and failure.json."""
+    outside = hang.get("outside_collectives") or []
+    rank = outside[0] if len(outside) == 1 else None
+    who = f"rank {rank}" if rank is not None else f"ranks {outside}" if outside else "every rank (in a collective)"
+    error = f"no step completed in {hang.get('timeout_s', 0):.0f} s after step {hang.get('last_step')}"
+    failure = f"{who} hung: {error}" + (", outside any collective" if outside else "")
+    run_dir, manifest = failure_reporting.run_dir, failure_reporting.manifest
+    with contextlib.suppress(Exception):  # the watchdog must end the job whatever happens here
+        record = {**manifest, "status": "failed", "failure": failure, "failed_rank": rank, "hung_ranks": outside}
+        write_json_atomic(run_dir / "run.json", record)
+        write_failure(run_dir, {"error": f"hang: {error}", "source": who, "rank": rank, "traceback": ""})
 
 
 def rank_died(run_dir: Path, manifest: dict, rank: int, code: int) -> str:

@@ -26,7 +26,14 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.schema import RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_launch, describe_result
-from disttrain.job.failure import FailureReporting, log_to_own_file, rank_died, record_crash, stop_for_failure
+from disttrain.job.failure import (
+    FailureReporting,
+    log_to_own_file,
+    rank_died,
+    record_crash,
+    record_hang,
+    stop_for_failure,
+)
 from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
@@ -36,6 +43,7 @@ from disttrain.launch.local import LocalRanks, child_command, die_with_parent, s
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
 from disttrain.planner.auto import check_fits, describe_memory
+from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 
 if TYPE_CHECKING:
@@ -125,6 +133,7 @@ def train(
     failures = FailureReporting(run_dir, manifest, report, reports=not role.child and not role.cluster)
     if failures.reports:
         retire_crash_records(run_dir)  # a restart runs in the same run dir
+        retire_stop_markers(run_dir)
     ranks = spawn(layout, command_for_rank, failures)
     parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, failures)
     finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, predicted_memory_bytes)
@@ -136,6 +145,7 @@ def spawn(layout: WorldLayout, command_for_rank: partial, failures: FailureRepor
     if layout.world_size == 1 or role.child or role.cluster:
         return None
     ranks = spawn_local_ranks(layout.devices_per_node, command_for_rank, cwd=os.getcwd())
+    ranks.agreed_stop = partial(agreed_stop, failures.run_dir)  # a rank ending the agreed non-finite stop
 
     def abort(rank: int, code: int) -> None:
         # The survivors would wait forever in their next collective: stop the whole job now.
@@ -177,6 +187,10 @@ def fit(
     parts: TrainerParts | None = None
     try:
         parts, module, datamodule = build_run(run_cfg, layout, plan, run_dir, facts)
+        if rank_zero and parts.diagnostics is not None and parts.diagnostics.on_hang is not None:
+            # The watchdog of rank 0 names the hung rank in run.json, then writes the report that reads it.
+            write_report = parts.diagnostics.on_hang
+            parts.diagnostics.on_hang = lambda hang: (record_hang(failures, hang), write_report(hang))
         manifest |= {
             "status": "running",
             # Credentials from the environment or in credential-named keys never reach a file (redaction.py).
@@ -253,6 +267,8 @@ def finish(
         raise RuntimeError(f"local ranks exited with errors: {failed}")
     if not rank_zero:
         if stopped:
+            # Before the exit: the launcher may see it before its own stop path is done (nan_guard.py).
+            write_stop_marker(run_dir, process_role().global_rank, guard.stop_reason)
             raise RunStopped(NONFINITE)
         return
     metrics = parts.trainer.callback_metrics

@@ -88,6 +88,9 @@ class LocalRanks:
 
     procs: list[subprocess.Popen] = field(default_factory=list)
     failed: list[tuple[int, int]] = field(default_factory=list)  # (local rank, exit code)
+    # Whether a child's non-zero exit is an agreed stop (every rank stops, the launcher completes it), not a death.
+    agreed_stop: Callable[[int, int], bool] = lambda rank, code: False
+    stopped: list[tuple[int, int]] = field(default_factory=list)  # (local rank, exit code) of agreed stops
     saved_env: dict[str, str | None] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -101,25 +104,31 @@ class LocalRanks:
         self.saved_env = {}
 
     def watch(self, on_failure: Callable[[int, int], None], period_s: float = 1.0) -> None:
-        """Call ``on_failure`` from a daemon thread as soon as any child exits non-zero."""
+        """Call ``on_failure`` from a daemon thread as soon as any child exits non-zero (an agreed stop aside)."""
 
         def loop() -> None:
             while not self._stop.is_set():
                 for rank, proc in enumerate(self.procs, start=1):
                     code = proc.poll()
-                    if code not in (None, 0) and (rank, code) not in self.failed:
-                        self.failed.append((rank, code))
-                        on_failure(rank, code)
-                        return
+                    if code in (None, 0) or (rank, code) in self.failed or (rank, code) in self.stopped:
+                        continue
+                    if self.agreed_stop(rank, code):
+                        self.stopped.append((rank, code))  # this process is on its way to the same stop
+                        continue
+                    self.failed.append((rank, code))
+                    on_failure(rank, code)
+                    return
                 time.sleep(period_s)
 
         threading.Thread(target=loop, name="disttrain-rank-watch", daemon=True).start()
 
     def dead(self, wait_s: float) -> list[tuple[int, int]]:
-        """Children that exited non-zero, waiting up to ``wait_s`` for one (an exit is seen only once reaped)."""
+        """Children that exited non-zero, an agreed stop aside, waiting up to ``wait_s`` for one (an exit is seen
+        only once reaped)."""
         deadline = time.monotonic() + wait_s
         while True:
-            found = [(rank, p.returncode) for rank, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
+            exited = [(rank, p.returncode) for rank, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
+            found = [(rank, code) for rank, code in exited if not self.agreed_stop(rank, code)]
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.1)

@@ -15,7 +15,7 @@ from disttrain.checkpoint.rng import RankRngState
 from disttrain.checkpoint.step import StepCheckpoint
 from disttrain.config.schema import TrainerConfig
 from disttrain.launch.env import process_role
-from disttrain.reliability.faults import FaultInjection, fault_from_env
+from disttrain.reliability.faults import FaultInjection, faults_from_env
 from disttrain.reliability.nan_guard import NonFiniteGuard
 
 
@@ -28,14 +28,15 @@ class Reliability:
 
 def build_reliability(t: TrainerConfig, ckpt_dir: Path) -> Reliability:
     guard = NonFiniteGuard(t.nan_policy, t.max_nan_skips)
-    fault = fault_from_env(process_role().attempt)
-    injector = FaultInjection(fault) if fault is not None else None
+    faults = faults_from_env(process_role().attempt)
+    injector = FaultInjection(faults) if faults else None
     checkpoints = StepCheckpoint(
         ckpt_dir,
         t.ckpt_every_n_steps,
         keep_last_n=t.keep_last_n,
         skip_save=lambda: guard.stopped,  # the step that stopped the run is not a good state to resume from
         before_publish=injector.before_publish if injector is not None else None,
+        before_write=injector.before_write if injector is not None else None,
     )
     # The injector runs after StepCheckpoint, so a kill "after step N" comes after step N's checkpoint.
     callbacks: list[pl.Callback] = [guard, checkpoints, RankRngState()]

@@ -1,26 +1,51 @@
 """Deliberate failures for testing recovery: ``DISTTRAIN_FAULT=sigkill@step=7,rank=1``.
 
-Recovery code is only trustworthy if it is exercised. This kills a chosen rank with SIGKILL (which nothing can
-catch or clean up after: what a machine failure or the OOM killer does) at a precise point:
+Recovery code is only trustworthy if it is exercised. A fault is ``KIND@WHERE=N[,rank=R][,attempt=A]``; several
+are separated by ``;`` (faults that do not end the run, such as a skipped non-finite step, can share one run).
 
-- ``step=N``: right after optimizer step N completed on that rank;
-- ``save=N``: during the checkpoint save of step N, after every rank wrote its part and before the checkpoint
-  is renamed to its final name (what is on disk is then exactly what a kill mid-save leaves);
+Kinds, and where they strike:
 
-on ``rank=R`` (global rank, default 0) in restart attempt ``attempt=A`` (default 0, so a restarted run
-does not die again at the same point). Unset, nothing here runs.
+- ``sigkill@step=N``: SIGKILL (which nothing can catch or clean up after: what a machine failure or the OOM killer
+  does) right after optimizer step N completed; ``sigkill@save=N``: during the checkpoint save of step N, after
+  every rank wrote its part and before the checkpoint is renamed to its final name (what is on disk is then
+  exactly what a kill mid-save leaves);
+- ``raise@step=N``: a ``RuntimeError`` in the forward of step N (a bug in user code on one rank);
+- ``nan_loss@step=N``: the model's output, so its loss and gradients, turn +inf in step N;
+- ``nan_grad@step=N``: one gradient element turns +inf after the backward of step N, the loss stays finite;
+- ``hang@step=N``: the forward of step N blocks forever outside any collective (the hang watchdog's case);
+- ``enospc@save=N``: the checkpoint write of step N fails with ``OSError(ENOSPC)`` naming the file.
+
+Steps count from 1, as the step records and crash records number them (step N runs while ``global_step`` is
+N-1; the non-finite guard's messages give that ``global_step``). ``rank=R`` is the global rank (default 0);
+``attempt=A`` the restart attempt (default 0, so a restarted run does not fail again at the same point). Unset,
+nothing here runs.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import threading
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
+
+from disttrain.reliability.nan_guard import local_tensor
 
 FAULT_ENV = "DISTTRAIN_FAULT"
 WHERE = ("step", "save")
+KINDS = {  # kind -> where it can strike
+    "sigkill": WHERE,
+    "raise": ("step",),
+    "nan_loss": ("step",),
+    "nan_grad": ("step",),
+    "hang": ("step",),
+    "enospc": ("save",),
+}
 
 
 @dataclass(frozen=True)
@@ -29,13 +54,14 @@ class Fault:
     step: int
     rank: int = 0
     attempt: int = 0
+    kind: str = "sigkill"
 
 
 def parse_fault(spec: str) -> Fault:
     """``sigkill@step=7[,rank=1][,attempt=0]`` -> Fault (ValueError naming the problem otherwise)."""
-    what, _, args = spec.partition("@")
-    if what != "sigkill":
-        raise ValueError(f"{FAULT_ENV}: unknown fault '{what}' (only sigkill)")
+    kind, _, args = spec.strip().partition("@")
+    if kind not in KINDS:
+        raise ValueError(f"{FAULT_ENV}: unknown fault '{kind}' (one of {', '.join(KINDS)})")
     fields: dict[str, int] = {}
     for item in filter(None, args.split(",")):
         key, _, value = item.partition("=")
@@ -45,15 +71,17 @@ def parse_fault(spec: str) -> Fault:
     where = [w for w in WHERE if w in fields]
     if len(where) != 1:
         raise ValueError(f"{FAULT_ENV}: give exactly one of step=N or save=N in '{spec}'")
-    return Fault(where[0], fields[where[0]], fields.get("rank", 0), fields.get("attempt", 0))
+    if where[0] not in KINDS[kind]:
+        raise ValueError(f"{FAULT_ENV}: {kind} strikes at {' or '.join(f'{w}=N' for w in KINDS[kind])}, in '{spec}'")
+    return Fault(where[0], fields[where[0]], fields.get("rank", 0), fields.get("attempt", 0), kind)
 
 
-def fault_from_env(attempt: int) -> Fault | None:
+def faults_from_env(attempt: int) -> list[Fault]:
+    """The faults of ``DISTTRAIN_FAULT`` (``;``-separated) meant for restart attempt ``attempt``."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return None
-    fault = parse_fault(spec)
-    return fault if fault.attempt == attempt else None
+        return []
+    return [fault for fault in map(parse_fault, filter(str.strip, spec.split(";"))) if fault.attempt == attempt]
 
 
 def die() -> None:
@@ -61,20 +89,70 @@ def die() -> None:
 
 
 class FaultInjection(pl.Callback):
-    """Kills this process at the configured point (see the module docstring)."""
+    """Strikes this rank with its faults at the configured points (see the module docstring)."""
 
-    def __init__(self, fault: Fault) -> None:
-        self.fault = fault
+    def __init__(self, faults: list[Fault]) -> None:
+        self.faults = faults
         self.rank: int | None = None
+        self.step = 0  # the step running now, counted from 1
+        self.armed: set[str] = set()  # in-step faults of the running step that have not struck yet
+
+    def mine(self, kind: str, where: str, step: int) -> bool:
+        return any(f.kind == kind and f.where == where and f.step == step and f.rank == self.rank for f in self.faults)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.rank = trainer.global_rank
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not any(f.rank == self.rank and f.kind in ("raise", "hang", "nan_loss") for f in self.faults):
+            return
+        # The model (Megatron: each pipeline chunk) as the strategy built it; the first one a step calls strikes.
+        model = getattr(pl_module, "model", None) or pl_module
+        for module in (model, *model.children()):
+            module.register_forward_pre_hook(self._before_forward)
+            module.register_forward_hook(self._after_forward)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        step = trainer.global_step + 1
+        if step != self.step:  # under gradient accumulation: the step's first micro-batch
+            self.step = step
+            self.armed = {k for k in ("raise", "hang", "nan_loss", "nan_grad") if self.mine(k, "step", step)}
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not module.training:
+            return
+        if "raise" in self.armed:
+            self.armed.discard("raise")
+            raise RuntimeError(f"exception in forward of step {self.step} on rank {self.rank} ({FAULT_ENV})")
+        if "hang" in self.armed:
+            threading.Event().wait()  # never set: this rank blocks outside any collective
+
+    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if module.training and "nan_loss" in self.armed and isinstance(output, torch.Tensor):
+            self.armed.discard("nan_loss")
+            return output + float("inf")
+        return None
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "nan_grad" not in self.armed:
+            return
+        for param in pl_module.parameters():
+            grad = local_tensor(param.grad) if param.grad is not None else None
+            if grad is not None and grad.numel():  # an FSDP rank may hold an empty shard of a parameter
+                grad.view(-1)[0] = float("inf")
+                self.armed.discard("nan_grad")
+                return
+
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        if self.fault.where == "step" and trainer.global_step == self.fault.step and self.rank == self.fault.rank:
+        if self.mine("sigkill", "step", trainer.global_step):
             die()
+
+    def before_write(self, step: int, path: Path) -> None:
+        """Hooked into StepCheckpoint just before it writes ``path``."""
+        if self.mine("enospc", "save", step):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     def before_publish(self, step: int) -> None:
         """Hooked into StepCheckpoint between writing a checkpoint and renaming it."""
-        if self.fault.where == "save" and step == self.fault.step and self.rank == self.fault.rank:
+        if self.mine("sigkill", "save", step):
             die()

@@ -9,19 +9,53 @@ gradient, so the weights, the moments and Adam's step count stay exactly as they
 (its batch is consumed, the learning-rate schedule advances), as with a skipped step of an fp16 loss scaler.
 ``nan_policy=stop`` then stops the run (no checkpoint is written for the bad step, so the last one is the last
 good one); ``skip`` carries on, up to ``max_nan_skips`` times.
+
+A stop is agreed by every rank, but a spawned rank may finish its part and exit before the launcher has finished
+its own: it writes ``stopping_rank<N>.json`` before it exits with code 4, and the launcher takes such an exit
+for the agreed stop, not for a death (``agreed_stop``), and completes the stop itself (run.json, the report).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from disttrain.launch.env import say_once
+from disttrain.launch.exit_codes import NONFINITE
+
+STOP_MARKER = "stopping_rank{rank}.json"
+
+
+def stop_marker(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / STOP_MARKER.format(rank=rank)
+
+
+def write_stop_marker(run_dir: Path, rank: int, reason: str | None) -> None:
+    """Written by a rank that ends with the agreed non-finite stop, before it exits (write, then rename)."""
+    path = stop_marker(run_dir, rank)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"rank": rank, "exit_code": NONFINITE, "reason": reason}) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def agreed_stop(run_dir: Path, rank: int, code: int) -> bool:
+    """Whether a rank's exit is the agreed non-finite stop (its exit code and its marker), not a death."""
+    return code == NONFINITE and stop_marker(run_dir, rank).is_file()
+
+
+def retire_stop_markers(run_dir: Path) -> None:
+    """A restart or a re-run in the same run dir: an earlier attempt's markers must not excuse this one's exits."""
+    for path in Path(run_dir).glob(STOP_MARKER.format(rank="*")):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def local_tensor(grad: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -102,6 +101,7 @@ class TrainerParts:
     throughput: Throughput
     ckpt_dir: Path
     nonfinite: NonFiniteGuard | None = None
+    diagnostics: DiagnosticsCallback | None = None
 
 
 def build_diagnostics(
@@ -144,7 +144,7 @@ def build_diagnostics(
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
     )
     return DiagnosticsCallback(
-        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=partial(diagnose_run, run_dir)
+        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=lambda hang: diagnose_run(run_dir)
     )
 
 
@@ -213,7 +213,7 @@ def build_trainer(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    return TrainerParts(trainer, throughput, ckpt_dir, reliability.guard)
+    return TrainerParts(trainer, throughput, ckpt_dir, reliability.guard, diagnostics)
 
 
 def build_run(
