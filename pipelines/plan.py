@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
 from disttrain.config.hardware import HardwareProfile, validate_profile
+from disttrain.config.hf import reference_shape
 from disttrain.config.parse import PRECISIONS, build_dataclass, parse_model, to_container
 from disttrain.config.schema import ModelConfig, PrecisionConfig, TrainerConfig
 from disttrain.config.validate import validate_model
@@ -71,8 +72,8 @@ def plan_from_config(cfg: DictConfig) -> Plan:
             target = parse_parameter_count(cfg.num_parameters)
         except ValueError as err:
             raise ConfigError("num_parameters", str(err), "use e.g. num_parameters=7.5B") from None
-    elif isinstance(model, ModelConfig):
-        target = model
+    elif (shape := reference_shape(model)) is not None:
+        target = shape
     else:
         raise ConfigError("model", "the planner needs the reference transformer's shape", "add num_parameters=<count>")
     _check_hw(hw, precision)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.config.errors import ConfigError, did_you_mean
-from disttrain.config.schema import CustomModelConfig, MegatronConfig, ModelConfig
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, MegatronConfig, ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
@@ -102,7 +102,7 @@ def megatron_degrees(cfg: MegatronConfig, world_size: int) -> MegatronDegrees:
 
 
 def validate_megatron(
-    cfg: MegatronConfig, model: ModelConfig | CustomModelConfig, world_size: int, precision: str
+    cfg: MegatronConfig, model: ModelConfig | CustomModelConfig | HFModelConfig, world_size: int, precision: str
 ) -> MegatronDegrees:
     """Every compose-time rule of the 3D layout; returns the resolved degrees."""
     degrees = megatron_degrees(cfg, world_size)
@@ -111,6 +111,12 @@ def validate_megatron(
             "strategy",
             "strategy=megatron needs the tensor/pipeline plans of the reference transformer; a user model has none",
             "use a model/ preset (or model.n_layers=... overrides), or strategy=fsdp / ddp for your own model",
+        )
+    if isinstance(model, HFModelConfig):
+        raise ConfigError(
+            "strategy",
+            "strategy=megatron has no tensor/pipeline plan for Hugging Face models yet",
+            "use strategy=fsdp, strategy=deepspeed or strategy=ddp with model=hf",
         )
     if precision == "fp16-mixed":
         raise ConfigError("precision", "strategy=megatron supports fp32 and bf16", "use precision=bf16-mixed")

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from diagnostics.crash import retire_crash_records
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import RunConfig
+from disttrain.config.schema import HFModelConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_launch, describe_result
 from disttrain.job.failure import FailureReporting, log_to_own_file, rank_died, record_crash, stop_for_failure
@@ -278,8 +278,13 @@ def finish(
             "stopped_at_step": guard.stopped_at,
             "stop_reason": guard.stop_reason,
         }
+    exported = maybe_export_hf(run_cfg, parts.ckpt_dir, run_dir) if not stopped else None
+    if exported is not None:
+        manifest["hf_export"] = str(exported)
     write_json_atomic(run_dir / "run.json", manifest)
     say(describe_result(result))
+    if exported is not None:
+        say(f"  hf model    {exported} (transformers from_pretrained)")
     if guard is not None and guard.skipped_steps:
         say(f"  skipped     {len(guard.skipped_steps)} step(s) with non-finite loss/gradients: {guard.skipped_steps}")
     if run_cfg.diagnostics.enabled and run_cfg.diagnostics.report:
@@ -288,6 +293,18 @@ def finish(
         last = newest_complete(parts.ckpt_dir)
         kept = f"; last good checkpoint: {last.checkpoint}" if last else "; no checkpoint was saved before it"
         raise RunStopped(NONFINITE, f"disttrain: stopped: {guard.stop_reason}{kept}")
+
+
+def maybe_export_hf(run_cfg: RunConfig, ckpt_dir: Path, run_dir: Path) -> Path | None:
+    """A model=hf run ends with its final weights in HF format under RUN_DIR/hf_model."""
+    if not isinstance(run_cfg.model, HFModelConfig):
+        return None
+    last = newest_complete(ckpt_dir)
+    if last is None:
+        return None
+    from disttrain.checkpoint.export import export_hf
+
+    return export_hf(last.checkpoint, run_cfg.model, run_dir / "hf_model", run_cfg.trainer.seed)
 
 
 def measured_peak_memory() -> int:

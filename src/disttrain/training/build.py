@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
     DeepSpeedConfig,
@@ -123,9 +124,10 @@ def build_diagnostics(
     recomputes = (isinstance(cfg.strategy, FSDPConfig | DeepSpeedConfig) and cfg.strategy.activation_checkpointing) or (
         isinstance(cfg.strategy, MegatronConfig) and cfg.strategy.activation_checkpointing == "full"
     )
+    shape = reference_shape(cfg.model)
     hardware_flops = (
-        hardware_flops_per_token(cfg.model, activation_checkpointing=recomputes)
-        if isinstance(cfg.model, ModelConfig)
+        hardware_flops_per_token(shape, activation_checkpointing=recomputes)
+        if shape is not None
         else facts.flops_per_token
     )
     run_facts = RunFacts(
