@@ -90,13 +90,24 @@ def test_plan_cli_reads_the_hf_config(local: dict[str, Path]) -> None:
         (["model=hf", "model.path=null"], "model.path"),  # neither a path nor a config
         (["model=hf-tiny-llama", "model.config.model_type=nosuchmodel"], "model.config"),
         (["model=hf-tiny-gpt2", "model.seq_len=2048"], "model.seq_len"),
-        (["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2"], "strategy"),
+        (["model=hf-tiny-gpt2", "strategy=megatron", "strategy.tp=2"], "strategy"),  # GPT-2 has no TP plan
+        (["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=2"], "strategy.pp"),
+        (
+            ["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "strategy.sequence_parallel=true"],
+            "strategy.sequence_parallel",
+        ),
+        (["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=4", "hw.devices_per_node=4"], "strategy.tp"),
         (["model=hf-tiny-llama", "model.attn_implementation=flash"], "model.attn_implementation"),
     ],
 )
 def test_bad_model_inputs(overrides: list[str], key: str) -> None:
     err = error_of(overrides)
     assert err.key == key and "\n" not in str(err)
+
+
+def test_megatron_tp_for_a_llama_family_model_validates() -> None:
+    run_cfg, plan = validated(["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2"])
+    assert (run_cfg.strategy.tp, plan.data_parallel_size) == (2, 1)
 
 
 def test_corpus_is_tokenized_once_and_joined_with_eos(local: dict[str, Path], tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """model=hf + data=hf through the real CLI: a tiny HF Llama on a locally tokenized corpus under DDP, FSDP2 (with
-activation checkpointing) and ZeRO-3 matches one process to 1e-4; every run ends with an HF export that
+activation checkpointing), Megatron TP=2 (the model's own base_model_tp_plan) and ZeRO-3 matches one process to
+1e-4; every run ends with an HF export that
 ``from_pretrained`` reloads to the trained weights and logits.
 
 The four runs are spawned once per module and shared by the tests.
@@ -27,6 +28,7 @@ LAYOUTS = {
     "single": ["hw.devices_per_node=1", "trainer.micro_batch_size=8"],
     "ddp": ["strategy=ddp", "trainer.micro_batch_size=4"],
     "fsdp": ["strategy=fsdp", "strategy.activation_checkpointing=true", "trainer.micro_batch_size=4"],
+    "megatron-tp2": ["strategy=megatron", "strategy.tp=2", "trainer.micro_batch_size=8"],
     "zero3": ["strategy=deepspeed", "strategy.stage=3", "strategy.param_persistence_threshold=0",
               "trainer.micro_batch_size=4"],
 }  # fmt: skip
@@ -62,7 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: run(tmp, name, [*common, *extra]) for name, extra in LAYOUTS.items()}
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "megatron-tp2", "zero3"])
 def test_two_ranks_match_one_process(layout: str, runs: dict[str, Path]) -> None:
     reference, losses = train_losses(runs["single"]), train_losses(runs[layout])
     assert sorted(losses) == sorted(reference) == list(range(STEPS))

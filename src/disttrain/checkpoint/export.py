@@ -66,5 +66,8 @@ def export_hf(checkpoint: Path, model: HFModelConfig, out_dir: Path, seed: int =
             f"checkpoint {checkpoint} does not hold this model: missing {sorted(set(missing) - tied)[:3]}, "
             f"unexpected {sorted(unexpected)[:3]}"
         )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar would interleave with the run's summary
     wrapper.save_pretrained(out_dir)
     return out_dir

@@ -23,6 +23,7 @@ from disttrain.config.schema import (
     CustomDataConfig,
     DeepSpeedConfig,
     FSDPConfig,
+    HFModelConfig,
     LoggerConfig,
     MegatronConfig,
     ModelConfig,
@@ -60,7 +61,7 @@ def build_module(cfg: RunConfig, plan: BatchPlan, strategy: StrategyBuild, facts
         from disttrain.strategies.megatron import engine_settings
         from disttrain.strategies.megatron.module import MegatronModule
 
-        assert isinstance(cfg.model, ModelConfig)  # validated: megatron needs the reference transformer
+        assert isinstance(cfg.model, ModelConfig | HFModelConfig)  # validated: the reference or an HF Llama
         world = cfg.hw.world_size
         rounds = plan.accumulation // cfg.strategy.num_microbatches
         settings = engine_settings(cfg.strategy, cfg.model, cfg.precision, world, cfg.trainer.seed, rounds)
