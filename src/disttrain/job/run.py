@@ -71,6 +71,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     rank_zero = process_role().is_global_zero
     if rank_zero:
         say(describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token))
+        if prepared.warmup_note:
+            say(prepared.warmup_note)
         if auto_reason:
             say(auto_reason)
         if memory is not None:
@@ -192,6 +194,8 @@ def fit(
             "restart_attempt": process_role().attempt,
             "strategy_resolved": run_cfg.strategy,
         }
+        # The warmup the run uses (a default too long for max_steps was shortened by prepare).
+        manifest["config"]["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
         if rank_zero:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest["config"])))
             redact_yaml_files([run_dir / ".hydra" / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml")])
