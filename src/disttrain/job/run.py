@@ -30,6 +30,7 @@ from disttrain.job.failure import FailureReporting, log_to_own_file, rank_died, 
 from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
+from disttrain.launch.console import route_library_output_to_log_file
 from disttrain.launch.env import process_role, say
 from disttrain.launch.exit_codes import FAILED, NONFINITE, RunStopped
 from disttrain.launch.local import LocalRanks, child_command, die_with_parent, spawn_local_ranks
@@ -51,6 +52,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     run_dir = Path(hydra_cfg.runtime.output_dir)
     task_overrides = list(hydra_cfg.overrides.task)
     die_with_parent()  # a spawned rank or restart attempt must not outlive the process that started it
+    route_library_output_to_log_file()
     if prepared is None:  # a process preflight did not see: a local rank, a restart attempt, a multirun job
         prepared = prepare(cfg, run_dir, task_overrides)
         check_launchable(prepared)
