@@ -86,13 +86,9 @@ def hf_shape(model: HFModelConfig) -> ModelConfig:
     kv_heads = _first(config, "num_key_value_heads", default=heads)
     activation = str(_first(config, "hidden_act", "activation_function", default="gelu"))
     gated = activation in GATED_MLP_ACTIVATIONS or hasattr(config, "rms_norm_eps")
-    head_dim = _first(config, "head_dim", default=hidden // heads)
-    if head_dim * heads != hidden:
-        raise ConfigError(
-            "model.config.head_dim",
-            f"head_dim {head_dim} x {heads} heads != hidden {hidden}: the planner's accounting assumes they match",
-            "use a model whose head_dim is hidden_size / num_attention_heads",
-        )
+    # A model whose head_dim x heads != hidden (some Gemma/Qwen3 sizes) still trains; the reference shape has
+    # head_dim = hidden / heads, so the planner's attention sizes are approximate for it (a run's own parameter
+    # count is always the real model's).
     rope = hasattr(config, "rope_theta") or getattr(config, "rope_parameters", None) is not None
     rope_params = getattr(config, "rope_parameters", None) or {}
     return ModelConfig(
