@@ -18,8 +18,9 @@ from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
 from disttrain.config.hardware import HardwareProfile, validate_profile
+from disttrain.config.hf import reference_shape
 from disttrain.config.parse import PRECISIONS, build_dataclass, parse_model, to_container
-from disttrain.config.schema import ModelConfig, PrecisionConfig, TrainerConfig
+from disttrain.config.schema import PrecisionConfig, TrainerConfig
 from disttrain.config.validate import validate_model
 from disttrain.planner import Assumptions, ModelShape, Plan, model_shape, plan
 from disttrain.planner.spec import assumption_problems, parse_parameter_count
@@ -104,8 +105,8 @@ def plan_from_config(cfg: DictConfig) -> Plan:
             target = parse_parameter_count(cfg.num_parameters)
         except ValueError as err:
             raise ConfigError("num_parameters", str(err), "use e.g. num_parameters=7.5B") from None
-    elif isinstance(model, ModelConfig):
-        target = model_shape(model, head_dim)
+    elif (shape := reference_shape(model)) is not None:
+        target = model_shape(shape, head_dim)
     else:
         raise ConfigError("model", "the planner needs the reference transformer's shape", "add num_parameters=<count>")
     _check_hw(hw, precision)

@@ -17,7 +17,8 @@ from disttrain.config.schema import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-MODEL_PRESETS = sorted((CONF / "model").glob("*.yaml"))
+# The reference transformer's presets (conf/model/hf*.yaml are Hugging Face models: tests/configs/test_hf_configs.py).
+MODEL_PRESETS = sorted(p for p in (CONF / "model").glob("*.yaml") if "\nfamily: hf\n" not in p.read_text())
 # The smallest model the multi-process tests train: 2 layers, d_model 32, 2 heads, 32 tokens.
 TINY_MODEL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.ffn_hidden=64", "model.seq_len=32"]
 

@@ -105,3 +105,21 @@ def test_cli_dry_run_of_a_cluster_config_prints_the_launch(tmp_path: Path) -> No
     assert "memory       predicted" in out and "EXCEEDS 72.0 GiB usable" in out
     assert "warning: a real launch would be refused" in out
     assert "dry run: configuration is valid; nothing was launched" in out
+
+
+def test_default_warmup_is_shortened_to_fit_a_short_run_and_said() -> None:
+    from disttrain.job.prepare import prepare
+
+    prepared = prepare(compose_train(["trainer.max_steps=10"]), None, ["trainer.max_steps=10"])
+    assert prepared.run_cfg.optimizer.warmup_steps == 1
+    assert prepared.warmup_note is not None and "optimizer.warmup_steps" in prepared.warmup_note
+    assert "\n" not in prepared.warmup_note
+    default = compose_train([])
+    long_enough = prepare(default, None, [])
+    assert long_enough.warmup_note is None
+    assert long_enough.run_cfg.optimizer.warmup_steps == default.optimizer.warmup_steps
+    # A warmup set on the command line is the user's: one that does not fit stays an error.
+    explicit = ["trainer.max_steps=10", "optimizer.warmup_steps=30"]
+    with pytest.raises(ConfigError) as caught:
+        prepare(compose_train(explicit), None, explicit)
+    assert caught.value.key == "optimizer.warmup_steps"

@@ -34,6 +34,17 @@ def needs_for(group: str, option: str, tmp_path: Path) -> list[str]:
         tokens = tmp_path / "train.bin"
         np.random.default_rng(0).integers(0, 256, 40_000, dtype=np.uint16).tofile(tokens)
         return [f"data.train_path={tokens}", "data.vocab_size=256"]
+    if group == "model" and option == "hf":
+        from tests.hf_fixtures import save_tiny_model
+
+        return [f"model.path={save_tiny_model(tmp_path / 'tiny-llama')}"]
+    if group == "data" and option == "hf":
+        from tests.hf_fixtures import sentences, train_tokenizer, write_jsonl
+
+        texts = sentences(300)
+        tokenizer, corpus = train_tokenizer(tmp_path / "tok.json", texts), write_jsonl(tmp_path / "c.jsonl", texts)
+        files = [f"data.train_files=[{corpus}]", f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp_path}"]
+        return ["model=hf-tiny-llama", *files]
     if group == "precision" and option == "fp16-mixed":
         return ["hw=1xa100"]
     if group == "hw" and option != "cpu":
@@ -65,12 +76,13 @@ def test_every_group_has_options() -> None:
     for group in GROUPS:
         assert group_options(group), f"conf/{group}/ is empty"
     assert set(group_options("model")) >= {
-        "gpt-nano", "gpt2-124m", "gpt2-350m", "llama-1b", "llama-7b", "llama-13b", "llama-70b"
+        "gpt-nano", "gpt2-124m", "gpt2-350m", "llama-1b", "llama-7b", "llama-13b", "llama-70b", "hf", "hf-tiny-llama",
+        "hf-tiny-gpt2",
     }  # fmt: skip
     assert set(group_options("hw")) >= {"cpu", "1xa100", "8xa100", "8xh100", "2x8xh100", "8xh200", "1xl4"}
     assert set(group_options("precision")) == {"fp32", "bf16-mixed", "bf16-true", "fp16-mixed"}
     assert set(group_options("strategy")) >= {"ddp", "fsdp", "deepspeed", "megatron", "auto"}
-    assert set(group_options("data")) == {"synthetic", "text", "tokens"}
+    assert set(group_options("data")) == {"synthetic", "text", "tokens", "hf"}
     assert set(group_options("logger")) == {"csv", "wandb", "tensorboard"}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.config.errors import ConfigError, did_you_mean
-from disttrain.config.schema import CustomModelConfig, MegatronConfig, ModelConfig
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, MegatronConfig, ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
@@ -102,7 +102,7 @@ def megatron_degrees(cfg: MegatronConfig, world_size: int) -> MegatronDegrees:
 
 
 def validate_megatron(
-    cfg: MegatronConfig, model: ModelConfig | CustomModelConfig, world_size: int, precision: str
+    cfg: MegatronConfig, model: ModelConfig | CustomModelConfig | HFModelConfig, world_size: int, precision: str
 ) -> MegatronDegrees:
     """Every compose-time rule of the 3D layout; returns the resolved degrees."""
     degrees = megatron_degrees(cfg, world_size)
@@ -112,6 +112,9 @@ def validate_megatron(
             "strategy=megatron needs the tensor/pipeline plans of the reference transformer; a user model has none",
             "use a model/ preset (or model.n_layers=... overrides), or strategy=fsdp / ddp for your own model",
         )
+    hf = isinstance(model, HFModelConfig)
+    if isinstance(model, HFModelConfig):
+        model = _validate_hf_megatron(cfg, model)
     if precision == "fp16-mixed":
         raise ConfigError("precision", "strategy=megatron supports fp32 and bf16", "use precision=bf16-mixed")
     for key, value, choices in (
@@ -132,7 +135,7 @@ def validate_megatron(
                 f"tp={cfg.tp} does not divide model.{key}={heads} (each rank must hold whole heads)",
                 f"use strategy.tp in {ok}",
             )
-    if cfg.tp > 1 and model.vocab_size % cfg.tp:
+    if cfg.tp > 1 and model.vocab_size % cfg.tp and not hf:  # HF embeddings and head stay replicated over tp
         raise ConfigError(
             "strategy.tp",
             f"tp={cfg.tp} does not divide model.vocab_size={model.vocab_size} (vocab-parallel embedding and head)",
@@ -146,6 +149,40 @@ def validate_megatron(
         )
     _validate_pipeline(cfg, model)
     return degrees
+
+
+def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelConfig:
+    """What the HF tensor-parallel path supports: the architecture's own plain column/row-wise plan, no pipeline
+    stages, no sequence parallelism, no selective recomputation; returns the model's shape for the common checks."""
+    from disttrain.config.hf import hf_shape, load_hf_config
+
+    config = load_hf_config(model)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    odd = sorted({style for style in plan.values() if style not in ("colwise", "rowwise")})
+    if not plan or odd:
+        why = f"its plan uses styles {odd}" if odd else "its transformers config has no base_model_tp_plan"
+        raise ConfigError(
+            "strategy",
+            f"strategy=megatron has no tensor-parallel plan for model_type '{config.model_type}' ({why}); "
+            "Llama-family models (llama, mistral, qwen2, ...) are supported",
+            "use strategy=fsdp, strategy=deepspeed or strategy=ddp for this model",
+        )
+    for key, bad, fix in (
+        ("pp", cfg.pp != 1, "strategy.pp=1 (pipeline stages of HF models are not built)"),
+        ("virtual_stages", cfg.virtual_stages != 1, "strategy.virtual_stages=1"),
+        ("sequence_parallel", cfg.sequence_parallel, "strategy.sequence_parallel=false (norms stay replicated)"),
+        (
+            "activation_checkpointing",
+            cfg.activation_checkpointing == "selective",
+            "strategy.activation_checkpointing=full",
+        ),
+    ):
+        if bad:
+            value = getattr(cfg, key)
+            raise ConfigError(
+                f"strategy.{key}", f"{value} is not supported with model=hf under strategy=megatron", f"use {fix}"
+            )
+    return hf_shape(model)
 
 
 def _validate_pipeline(cfg: MegatronConfig, model: ModelConfig) -> None:

@@ -26,6 +26,8 @@ from disttrain.config.schema import (
     DeepSpeedConfig,
     DiagnosticsConfig,
     FSDPConfig,
+    HFDataConfig,
+    HFModelConfig,
     LoggerConfig,
     MegatronConfig,
     ModelConfig,
@@ -41,7 +43,12 @@ from disttrain.config.schema import (
 T = TypeVar("T")
 
 GROUPS = ("model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger", "diagnostics")
-DATA_KINDS: dict[str, type] = {"synthetic": SyntheticDataConfig, "text": TextDataConfig, "tokens": TokensDataConfig}
+DATA_KINDS: dict[str, type] = {
+    "synthetic": SyntheticDataConfig,
+    "text": TextDataConfig,
+    "tokens": TokensDataConfig,
+    "hf": HFDataConfig,
+}
 STRATEGY_KINDS: dict[str, type] = {
     "ddp": DDPConfig,
     "fsdp": FSDPConfig,
@@ -91,6 +98,14 @@ def _type_ok(value: Any, annotation: Any) -> tuple[bool, Any]:
         return False, value
     if annotation is str:
         return isinstance(value, str), value
+    if origin is list:
+        # One path where a list is expected is the list of that path (data.train_files=/data/a.jsonl).
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            return False, value
+        (arm,) = typing.get_args(annotation)
+        checked = [_type_ok(item, arm) for item in items]
+        return all(ok for ok, _ in checked), [item for _, item in checked]
     if origin is dict or annotation is dict:
         return isinstance(value, dict), value
     return isinstance(value, annotation), value
@@ -99,6 +114,8 @@ def _type_ok(value: Any, annotation: Any) -> tuple[bool, Any]:
 def _type_name(annotation: Any) -> str:
     if typing.get_origin(annotation) in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is list:
+        return f"list of {_type_name(typing.get_args(annotation)[0])}"
     if typing.get_origin(annotation) is Literal:
         return _type_name(type(typing.get_args(annotation)[0]))
     return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
@@ -148,7 +165,9 @@ def _split_target(values: dict[str, Any], reserved: tuple[str, ...]) -> tuple[di
     return own, kwargs
 
 
-def parse_model(values: dict[str, Any]) -> ModelConfig | CustomModelConfig:
+def parse_model(values: dict[str, Any]) -> ModelConfig | CustomModelConfig | HFModelConfig:
+    if values.get("family") == "hf":
+        return build_dataclass(HFModelConfig, values, "model")
     if "_target_" in values:
         own, kwargs = _split_target(values, ("name", "compile", "vocab_size", "seq_len"))
         return build_dataclass(CustomModelConfig, {"target": values["_target_"], **own, "kwargs": kwargs}, "model")

@@ -71,6 +71,31 @@ class CustomModelConfig:
 
 
 @dataclass(frozen=True)
+class HFModelConfig:
+    """A Hugging Face ``transformers`` causal LM, from a local directory or an inline config (never the hub).
+
+    ``path``: a directory with ``config.json`` and safetensors weights (``save_pretrained``'s layout), loaded as
+    they are. ``config``: the fields of a HF config (``model_type`` plus its shape), built with the project's
+    deterministic init. Exactly one of the two is set. ``family: hf`` tells it apart from the reference shapes.
+    """
+
+    name: str = "hf"
+    family: str = "hf"
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    seq_len: int = 128
+    init_std: float | None = None  # None: the config's initializer_range (0.02 when it has none)
+    attn_implementation: str = "sdpa"  # transformers' attention kernel: sdpa | eager
+    compile: bool = False
+
+    @property
+    def vocab_size(self) -> int:
+        from disttrain.config.hf import hf_shape  # the HF config is read (and cached) only where it is needed
+
+        return hf_shape(self).vocab_size
+
+
+@dataclass(frozen=True)
 class SyntheticDataConfig:
     """Seeded order-k Markov source whose entropy rate is known exactly (the loss floor)."""
 
@@ -110,6 +135,27 @@ class TokensDataConfig:
 
 
 @dataclass(frozen=True)
+class HFDataConfig:
+    """Local files read with ``datasets``, tokenized with a local tokenizer, packed into ``seq_len`` windows.
+
+    Documents are joined with the EOS id into one stream; the token stream is cached on disk under
+    ``cache_dir`` (keyed by the files, the tokenizer and these settings) and memory-mapped by every rank.
+    """
+
+    train_files: list[str]
+    tokenizer: str  # a tokenizer.json written by `tokenizers`, or a directory AutoTokenizer reads
+    name: str = "hf"
+    val_files: list[str] | None = None  # None: the tail val_fraction of the training stream is held out
+    format: str = "auto"  # auto (from the extension) | json | parquet | csv | text | disk (save_to_disk dir)
+    text_column: str = "text"
+    eos_token: str | None = None  # None: the tokenizer's own EOS (or <eos>, </s>, <|endoftext|> in its vocab)
+    val_fraction: float = 0.05
+    cache_dir: str = "~/.cache/disttrain/tokens"
+    num_workers: int = 0
+    pin_memory: bool = False
+
+
+@dataclass(frozen=True)
 class CustomDataConfig:
     """A user's own LightningDataModule: ``target`` is its import path, called with ``kwargs``."""
 
@@ -118,7 +164,7 @@ class CustomDataConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-DataConfig = SyntheticDataConfig | TextDataConfig | TokensDataConfig | CustomDataConfig
+DataConfig = SyntheticDataConfig | TextDataConfig | TokensDataConfig | HFDataConfig | CustomDataConfig
 
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
@@ -293,7 +339,7 @@ class DiagnosticsConfig:
 class RunConfig:
     """Everything one run needs, validated and typed."""
 
-    model: ModelConfig | CustomModelConfig
+    model: ModelConfig | CustomModelConfig | HFModelConfig
     data: DataConfig
     strategy: StrategyConfig | AutoStrategyConfig
     precision: PrecisionConfig

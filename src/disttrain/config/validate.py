@@ -11,6 +11,7 @@ from pathlib import Path
 
 from disttrain.config.degrees import megatron_degrees, validate_megatron
 from disttrain.config.errors import ConfigError, did_you_mean
+from disttrain.config.hf import hf_shape, max_positions
 from disttrain.config.schema import (
     COMM_HOOKS,
     MLPS,
@@ -21,6 +22,8 @@ from disttrain.config.schema import (
     DDPConfig,
     DeepSpeedConfig,
     FSDPConfig,
+    HFDataConfig,
+    HFModelConfig,
     MegatronConfig,
     ModelConfig,
     RunConfig,
@@ -90,7 +93,26 @@ def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(key, f"'{value}' is not one of {list(choices)}", f"use {key}={choices[0]}")
 
 
-def validate_model(m: ModelConfig | CustomModelConfig) -> None:
+def validate_hf_model(m: HFModelConfig) -> None:
+    """The HF source exists and is readable, and seq_len fits the model's position range."""
+    _positive("model.seq_len", m.seq_len)
+    _one_of("model.attn_implementation", m.attn_implementation, ("sdpa", "eager"))
+    if m.init_std is not None:
+        _positive("model.init_std", m.init_std)
+    hf_shape(m)  # reads the config: a bad path, model_type or field fails here, before launch
+    longest = max_positions(m)
+    if longest is not None and m.seq_len > longest:
+        raise ConfigError(
+            "model.seq_len",
+            f"{m.seq_len} is longer than the model's {longest} positions",
+            f"use model.seq_len<={longest}",
+        )
+
+
+def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
+    if isinstance(m, HFModelConfig):
+        validate_hf_model(m)
+        return
     _positive("model.vocab_size", m.vocab_size)
     _positive("model.seq_len", m.seq_len)
     if isinstance(m, CustomModelConfig):
@@ -176,8 +198,33 @@ def validate_data(cfg: RunConfig, plan: BatchPlan) -> None:
             _check_file("data.val_path", d.val_path)
         if d.vocab_size > 65536:
             raise ConfigError("data.vocab_size", "uint16 token files hold ids < 65536", "use a vocab <= 65536")
-    if isinstance(d, TextDataConfig | TokensDataConfig) and not 0.0 < d.val_fraction < 1.0:
+    if isinstance(d, HFDataConfig):
+        validate_hf_data(d, cfg)
+    if isinstance(d, TextDataConfig | TokensDataConfig | HFDataConfig) and not 0.0 < d.val_fraction < 1.0:
         raise ConfigError("data.val_fraction", f"must be in (0, 1), got {d.val_fraction}", "use 0.05")
+
+
+def validate_hf_data(d: HFDataConfig, cfg: RunConfig) -> None:
+    """Tokenizes the corpus into its cache (once, before launch: ranks then only map it) and checks it fits."""
+    from disttrain.data.hf import prepare_corpus
+    from disttrain.data.sources import split_stream
+
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", f"must be in (0, 1), got {d.val_fraction}", "use 0.05")
+    corpus = prepare_corpus(d)
+    model_vocab = cfg.model.vocab_size
+    if corpus.vocab_size > model_vocab:
+        key = "model.config.vocab_size" if isinstance(cfg.model, HFModelConfig) else "model.vocab_size"
+        raise ConfigError(
+            "data.tokenizer",
+            f"the tokenizer has {corpus.vocab_size} ids, more than the model's vocabulary ({model_vocab})",
+            f"set {key}>={corpus.vocab_size}, or use a tokenizer with at most {model_vocab} ids",
+        )
+    train = corpus.open("train")
+    if corpus.val is None:
+        split_stream(train, d.val_fraction, cfg.model.seq_len)
+    elif corpus.open("val").shape[0] < cfg.model.seq_len + 1:
+        raise ConfigError("data.val_files", f"hold fewer than seq_len + 1 = {cfg.model.seq_len + 1} tokens", "add text")
 
 
 def validate_deepspeed(ds: DeepSpeedConfig, on_cpu: bool) -> None:

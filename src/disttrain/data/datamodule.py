@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from disttrain.config.schema import SyntheticDataConfig, TextDataConfig, TokensDataConfig
+from disttrain.config.schema import HFDataConfig, SyntheticDataConfig, TextDataConfig, TokensDataConfig
 from disttrain.data.markov import MarkovSource
 from disttrain.data.sampling import ResumableShardedSampler, ShardedEvalSampler
 from disttrain.data.sources import WindowDataset, check_token_range, open_token_file, read_text_bytes, split_stream
@@ -36,7 +36,7 @@ class TokenDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        cfg: SyntheticDataConfig | TextDataConfig | TokensDataConfig,
+        cfg: SyntheticDataConfig | TextDataConfig | TokensDataConfig | HFDataConfig,
         seq_len: int,
         micro_batch_size: int,
         global_batch_size: int,
@@ -62,6 +62,15 @@ class TokenDataModule(pl.LightningDataModule):
             self.train_set = WindowDataset(self._chains(source, cfg.num_train_tokens, cfg.source_seed), self.seq_len)
             self.val_set = WindowDataset(self._chains(source, cfg.num_val_tokens, cfg.source_seed + 1), self.seq_len)
             self.loss_floor = LossFloor(source.entropy_rate(), source.window_floor(self.seq_len))
+        elif isinstance(cfg, HFDataConfig):
+            from disttrain.data.hf import prepare_corpus  # imports datasets: only data=hf runs pay for it
+
+            corpus = prepare_corpus(cfg)  # validation tokenized it before launch: here it is a cache hit
+            if corpus.val is None:
+                train, val = split_stream(corpus.open("train"), cfg.val_fraction, self.seq_len)
+            else:
+                train, val = corpus.open("train"), corpus.open("val")
+            self.train_set, self.val_set = WindowDataset(train, self.seq_len), WindowDataset(val, self.seq_len)
         elif isinstance(cfg, TextDataConfig):
             train, val = split_stream(read_text_bytes(cfg.path), cfg.val_fraction, self.seq_len)
             self.train_set, self.val_set = WindowDataset(train, self.seq_len), WindowDataset(val, self.seq_len)

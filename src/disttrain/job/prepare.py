@@ -41,11 +41,28 @@ class Prepared:
     resume: ResumePoint | None
     attempt: int
     memory: MemoryBreakdown | None  # predicted per device; None for a user model the planner cannot see into
+    warmup_note: str | None = None  # said at launch when the default warmup was shortened to fit max_steps
 
     def with_hydra_config(self, cfg: DictConfig) -> Prepared:
         """This job as the Hydra app composed it: preflight's config carried Hydra's own node (and a resumed
         run's config is the re-composed one either way)."""
         return self if self.resume is not None else dataclasses.replace(self, cfg=cfg)
+
+
+def fit_default_warmup(run_cfg: RunConfig, overrides: list[str]) -> tuple[RunConfig, str | None]:
+    """``python -m train trainer.max_steps=10`` is the first thing people try: a default warmup longer than the
+    run is shortened to a tenth of it, and said. A warmup the user set on the command line is theirs (validation
+    still refuses one that does not fit)."""
+    o, steps = run_cfg.optimizer, run_cfg.trainer.max_steps
+    explicit = any(item.lstrip("+~").startswith("optimizer.warmup_steps=") for item in overrides)
+    if explicit or o.warmup_steps < steps or steps < 1:
+        return run_cfg, None
+    warmup = steps // 10
+    note = (
+        f"optimizer.warmup_steps: the default {o.warmup_steps} does not fit trainer.max_steps={steps}; using "
+        f"{warmup} (set optimizer.warmup_steps to choose)"
+    )
+    return dataclasses.replace(run_cfg, optimizer=dataclasses.replace(o, warmup_steps=warmup)), note
 
 
 def resolve_strategy(run_cfg: RunConfig, plan: BatchPlan) -> tuple[RunConfig, BatchPlan, str | None]:
@@ -133,7 +150,7 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
     if run_dir is not None:
         guard_new_run_dir(run_dir)
     cfg, point = find_resume(cfg, run_dir, task_overrides, attempt)
-    run_cfg = parse_run_config(cfg)
+    run_cfg, warmup_note = fit_default_warmup(parse_run_config(cfg), task_overrides)
     plan = validate_run(run_cfg)
     run_cfg, plan, auto_reason = resolve_strategy(run_cfg, plan)
     layout = world_layout(run_cfg)
@@ -143,7 +160,7 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
 
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
     memory = predict_memory(run_cfg, layout, plan)
-    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory)
+    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory, warmup_note)
 
 
 def check_launchable(prepared: Prepared, here: bool = True) -> None:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from diagnostics.crash import retire_crash_records
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import RunConfig
+from disttrain.config.schema import HFModelConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_launch, describe_result
 from disttrain.job.failure import (
@@ -37,6 +37,7 @@ from disttrain.job.failure import (
 from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
+from disttrain.launch.console import route_library_output_to_log_file
 from disttrain.launch.env import process_role, say
 from disttrain.launch.exit_codes import FAILED, NONFINITE, RunStopped
 from disttrain.launch.local import LocalRanks, child_command, die_with_parent, spawn_local_ranks
@@ -59,6 +60,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     run_dir = Path(hydra_cfg.runtime.output_dir)
     task_overrides = list(hydra_cfg.overrides.task)
     die_with_parent()  # a spawned rank or restart attempt must not outlive the process that started it
+    route_library_output_to_log_file()
     if prepared is None:  # a process preflight did not see: a local rank, a restart attempt, a multirun job
         prepared = prepare(cfg, run_dir, task_overrides)
         check_launchable(prepared)
@@ -79,6 +81,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     rank_zero = process_role().is_global_zero
     if rank_zero:
         say(describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token))
+        if prepared.warmup_note:
+            say(prepared.warmup_note)
         if auto_reason:
             say(auto_reason)
         if memory is not None:
@@ -207,6 +211,8 @@ def fit(
             "restart_attempt": process_role().attempt,
             "strategy_resolved": run_cfg.strategy,
         }
+        # The warmup the run uses (a default too long for max_steps was shortened by prepare).
+        manifest["config"]["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
         if rank_zero:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest["config"])))
             redact_yaml_files([run_dir / ".hydra" / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml")])
@@ -295,8 +301,13 @@ def finish(
             "stopped_at_step": guard.stopped_at,
             "stop_reason": guard.stop_reason,
         }
+    exported = maybe_export_hf(run_cfg, parts.ckpt_dir, run_dir) if not stopped else None
+    if exported is not None:
+        manifest["hf_export"] = str(exported)
     write_json_atomic(run_dir / "run.json", manifest)
     say(describe_result(result))
+    if exported is not None:
+        say(f"  hf model    {exported} (transformers from_pretrained)")
     if guard is not None and guard.skipped_steps:
         say(f"  skipped     {len(guard.skipped_steps)} step(s) with non-finite loss/gradients: {guard.skipped_steps}")
     if run_cfg.diagnostics.enabled and run_cfg.diagnostics.report:
@@ -305,6 +316,18 @@ def finish(
         last = newest_complete(parts.ckpt_dir)
         kept = f"; last good checkpoint: {last.checkpoint}" if last else "; no checkpoint was saved before it"
         raise RunStopped(NONFINITE, f"disttrain: stopped: {guard.stop_reason}{kept}")
+
+
+def maybe_export_hf(run_cfg: RunConfig, ckpt_dir: Path, run_dir: Path) -> Path | None:
+    """A model=hf run ends with its final weights in HF format under RUN_DIR/hf_model."""
+    if not isinstance(run_cfg.model, HFModelConfig):
+        return None
+    last = newest_complete(ckpt_dir)
+    if last is None:
+        return None
+    from disttrain.checkpoint.export import export_hf
+
+    return export_hf(last.checkpoint, run_cfg.model, run_dir / "hf_model", run_cfg.trainer.seed)
 
 
 def measured_peak_memory() -> int:

@@ -14,7 +14,8 @@ from hydra.utils import get_object
 from torch import nn
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import CustomModelConfig, ModelConfig
+from disttrain.config.hf import hf_shape
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, ModelConfig
 from disttrain.models.accounting import count_parameters, flops_per_token
 from disttrain.models.transformer import build_model
 
@@ -35,7 +36,9 @@ def resolve_target(target: str, key: str) -> object:
         ) from None
 
 
-def build_model_factory(model: ModelConfig | CustomModelConfig, seed: int) -> partial[nn.Module]:
+def build_model_factory(model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int) -> partial[nn.Module]:
+    if isinstance(model, HFModelConfig):
+        return partial(_build_hf_model, model, seed)
     if isinstance(model, CustomModelConfig):
         return partial(_build_custom_model, model, resolve_target(model.target, "model._target_"))
     return partial(_build_reference_model, model, seed)
@@ -48,6 +51,13 @@ def _build_reference_model(model: ModelConfig, seed: int, device: str = "cpu") -
         for index, block in enumerate(module.blocks):
             module.blocks[index] = torch.compile(block)
     return module
+
+
+def _build_hf_model(model: HFModelConfig, seed: int, device: str = "cpu") -> nn.Module:
+    from disttrain.models.hf import build_hf_model  # imports transformers: only HF runs pay for it
+
+    module = build_hf_model(model, seed, device)
+    return torch.compile(module) if model.compile and device != "meta" else module
 
 
 def _build_custom_model(model: CustomModelConfig, factory: object, device: str = "cpu") -> nn.Module:
@@ -63,10 +73,14 @@ def _build_custom_model(model: CustomModelConfig, factory: object, device: str =
     return torch.compile(module) if model.compile else module
 
 
-def model_facts(model: ModelConfig | CustomModelConfig, seed: int) -> ModelFacts:
+def model_facts(model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int) -> ModelFacts:
     """Parameter count and training FLOPs per token, without allocating the weights."""
     if isinstance(model, ModelConfig):
         return ModelFacts(count_parameters(model), flops_per_token(model))
+    if isinstance(model, HFModelConfig):
+        # The count is the real model's (on meta); FLOPs follow from the shape read from its config.
+        count = sum(p.numel() for p in build_model_factory(model, seed)(device="meta").parameters())
+        return ModelFacts(count, flops_per_token(hf_shape(model)))
     meta = build_model_factory(model, seed)(device="meta")
     count = sum(p.numel() for p in meta.parameters())
     custom = getattr(meta, "flops_per_token", None)

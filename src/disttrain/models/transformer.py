@@ -327,6 +327,10 @@ def apply_activation_checkpointing(model: Transformer) -> None:
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    own = getattr(model, "apply_activation_checkpointing", None)
+    if callable(own):  # a wrapped third-party model (model=hf) knows where its layers live
+        own()
+        return
     keys = list(model.blocks.keys()) if isinstance(model.blocks, nn.ModuleDict) else range(len(model.blocks))
     for key in keys:
         block = model.blocks[key]

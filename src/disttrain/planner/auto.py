@@ -13,12 +13,12 @@ import dataclasses
 
 from disttrain.config.degrees import validate_megatron
 from disttrain.config.errors import ConfigError
+from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     DDPConfig,
     DeepSpeedConfig,
     FSDPConfig,
     MegatronConfig,
-    ModelConfig,
     RunConfig,
     StrategyConfig,
 )
@@ -79,10 +79,11 @@ def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) ->
 
 def predict_memory(cfg: RunConfig, world: WorldLayout, batch: BatchPlan) -> MemoryBreakdown | None:
     """Predicted peak bytes per device for this run, or None for a user model the planner cannot see into."""
-    if not isinstance(cfg.model, ModelConfig) or cfg.strategy.name == "auto":
+    shape = reference_shape(cfg.model)
+    if shape is None or cfg.strategy.name == "auto":
         return None
     layout = layout_of(cfg.strategy, world, batch)
-    return memory_per_gpu(model_shape(cfg.model), layout, workload(cfg, batch), DEFAULT_ASSUMPTIONS.flash_attention)
+    return memory_per_gpu(model_shape(shape), layout, workload(cfg, batch), DEFAULT_ASSUMPTIONS.flash_attention)
 
 
 def describe_memory(cfg: RunConfig, memory: MemoryBreakdown) -> str:
@@ -152,10 +153,11 @@ def megatron_config_of(layout: Layout) -> MegatronConfig:
 
 def megatron_candidates(cfg: RunConfig, batch: BatchPlan) -> list[tuple[MegatronConfig, Layout]]:
     """The planner's TP x PP x DP layouts for this world that also pass strategy=megatron's own checks."""
-    assert isinstance(cfg.model, ModelConfig)
+    shape = reference_shape(cfg.model)
+    assert shape is not None
     world = cfg.hw.world_size
     options = []
-    for layout in megatron_layouts(model_shape(cfg.model), cfg.hw, workload(cfg, batch)):
+    for layout in megatron_layouts(model_shape(shape), cfg.hw, workload(cfg, batch)):
         option = megatron_config_of(layout)
         try:
             validate_megatron(option, cfg.model, world, cfg.precision.name)
@@ -167,9 +169,10 @@ def megatron_candidates(cfg: RunConfig, batch: BatchPlan) -> list[tuple[Megatron
 
 def resolve_auto(cfg: RunConfig, world: WorldLayout, batch: BatchPlan) -> tuple[RunConfig, str]:
     """Replace ``strategy=auto`` by the fastest predicted layout that fits; returns the new config and why."""
-    if not isinstance(cfg.model, ModelConfig):
+    reference = reference_shape(cfg.model)
+    if reference is None:
         return dataclasses.replace(cfg, strategy=DDPConfig()), "a user model: the planner cannot size it, using ddp"
-    shape, work = model_shape(cfg.model), workload(cfg, batch)
+    shape, work = model_shape(reference), workload(cfg, batch)
     if cfg.hw.peak_flops(cfg.precision.compute_dtype) is None or not cfg.hw.memory_per_device_gib:
         # No device memory limit and no peak (this CPU box): every layout fits, and DDP communicates least.
         return dataclasses.replace(cfg, strategy=DDPConfig()), (

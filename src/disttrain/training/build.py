@@ -17,10 +17,12 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
     DeepSpeedConfig,
     FSDPConfig,
+    HFModelConfig,
     LoggerConfig,
     MegatronConfig,
     ModelConfig,
@@ -58,7 +60,7 @@ def build_module(cfg: RunConfig, plan: BatchPlan, strategy: StrategyBuild, facts
         from disttrain.strategies.megatron import engine_settings
         from disttrain.strategies.megatron.module import MegatronModule
 
-        assert isinstance(cfg.model, ModelConfig)  # validated: megatron needs the reference transformer
+        assert isinstance(cfg.model, ModelConfig | HFModelConfig)  # validated: the reference or an HF Llama
         world = cfg.hw.world_size
         rounds = plan.accumulation // cfg.strategy.num_microbatches
         settings = engine_settings(cfg.strategy, cfg.model, cfg.precision, world, cfg.trainer.seed, rounds)
@@ -123,9 +125,10 @@ def build_diagnostics(
     recomputes = (isinstance(cfg.strategy, FSDPConfig | DeepSpeedConfig) and cfg.strategy.activation_checkpointing) or (
         isinstance(cfg.strategy, MegatronConfig) and cfg.strategy.activation_checkpointing == "full"
     )
+    shape = reference_shape(cfg.model)
     hardware_flops = (
-        hardware_flops_per_token(cfg.model, activation_checkpointing=recomputes)
-        if isinstance(cfg.model, ModelConfig)
+        hardware_flops_per_token(shape, activation_checkpointing=recomputes)
+        if shape is not None
         else facts.flops_per_token
     )
     run_facts = RunFacts(

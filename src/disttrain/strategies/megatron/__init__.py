@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from disttrain.config.degrees import MegatronDegrees, megatron_degrees
-from disttrain.config.schema import MegatronConfig, ModelConfig, PrecisionConfig
+from disttrain.config.schema import HFModelConfig, MegatronConfig, ModelConfig, PrecisionConfig
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 from disttrain.strategies.megatron.lightning import MegatronStrategy
 
@@ -13,7 +13,12 @@ __all__ = ["EngineSettings", "MegatronEngine", "MegatronStrategy", "build_megatr
 
 
 def engine_settings(
-    cfg: MegatronConfig, model: ModelConfig, precision: PrecisionConfig, world_size: int, seed: int, rounds: int
+    cfg: MegatronConfig,
+    model: ModelConfig | HFModelConfig,
+    precision: PrecisionConfig,
+    world_size: int,
+    seed: int,
+    rounds: int,
 ) -> EngineSettings:
     """``rounds``: pipeline rounds per optimizer step (global batch / (micro x microbatches x dp))."""
     param_dtype = torch.bfloat16 if precision.name == "bf16-mixed" else None

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from disttrain.config.degrees import MegatronDegrees
-from disttrain.config.schema import MegatronConfig, ModelConfig
+from disttrain.config.schema import HFModelConfig, MegatronConfig, ModelConfig
 from disttrain.models.pipeline import build_stage_model, stages_of_rank
 from disttrain.models.tensor_parallel import apply_tensor_parallel
 from disttrain.models.transformer import Attention, Transformer, apply_activation_checkpointing
@@ -70,7 +70,7 @@ class _Stopwatch:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    model: ModelConfig
+    model: ModelConfig | HFModelConfig
     strategy: MegatronConfig
     degrees: MegatronDegrees
     param_dtype: torch.dtype | None  # bf16 for bf16-mixed (FSDP2 casts), None keeps the parameters' dtype
@@ -127,22 +127,46 @@ class MegatronEngine:
         self.rounds = settings.rounds
         self.pp_rank = mesh.get_local_rank("pp")
         self.pp_group = mesh.get_group("pp") if d.pp > 1 else None
-        self.loss_parallel = s.loss_parallel and d.tp > 1
+        self.hf = isinstance(settings.model, HFModelConfig)
+        # An HF model's LM head stays replicated over tp (see hf_tensor_parallel): its logits are whole.
+        self.loss_parallel = s.loss_parallel and d.tp > 1 and not self.hf
         num_stages = d.pp * s.virtual_stages
         self.stage_ids = stages_of_rank(self.pp_rank, d.pp, s.virtual_stages, s.schedule) if d.pp > 1 else [0]
         self.chunks: list[Transformer] = [self._build_chunk(stage, max(num_stages, 1)) for stage in self.stage_ids]
         self.has_first = 0 in self.stage_ids
         self.has_last = num_stages - 1 in self.stage_ids or d.pp == 1
         self.schedule = self._build_schedule(num_stages) if d.pp > 1 else None
-        self.tied = self._tied_sync() if settings.model.tie_embeddings and d.pp > 1 else None
+        self.tied = self._tied_sync() if d.pp > 1 and settings.model.tie_embeddings else None
 
     # ---- construction -------------------------------------------------------------------------------------
     def _dp_mesh(self) -> DeviceMesh:
         d = self.settings.degrees
         return self.mesh["dp_replicate", "dp_shard"] if d.dp_replicate > 1 else self.mesh["dp_shard"]
 
+    def _build_hf_chunk(self) -> nn.Module:
+        """The whole HF model (validated: pp=1) with its own TP plan on ``tp`` and FSDP2 on the dp axes."""
+        from disttrain.config.hf import load_hf_config
+        from disttrain.models.hf import build_hf_model
+        from disttrain.models.hf_tensor_parallel import apply_hf_tensor_parallel, hf_tp_plan
+
+        s, d, cfg = self.settings.strategy, self.settings.degrees, self.settings.model
+        assert isinstance(cfg, HFModelConfig)
+        # Built whole with the deterministic init on every rank, so each tp rank slices the same values.
+        model = build_hf_model(cfg, self.settings.seed, self.device)
+        if d.tp > 1 and not apply_hf_tensor_parallel(model, self.mesh["tp"], hf_tp_plan(load_hf_config(cfg)) or {}):
+            raise RuntimeError(f"the tensor-parallel plan of {cfg.name} matched none of its modules")
+        if s.activation_checkpointing == "full":
+            model.apply_activation_checkpointing()
+        policy = MixedPrecisionPolicy(param_dtype=self.settings.param_dtype, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=self._dp_mesh(), mp_policy=policy)
+        fully_shard(model, mesh=self._dp_mesh(), mp_policy=policy, reshard_after_forward=False)
+        return model
+
     def _build_chunk(self, stage: int, num_stages: int) -> Transformer:
         s, d, cfg = self.settings.strategy, self.settings.degrees, self.settings.model
+        if isinstance(cfg, HFModelConfig):
+            return self._build_hf_chunk()  # type: ignore[return-value]
         chunk = build_stage_model(cfg, stage, num_stages)
         if d.tp > 1:
             apply_tensor_parallel(chunk, self.mesh["tp"], s.sequence_parallel, self.loss_parallel)

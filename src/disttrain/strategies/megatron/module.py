@@ -60,7 +60,8 @@ class MegatronModule(LanguageModelModule):
         mesh = getattr(self, "_device_mesh", None)
         assert mesh is not None, "MegatronStrategy sets the device mesh before configure_model"
         self.engine = MegatronEngine(self.settings, mesh, self.trainer.strategy.root_device)
-        self.model = StageUnion(self.engine.chunks)
+        # An HF model runs whole (pp=1): its own names, as under every other strategy (the HF export reads them).
+        self.model = self.engine.chunks[0] if self.engine.hf else StageUnion(self.engine.chunks)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("strategy=megatron runs its chunks through the pipeline engine, not forward()")

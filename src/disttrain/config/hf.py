@@ -1,0 +1,126 @@
+"""The Hugging Face config of a ``model=hf`` run, and the reference-transformer shape the planner reads from it.
+
+Planner, MFU and the memory check work on ``ModelConfig`` shapes; ``hf_shape`` states an HF config in those
+terms (layers, hidden, heads, kv heads, ffn, vocab, tied embeddings, norm, MLP, positions), so
+``python -m plan model=hf model.path=...`` works like any preset. Only the config is read, never the weights.
+``transformers`` is imported lazily: it costs seconds, and only HF runs should pay them.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from disttrain.config.errors import ConfigError
+from disttrain.config.schema import HFModelConfig, ModelConfig
+
+# Architectures whose MLP is gate * up -> down (three matrices) rather than up -> down: SiLU-activated MLPs and the
+# RMSNorm families (Llama, Mistral, Qwen, Gemma) are gated; GPT-2 style (LayerNorm + GELU) are not.
+GATED_MLP_ACTIVATIONS = ("silu", "swish")
+
+
+def check_hf_source(model: HFModelConfig) -> None:
+    """Exactly one of ``path`` / ``config``, and the path a local model directory."""
+    if (model.path is None) == (model.config is None):
+        raise ConfigError(
+            "model.path",
+            "model=hf needs exactly one of model.path (a local model directory) or model.config (inline fields)",
+            "set model.path=/dir/with/config.json, or use a conf/model/hf-*.yaml with a config",
+        )
+    if model.path is not None:
+        path = Path(model.path).expanduser()
+        if not (path / "config.json").is_file():
+            what = "does not exist" if not path.exists() else "has no config.json"
+            raise ConfigError(
+                "model.path",
+                f"'{model.path}' {what} (no hub access: only local directories are read)",
+                "point model.path at a directory written by save_pretrained (config.json + *.safetensors)",
+            )
+    elif "model_type" not in model.config:  # type: ignore[operator]
+        raise ConfigError("model.config.model_type", "is required", "add e.g. model.config.model_type=llama")
+
+
+def _config_key(model: HFModelConfig) -> str:
+    # The cache key: a frozen dataclass holding a dict is not hashable itself.
+    return json.dumps({"path": model.path, "config": model.config}, sort_keys=True)
+
+
+@lru_cache(maxsize=16)
+def _load(key: str) -> Any:
+    from transformers import AutoConfig
+
+    source = json.loads(key)
+    try:
+        if source["path"] is not None:
+            return AutoConfig.from_pretrained(str(Path(source["path"]).expanduser()), local_files_only=True)
+        fields = dict(source["config"])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except (ValueError, OSError, KeyError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        key_name = "model.path" if source["path"] is not None else "model.config"
+        problem = f"transformers cannot read this config ({first})"
+        raise ConfigError(key_name, problem, "check the config fields") from None
+
+
+def load_hf_config(model: HFModelConfig) -> Any:
+    """The ``transformers.PretrainedConfig`` (cached per source)."""
+    check_hf_source(model)
+    return _load(_config_key(model))
+
+
+def _first(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def hf_shape(model: HFModelConfig) -> ModelConfig:
+    """The HF model stated as a reference-transformer shape (for parameter/FLOP accounting and the planner)."""
+    config = load_hf_config(model)
+    hidden = int(_first(config, "hidden_size", "n_embd"))
+    heads = int(_first(config, "num_attention_heads", "n_head"))
+    kv_heads = _first(config, "num_key_value_heads", default=heads)
+    activation = str(_first(config, "hidden_act", "activation_function", default="gelu"))
+    gated = activation in GATED_MLP_ACTIVATIONS or hasattr(config, "rms_norm_eps")
+    # A model whose head_dim x heads != hidden (some Gemma/Qwen3 sizes) still trains; the reference shape has
+    # head_dim = hidden / heads, so the planner's attention sizes are approximate for it (a run's own parameter
+    # count is always the real model's).
+    rope = hasattr(config, "rope_theta") or getattr(config, "rope_parameters", None) is not None
+    rope_params = getattr(config, "rope_parameters", None) or {}
+    return ModelConfig(
+        name=model.name,
+        family=str(config.model_type),
+        n_layers=int(_first(config, "num_hidden_layers", "n_layer")),
+        d_model=hidden,
+        n_heads=heads,
+        n_kv_heads=None if int(kv_heads) == heads else int(kv_heads),
+        ffn_hidden=int(_first(config, "intermediate_size", "n_inner", default=4 * hidden)),
+        vocab_size=int(config.vocab_size),
+        seq_len=model.seq_len,
+        norm="rmsnorm" if hasattr(config, "rms_norm_eps") else "layernorm",
+        mlp="swiglu" if gated else "gelu",
+        pos_emb="rope" if rope else "learned",
+        rope_theta=float(_first(config, "rope_theta", default=rope_params.get("rope_theta", 10000.0))),
+        bias=bool(_first(config, "attention_bias", "mlp_bias", default=not hasattr(config, "rms_norm_eps"))),
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        init_std=float(model.init_std or _first(config, "initializer_range", default=0.02)),
+    )
+
+
+def max_positions(model: HFModelConfig) -> int | None:
+    """The longest sequence the model's position table or RoPE setting is built for, if it says."""
+    return _first(load_hf_config(model), "max_position_embeddings", "n_positions")
+
+
+def reference_shape(model: object) -> ModelConfig | None:
+    """The shape the planner and the accounting use: the reference model's own, an HF model's, or None (a user's
+    ``_target_`` model, whose shape is unknown)."""
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, HFModelConfig):
+        return hf_shape(model)
+    return None

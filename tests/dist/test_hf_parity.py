@@ -1,0 +1,96 @@
+"""model=hf + data=hf through the real CLI: a tiny HF Llama on a locally tokenized corpus under DDP, FSDP2 (with
+activation checkpointing), Megatron TP=2 (the model's own base_model_tp_plan) and ZeRO-3 matches one process to
+1e-4; every run ends with an HF export that
+``from_pretrained`` reloads to the trained weights and logits.
+
+The four runs are spawned once per module and shared by the tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from disttrain.checkpoint.export import checkpoint_state, hf_weights
+from disttrain.config.schema import HFModelConfig
+from disttrain.models.hf import build_hf_model
+from tests.conftest import CONF, read_manifest
+from tests.dist.test_parity_and_resume import run, train_losses
+from tests.hf_fixtures import TINY_LLAMA, sentences, train_tokenizer, write_jsonl
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+STEPS = 20
+LAYOUTS = {
+    "single": ["hw.devices_per_node=1", "trainer.micro_batch_size=8"],
+    "ddp": ["strategy=ddp", "trainer.micro_batch_size=4"],
+    "fsdp": ["strategy=fsdp", "strategy.activation_checkpointing=true", "trainer.micro_batch_size=4"],
+    "megatron-tp2": ["strategy=megatron", "strategy.tp=2", "trainer.micro_batch_size=8"],
+    "zero3": ["strategy=deepspeed", "strategy.stage=3", "strategy.param_persistence_threshold=0",
+              "trainer.micro_batch_size=4"],
+}  # fmt: skip
+
+
+# The preset's shape, made smaller for CI: 2 layers of hidden 64 (its other keys stay).
+OVERRIDES = {k: TINY_LLAMA[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("hf")
+    texts = sentences(1500)
+    tokenizer = train_tokenizer(tmp / "tokenizer.json", texts)
+    corpus = write_jsonl(tmp / "corpus.jsonl", texts)
+    common = [
+        "model=hf-tiny-llama",
+        "model.seq_len=32",
+        *(f"model.config.{k}={v}" for k, v in OVERRIDES.items()),
+        "data=hf",
+        f"data.train_files=[{corpus}]",
+        f"data.tokenizer={tokenizer}",
+        f"data.cache_dir={tmp / 'cache'}",
+        f"trainer.max_steps={STEPS}",
+        "trainer.log_every_n_steps=1",
+        "trainer.val_every_n_steps=1000",
+        "trainer.val_batches=1",
+        "trainer.ckpt_every_n_steps=100",
+        "optimizer.warmup_steps=2",
+        "optimizer.lr=1e-3",
+        "diagnostics=off",
+    ]
+    return {name: run(tmp, name, [*common, *extra]) for name, extra in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "megatron-tp2", "zero3"])
+def test_two_ranks_match_one_process(layout: str, runs: dict[str, Path]) -> None:
+    reference, losses = train_losses(runs["single"]), train_losses(runs[layout])
+    assert sorted(losses) == sorted(reference) == list(range(STEPS))
+    worst = max(abs(losses[s] - reference[s]) for s in range(STEPS))
+    assert worst <= 1e-4, f"{layout}: max |loss - reference| = {worst:.2e}"
+    assert losses[STEPS - 1] < losses[0] - 0.5  # it learned: parity is not two flat lines
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_export_reloads_with_from_pretrained(layout: str, runs: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    run_dir = runs[layout]
+    exported = Path(read_manifest(run_dir)["hf_export"])
+    assert exported == run_dir / "hf_model" and (exported / "model.safetensors").is_file()
+    trained = hf_weights(checkpoint_state(run_dir / "checkpoints" / f"step0000{STEPS}.ckpt"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+    state = reloaded.state_dict()
+    for name, tensor in trained.items():
+        assert torch.equal(state[name], tensor), name
+    # The same logits as the trained weights in the training wrapper.
+    preset = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "hf-tiny-llama.yaml"))["config"]
+    wrapper = build_hf_model(HFModelConfig(config={**preset, **OVERRIDES}, seq_len=32), seed=0).eval()
+    wrapper.hf.load_state_dict(trained, strict=False)
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=tokens).logits, wrapper(tokens))
+    # The run's tokenizer-sized data never produced an id the model cannot embed.
+    assert reloaded.config.vocab_size == 512

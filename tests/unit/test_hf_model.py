@@ -1,0 +1,73 @@
+"""The HF model wrapper: deterministic init, loading from a local directory, activation checkpointing, export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.config.schema import HFModelConfig
+from disttrain.models.hf import HFCausalLM, build_hf_model
+from tests.hf_fixtures import TINY_LLAMA, save_tiny_model
+
+INLINE = HFModelConfig(name="tiny", config=TINY_LLAMA, seq_len=32)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, TINY_LLAMA["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_inline_config_init_is_deterministic_and_leaves_the_global_rng_alone() -> None:
+    state = torch.random.get_rng_state()
+    a, b, c = build_hf_model(INLINE, seed=1), build_hf_model(INLINE, seed=1), build_hf_model(INLINE, seed=2)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        if pa.ndim == 2:
+            assert not torch.equal(pa, pc), name
+            assert abs(float(pa.detach().std()) - 0.02) < 0.005, name  # initializer_range
+        else:
+            assert torch.equal(pa, torch.ones_like(pa)), name  # RMSNorm weights
+    assert torch.equal(a(tokens()), b(tokens()))
+    assert len(a.blocks) == TINY_LLAMA["num_hidden_layers"] and a.block_classes == ("LlamaDecoderLayer",)
+
+
+def test_model_path_loads_the_saved_weights(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    directory = save_tiny_model(tmp_path / "m")
+    reference = AutoModelForCausalLM.from_pretrained(str(directory)).eval()
+    loaded = build_hf_model(HFModelConfig(path=str(directory), seq_len=32), seed=123).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens()), reference(input_ids=tokens()).logits)
+
+
+def test_meta_build_has_the_structure_without_storage() -> None:
+    meta = build_hf_model(INLINE, seed=0, device="meta")
+    real = build_hf_model(INLINE, seed=0)
+    assert all(p.is_meta for p in meta.parameters())
+    assert {k: v.shape for k, v in meta.state_dict().items()} == {k: v.shape for k, v in real.state_dict().items()}
+
+
+def test_activation_checkpointing_keeps_names_and_gradients() -> None:
+    plain, checkpointed = build_hf_model(INLINE, seed=4), build_hf_model(INLINE, seed=4)
+    checkpointed.apply_activation_checkpointing()
+    checkpointed.apply_activation_checkpointing()  # twice is harmless
+    assert list(plain.state_dict()) == list(checkpointed.state_dict())
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in checkpointed.blocks)
+    for model in (plain, checkpointed):
+        model(tokens()).float().logsumexp(-1).mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, {**TINY_LLAMA, "tie_word_embeddings": True}])
+def test_export_reloads_with_from_pretrained_to_the_same_logits(config: dict, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model: HFCausalLM = build_hf_model(HFModelConfig(config=config, seq_len=32), seed=5).eval()
+    model.save_pretrained(tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), reloaded(input_ids=tokens()).logits)
