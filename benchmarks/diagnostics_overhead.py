@@ -1,7 +1,8 @@
 """What diagnostics cost: tokens/s of the same run with ``diagnostics=default`` vs ``diagnostics=off``.
 
-Three arms, interleaved (off, default, default without the profiler window, off, ...) so drift on a shared
-machine hits all of them; ratios of the medians are printed (target >= 0.98):
+Three arms, interleaved (off, default, default without the profiler window, rotated every repeat so no arm
+always runs first) so drift on a shared machine hits all of them; ratios of the medians are printed, each arm
+with its spread (min/max off the median) (target >= 0.98, at 120 and at the default 220 steps):
 
 - ``default / off``: the whole cost at this run length, the one-time profiler window included;
 - ``no window / off``: the always-on collectors (step phases, rank gathers, sampler, watchdog, telemetry),
@@ -11,7 +12,7 @@ machine hits all of them; ratios of the medians are printed (target >= 0.98):
 - the always-on collectors' own time on the training thread (timed by the collectors, ``end`` record), as a
   share of step time: the direct figure, free of the drift between runs that the ratios above carry.
 
-    python benchmarks/diagnostics_overhead.py [--steps 120] [--repeats 2] [--extra strategy=fsdp ...]
+    python benchmarks/diagnostics_overhead.py [--steps 120 220] [--repeats 3] [--extra strategy=fsdp ...]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_cli import train_manifest
+from train_cli import spread, train_manifest
 
 ARMS = {"off": ["diagnostics=off"], "default": ["diagnostics=default"], "no window": ["diagnostics.profile=false"]}
 
@@ -79,16 +80,23 @@ def window_cost(telemetry: Path) -> tuple[float, float] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, nargs="+", default=[120, 220])
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--extra", nargs="*", default=[])
     args = parser.parse_args()
+    for steps in args.steps:
+        measure(steps, args.repeats, args.extra)
+
+
+def measure(steps: int, repeats: int, extra: list[str]) -> None:
     rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
     windows: list[tuple[float, float]] = []
     shares: list[float] = []
-    for _ in range(args.repeats):
-        for arm in ARMS:
-            rate, window, share = run(arm, args.steps, args.extra)
+    arms = list(ARMS)
+    for repeat in range(repeats):
+        for arm in arms[repeat % len(arms) :] + arms[: repeat % len(arms)]:
+            rate, window, share = run(arm, steps, extra)
+            print(f"  {steps} steps, repeat {repeat + 1}, diagnostics {arm}: {rate:,.0f} tokens/s", flush=True)
             rates[arm].append(rate)
             if arm == "default" and window is not None:
                 windows.append(window)
@@ -96,15 +104,14 @@ def main() -> None:
                 shares.append(share)
     median = {arm: statistics.median(values) for arm, values in rates.items()}
     for arm, values in rates.items():
-        runs = ", ".join(f"{v:,.0f}" for v in values)
-        print(f"diagnostics {arm:<10}: {median[arm]:10,.0f} tokens/s  (runs: {runs})")
+        print(f"diagnostics {arm:<10}: {median[arm]:10,.0f} tokens/s  ({spread(values)}, {len(values)} runs)")
     whole, steady = median["default"] / median["off"], median["no window"] / median["off"]
-    print(f"ratio default / off   (whole run, {args.steps} steps; target >= 0.98): {whole:.3f}")
+    print(f"ratio default / off   (whole run, {steps} steps; target >= 0.98): {whole:.3f}")
     print(f"ratio no window / off (always-on collectors; target >= 0.98):  {steady:.3f}")
     if windows:
         seconds = statistics.median(extra for extra, _ in windows)
         share = statistics.median(extra / total for extra, total in windows)
-        print(f"profiler window: {seconds:.2f} s once per run, {100 * share:.1f}% of these {args.steps} steps' time")
+        print(f"profiler window: {seconds:.2f} s once per run, {100 * share:.1f}% of these {steps} steps' time")
     if shares:
         own = statistics.median(shares)
         print(f"always-on collectors on the training thread (measured inside the runs): {100 * own:.2f}% of step time")

@@ -1,12 +1,18 @@
-"""Framework overhead: tokens/s of ``python -m train`` vs a hand-written PyTorch DDP loop.
+"""Framework overhead: tokens/s of ``python -m train`` vs a hand-written PyTorch loop (DDP or FSDP2).
 
-Both sides train the same model on the same data with the same global batch, optimizer, schedule,
-gradient clipping, process count and threads per process; both time only training steps after the same
-warm-up. The hand-written side is measured in the same invocation, so the printed ratio is meaningful on a
-noisy shared machine (run it twice if the ratio looks off).
+Both sides train the same model on the same data with the same global batch, optimizer, schedule, gradient
+clipping, process count and threads per process; both time only training steps after the same warm-up. Three
+arms per strategy, interleaved in one invocation (hand-written, ``diagnostics=default``, ``diagnostics=off``,
+rotated every repeat so no arm always runs first) because this machine drifts by several percent; the ratios
+are of medians over the repeats, each printed with its spread (min-max around the median).
 
-    python benchmarks/overhead.py                 # default model, 2 gloo processes on CPU
-    python benchmarks/overhead.py --steps 120 --extra model=gpt2-124m   # any train overrides
+    python benchmarks/overhead.py                           # ddp and fsdp, default model, 2 gloo processes
+    python benchmarks/overhead.py --strategies ddp --repeats 5
+    python benchmarks/overhead.py --steps 120 --extra model=gpt2-124m   # any train overrides, both sides
+
+The hand-written loops are what a user would write without the framework: ``DistributedDataParallel`` with
+``no_sync`` over accumulated micro-batches, or FSDP2 ``fully_shard`` on each transformer block and then the
+root (the layout ``strategy=fsdp`` builds) with gradient sync off until the last micro-batch.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from disttrain.config.parse import parse_run_config
+from disttrain.config.schema import FSDPConfig
 from disttrain.config.validate import validate_run, world_layout
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.data.sampling import ResumableShardedSampler
@@ -36,9 +44,34 @@ from disttrain.models import build_model
 from disttrain.models.module import lr_lambda, param_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_cli import train_manifest
+from train_cli import spread, train_manifest
 
 REPO = Path(__file__).resolve().parents[1]
+TARGETS = {"diagnostics=default": 0.97, "diagnostics=off": 0.99}
+
+
+def wrap(model: torch.nn.Module, strategy: object, world: int) -> torch.nn.Module:
+    """DDP, or FSDP2 on one data-parallel mesh: a unit per transformer block, then the root."""
+    if not isinstance(strategy, FSDPConfig):
+        return DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model
+
+
+def sync_gradients(model: torch.nn.Module, on: bool) -> object:
+    """A context in which backward all-reduces / reduce-scatters gradients only if ``on``."""
+    import contextlib
+
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if on else model.no_sync()
+    model.set_requires_gradient_sync(on)  # type: ignore[operator]
+    return contextlib.nullcontext()
 
 
 def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], warmup: int, out: str) -> None:
@@ -52,7 +85,7 @@ def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], 
     data.setup()
     sampler = ResumableShardedSampler(len(data.train_set), world, rank, cfg.trainer.seed)
     loader = iter(DataLoader(data.train_set, batch_size=plan.micro_batch_size, sampler=sampler, drop_last=True))
-    model = DistributedDataParallel(build_model(cfg.model, seed=cfg.trainer.seed))
+    model = wrap(build_model(cfg.model, seed=cfg.trainer.seed), cfg.strategy, world)
     o = cfg.optimizer
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -64,12 +97,9 @@ def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], 
             start = time.perf_counter()
         for micro in range(plan.accumulation):
             inputs, targets = next(loader)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-            if micro < plan.accumulation - 1:
-                with model.no_sync():
-                    (loss / plan.accumulation).backward()
-            else:
+            with sync_gradients(model, micro == plan.accumulation - 1):
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
                 (loss / plan.accumulation).backward()
         if cfg.trainer.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
@@ -97,10 +127,12 @@ def disttrain_cli(overrides: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp"])
     parser.add_argument("--extra", nargs="*", default=[], help="extra `python -m train` overrides for both sides")
     args = parser.parse_args()
     warmup = min(10, args.steps // 10)  # the same warm-up the Throughput callback skips
-    overrides = [
+    common = [
         f"trainer.max_steps={args.steps}",
         f"trainer.val_every_n_steps={args.steps}",  # one validation at the end, excluded from timing
         "trainer.val_batches=1",
@@ -108,14 +140,30 @@ def main() -> None:
         f"trainer.log_every_n_steps={max(1, args.steps // 10)}",
         *args.extra,
     ]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = parse_run_config(compose(config_name="train", overrides=overrides))
-    world = world_layout(cfg).world_size
-    baseline = hand_written(overrides, world, warmup)
-    ours = disttrain_cli(overrides)
-    print(f"hand-written DDP loop : {baseline:10,.0f} tokens/s")
-    print(f"python -m train       : {ours:10,.0f} tokens/s")
-    print(f"ratio (target >= 0.97): {ours / baseline:10.3f}")
+    arms = ["hand-written", *TARGETS]
+    rates: dict[tuple[str, str], list[float]] = {(s, a): [] for s in args.strategies for a in arms}
+    for repeat in range(args.repeats):
+        for strategy in args.strategies:
+            overrides = [*common, f"strategy={strategy}"]
+            with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+                cfg = parse_run_config(compose(config_name="train", overrides=overrides))
+            world = world_layout(cfg).world_size
+            for arm in arms[repeat % len(arms) :] + arms[: repeat % len(arms)]:
+                if arm == "hand-written":
+                    rate = hand_written(overrides, world, warmup)
+                else:
+                    rate = disttrain_cli([*overrides, arm])
+                rates[strategy, arm].append(rate)
+                print(f"  repeat {repeat + 1} {strategy} {arm}: {rate:,.0f} tokens/s", flush=True)
+    print(f"{args.steps} steps, {args.repeats} interleaved repeats; median tokens/s (min/max off the median)")
+    for strategy in args.strategies:
+        base = statistics.median(rates[strategy, "hand-written"])
+        for arm in arms:
+            values = rates[strategy, arm]
+            line = f"{strategy:<5} {arm:<20}: {statistics.median(values):10,.0f}  ({spread(values)})"
+            if arm in TARGETS:
+                line += f"  ratio {statistics.median(values) / base:.3f} (target >= {TARGETS[arm]})"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Run ``python -m train`` into a throw-away run dir and return its run.json (shared by the benchmarks)."""
+"""Shared by the benchmarks: run ``python -m train`` into a throw-away run dir, and the spread of repeats."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,3 +26,9 @@ def train_manifest(overrides: list[str], inspect: Callable[[Path], None] | None 
         if inspect is not None:
             inspect(run_dir)
         return json.loads((run_dir / "run.json").read_text())
+
+
+def spread(values: list[float]) -> str:
+    """Min and max as percentages off the median of repeated measurements."""
+    mid = statistics.median(values)
+    return f"{100 * (min(values) / mid - 1):+.1f}%/{100 * (max(values) / mid - 1):+.1f}%"

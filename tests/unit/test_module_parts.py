@@ -61,3 +61,28 @@ def test_original_overrides_come_from_hydra_record(tmp_path: Path) -> None:
     (tmp_path / ".hydra" / "overrides.yaml").write_text("- strategy=fsdp\n- trainer.max_steps=50\n")
     assert original_overrides(str(tmp_path)) == ["strategy=fsdp", "trainer.max_steps=50"]
     assert original_overrides(str(tmp_path / "checkpoints" / "last.ckpt")) == ["strategy=fsdp", "trainer.max_steps=50"]
+
+
+def test_throughput_leaves_out_checkpoint_writes_and_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from disttrain.training import callbacks
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: clock["now"])
+    saving = {"s": 3.0}  # a save before the measured steps began does not count either
+    throughput = callbacks.Throughput(tokens_per_step=100, skip_steps=1, saving_s=lambda: saving["s"])
+    trainer = SimpleNamespace(global_step=0)
+    for step in range(1, 6):  # one second of training per step; step 3 also saves for 2 s, then validates 4 s
+        clock["now"] += 1.0
+        if step == 3:
+            clock["now"] += 2.0
+            saving["s"] += 2.0
+        trainer.global_step = step
+        throughput.on_train_batch_end(trainer)  # type: ignore[arg-type]
+        if step == 3:
+            throughput.on_validation_start()
+            clock["now"] += 4.0
+            throughput.on_validation_end()
+    assert throughput.train_time_s == pytest.approx(4.0)
+    assert throughput.tokens_per_s == pytest.approx(4 * 100 / 4.0)

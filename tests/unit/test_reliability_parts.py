@@ -33,7 +33,13 @@ from disttrain.data.datamodule import TokenDataModule
 from disttrain.job.redaction import redact, secret_values
 from disttrain.launch.local import LocalRanks, describe_exit
 from disttrain.reliability.faults import Fault, faults_from_env, parse_fault
-from disttrain.reliability.nan_guard import NonFiniteGuard, agreed_stop, retire_stop_markers, write_stop_marker
+from disttrain.reliability.nan_guard import (
+    NonFiniteGuard,
+    agreed_stop,
+    any_nonfinite,
+    retire_stop_markers,
+    write_stop_marker,
+)
 
 
 def save(path: Path, step: int) -> Path:
@@ -152,6 +158,21 @@ def guard_step(guard: NonFiniteGuard, model: nn.Module, step: int, loss: float, 
     guard.on_before_backward(trainer, model, torch.tensor(loss))  # type: ignore[arg-type]
     guard.on_before_optimizer_step(trainer, model, None)  # type: ignore[arg-type]
     return trainer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradient_check_is_exact_for_every_dtype(dtype: torch.dtype) -> None:
+    def grads(bad: float, at: int) -> list[torch.Tensor]:
+        tensors = [torch.ones(300, dtype=dtype), torch.ones(4, 5, dtype=dtype)]
+        tensors[at].view(-1)[3] = bad
+        return tensors
+
+    assert not any_nonfinite([]) and not any_nonfinite(grads(2.0, 1))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert any_nonfinite(grads(bad, 0)) and any_nonfinite(grads(bad, 1))
+    # Finite values whose 2-norm overflows the dtype (the fused fast path says inf): still finite gradients.
+    big = torch.finfo(dtype).max / 2
+    assert not any_nonfinite([torch.full((64,), big, dtype=dtype)])
 
 
 def test_guard_drops_the_update_skips_then_stops() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class StepCheckpoint(pl.Callback):
         self.before_write = before_write
         self.last_saved_step = -1
         self.saving_step: int | None = None  # the step whose checkpoint is being written: a crash site
+        self.save_s = 0.0  # seconds spent saving so far: not training time (Throughput leaves it out)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         step = trainer.global_step
@@ -64,6 +66,13 @@ class StepCheckpoint(pl.Callback):
         self.saving_step = None  # left set if the save raised: the crash record names the checkpoint of this step
 
     def save(self, trainer: pl.Trainer, step: int) -> None:
+        start = time.perf_counter()
+        try:
+            self._save(trainer, step)
+        finally:
+            self.save_s += time.perf_counter() - start
+
+    def _save(self, trainer: pl.Trainer, step: int) -> None:
         name = checkpoint_name(step)
         staging = staging_dir(self.ckpt_dir, step)
         if trainer.is_global_zero:

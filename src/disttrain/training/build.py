@@ -169,9 +169,13 @@ def build_trainer(
 ) -> TrainerParts:
     t = cfg.trainer
     ckpt_dir = run_dir / "checkpoints"
-    throughput = Throughput(plan.global_batch_size * cfg.model.seq_len, skip_steps=min(10, t.max_steps // 10))
-    progress = ProgressPrinter(ProgressPrinter.interval(t.max_steps, t.log_every_n_steps), throughput)
     reliability = build_reliability(t, ckpt_dir)
+    throughput = Throughput(
+        plan.global_batch_size * cfg.model.seq_len,
+        skip_steps=min(10, t.max_steps // 10),
+        saving_s=lambda: reliability.checkpoints.save_s,
+    )
+    progress = ProgressPrinter(ProgressPrinter.interval(t.max_steps, t.log_every_n_steps), throughput)
     callbacks = [*reliability.callbacks, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
     diagnostics = build_diagnostics(cfg, plan, facts, run_dir, throughput) if cfg.diagnostics.enabled else None
     if diagnostics is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 
@@ -21,11 +22,14 @@ class FinalValidation(pl.Callback):
 
 
 class Throughput(pl.Callback):
-    """Tokens per second over training steps only (validation and the first ``skip_steps`` excluded)."""
+    """Tokens per second over training steps only: validation, checkpoint writes and the first ``skip_steps``
+    excluded (``saving_s`` reports the seconds spent saving so far; a save runs inside a step's end hooks)."""
 
-    def __init__(self, tokens_per_step: int, skip_steps: int) -> None:
+    def __init__(self, tokens_per_step: int, skip_steps: int, saving_s: Callable[[], float] | None = None) -> None:
         self.tokens_per_step = tokens_per_step
         self.skip_steps = skip_steps
+        self.saving_s = saving_s or (lambda: 0.0)
+        self._saving_at_start = 0.0
         self.start: float | None = None
         self.start_step = 0
         self.excluded_s = 0.0
@@ -39,8 +43,10 @@ class Throughput(pl.Callback):
         if self.start is None:
             if step >= self.skip_steps:
                 self.start, self.start_step = now, step
+                self._saving_at_start = self.saving_s()
             return
-        self.train_time_s = now - self.start - self.excluded_s
+        saving = self.saving_s() - self._saving_at_start
+        self.train_time_s = now - self.start - self.excluded_s - saving
         if step > self.start_step and self.train_time_s > 0:
             self.tokens_per_s = (step - self.start_step) * self.tokens_per_step / self.train_time_s
 
