@@ -22,10 +22,14 @@ Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
 - ``sample``: periodic device sample from NVML (``source="nvml"``) or the CPU fallback (``source="cpu"``).
 - ``profile``: one torch.profiler window per rank parsed into communication, computation, their overlap and
   idle time, and the payload bytes handed to collectives per step (``comm_bytes_per_step``, by op).
-- ``memory``: peak memory at the end (GPU allocator peaks, or RSS on CPU).
+- ``memory``: peak memory at the end (GPU allocator peaks, or RSS on CPU), and the training state this rank holds
+  (parameters, gradients, optimizer states; diagnostics/collect/state_bytes.py).
 - ``throughput``: the run's tokens/s, MFU and HFU against each peak.
 - ``calibration``: the measured matmul FLOP/s of this device, at the ``start`` and the ``end`` of training; the
   calibrated peak is the larger (other processes' load on a shared host only ever lowers a measurement).
+- ``link_calibration``: at start-up, one collective (all-reduce, all-gather, reduce-scatter) timed over the run's
+  ``intra_node`` or ``inter_node`` group, with nccl-tests' algorithm and bus bandwidths (GB/s).
+- ``memory_calibration``: at start-up, this device's streaming memory bandwidth (GB/s of ``a = b + c``).
 - ``error``: a collector failed; training went on.
 - ``hang``: the watchdog fired: no step completed within the timeout.
 - ``nonfinite``: a step had a non-finite loss or gradient (``what``); ``action`` is ``skipped`` (its update was
@@ -65,12 +69,16 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
         "steps", "total_s", "compute_s", "comm_s", "overlap_s", "idle_s", "comm_by_op", "trace_file", "backend",
         "comm_bytes_per_step", "comm_bytes_by_op",
     ),
-    "memory": ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "device_memory_bytes"),
+    "memory": (
+        "peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "device_memory_bytes", "training_state_bytes",
+    ),
     "throughput": (
         "tokens_per_s", "mfu", "hfu", "calibrated_mfu", "calibrated_hfu", "peak_flops", "calibrated_peak_flops",
         "steps_measured",
     ),
     "calibration": ("when", "dtype", "matrix_size", "flops_per_s", "seconds"),
+    "link_calibration": ("link", "op", "ranks", "bytes", "seconds", "algbw_gbps", "busbw_gbps"),
+    "memory_calibration": ("bandwidth_gbps",),
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
     "nonfinite": ("step", "what", "action", "skipped_total"),

@@ -10,7 +10,9 @@ from diagnostics.analysis.stats import mean, median, percentile, present, steady
 from diagnostics.mfu import AccountingError, checked_utilization, flops_utilization
 
 PHASES = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "comm_wait_s")
-MEMORY_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "device_memory_bytes")
+MEMORY_KEYS = (
+    "peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes", "device_memory_bytes", "training_state_bytes",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class RankPhases:
     peak_reserved_bytes: float | None = None
     peak_rss_bytes: float | None = None
     device_memory_bytes: float | None = None
+    training_state_bytes: float | None = None
 
 
 @dataclass

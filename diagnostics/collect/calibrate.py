@@ -29,3 +29,65 @@ def matmul_flops_per_s(device: torch.device, dtype: str, min_seconds: float = 0.
             if elapsed >= min_seconds:
                 break
     return {"dtype": dtype, "matrix_size": n, "flops_per_s": 2 * n**3 * iterations / elapsed, "seconds": elapsed}
+
+
+# nccl-tests' bus-bandwidth factors: what each rank moves per byte of the full buffer, so one figure compares
+# collectives and group sizes (and is the bandwidth the planner's link model divides by).
+BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
+BUS_FACTORS["reduce_scatter"] = BUS_FACTORS["all_gather"]
+
+
+def collective_bandwidth(op: str, group: object | None, nbytes: int, device: torch.device, repeats: int = 5) -> dict:
+    """Median time of ``op`` over a ``nbytes`` buffer (the full, unsharded size) in ``group`` after one warm-up;
+    algorithm bandwidth = nbytes / time, bus bandwidth = algorithm bandwidth x the nccl-tests factor. Every rank
+    of ``group`` must call it with the same arguments."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    numel = max(n, nbytes // 4 // n * n)
+    full = torch.ones(numel, device=device, dtype=torch.float32)
+    shard = torch.ones(numel // n, device=device, dtype=torch.float32)
+    run = {
+        "all_reduce": lambda: dist.all_reduce(full, group=group),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+    }[op]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier(group=group)
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        if i:  # the first call sets up the connections
+            times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]
+    size = numel * 4
+    algbw = size / seconds / 1e9
+    return {
+        "op": op,
+        "ranks": n,
+        "bytes": size,
+        "seconds": seconds,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * BUS_FACTORS[op](n),
+    }
+
+
+def memory_bandwidth_gbps(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    """Streaming bandwidth of ``a = b + c`` (three buffers of ``nbytes`` moved): what a memory-bound optimizer step
+    runs at on this device."""
+    numel = nbytes // 4
+    b, c = torch.ones(numel, device=device), torch.ones(numel, device=device)
+    a = torch.empty_like(b)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(repeats + 1):
+        sync()
+        start = time.perf_counter()
+        torch.add(b, c, out=a)
+        sync()
+        if i:
+            times.append(time.perf_counter() - start)
+    return 3 * numel * 4 / sorted(times)[len(times) // 2] / 1e9

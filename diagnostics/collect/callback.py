@@ -18,9 +18,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from diagnostics.collect.calibrate import matmul_flops_per_s
+from diagnostics.collect.calibrate import collective_bandwidth, matmul_flops_per_s, memory_bandwidth_gbps
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
+from diagnostics.collect.state_bytes import training_state_bytes
 from diagnostics.collect.steps import DataWaitProfiler, PhaseTimer, StepPhases
 from diagnostics.collect.watchdog import Watchdog
 from diagnostics.mfu import flops_utilization
@@ -82,6 +83,7 @@ class DiagnosticsCallback(pl.Callback):
         self.profiler: ProfilerWindow | None = None
         self.watchdog: Watchdog | None = None
         self.calibrated: float | None = None
+        self.training_state: int | None = None  # bytes of parameters, gradients and optimizer states (once)
         self.steps_seen = 0
         # Seconds the always-on collectors spent on the training thread (hooks, records, rank gathers): their
         # direct cost, which an A/B of whole runs on a shared machine measures only through its noise.
@@ -143,6 +145,7 @@ class DiagnosticsCallback(pl.Callback):
         )
         if self.settings.calibrate:
             self.calibrate(device, "start")
+            self.calibrate_links(trainer, device)
         self.sampler = DeviceSampler(reader, self.write, self.settings.sample_interval_s)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -224,6 +227,12 @@ class DiagnosticsCallback(pl.Callback):
             self._timed(self.timer.batch_end)
             return
         self._last_step = step
+        if self.training_state is None and step >= 2:
+            # Once, right after an optimizer step: gradients and optimizer states all exist (the next step's
+            # zero_grad frees the gradients; at train end they may be gone).
+            self.training_state = self.guarded(
+                "training_state", lambda: training_state_bytes(pl_module, trainer.optimizers)
+            )
         phases = self._timed(self.timer.finish_step)
         if self.watchdog is not None:
             self.watchdog.beat(step)
@@ -299,6 +308,8 @@ class DiagnosticsCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.teardown_collectors()
         memory: dict[str, Any] = {"peak_rss_bytes": rss_bytes()}
+        if self.training_state:
+            memory["training_state_bytes"] = self.training_state
         if pl_module.device.type == "cuda":
             memory.update(
                 peak_allocated_bytes=torch.cuda.max_memory_allocated(pl_module.device),
@@ -321,6 +332,26 @@ class DiagnosticsCallback(pl.Callback):
         if result:
             self.calibrated = max(self.calibrated or 0.0, result["flops_per_s"])
             self.write("calibration", when=when, **result)
+
+    def calibrate_links(self, trainer: pl.Trainer, device: torch.device) -> None:
+        """Bus bandwidth of each collective over the run's links, and this device's memory bandwidth: what the
+        planner divides by (``python -m plan calibration=RUN_DIR``). Every rank takes part in the same order; not
+        guarded per rank, since a rank that skipped a collective would leave the others waiting in it."""
+        import torch.distributed as dist
+
+        bandwidth = self.guarded("memory_calibration", lambda: memory_bandwidth_gbps(device))
+        if bandwidth:
+            self.write("memory_calibration", bandwidth_gbps=bandwidth)
+        if not dist.is_available() or not dist.is_initialized() or trainer.world_size < 2:
+            return
+        nbytes = (256 if device.type == "cuda" else 8) * 2**20
+        groups: list[tuple[str, object | None]] = [("inter_node" if trainer.num_nodes > 1 else "intra_node", None)]
+        if trainer.num_nodes > 1 and trainer.num_devices > 1:
+            local, _ = dist.new_subgroups(group_size=trainer.num_devices)
+            groups.append(("intra_node", local))
+        for link, group in groups:
+            for op in ("all_reduce", "all_gather", "reduce_scatter"):
+                self.write("link_calibration", link=link, **collective_bandwidth(op, group, nbytes, device))
 
     def _throughput(self, world_size: int, tokens_per_s: float) -> None:
         f = self.facts

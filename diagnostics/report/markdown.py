@@ -6,6 +6,7 @@ import json
 
 from diagnostics.ab.runner import AB_DIR
 from diagnostics.ab.verdict import VERDICT_MD, phrase
+from diagnostics.prediction import basis_text, comparison_rows
 from diagnostics.recommend import Recommendation
 from diagnostics.report.fmt import cost_text, flops, gain_text, gib, pct, peak_memory, rank_label, rate, seconds
 from diagnostics.report.model import Report
@@ -66,6 +67,20 @@ PHASE_HEADER = ["rank", "steps", "step", "data wait", "forward", "backward compu
 PHASE_HEADER += ["comm wait", "other"]
 
 
+def prediction_section(record: dict | None) -> list[str]:
+    """The planner's prediction for this run's layout beside the measurement (``python -m plan`` numbers)."""
+    if record is None:
+        return []
+    lines = ["", "## Predicted vs measured", ""]
+    lines.append(f"Layout `{record.get('layout')}`; hw numbers: {basis_text(record)}.")
+    if record.get("calibration"):
+        lines.append(f"Calibration from `{record['calibration']}`.")
+    if record.get("unpredicted"):
+        lines.append(f"Step time not predicted: {record['unpredicted']}.")
+    lines += ["", *_table(["quantity", "predicted", "measured", "error"], [list(r) for r in comparison_rows(record)])]
+    return lines
+
+
 def to_markdown(report: Report, ab_lines: str | None = None) -> str:
     ctx = report.context()
     lines = [
@@ -104,6 +119,7 @@ def to_markdown(report: Report, ab_lines: str | None = None) -> str:
             lines.append(f"{i}. {override}{rec.why}. {expected}{tested_note(report, rec)}")
         lines.append("")
     lines += ["## Per-rank phases (mean per steady step)", "", *_table(PHASE_HEADER, phase_rows(report))]
+    lines += prediction_section(report.prediction)
     if report.verdicts:
         lines += ["", "## A/B verdicts", "", f"Measured by `python -m diagnose --ab --run`: [{AB_VERDICT}]({AB_LINK})"]
         lines += [f"- `{o}`: {phrase(v)}" for o, v in report.verdicts.items()]

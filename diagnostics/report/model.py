@@ -15,6 +15,7 @@ from diagnostics.analysis import thresholds as thresholds_module
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.stats import rounded
 from diagnostics.analysis.thresholds import COST_WARNING
+from diagnostics.prediction import one_line, prediction_of
 from diagnostics.recommend import Recommendation
 from diagnostics.report.fmt import flatten, gib, pct, peak_memory, rate, seconds
 
@@ -45,6 +46,11 @@ class Report:
     written_to: Path | None = None  # the report/ directory once write_report ran
     # RUN/ab/verdict.json's newest verdict per tested override (``python -m diagnose RUN --ab --run``).
     verdicts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def prediction(self) -> dict[str, Any] | None:
+        """The planner's prediction for this run (run.json) beside what the telemetry measured, with errors."""
+        return prediction_of(self.analysis)
 
     @property
     def findings(self) -> list[Finding]:
@@ -84,6 +90,7 @@ class Report:
                 "problems": self.analysis.run.problems,
                 "thresholds": thresholds(),
                 "ab_verdict": f"{AB_DIR}/{VERDICT_MD}" if self.verdicts else None,
+                "prediction": self.prediction,
             }
         )
 
@@ -164,6 +171,9 @@ class Report:
             lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{self.next_step(recs)}")
         if len(pairs) > TEXT_FINDINGS:
             lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")
+        prediction = self.prediction
+        if prediction is not None:
+            lines.append(f"  {one_line(prediction)}")
         if self.analysis.run.problems:
             lines.append(f"  {len(self.analysis.run.problems)} telemetry problem(s) noted in the report")
         if self.verdicts:

@@ -42,6 +42,7 @@ class SweepRun:
     top_finding: str | None = None
     attempts: int = 1
     has_report: bool = False
+    prediction: dict[str, Any] | None = None  # run.json's planner prediction with measured values and errors
 
     @property
     def final_loss(self) -> float | None:
@@ -150,6 +151,7 @@ def load_run(sweep_dir: Path, run_dir: Path) -> SweepRun:
     run.world_size = (manifest.get("world") or {}).get("world_size")
     if result.get("measured_memory_bytes"):
         run.peak_memory_bytes, run.peak_memory_kind = result["measured_memory_bytes"], result.get("memory_kind")
+    run.prediction = manifest.get("prediction") if isinstance(manifest.get("prediction"), dict) else None
     if report is not None:
         _apply_report(run, report)
     attempts = run_dir / "attempts.jsonl"
@@ -179,6 +181,8 @@ def _apply_report(run: SweepRun, report: dict[str, Any]) -> None:
     label, peak = peak_memory(summary.get("peak_memory") or {})
     if peak:
         run.peak_memory_bytes, run.peak_memory_kind = peak, label
+    if isinstance(report.get("prediction"), dict):
+        run.prediction = report["prediction"]
     findings = report.get("findings") or []
     if findings:
         top = findings[0]

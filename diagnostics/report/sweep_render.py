@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from html import escape
 
+from diagnostics.prediction import compare
 from diagnostics.report.fmt import GIB, gib, pct, rate
 from diagnostics.report.html import CSS
 from diagnostics.report.svg import Series, scatter, stacked_bars
 from diagnostics.report.sweep import SweepReport, SweepRun
 
-HEADER = ["#", "run", "overrides", "status", "final loss", "tokens/s", "MFU", "peak memory", "top bottleneck"]
+HEADER = ["#", "run", "overrides", "status", "final loss", "tokens/s", "MFU", "peak memory", "planner error"]
+HEADER += ["top bottleneck"]
+# The predicted-vs-measured errors a sweep shows per run (``diagnostics.prediction``), with short names.
+PLANNER_ERRORS = {"step_time_s": "step", "comm_s": "comm", "memory_bytes": "memory", "state_bytes": "state"}
+
+
+def _planner(run: SweepRun) -> str:
+    errors = compare((run.prediction or {}).get("predicted") or {}, (run.prediction or {}).get("measured") or {})
+    shown = [f"{name} {errors[key]:+.0%}" for key, name in PLANNER_ERRORS.items() if key in errors]
+    return ", ".join(shown) or "n/a"
 
 
 def _loss(run: SweepRun) -> str:
@@ -32,7 +42,8 @@ def run_rows(report: SweepReport) -> list[list[str]]:
         memory = gib(run.peak_memory_bytes) + (f" {run.peak_memory_kind}" if run.peak_memory_kind else "")
         rows.append([
             str(i), run.name, report.label(run), _status(run), _loss(run), rate(run.tokens_per_s), _mfu(run),
-            memory if run.peak_memory_bytes else "n/a", run.top_finding or ("none" if run.has_report else "no report"),
+            memory if run.peak_memory_bytes else "n/a", _planner(run),
+            run.top_finding or ("none" if run.has_report else "no report"),
         ])  # fmt: skip
     return rows
 

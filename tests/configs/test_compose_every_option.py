@@ -14,11 +14,11 @@ from disttrain.config.validate import BatchPlan, batch_plan, validate_run, world
 from disttrain.job.describe import describe_launch
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import model_facts
-from disttrain.planner.auto import resolve_auto
-from disttrain.strategies import build_strategy
+from disttrain.strategies.auto import resolve_auto
 from disttrain.strategies.megatron import MegatronStrategy
 from disttrain.strategies.megatron.module import MegatronModule
-from disttrain.training.build import build_datamodule, build_module, build_trainer
+from disttrain.strategies.spec import build_strategy, spec_of
+from disttrain.training.build import build_datamodule, build_trainer
 from tests.conftest import compose_train, group_options
 
 GROUPS = ["model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger", "diagnostics"]
@@ -104,7 +104,7 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     strategy = build_strategy(run_cfg, layout.world_size, apply_activation_checkpointing)
     expected = {"fsdp": ModelParallelStrategy, "megatron": MegatronStrategy}.get(run_cfg.strategy.name, DDPStrategy)
     assert isinstance(strategy.strategy, expected)
-    module = build_module(run_cfg, plan, strategy, facts)
+    module = spec_of(run_cfg.strategy).build_module(run_cfg, plan.accumulation, strategy, facts)
     assert module.max_steps == run_cfg.trainer.max_steps
     if isinstance(run_cfg.strategy, MegatronConfig):
         assert isinstance(module, MegatronModule)

@@ -14,7 +14,7 @@ from disttrain.config.validate import validate_run, world_layout
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import ModelFacts
 from disttrain.planner import Layout
-from disttrain.strategies import build_strategy
+from disttrain.strategies.spec import build_strategy
 from disttrain.training.build import build_trainer
 from tests.conftest import compose_train
 

@@ -163,3 +163,28 @@ def test_json_has_host_memory_and_the_table_names_the_overridden_node_count(tmp_
     assert offloaded and all(c["memory_bytes"]["host"] > 0 for c in offloaded)
     table = run_plan([*args, "limit=1"], tmp_path)
     assert "llama-7b on 4x8xa100" in table.stdout and "on 8xa100" not in table.stdout
+
+
+def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Path) -> None:
+    from tests.unit.test_calibration import write_calibration_run
+
+    run = tmp_path / "run"
+    write_calibration_run(run)
+    args = ["hw=cpu", "precision=fp32", f"calibration={run}", "output=json"]
+    result = run_plan(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["hw_sources"] == {
+        "peak_tflops": "measured",
+        "hbm_bandwidth_gbps": "measured",
+        "intra_node_bandwidth_gbps": "measured",
+        "inter_node_bandwidth_gbps": "none",
+    }
+    assert payload["recommended"] is not None  # hw=cpu has no datasheet peak: only the calibration times steps
+    table = run_plan(args[:-1], tmp_path)
+    assert "hw numbers: peak_tflops measured, hbm_bandwidth_gbps measured, intra_node_bandwidth_gbps measured" in (
+        table.stdout
+    )
+    missing = run_plan(["calibration=/nonexistent/run"], tmp_path)
+    assert missing.returncode == USER_ERROR_EXIT_CODE
+    assert missing.stderr.strip().startswith("disttrain: config error: calibration: '/nonexistent/run' is neither")

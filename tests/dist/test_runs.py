@@ -63,6 +63,25 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
         (end,) = [r for r in records if r["kind"] == "end"]
         assert end["collectors_s"] > 0  # their own time, which benchmarks/diagnostics_overhead.py reports
     assert "diagnostics:" in out
+    # Closing the loop: the start-up calibration measured each collective over the 2 ranks, and run.json, the
+    # report and the console hold the planner's prediction with those speeds beside the measurement.
+    links = [json.loads(line) for line in telemetry_path(run_dir, 0).read_text().splitlines()]
+    links = {r["op"]: r for r in links if r["kind"] == "link_calibration"}
+    assert set(links) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(r["link"] == "intra_node" and r["ranks"] == 2 and r["busbw_gbps"] > 0 for r in links.values())
+    assert links["all_reduce"]["busbw_gbps"] == pytest.approx(links["all_reduce"]["algbw_gbps"])  # 2(n-1)/n = 1
+    calibration = json.loads((run_dir / "calibration.json").read_text())
+    assert calibration["links"]["intra_node"]["all_reduce"] > 0 and calibration["ranks"] == 2
+    prediction = read_manifest(run_dir)["prediction"]
+    assert prediction["basis"]["peak_tflops"] == "measured" == prediction["basis"]["intra_node_bandwidth_gbps"]
+    assert set(prediction["error"]) >= {"step_time_s", "tokens_per_s", "mfu", "comm_s", "state_bytes"}
+    for key, error in prediction["error"].items():
+        measured, predicted = prediction["measured"][key], prediction["predicted"][key]
+        assert error == pytest.approx(predicted / measured - 1), key
+    # The model states are predicted exactly: fp32 weights, gradients and two Adam moments (+ Adam's step counters).
+    assert abs(prediction["error"]["state_bytes"]) < 0.01, prediction
+    assert report["prediction"]["error"] == pytest.approx(prediction["error"])
+    assert "planner (calibrated) predicted vs measured: step time" in out
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["last.ckpt", "step000100.ckpt", "step000200.ckpt", "step000220.ckpt"]
     assert (run_dir / "checkpoints" / "last.ckpt").resolve().name == "step000220.ckpt"

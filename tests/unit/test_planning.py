@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from diagnostics.calibration import Calibration
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import DDPConfig, FSDPConfig
+from disttrain.config.schema import DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig
 from disttrain.config.validate import batch_plan, validate_run, world_layout
-from disttrain.planner.auto import auto_candidates, check_fits, predict_memory, resolve_auto
+from disttrain.job.prediction import predict_run, with_measurement
+from disttrain.strategies.auto import AUTO_TIE, auto_candidates, check_fits, predict_memory, resolve_auto
 from tests.conftest import compose_train
 
 LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
@@ -87,7 +91,7 @@ def test_auto_considers_hybrid_sharding_only_across_nodes() -> None:
 def test_megatron_rounds_hold_one_schedule_run_of_activations() -> None:
     """A global batch of 4 schedule runs (rounds) holds the activations of one run at a time: GPipe's peak is the
     run's 2 micro-batches, not the step's 8, and each run has the 2-micro-batch bubble."""
-    from disttrain.planner.auto import layout_of
+    from disttrain.strategies.auto import layout_of
 
     base = ["strategy=megatron", "strategy.pp=2", "strategy.schedule=gpipe", "strategy.microbatches=2"]
     base += ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
@@ -121,3 +125,43 @@ def test_megatron_prediction_follows_the_data_parallel_type() -> None:
     fsdp, hsdp = states([]), states(["strategy.dp_type=hsdp", "strategy.dp_replicate=2"])
     replicate = states(["strategy.dp_type=replicate"])
     assert replicate == pytest.approx(4 * fsdp, rel=1e-3) and hsdp == pytest.approx(2 * fsdp, rel=1e-3)
+
+
+def cpu_calibration(link_gbps: float) -> Calibration:
+    return Calibration(
+        matmul_flops_per_s={"fp32": 5.0e10},
+        memory_bandwidth_gbps=10.0,
+        links={"intra_node": {"all_reduce": link_gbps}},
+        source="RUN",
+    )
+
+
+def test_auto_on_cpu_with_a_calibration_ranks_layouts_by_measured_speeds() -> None:
+    # One global batch for every layout (Megatron tp2 on 2 processes has dp=1: half DDP's default batch).
+    cfg = parse_run_config(compose_train(["strategy=auto", "trainer.global_batch_size=32"]))
+    for link_gbps in (100.0, 1e-3):
+        calibration = cpu_calibration(link_gbps)
+        chosen, why = resolve_auto(cfg, world_layout(cfg), batch_plan(cfg), calibration)
+        assert "strategy=auto chose" in why and "measured speeds of RUN" in why
+        step = predict_run(chosen, world_layout(chosen), validate_run(chosen), calibration)["predicted"]["step_time_s"]
+        for other in (DDPConfig(), FSDPConfig(), DeepSpeedConfig(stage=3), MegatronConfig(tp=2)):
+            alternative = dataclasses.replace(cfg, strategy=other)
+            plan = validate_run(alternative)
+            predicted = predict_run(alternative, world_layout(alternative), plan, calibration)["predicted"]
+            assert step <= predicted["step_time_s"] * (1 + AUTO_TIE), (link_gbps, other)
+
+
+def test_run_prediction_says_which_numbers_it_used_and_why_it_could_not_time_the_step() -> None:
+    cfg = parse_run_config(compose_train([]))
+    without = predict_run(cfg, world_layout(cfg), validate_run(cfg), None)
+    assert without is not None and "step_time_s" not in without["predicted"]
+    assert "peak_tflops" in without["unpredicted"]
+    assert without["predicted"]["state_bytes"] == 16 * 1_828_992  # fp32 weights, gradients, two Adam moments
+    assert set(without["basis"].values()) == {"none"}
+    calibrated = predict_run(cfg, world_layout(cfg), validate_run(cfg), cpu_calibration(5.0))
+    assert calibrated is not None and calibrated["basis"]["peak_tflops"] == "measured"
+    p = calibrated["predicted"]
+    assert p["peak_flops"] == 5.0e10 and p["step_time_s"] > p["compute_s"] > 0 and p["comm_s"] > 0
+    assert p["tokens_per_s"] == pytest.approx(32 * 128 / p["step_time_s"])
+    measured = with_measurement(calibrated, {"step_time_s": p["step_time_s"] * 2})
+    assert measured["error"] == {"step_time_s": pytest.approx(-0.5)}

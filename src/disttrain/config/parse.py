@@ -196,12 +196,16 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
     _choice(groups["logger"], "logger", LOGGERS)
     hw = build_dataclass(HardwareProfile, groups["hw"], "hw")
     validate_profile(hw)
-    top = {k: cfg.get(k) for k in ("dry_run", "resume", "check_memory")}
+    top = {k: cfg.get(k) for k in ("dry_run", "resume", "check_memory", "calibration")}
     for flag in ("dry_run", "check_memory"):
         if not isinstance(top[flag], bool):
             raise ConfigError(flag, f"expected true or false, got {top[flag]!r}", f"use {flag}=true or {flag}=false")
     if top["resume"] is not None and not isinstance(top["resume"], str):
         raise ConfigError("resume", f"expected a path, got {top['resume']!r}", "use resume=outputs/<date>/<time>")
+    if top["calibration"] is not None and not isinstance(top["calibration"], str):
+        raise ConfigError(
+            "calibration", f"expected a run dir, got {top['calibration']!r}", "use calibration=outputs/<date>/<time>"
+        )
     return RunConfig(
         model=parse_model(groups["model"]),
         data=parse_data(groups["data"]),
@@ -215,4 +219,5 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
         dry_run=top["dry_run"],
         resume=top["resume"],
         check_memory=top["check_memory"],
+        calibration=top["calibration"],
     )

@@ -351,3 +351,6 @@ class RunConfig:
     dry_run: bool = False
     resume: str | None = None
     check_memory: bool = True  # refuse a run the planner predicts will not fit its devices
+    # A finished run dir whose measured speeds (matmul, memory, links) the planner uses instead of the datasheet's:
+    # strategy=auto chooses with them, and the prediction in run.json uses them when this run measured none.
+    calibration: str | None = None

@@ -9,22 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from disttrain.config.degrees import megatron_degrees, validate_megatron
-from disttrain.config.errors import ConfigError, did_you_mean
+from disttrain.config.errors import ConfigError, require_one_of, require_positive
 from disttrain.config.hf import hf_shape, max_positions
 from disttrain.config.schema import (
-    COMM_HOOKS,
     MLPS,
     NORMS,
     POS_EMBS,
     CustomDataConfig,
     CustomModelConfig,
-    DDPConfig,
-    DeepSpeedConfig,
-    FSDPConfig,
     HFDataConfig,
     HFModelConfig,
-    MegatronConfig,
     ModelConfig,
     RunConfig,
     SyntheticDataConfig,
@@ -33,6 +27,7 @@ from disttrain.config.schema import (
     TrainerConfig,
 )
 from disttrain.data.markov import MAX_TABLE_ENTRIES
+from disttrain.strategies.spec import spec_of
 
 
 @dataclass(frozen=True)
@@ -58,7 +53,7 @@ class BatchPlan:
 def world_layout(cfg: RunConfig) -> WorldLayout:
     """DDP, FSDP and DeepSpeed shard data over every process; Megatron over world / (tp x pp) of them."""
     world = cfg.hw.world_size
-    dp = megatron_degrees(cfg.strategy, world).dp if isinstance(cfg.strategy, MegatronConfig) else world
+    dp = spec_of(cfg.strategy).data_parallel_size(world)
     return WorldLayout(cfg.hw.num_nodes, cfg.hw.devices_per_node, world, dp)
 
 
@@ -67,7 +62,7 @@ def batch_plan(cfg: RunConfig) -> BatchPlan:
     micro-batches times any further accumulation); ``accumulation`` counts micro-batches per rank per step."""
     t = cfg.trainer
     dp = world_layout(cfg).data_parallel_size
-    rounds = cfg.strategy.num_microbatches if isinstance(cfg.strategy, MegatronConfig) else 1
+    rounds = spec_of(cfg.strategy).schedule_microbatches
     per_step = t.micro_batch_size * dp * rounds
     if t.global_batch_size is None:
         return BatchPlan(per_step, t.micro_batch_size, dp, rounds)
@@ -82,23 +77,12 @@ def batch_plan(cfg: RunConfig) -> BatchPlan:
     return BatchPlan(t.global_batch_size, t.micro_batch_size, dp, t.global_batch_size // per_step * rounds)
 
 
-def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(key, f"must be {bound}, got {value}", f"set {key} to a value {bound}")
-
-
-def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(key, f"'{value}' is not one of {list(choices)}", f"use {key}={choices[0]}")
-
-
 def validate_hf_model(m: HFModelConfig) -> None:
     """The HF source exists and is readable, and seq_len fits the model's position range."""
-    _positive("model.seq_len", m.seq_len)
-    _one_of("model.attn_implementation", m.attn_implementation, ("sdpa", "eager"))
+    require_positive("model.seq_len", m.seq_len)
+    require_one_of("model.attn_implementation", m.attn_implementation, ("sdpa", "eager"))
     if m.init_std is not None:
-        _positive("model.init_std", m.init_std)
+        require_positive("model.init_std", m.init_std)
     hf_shape(m)  # reads the config: a bad path, model_type or field fails here, before launch
     longest = max_positions(m)
     if longest is not None and m.seq_len > longest:
@@ -113,15 +97,15 @@ def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
     if isinstance(m, HFModelConfig):
         validate_hf_model(m)
         return
-    _positive("model.vocab_size", m.vocab_size)
-    _positive("model.seq_len", m.seq_len)
+    require_positive("model.vocab_size", m.vocab_size)
+    require_positive("model.seq_len", m.seq_len)
     if isinstance(m, CustomModelConfig):
         return
     for key in ("n_layers", "d_model", "n_heads", "ffn_hidden"):
-        _positive(f"model.{key}", getattr(m, key))
-    _one_of("model.norm", m.norm, NORMS)
-    _one_of("model.mlp", m.mlp, MLPS)
-    _one_of("model.pos_emb", m.pos_emb, POS_EMBS)
+        require_positive(f"model.{key}", getattr(m, key))
+    require_one_of("model.norm", m.norm, NORMS)
+    require_one_of("model.mlp", m.mlp, MLPS)
+    require_one_of("model.pos_emb", m.pos_emb, POS_EMBS)
     if m.d_model % m.n_heads:
         raise ConfigError(
             "model.n_heads",
@@ -138,7 +122,7 @@ def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
         raise ConfigError("model.pos_emb", f"rope needs an even head_dim, got {m.head_dim}", "change d_model/n_heads")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {m.dropout}", "use e.g. model.dropout=0.0")
-    _positive("model.init_std", m.init_std)
+    require_positive("model.init_std", m.init_std)
 
 
 def data_vocab_size(cfg: RunConfig) -> int | None:
@@ -163,9 +147,9 @@ def validate_data(cfg: RunConfig, plan: BatchPlan) -> None:
     d = cfg.data
     if isinstance(d, CustomDataConfig):
         return
-    _positive("data.num_workers", d.num_workers, allow_zero=True)
+    require_positive("data.num_workers", d.num_workers, allow_zero=True)
     if isinstance(d, SyntheticDataConfig):
-        _positive("data.concentration", d.concentration)
+        require_positive("data.concentration", d.concentration)
         if d.vocab_size < 2:
             raise ConfigError("data.vocab_size", f"must be >= 2, got {d.vocab_size}", "use data.vocab_size=64")
         if d.order < 1:
@@ -227,97 +211,13 @@ def validate_hf_data(d: HFDataConfig, cfg: RunConfig) -> None:
         raise ConfigError("data.val_files", f"hold fewer than seq_len + 1 = {cfg.model.seq_len + 1} tokens", "add text")
 
 
-def validate_deepspeed(ds: DeepSpeedConfig, on_cpu: bool) -> None:
-    """ZeRO options that DeepSpeed itself would reject late (after spawning ranks) or that cannot run here."""
-    if ds.stage not in (1, 2, 3):
-        raise ConfigError(
-            "strategy.stage",
-            f"{ds.stage} is not a ZeRO stage (1: optimizer states, 2: + gradients, 3: + parameters)",
-            "use strategy.stage=1, 2 or 3 (strategy=ddp for no sharding)",
-        )
-    for key in ("offload_optimizer", "offload_params"):
-        if getattr(ds, key) and on_cpu:
-            raise ConfigError(
-                f"strategy.{key}",
-                "offload needs GPUs (it moves state from GPU to host memory and steps it with DeepSpeedCPUAdam, "
-                "whose C++ op is compiled at launch); on hw=cpu everything is already in host memory",
-                f"set strategy.{key}=false, or use a GPU hw profile",
-            )
-    if ds.offload_params and ds.stage != 3:
-        raise ConfigError(
-            "strategy.offload_params",
-            f"parameter offload needs ZeRO stage 3 (parameters are only partitioned there), got stage {ds.stage}",
-            "use strategy.stage=3, or set strategy.offload_params=false",
-        )
-    if ds.param_persistence_threshold < 0:
-        raise ConfigError(
-            "strategy.param_persistence_threshold",
-            f"must be >= 0 elements, got {ds.param_persistence_threshold}",
-            "use strategy.param_persistence_threshold=100000 (0 partitions every parameter)",
-        )
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
-        if getattr(ds, key) <= 0:
-            raise ConfigError(
-                f"strategy.{key}", f"must be > 0 elements, got {getattr(ds, key)}", f"use strategy.{key}=200000000"
-            )
-
-
-def validate_ddp(ddp: DDPConfig, cfg: RunConfig) -> None:
-    """Bucket size and communication hook: a hook that cannot help this run is refused, not silently ignored."""
-    if ddp.bucket_cap_mb <= 0:
-        raise ConfigError("strategy.bucket_cap_mb", "must be > 0", "use strategy.bucket_cap_mb=25")
-    if ddp.comm_hook not in COMM_HOOKS:
-        raise ConfigError(
-            "strategy.comm_hook",
-            f"unknown hook '{ddp.comm_hook}'{did_you_mean(ddp.comm_hook, COMM_HOOKS)}",
-            f"use one of {list(COMM_HOOKS)}",
-        )
-    if ddp.comm_hook == "none":
-        return
-    world = world_layout(cfg).world_size
-    if world == 1:
-        raise ConfigError(
-            "strategy.comm_hook",
-            f"'{ddp.comm_hook}' compresses the gradient all-reduce, but a world size of 1 communicates nothing",
-            "set strategy.comm_hook=none, or run more than one process (hw.devices_per_node / hw.num_nodes)",
-        )
-    if ddp.comm_hook in ("bf16", "fp16") and cfg.precision.name == "bf16-true":
-        raise ConfigError(
-            "strategy.comm_hook",
-            f"under precision=bf16-true the gradients are already 2-byte bf16: the {ddp.comm_hook} hook sends the "
-            "same bytes" + (" with fp16's narrower range" if ddp.comm_hook == "fp16" else ""),
-            "set strategy.comm_hook=none (or powersgd to send fewer bytes)",
-        )
-    if ddp.comm_hook != "powersgd":
-        return
-    if ddp.powersgd_rank < 1:
-        raise ConfigError(
-            "strategy.powersgd_rank", f"must be >= 1, got {ddp.powersgd_rank}", "use strategy.powersgd_rank=4"
-        )
-    if ddp.powersgd_warmup_steps < 2:
-        # torch's PowerSGDState refuses start_powerSGD_iter <= 1 with warm start / error feedback: DDP rebuilds its
-        # buckets after the first step, which would invalidate state kept per bucket.
-        raise ConfigError(
-            "strategy.powersgd_warmup_steps",
-            f"must be >= 2 (DDP regroups its gradient buckets after the first step), got {ddp.powersgd_warmup_steps}",
-            "use strategy.powersgd_warmup_steps=2 or more",
-        )
-    if ddp.powersgd_warmup_steps >= cfg.trainer.max_steps:
-        raise ConfigError(
-            "strategy.powersgd_warmup_steps",
-            f"{ddp.powersgd_warmup_steps} plain all-reduce steps leave no PowerSGD step before "
-            f"trainer.max_steps={cfg.trainer.max_steps}",
-            f"use strategy.powersgd_warmup_steps < {cfg.trainer.max_steps}",
-        )
-
-
 def validate_reliability(t: TrainerConfig) -> None:
     """Checkpoint retention, the non-finite policy and restarts."""
     if t.keep_last_n is not None:
-        _positive("trainer.keep_last_n", t.keep_last_n)
-    _one_of("trainer.nan_policy", t.nan_policy, ("stop", "skip"))
-    _positive("trainer.max_nan_skips", t.max_nan_skips, allow_zero=True)
-    _positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
+        require_positive("trainer.keep_last_n", t.keep_last_n)
+    require_one_of("trainer.nan_policy", t.nan_policy, ("stop", "skip"))
+    require_positive("trainer.max_nan_skips", t.max_nan_skips, allow_zero=True)
+    require_positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
 
 
 def validate_run(cfg: RunConfig) -> BatchPlan:
@@ -325,19 +225,19 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
     validate_model(cfg.model)
     t, o = cfg.trainer, cfg.optimizer
     for key in ("max_steps", "micro_batch_size", "val_every_n_steps", "log_every_n_steps"):
-        _positive(f"trainer.{key}", getattr(t, key))
+        require_positive(f"trainer.{key}", getattr(t, key))
     if t.global_batch_size is not None:
-        _positive("trainer.global_batch_size", t.global_batch_size)
-    _positive("trainer.ckpt_every_n_steps", t.ckpt_every_n_steps)
-    _positive("trainer.val_batches", t.val_batches, allow_zero=True)
-    _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
+        require_positive("trainer.global_batch_size", t.global_batch_size)
+    require_positive("trainer.ckpt_every_n_steps", t.ckpt_every_n_steps)
+    require_positive("trainer.val_batches", t.val_batches, allow_zero=True)
+    require_positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
     if t.num_threads is not None:
-        _positive("trainer.num_threads", t.num_threads)
+        require_positive("trainer.num_threads", t.num_threads)
     validate_reliability(t)
-    _positive("optimizer.lr", o.lr)
-    _positive("optimizer.eps", o.eps)
-    _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
-    _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
+    require_positive("optimizer.lr", o.lr)
+    require_positive("optimizer.eps", o.eps)
+    require_positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+    require_positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
     for key in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             raise ConfigError(f"optimizer.{key}", f"must be in [0, 1), got {getattr(o, key)}", "use 0.9 / 0.95")
@@ -357,42 +257,15 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             "fp16-mixed is not supported on CPU (Lightning would silently run bf16 instead)",
             "use precision=bf16-mixed on CPU, or a GPU hw profile for fp16",
         )
-    if isinstance(cfg.strategy, DeepSpeedConfig):
-        validate_deepspeed(cfg.strategy, on_cpu)
-    elif isinstance(cfg.strategy, FSDPConfig):
-        _one_of("strategy.reduce_dtype", cfg.strategy.reduce_dtype, ("fp32", "bf16"))
-        if cfg.strategy.cpu_offload and on_cpu:
-            raise ConfigError(
-                "strategy.cpu_offload",
-                "offloading to host memory needs GPUs; on hw=cpu everything is already in host memory",
-                "set strategy.cpu_offload=false, or use a GPU hw profile",
-            )
-        if cfg.precision.name == "fp16-mixed":
-            raise ConfigError(
-                "precision", "FSDP2 here supports fp32 and bf16 policies", "use precision=bf16-mixed with strategy=fsdp"
-            )
-        world = cfg.hw.world_size
-        replicas = cfg.strategy.dp_replicate
-        if replicas < 1 or world % replicas:
-            ok = [d for d in range(1, world + 1) if world % d == 0]
-            raise ConfigError(
-                "strategy.dp_replicate",
-                f"{replicas} replica groups do not divide the world size {world}",
-                f"use one of {ok} (hw.num_nodes={cfg.hw.num_nodes} shards within each node)",
-            )
-    elif isinstance(cfg.strategy, MegatronConfig):
-        world = cfg.hw.world_size
-        validate_megatron(cfg.strategy, cfg.model, world, cfg.precision.name)
-    elif isinstance(cfg.strategy, DDPConfig):
-        validate_ddp(cfg.strategy, cfg)
+    spec_of(cfg.strategy).validate(cfg)
     dg = cfg.diagnostics
     for key in ("step_every", "gather_every", "profile_active_steps"):
-        _positive(f"diagnostics.{key}", getattr(dg, key))
-    _positive("diagnostics.profile_wait_steps", dg.profile_wait_steps, allow_zero=True)
-    _positive("diagnostics.sample_interval_s", dg.sample_interval_s)
-    _positive("diagnostics.hang_timeout_s", dg.hang_timeout_s)
+        require_positive(f"diagnostics.{key}", getattr(dg, key))
+    require_positive("diagnostics.profile_wait_steps", dg.profile_wait_steps, allow_zero=True)
+    require_positive("diagnostics.sample_interval_s", dg.sample_interval_s)
+    require_positive("diagnostics.hang_timeout_s", dg.hang_timeout_s)
     if cfg.logger.name == "wandb":
-        _one_of("logger.mode", cfg.logger.mode, ("offline", "online"))
+        require_one_of("logger.mode", cfg.logger.mode, ("offline", "online"))
 
     plan = batch_plan(cfg)
     validate_data(cfg, plan)

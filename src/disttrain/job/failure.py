@@ -120,8 +120,8 @@ def stop_for_failure(
         write_failure(run_dir, {"error": error, "source": source, "rank": rank, "traceback": trace[-TRACEBACK_CHARS:]})
     where = ""
     if failure_reporting.report:
-        written = say_report(run_dir, quiet=True)
-        where = f"; report: {written}" if written else ""
+        report = say_report(run_dir, quiet=True)
+        where = f"; report: {report.written_to / 'report.md'}" if report and report.written_to else ""
     if trace:
         say(trace.rstrip("\n"), file=sys.stderr)
     return RunStopped(FAILED, f"disttrain: {failure}; stopping the job{where}")

@@ -18,7 +18,9 @@ from hydra import compose
 from hydra.errors import HydraException
 from omegaconf import DictConfig
 
+from diagnostics.calibration import Calibration
 from disttrain.checkpoint.resume import ResumePoint, find_resume_point, newest_complete, original_overrides, run_dir_of
+from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
@@ -26,7 +28,7 @@ from disttrain.config.schema import AutoStrategyConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout, validate_run, world_layout
 from disttrain.launch.env import process_role
 from disttrain.planner import MemoryBreakdown
-from disttrain.planner.auto import check_fits, predict_memory, resolve_auto
+from disttrain.strategies.auto import check_fits, predict_memory, resolve_auto
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Prepared:
     attempt: int
     memory: MemoryBreakdown | None  # predicted per device; None for a user model the planner cannot see into
     warmup_note: str | None = None  # said at launch when the default warmup was shortened to fit max_steps
+    calibration: Calibration | None = None  # calibration=RUN_DIR: measured speeds for auto and the prediction
 
     def with_hydra_config(self, cfg: DictConfig) -> Prepared:
         """This job as the Hydra app composed it: preflight's config carried Hydra's own node (and a resumed
@@ -65,11 +68,13 @@ def fit_default_warmup(run_cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
     return dataclasses.replace(run_cfg, optimizer=dataclasses.replace(o, warmup_steps=warmup)), note
 
 
-def resolve_strategy(run_cfg: RunConfig, plan: BatchPlan) -> tuple[RunConfig, BatchPlan, str | None]:
+def resolve_strategy(
+    run_cfg: RunConfig, plan: BatchPlan, calibration: Calibration | None = None
+) -> tuple[RunConfig, BatchPlan, str | None]:
     """``strategy=auto`` replaced by the layout the planner picks, validated again as that strategy."""
     if not isinstance(run_cfg.strategy, AutoStrategyConfig):
         return run_cfg, plan, None
-    run_cfg, reason = resolve_auto(run_cfg, world_layout(run_cfg), plan)
+    run_cfg, reason = resolve_auto(run_cfg, world_layout(run_cfg), plan, calibration)
     return run_cfg, validate_run(run_cfg), reason
 
 
@@ -152,7 +157,8 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
     cfg, point = find_resume(cfg, run_dir, task_overrides, attempt)
     run_cfg, warmup_note = fit_default_warmup(parse_run_config(cfg), task_overrides)
     plan = validate_run(run_cfg)
-    run_cfg, plan, auto_reason = resolve_strategy(run_cfg, plan)
+    calibration = load_calibration(run_cfg.calibration)
+    run_cfg, plan, auto_reason = resolve_strategy(run_cfg, plan, calibration)
     layout = world_layout(run_cfg)
     check_world_size(layout)
     if point is not None:
@@ -160,7 +166,7 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
 
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
     memory = predict_memory(run_cfg, layout, plan)
-    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory, warmup_note)
+    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory, warmup_note, calibration)
 
 
 def check_launchable(prepared: Prepared, here: bool = True) -> None:

@@ -20,7 +20,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from diagnostics.calibration import Calibration, write_calibration
 from diagnostics.crash import retire_crash_records
+from diagnostics.prediction import one_line
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import HFModelConfig, RunConfig
@@ -35,6 +37,7 @@ from disttrain.job.failure import (
     stop_for_failure,
 )
 from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
+from disttrain.job.prediction import predict_run, with_measurement
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
 from disttrain.launch.console import route_library_output_to_log_file
@@ -43,13 +46,14 @@ from disttrain.launch.exit_codes import FAILED, NONFINITE, RunStopped
 from disttrain.launch.local import LocalRanks, child_command, die_with_parent, spawn_local_ranks
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
-from disttrain.planner.auto import check_fits, describe_memory
 from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
+from disttrain.strategies.auto import check_fits, describe_memory
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from diagnostics.report import Report
     from disttrain.training.build import TrainerParts
 
 
@@ -113,9 +117,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     if rank_zero and prepared.attempt:
         keep_previous_metrics(run_dir, prepared.attempt)  # a restart trains in the same run dir
     command = partial(child_command, module_name, task_overrides, str(run_dir))
-    predicted = None if memory is None else memory.total
     with slurm_attempt(run_dir, rank_zero, checkpoint):  # under SLURM: rendezvous, attempts record, requeue
-        train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, predicted)
+        train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, prepared.calibration)
 
 
 def train(
@@ -128,7 +131,7 @@ def train(
     checkpoint: Path | None,
     command_for_rank: partial,
     started: float,
-    predicted_memory_bytes: int | None = None,
+    calibration: Calibration | None = None,
 ) -> None:
     """This process's part of the job: spawn the local ranks (rank 0 of a local launch), fit, finish."""
     manifest: dict = {}  # run.json's content once the run is built; a rank that dies marks it failed
@@ -140,7 +143,7 @@ def train(
         retire_stop_markers(run_dir)
     ranks = spawn(layout, command_for_rank, failures)
     parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, failures)
-    finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, predicted_memory_bytes)
+    finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, (layout, plan, calibration))
 
 
 def spawn(layout: WorldLayout, command_for_rank: partial, failures: FailureReporting) -> LocalRanks | None:
@@ -262,7 +265,7 @@ def finish(
     run_dir: Path,
     manifest: dict,
     started: float,
-    predicted_memory_bytes: int | None,
+    planned: tuple[WorldLayout, BatchPlan, Calibration | None],
 ) -> None:
     """Wait for the local ranks; on rank 0 complete run.json, print the summary and write the report."""
     rank_zero = process_role().is_global_zero
@@ -277,6 +280,8 @@ def finish(
             write_stop_marker(run_dir, process_role().global_rank, guard.stop_reason)
             raise RunStopped(NONFINITE)
         return
+    prediction = predict_and_measure(run_cfg, parts, run_dir, planned)
+    predicted_memory_bytes = prediction["predicted"]["memory_bytes"] if prediction else None
     metrics = parts.trainer.callback_metrics
     floor = getattr(datamodule, "loss_floor", None)
     result = RunResult(
@@ -304,6 +309,8 @@ def finish(
     exported = maybe_export_hf(run_cfg, parts.ckpt_dir, run_dir) if not stopped else None
     if exported is not None:
         manifest["hf_export"] = str(exported)
+    if prediction is not None:
+        manifest["prediction"] = prediction
     write_json_atomic(run_dir / "run.json", manifest)
     say(describe_result(result))
     if exported is not None:
@@ -311,7 +318,12 @@ def finish(
     if guard is not None and guard.skipped_steps:
         say(f"  skipped     {len(guard.skipped_steps)} step(s) with non-finite loss/gradients: {guard.skipped_steps}")
     if run_cfg.diagnostics.enabled and run_cfg.diagnostics.report:
-        say_report(run_dir, parts.trainer if run_cfg.logger.name == "wandb" else None)
+        report = say_report(run_dir, parts.trainer if run_cfg.logger.name == "wandb" else None)
+        if report is not None and report.prediction is not None:  # the telemetry measured more (comm, every rank)
+            manifest["prediction"] = report.prediction
+            write_json_atomic(run_dir / "run.json", manifest)
+    elif prediction is not None:
+        say(f"  {one_line(prediction)}")
     if stopped:
         last = newest_complete(parts.ckpt_dir)
         kept = f"; last good checkpoint: {last.checkpoint}" if last else "; no checkpoint was saved before it"
@@ -337,9 +349,35 @@ def measured_peak_memory() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def say_report(run_dir: Path, wandb_trainer: object | None = None, quiet: bool = False) -> Path | None:
+def predict_and_measure(
+    run_cfg: RunConfig, parts: TrainerParts, run_dir: Path, planned: tuple[WorldLayout, BatchPlan, Calibration | None]
+) -> dict | None:
+    """The planner's prediction for this run (with this run's own start-up calibration, else ``calibration=``,
+    else datasheet numbers) beside what rank 0 measured; writes RUN_DIR/calibration.json when it measured any."""
+    layout, plan, given = planned
+    own = write_calibration(run_dir) if run_cfg.diagnostics.enabled and run_cfg.diagnostics.calibrate else None
+    record = predict_run(run_cfg, layout, plan, own or given)
+    if record is None:
+        return None
+    measured: dict = {}
+    tokens_per_s = parts.throughput.tokens_per_s
+    if tokens_per_s:
+        measured.update(
+            tokens_per_s=tokens_per_s, step_time_s=plan.global_batch_size * run_cfg.model.seq_len / tokens_per_s
+        )
+        predicted = record["predicted"]
+        if predicted.get("mfu") and predicted.get("tokens_per_s"):
+            measured["mfu"] = predicted["mfu"] * tokens_per_s / predicted["tokens_per_s"]
+    if parts.diagnostics is not None and parts.diagnostics.training_state:
+        measured["state_bytes"] = parts.diagnostics.training_state  # rank 0's; the report takes every rank's
+    if run_cfg.hw.accelerator == "gpu":
+        measured["memory_bytes"] = measured_peak_memory()
+    return with_measurement(record, measured)
+
+
+def say_report(run_dir: Path, wandb_trainer: object | None = None, quiet: bool = False) -> Report | None:
     """The bottleneck report, after every rank has finished writing telemetry, through the function that
-    ``python -m diagnose`` uses; prints its summary unless ``quiet``. Never fails the run. Returns report.md."""
+    ``python -m diagnose`` uses; prints its summary unless ``quiet``. Never fails the run."""
     from diagnostics.report import diagnose_run
     from disttrain.training.build import log_report_to_wandb
 
@@ -349,7 +387,7 @@ def say_report(run_dir: Path, wandb_trainer: object | None = None, quiet: bool =
             say(report.text_summary())
         if wandb_trainer is not None and log_report_to_wandb(wandb_trainer, run_dir):  # type: ignore[arg-type]
             say("  the report is attached to the wandb run as an artifact")
-        return report.written_to / "report.md" if report.written_to else None
+        return report
     except Exception as err:  # a broken report must not turn a finished training run into a failure
         say(f"disttrain: could not write the diagnostics report: {type(err).__name__}: {err}", file=sys.stderr)
         return None

@@ -136,12 +136,25 @@ def json_payload(result: Plan, tokens_per_s: float | None) -> dict[str, Any]:
     return payload
 
 
+def sources_line(sources: dict[str, str]) -> str:
+    """Which hw numbers the predictions rest on: measured (``calibration=``) or the profile's datasheet."""
+    named = ", ".join(f"{name} {source}" for name, source in sources.items() if source != "none")
+    return f"hw numbers: {named or 'none given'}"
+
+
 def print_plan(
-    console: Console, result: Plan, train_prefix: str, limit: int | None, tokens_per_s: float | None
+    console: Console,
+    result: Plan,
+    train_prefix: str,
+    limit: int | None,
+    tokens_per_s: float | None,
+    sources: dict[str, str] | None = None,
 ) -> None:
     """The table, then the summary lines (soft-wrapped: the train command must stay one copyable line)."""
     console.print(plan_table(result, limit))
     lines = summary_lines(result, train_prefix, limit)
+    if sources:
+        lines.insert(1, sources_line(sources))
     if tokens_per_s is not None:
         lines.append(throughput_line(result, tokens_per_s))
     for line in lines:

@@ -20,30 +20,20 @@ from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, R
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
-    DeepSpeedConfig,
-    FSDPConfig,
-    HFModelConfig,
     LoggerConfig,
-    MegatronConfig,
-    ModelConfig,
     RunConfig,
 )
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
-from disttrain.models.factory import ModelFacts, build_model_factory, resolve_target
+from disttrain.models.factory import ModelFacts, resolve_target
 from disttrain.models.module import LanguageModelModule
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.reliability.preemption import CheckpointOnSignal
-from disttrain.strategies import StrategyBuild, build_strategy
+from disttrain.strategies.spec import StrategyBuild, spec_of
 from disttrain.training.callbacks import FinalValidation, ProgressPrinter, Throughput
-
-
-def loader_batch_size(cfg: RunConfig, plan: BatchPlan) -> int:
-    """Samples per rank per data-loader batch: one micro-batch, or a whole Megatron step (the engine splits it)."""
-    return plan.samples_per_rank_per_step if isinstance(cfg.strategy, MegatronConfig) else plan.micro_batch_size
 
 
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
@@ -51,35 +41,11 @@ def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
         cls = resolve_target(cfg.data.target, "data._target_")
         return cls(seq_len=cfg.model.seq_len, micro_batch_size=plan.micro_batch_size, **cfg.data.kwargs)  # type: ignore[operator]
     return TokenDataModule(
-        cfg.data, cfg.model.seq_len, loader_batch_size(cfg, plan), plan.global_batch_size, seed=cfg.trainer.seed
-    )
-
-
-def build_module(cfg: RunConfig, plan: BatchPlan, strategy: StrategyBuild, facts: ModelFacts) -> LanguageModelModule:
-    if isinstance(cfg.strategy, MegatronConfig):
-        from disttrain.strategies.megatron import engine_settings
-        from disttrain.strategies.megatron.module import MegatronModule
-
-        assert isinstance(cfg.model, ModelConfig | HFModelConfig)  # validated: the reference or an HF Llama
-        world = cfg.hw.world_size
-        rounds = plan.accumulation // cfg.strategy.num_microbatches
-        settings = engine_settings(cfg.strategy, cfg.model, cfg.precision, world, cfg.trainer.seed, rounds)
-        return MegatronModule(
-            settings,
-            cfg.optimizer,
-            max_steps=cfg.trainer.max_steps,
-            grad_clip=cfg.trainer.grad_clip,
-            flops_per_token=facts.flops_per_token,
-            log_every_n_steps=cfg.trainer.log_every_n_steps,
-        )
-    return LanguageModelModule(
-        build_model_factory(cfg.model, cfg.trainer.seed),
-        cfg.optimizer,
-        max_steps=cfg.trainer.max_steps,
-        parallelize=strategy.parallelize,
-        flops_per_token=facts.flops_per_token,
-        log_every_n_steps=cfg.trainer.log_every_n_steps,
-        accumulation=plan.accumulation,
+        cfg.data,
+        cfg.model.seq_len,
+        spec_of(cfg.strategy).loader_batch_size(plan.micro_batch_size, plan.accumulation),
+        plan.global_batch_size,
+        seed=cfg.trainer.seed,
     )
 
 
@@ -122,9 +88,7 @@ def build_diagnostics(
         calibrate=d.calibrate,
         hang_timeout_s=d.hang_timeout_s,
     )
-    recomputes = (isinstance(cfg.strategy, FSDPConfig | DeepSpeedConfig) and cfg.strategy.activation_checkpointing) or (
-        isinstance(cfg.strategy, MegatronConfig) and cfg.strategy.activation_checkpointing == "full"
-    )
+    recomputes = spec_of(cfg.strategy).recomputes_activations
     shape = reference_shape(cfg.model)
     hardware_flops = (
         hardware_flops_per_token(shape, activation_checkpointing=recomputes)
@@ -186,22 +150,19 @@ def build_trainer(
         callbacks.append(CheckpointOnSignal(reliability.checkpoints))
     else:  # ranks are launch.py's: Lightning's hint to start them with srun (wherever srun exists) does not apply
         warnings.filterwarnings("ignore", message=r".*The `srun` command is available on your system")
-    megatron = isinstance(cfg.strategy, MegatronConfig)
-    # A Megatron loader batch is a whole step's micro-batches (the engine splits them); otherwise one micro-batch.
-    batches_per_step = 1 if megatron else plan.accumulation
+    spec = spec_of(cfg.strategy)
+    # A loader batch is a whole step's micro-batches where the strategy's engine splits them; else one micro-batch.
+    batches_per_step = 1 if spec.engine_runs_the_step else plan.accumulation
     trainer = pl.Trainer(
         accelerator=cfg.hw.accelerator,
         devices=layout.devices_per_node,
         num_nodes=layout.num_nodes,
-        # FSDP and DeepSpeed change the model and optimizer even in one process: use them whenever asked for.
-        strategy=strategy.strategy
-        if layout.world_size > 1 or cfg.strategy.name in ("fsdp", "deepspeed", "megatron")
-        else "auto",
+        strategy=strategy.strategy if layout.world_size > 1 or spec.wraps_one_process else "auto",
         precision=strategy.trainer_precision,
         max_steps=t.max_steps,
         accumulate_grad_batches=batches_per_step,
-        # Megatron's module clips by the global norm over all stages itself (manual optimization).
-        gradient_clip_val=None if megatron else t.grad_clip or None,
+        # An engine that runs the step clips by the global norm over all stages itself (manual optimization).
+        gradient_clip_val=None if spec.engine_runs_the_step else t.grad_clip or None,
         # The train loader is endless (step-based), so validation is scheduled in loader batches.
         val_check_interval=t.val_every_n_steps * batches_per_step,
         check_val_every_n_epoch=None,
@@ -227,8 +188,9 @@ def build_run(
     cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, run_dir: Path, facts: ModelFacts
 ) -> tuple[TrainerParts, LanguageModelModule, pl.LightningDataModule]:
     """Everything ``trainer.fit`` needs: the Trainer and its callbacks, the module, the datamodule."""
-    strategy = build_strategy(cfg, layout.world_size, apply_activation_checkpointing)
-    module = build_module(cfg, plan, strategy, facts)
+    spec = spec_of(cfg.strategy)
+    strategy = spec.build(cfg, layout.world_size, apply_activation_checkpointing)
+    module = spec.build_module(cfg, plan.accumulation, strategy, facts)
     datamodule = build_datamodule(cfg, plan)
     parts = build_trainer(cfg, layout, plan, strategy, run_dir, facts)
     return parts, module, datamodule

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from diagnostics.calibration import Calibration
 from disttrain.config.degrees import validate_megatron
 from disttrain.config.errors import ConfigError
 from disttrain.config.hf import reference_shape
@@ -24,8 +25,10 @@ from disttrain.config.schema import (
 )
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.planner import Layout, MemoryBreakdown, Workload, memory_per_gpu, model_shape
+from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.candidates import megatron_layouts
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, memory_limit, plan_layout
+from disttrain.strategies.spec import spec_of
 
 GIB = 2**30
 # Relative step-time difference below which strategy=auto treats two layouts as equally fast.
@@ -38,43 +41,7 @@ def workload(cfg: RunConfig, batch: BatchPlan) -> Workload:
 
 def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) -> Layout:
     """The planner's description of a DDP, FSDP2, DeepSpeed or Megatron run."""
-    if isinstance(strategy, MegatronConfig):
-        return Layout(
-            "megatron",
-            dp=world.data_parallel_size,
-            tp=strategy.tp,
-            pp=strategy.pp,
-            microbatches=batch.accumulation,
-            schedule_microbatches=strategy.num_microbatches,
-            sequence_parallel=strategy.sequence_parallel and strategy.tp > 1,
-            schedule=strategy.schedule if strategy.pp > 1 else "none",
-            virtual_stages=strategy.virtual_stages,
-            recompute=strategy.activation_checkpointing,
-            dp_type=strategy.dp_type,
-            dp_replicate={"fsdp": 1, "hsdp": strategy.dp_replicate}.get(strategy.dp_type, world.data_parallel_size),
-        )
-    if isinstance(strategy, DeepSpeedConfig):
-        return Layout(
-            "deepspeed",
-            dp=world.data_parallel_size,
-            microbatches=batch.accumulation,
-            zero_stage=strategy.stage,
-            offload_optimizer=strategy.offload_optimizer,
-            offload_params=strategy.offload_params,
-            recompute="full" if strategy.activation_checkpointing else "none",
-        )
-    if isinstance(strategy, FSDPConfig):
-        return Layout(
-            "fsdp",
-            dp=world.data_parallel_size,
-            microbatches=batch.accumulation,
-            reshard_after_forward=strategy.reshard_after_forward,
-            recompute="full" if strategy.activation_checkpointing else "none",
-            offload_optimizer=strategy.cpu_offload,
-            offload_params=strategy.cpu_offload,
-            dp_replicate=strategy.dp_replicate,
-        )
-    return Layout("ddp", dp=world.data_parallel_size, microbatches=batch.accumulation)
+    return spec_of(strategy).planner_layout(world.data_parallel_size, batch.accumulation)
 
 
 def predict_memory(cfg: RunConfig, world: WorldLayout, batch: BatchPlan) -> MemoryBreakdown | None:
@@ -167,22 +134,37 @@ def megatron_candidates(cfg: RunConfig, batch: BatchPlan) -> list[tuple[Megatron
     return options
 
 
-def resolve_auto(cfg: RunConfig, world: WorldLayout, batch: BatchPlan) -> tuple[RunConfig, str]:
-    """Replace ``strategy=auto`` by the fastest predicted layout that fits; returns the new config and why."""
+def resolve_auto(
+    cfg: RunConfig, world: WorldLayout, batch: BatchPlan, calibration: Calibration | None = None
+) -> tuple[RunConfig, str]:
+    """Replace ``strategy=auto`` by the fastest predicted layout that fits; returns the new config and why.
+
+    With a ``calibration`` (``calibration=RUN_DIR``) the predictions use that run's measured matmul rate and link
+    bandwidths, which is what lets auto choose on a machine without datasheet numbers (this CPU box)."""
     reference = reference_shape(cfg.model)
     if reference is None:
         return dataclasses.replace(cfg, strategy=DDPConfig()), "a user model: the planner cannot size it, using ddp"
     shape, work = model_shape(reference), workload(cfg, batch)
-    if cfg.hw.peak_flops(cfg.precision.compute_dtype) is None or not cfg.hw.memory_per_device_gib:
-        # No device memory limit and no peak (this CPU box): every layout fits, and DDP communicates least.
+    profile = calibrated_profile(cfg.hw, calibration, cfg.precision.compute_dtype)
+    assumptions = assumptions_for(profile)
+    if profile.hw.peak_flops(cfg.precision.compute_dtype) is None:
+        # No peak FLOP/s (this CPU box without calibration=): no step time to compare; DDP communicates least.
         return dataclasses.replace(cfg, strategy=DDPConfig()), (
-            f"hw={cfg.hw.name} has no device memory limit or peak FLOP/s; ddp replicas fit and communicate least"
+            f"hw={cfg.hw.name} has no peak FLOP/s (run once with diagnostics on and pass calibration=<that run> to "
+            "choose by measured speeds); ddp replicas communicate least"
         )
     layouts = [(option, layout_of(option, world, batch)) for option in auto_candidates(cfg)]
     scored = []
     for option, layout in [*layouts, *megatron_candidates(cfg, batch)]:
-        predicted = plan_layout(shape, layout, work, cfg.hw)
+        try:
+            predicted = plan_layout(shape, layout, work, profile.hw, assumptions)
+        except ValueError:
+            continue  # a link this layout needs has no bandwidth (datasheet or measured): it cannot be timed
         scored.append((not predicted.fits, predicted.estimate.step_time_s, option, predicted))
+    if not scored:
+        return dataclasses.replace(cfg, strategy=DDPConfig()), (
+            f"hw={cfg.hw.name} gives no link bandwidth to time any layout; ddp replicas communicate least"
+        )
     # Candidates come simplest first (DDP, FSDP2, DeepSpeed, Megatron); the sort is stable, step times are estimates:
     # within AUTO_TIE of the fastest, the earliest candidate wins, so a rounding-level difference never picks
     # the more complex stack.
@@ -203,4 +185,6 @@ def resolve_auto(cfg: RunConfig, world: WorldLayout, batch: BatchPlan) -> tuple[
         f"{predicted.memory.total / GIB:.1f} GiB per GPU) among {fitting} of {len(scored)} "
         "ddp/fsdp/deepspeed/megatron layouts that fit"
     )
+    if profile.measured:
+        why += f" (measured speeds of {profile.calibration.source})"  # type: ignore[union-attr]
     return dataclasses.replace(cfg, strategy=chosen), why

@@ -1,0 +1,92 @@
+"""How close the planner's prediction for a run is to what the run measures, per layout, on this machine.
+
+Each layout of the default model runs with the diagnostics on (so it calibrates at start-up: matmul rate, memory
+bandwidth, the bus bandwidth of each collective); run.json then holds the planner's prediction with those measured
+speeds beside the measurement. Layouts are interleaved per repeat; the table shows the median over repeats of
+each error (predicted / measured - 1) with its spread. Target (issue: close the loop): step time within +-15%.
+
+    python benchmarks/plan_accuracy.py                      # ddp, fsdp, deepspeed-2, megatron tp2, megatron pp2
+    python benchmarks/plan_accuracy.py --repeats 3 --steps 80
+    python benchmarks/plan_accuracy.py --layouts ddp fsdp --extra model=gpt-micro
+
+hw=cpu has no datasheet numbers: without calibration nothing but memory can be predicted here (run.json says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_cli import train_manifest
+
+LAYOUTS = {
+    "ddp": ["strategy=ddp"],
+    "fsdp": ["strategy=fsdp"],
+    "deepspeed-2": ["strategy=deepspeed", "strategy.stage=2"],
+    "megatron-tp2": ["strategy=megatron", "strategy.tp=2"],
+    "megatron-pp2": ["strategy=megatron", "strategy.pp=2"],
+}
+QUANTITIES = ("step_time_s", "comm_s", "state_bytes", "tokens_per_s")
+TARGET = 0.15
+
+
+def one_run(layout: str, steps: int, extra: list[str]) -> dict:
+    overrides = [
+        *LAYOUTS[layout],
+        f"trainer.max_steps={steps}",
+        f"trainer.val_every_n_steps={steps}",
+        "trainer.val_batches=1",
+        f"trainer.ckpt_every_n_steps={steps}",
+        "trainer.global_batch_size=32",  # the same global batch for every layout (Megatron tp2 has dp=1)
+        *extra,
+    ]
+    return train_manifest(overrides).get("prediction") or {}
+
+
+def median_and_spread(values: list[float]) -> str:
+    mid = statistics.median(values)
+    return f"{mid:+.0%} ({min(values):+.0%}..{max(values):+.0%})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--extra", nargs="*", default=[], help="extra `python -m train` overrides for every run")
+    args = parser.parse_args()
+    errors: dict[str, dict[str, list[float]]] = {name: {q: [] for q in QUANTITIES} for name in args.layouts}
+    examples: dict[str, dict] = {}
+    for repeat in range(args.repeats):
+        order = args.layouts[repeat % len(args.layouts) :] + args.layouts[: repeat % len(args.layouts)]
+        for name in order:
+            record = one_run(name, args.steps, args.extra)
+            examples[name] = record
+            for q, e in (record.get("error") or {}).items():
+                if q in errors[name]:
+                    errors[name][q].append(e)
+            step = (record.get("error") or {}).get("step_time_s")
+            shown = "n/a" if step is None else f"{step:+.1%}"
+            print(f"  repeat {repeat + 1} {name}: step-time error {shown}", flush=True)
+    header = f"{'layout':<14}" + "".join(f"{q:>26}" for q in QUANTITIES) + "  predicted / measured step (last run)"
+    print("\nmedian error (min..max) over repeats, predicted / measured - 1:")
+    print(header)
+    met = 0
+    for name in args.layouts:
+        cells = [median_and_spread(errors[name][q]) if errors[name][q] else "n/a" for q in QUANTITIES]
+        record = examples.get(name) or {}
+        p, m = (record.get("predicted") or {}), (record.get("measured") or {})
+        last = f"{p.get('step_time_s', 0) * 1e3:.0f} ms / {m.get('step_time_s', 0) * 1e3:.0f} ms"
+        print(f"{name:<14}" + "".join(f"{c:>26}" for c in cells) + f"  {last}")
+        step = errors[name]["step_time_s"]
+        met += bool(step) and abs(statistics.median(step)) <= TARGET
+    basis = next(iter(examples.values()), {}).get("basis")
+    print(f"\nhw numbers: {basis}")
+    print(f"step time within +-{TARGET:.0%}: {met} of {len(args.layouts)} layouts")
+
+
+if __name__ == "__main__":
+    main()

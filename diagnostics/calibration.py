@@ -1,0 +1,124 @@
+"""A run's measured speeds (matmul FLOP/s per dtype, memory bandwidth, bus bandwidth per link), read back from
+its telemetry so the planner can predict with this machine's numbers instead of datasheet ones.
+
+Pure Python over a run directory: ``python -m plan calibration=RUN_DIR`` works on a laptop over a run dir copied
+from the cluster. ``RUN_DIR/calibration.json`` holds the same figures once a run has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from diagnostics.files import write_text_atomic
+from diagnostics.telemetry import TELEMETRY_DIR
+
+CALIBRATION_FILE = "calibration.json"
+LINKS = ("intra_node", "inter_node")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    matmul_flops_per_s: dict[str, float] = field(default_factory=dict)  # by compute dtype: median over ranks
+    memory_bandwidth_gbps: float | None = None
+    # link -> collective -> bus bandwidth GB/s (nccl-tests convention), median over ranks
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
+    ranks: int = 0
+    source: str = ""  # the run dir it was measured in
+
+    def bus_bandwidth_gbps(self, link: str) -> float | None:
+        """One figure per link for the planner's link model: the median over the collectives measured on it."""
+        ops = self.links.get(link)
+        return statistics.median(ops.values()) if ops else None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.matmul_flops_per_s or self.memory_bandwidth_gbps or self.links)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    records = []
+    for path in sorted((run_dir / TELEMETRY_DIR).glob("rank*.jsonl")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line of a killed rank
+            if isinstance(record, dict) and record.get("kind") in (
+                "calibration",
+                "link_calibration",
+                "memory_calibration",
+            ):
+                records.append(record)
+    return records
+
+
+def _positive(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
+
+
+def calibration_from_telemetry(run_dir: Path) -> Calibration:
+    """Each rank's best matmul rate (start or end: load only ever lowers it), then the median over ranks."""
+    best: dict[tuple[str, int], float] = {}
+    memory: list[float] = []
+    links: dict[tuple[str, str], list[float]] = {}
+    ranks: set[int] = set()
+    for r in _records(run_dir):
+        rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
+        ranks.add(rank)
+        if r["kind"] == "calibration" and (rate := _positive(r.get("flops_per_s"))) and isinstance(r.get("dtype"), str):
+            key = (r["dtype"], rank)
+            best[key] = max(best.get(key, 0.0), rate)
+        elif r["kind"] == "memory_calibration" and (gbps := _positive(r.get("bandwidth_gbps"))):
+            memory.append(gbps)
+        elif (
+            r["kind"] == "link_calibration"
+            and (gbps := _positive(r.get("busbw_gbps")))
+            and r.get("link") in LINKS
+            and isinstance(r.get("op"), str)
+        ):
+            links.setdefault((r["link"], r["op"]), []).append(gbps)
+    matmul: dict[str, list[float]] = {}
+    for (dtype, _), rate in best.items():
+        matmul.setdefault(dtype, []).append(rate)
+    by_link: dict[str, dict[str, float]] = {}
+    for (link, op), values in links.items():
+        by_link.setdefault(link, {})[op] = statistics.median(values)
+    return Calibration(
+        matmul_flops_per_s={dtype: statistics.median(rates) for dtype, rates in matmul.items()},
+        memory_bandwidth_gbps=statistics.median(memory) if memory else None,
+        links=by_link,
+        ranks=len(ranks),
+        source=str(run_dir),
+    )
+
+
+def write_calibration(run_dir: Path) -> Calibration | None:
+    """RUN_DIR/calibration.json from the run's telemetry; None (nothing written) when nothing was measured."""
+    calibration = calibration_from_telemetry(Path(run_dir))
+    if calibration.empty:
+        return None
+    write_text_atomic(Path(run_dir) / CALIBRATION_FILE, json.dumps(asdict(calibration), indent=2) + "\n")
+    return calibration
+
+
+def read_calibration(path: Path) -> Calibration:
+    """The calibration of a run dir (its calibration.json, else its telemetry) or of a calibration.json file.
+
+    Raises ValueError naming what is missing: the caller turns it into the user's one-line error."""
+    path = Path(path).expanduser()
+    file = path / CALIBRATION_FILE if path.is_dir() else path
+    if file.is_file():
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            return Calibration(**data)
+        except (json.JSONDecodeError, TypeError) as err:
+            raise ValueError(f"{file} is not a calibration file ({err})") from None
+    if not path.is_dir():
+        raise ValueError(f"'{path}' is neither a run directory nor a {CALIBRATION_FILE}")
+    calibration = calibration_from_telemetry(path)
+    if calibration.empty:
+        raise ValueError(f"'{path}' holds no calibration records (run it with diagnostics.calibrate=true)")
+    return calibration

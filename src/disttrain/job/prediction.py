@@ -1,0 +1,69 @@
+"""The planner's prediction for a run's own layout, recorded in run.json beside what the run measured.
+
+Predictions use this machine's calibration when there is one (the run's own start-up measurements, or a
+``calibration=RUN_DIR`` given on the command line), else the hw profile's datasheet numbers; run.json says which
+per number. The comparison itself (``diagnostics.prediction``) is shared with the report and the sweep report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diagnostics.calibration import Calibration
+from diagnostics.prediction import compare
+from disttrain.config.hf import reference_shape
+from disttrain.config.schema import RunConfig
+from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.planner import model_shape
+from disttrain.planner.calibrated import assumptions_for, calibrated_profile
+from disttrain.planner.comm import link_time
+from disttrain.planner.plan import plan_layout
+from disttrain.strategies.auto import layout_of, workload
+
+
+def predict_run(
+    cfg: RunConfig, world: WorldLayout, batch: BatchPlan, calibration: Calibration | None
+) -> dict[str, Any] | None:
+    """Predicted memory, step time, communication, tokens/s and MFU of this run; None for a user model (the
+    planner cannot see its shape). Step-time figures are absent, with the reason, when no peak is known."""
+    reference = reference_shape(cfg.model)
+    if reference is None or cfg.strategy.name == "auto":
+        return None
+    profile = calibrated_profile(cfg.hw, calibration, cfg.precision.compute_dtype)
+    assumptions = assumptions_for(profile)
+    shape, work = model_shape(reference), workload(cfg, batch)
+    layout = layout_of(cfg.strategy, world, batch)
+    record: dict[str, Any] = {
+        "basis": profile.sources,
+        "calibration": calibration.source if calibration is not None else None,
+        "layout": layout.label(),
+    }
+    predicted: dict[str, Any] = {}
+    try:
+        candidate = plan_layout(shape, layout, work, profile.hw, assumptions)
+    except ValueError as err:  # no peak FLOP/s or no bandwidth for a link this layout uses
+        record["unpredicted"] = str(err)
+        from disttrain.planner import memory_per_gpu
+
+        memory = memory_per_gpu(shape, layout, work, assumptions.flash_attention)
+    else:
+        memory, estimate = candidate.memory, candidate.estimate
+        predicted.update(
+            step_time_s=estimate.step_time_s,
+            compute_s=estimate.compute_s,
+            comm_s=link_time(candidate.comm, profile.hw, assumptions.host_link_gbps),
+            exposed_comm_s=estimate.exposed_comm_s,
+            bubble_s=estimate.bubble_s,
+            optimizer_step_s=estimate.optimizer_step_s,
+            tokens_per_s=estimate.tokens_per_s,
+            mfu=estimate.mfu,
+            peak_flops=profile.hw.peak_flops(cfg.precision.compute_dtype),
+        )
+    predicted.update(memory_bytes=memory.total, state_bytes=memory.params + memory.grads + memory.optimizer_states)
+    record["predicted"] = predicted
+    return record
+
+
+def with_measurement(record: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with what the run measured and each prediction's relative error (predicted / measured - 1)."""
+    return {**record, "measured": measured, "error": compare(record.get("predicted", {}), measured)}

@@ -1,0 +1,81 @@
+"""A hardware profile with this machine's measured speeds in place of its datasheet ones.
+
+The calibration (``diagnostics.calibration``) replaces, where it measured them: the matmul peak of the run's
+compute dtype, the memory bandwidth (the optimizer step), and the bus bandwidth of the intra-node and
+inter-node links. ``sources`` says for each number the planner reads whether it is ``measured`` or
+``datasheet`` (or ``none``), which ``python -m plan`` prints and run.json records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from diagnostics.calibration import Calibration
+from disttrain.config.hardware import HardwareProfile
+from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
+from disttrain.planner.spec import Assumptions
+
+# What the planner reads from a profile, in the order the sources are listed.
+CALIBRATED_FIELDS = ("peak_tflops", "hbm_bandwidth_gbps", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps")
+
+
+@dataclass(frozen=True)
+class CalibratedProfile:
+    hw: HardwareProfile
+    sources: dict[str, str]  # field -> measured | datasheet | none
+    calibration: Calibration | None = None
+
+    @property
+    def measured(self) -> bool:
+        return "measured" in self.sources.values()
+
+    def describe(self) -> str:
+        """``peak_tflops measured, intra_node_bandwidth_gbps datasheet, ...`` for tables and run.json."""
+        return ", ".join(f"{name} {source}" for name, source in self.sources.items())
+
+
+def _source(value: object) -> str:
+    return "datasheet" if value else "none"
+
+
+def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, compute_dtype: str) -> CalibratedProfile:
+    """``hw`` with the measured figures of ``calibration`` (the matmul rate of ``compute_dtype``) substituted.
+
+    The measured matmul rate is what a large matmul reaches here, so it stands in for the peak and
+    ``Assumptions.calibrated_compute_efficiency`` (not the datasheet's ``compute_efficiency``) scales it. The
+    link model (``planner.comm.link_time``) times a whole-world collective across nodes as its bus volume over
+    the inter-node figure, so the world group's measured bus bandwidth is that figure as it is."""
+    sources = {
+        "peak_tflops": _source(hw.peak_flops(compute_dtype)),
+        "hbm_bandwidth_gbps": _source(hw.hbm_bandwidth_gbps),
+        "intra_node_bandwidth_gbps": _source(hw.intra_node_bandwidth_gbps),
+        "inter_node_bandwidth_gbps": _source(hw.inter_node_bandwidth_gbps),
+    }
+    if calibration is None:
+        return CalibratedProfile(hw, sources)
+    changes: dict[str, object] = {}
+    rate = calibration.matmul_flops_per_s.get(compute_dtype)
+    if rate:
+        changes["peak_tflops"] = {**hw.peak_tflops, compute_dtype: rate / 1e12}
+        sources["peak_tflops"] = "measured"
+    if calibration.memory_bandwidth_gbps:
+        changes["hbm_bandwidth_gbps"] = calibration.memory_bandwidth_gbps
+        sources["hbm_bandwidth_gbps"] = "measured"
+    intra = calibration.bus_bandwidth_gbps("intra_node")
+    if intra:
+        changes["intra_node_bandwidth_gbps"] = intra
+        sources["intra_node_bandwidth_gbps"] = "measured"
+    inter = calibration.bus_bandwidth_gbps("inter_node")
+    if inter:
+        changes["inter_node_bandwidth_gbps"] = inter
+        sources["inter_node_bandwidth_gbps"] = "measured"
+    return CalibratedProfile(dataclasses.replace(hw, **changes), sources, calibration)  # type: ignore[arg-type]
+
+
+def assumptions_for(profile: CalibratedProfile, assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> Assumptions:
+    """A measured matmul rate is already what large matmuls reach here: it is scaled by the calibrated efficiency
+    instead of the datasheet one."""
+    if profile.sources.get("peak_tflops") != "measured":
+        return assumptions
+    return dataclasses.replace(assumptions, compute_efficiency=assumptions.calibrated_compute_efficiency)

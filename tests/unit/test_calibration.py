@@ -1,0 +1,141 @@
+"""Calibration read back from telemetry, the planner's calibrated profile, and predicted-vs-measured errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diagnostics.calibration import (
+    CALIBRATION_FILE,
+    Calibration,
+    calibration_from_telemetry,
+    read_calibration,
+    write_calibration,
+)
+from diagnostics.collect.state_bytes import training_state_bytes
+from diagnostics.prediction import compare, comparison_rows, one_line
+from diagnostics.telemetry import TelemetryWriter, telemetry_path
+from disttrain.config.calibration import load_calibration
+from disttrain.config.errors import ConfigError
+from disttrain.planner.calibrated import assumptions_for, calibrated_profile
+from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
+from tests.conftest import hw_profile
+
+
+def write_calibration_run(run_dir: Path, *, torn: bool = False) -> None:
+    for rank, (start, end, busbw, memory) in enumerate([(1.0e11, 1.2e11, 4.0, 10.0), (0.8e11, 0.9e11, 6.0, 12.0)]):
+        w = TelemetryWriter(run_dir, rank)
+        w.write("calibration", when="start", dtype="fp32", matrix_size=512, flops_per_s=start, seconds=0.3)
+        w.write("memory_calibration", bandwidth_gbps=memory)
+        for op, factor in (("all_reduce", 1.0), ("all_gather", 2.0), ("reduce_scatter", 3.0)):
+            w.write(
+                "link_calibration", link="intra_node", op=op, ranks=2, bytes=8 << 20, seconds=0.01,
+                algbw_gbps=busbw, busbw_gbps=busbw * factor,
+            )  # fmt: skip
+        w.write("calibration", when="end", dtype="fp32", matrix_size=512, flops_per_s=end, seconds=0.3)
+        w.close()
+    if torn:
+        with telemetry_path(run_dir, 1).open("a") as f:
+            f.write('{"kind": "calibration", "dtype"')
+
+
+def test_each_rank_keeps_its_best_matmul_rate_and_the_run_takes_the_median(tmp_path: Path) -> None:
+    write_calibration_run(tmp_path, torn=True)
+    cal = calibration_from_telemetry(tmp_path)
+    assert cal.matmul_flops_per_s == {"fp32": pytest.approx((1.2e11 + 0.9e11) / 2)}
+    assert cal.memory_bandwidth_gbps == pytest.approx(11.0)
+    assert cal.links["intra_node"] == pytest.approx({"all_reduce": 5.0, "all_gather": 10.0, "reduce_scatter": 15.0})
+    assert cal.bus_bandwidth_gbps("intra_node") == pytest.approx(10.0)  # the median over the three collectives
+    assert cal.bus_bandwidth_gbps("inter_node") is None
+    assert cal.ranks == 2
+
+
+def test_calibration_file_round_trips_and_bad_paths_name_the_key(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write_calibration_run(run)
+    written = write_calibration(run)
+    assert written is not None and (run / CALIBRATION_FILE).is_file()
+    assert read_calibration(run) == written == read_calibration(run / CALIBRATION_FILE)
+    (tmp_path / "empty").mkdir()
+    assert write_calibration(tmp_path / "empty") is None
+    with pytest.raises(ConfigError, match=r"calibration: .*no calibration records"):
+        load_calibration(str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match=r"calibration: .*neither a run directory"):
+        load_calibration(str(tmp_path / "missing"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a calibration file"):
+        load_calibration(str(tmp_path / "bad.json"))
+
+
+def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
+    cal = Calibration(
+        matmul_flops_per_s={"bf16": 2.0e14},
+        memory_bandwidth_gbps=1500.0,
+        links={"intra_node": {"all_reduce": 100.0}, "inter_node": {"all_reduce": 20.0}},
+        source="RUN",
+    )
+    a100 = hw_profile("2x8xh100")
+    profile = calibrated_profile(a100, cal, "bf16")
+    assert profile.hw.peak_flops("bf16") == pytest.approx(2.0e14)
+    assert profile.hw.hbm_bandwidth_gbps == 1500.0
+    assert profile.hw.intra_node_bandwidth_gbps == 100.0
+    assert profile.hw.inter_node_bandwidth_gbps == 20.0  # a world group's bus bandwidth is the per-node figure
+    assert set(profile.sources.values()) == {"measured"}
+    assert assumptions_for(profile).compute_efficiency == DEFAULT_ASSUMPTIONS.calibrated_compute_efficiency
+    datasheet = calibrated_profile(a100, Calibration(matmul_flops_per_s={"fp32": 1e13}), "bf16")
+    assert datasheet.hw == a100 and datasheet.sources["peak_tflops"] == "datasheet"
+    assert assumptions_for(datasheet) == DEFAULT_ASSUMPTIONS
+    cpu = calibrated_profile(hw_profile("cpu"), None, "fp32")
+    assert cpu.sources == {
+        "peak_tflops": "none",
+        "hbm_bandwidth_gbps": "none",
+        "intra_node_bandwidth_gbps": "none",
+        "inter_node_bandwidth_gbps": "none",
+    }
+
+
+def test_errors_are_predicted_over_measured_and_rows_show_what_either_side_has() -> None:
+    record = {
+        "basis": {"peak_tflops": "measured"},
+        "predicted": {"step_time_s": 0.12, "comm_s": 0.02, "state_bytes": 3 * 2**30, "mfu": 0.4},
+        "measured": {"step_time_s": 0.10, "comm_s": 0.04, "state_bytes": 3 * 2**30, "tokens_per_s": 1000.0},
+    }
+    errors = compare(record["predicted"], record["measured"])
+    assert errors == pytest.approx({"step_time_s": 0.2, "comm_s": -0.5, "state_bytes": 0.0})
+    rows = {r[0]: r[1:] for r in comparison_rows(record)}
+    assert rows["step time"] == ("120.0 ms", "100.0 ms", "+20%")
+    assert rows["tokens/s"] == ("n/a", "1,000", "n/a")
+    line = one_line(record)
+    assert line.startswith("planner (calibrated) predicted vs measured: step time 120.0 ms vs 100.0 ms (+20%)")
+    assert "communication per step 20.0 ms vs 40.0 ms (-50%)" in line
+    assert one_line({"unpredicted": "no peak"}) == "planner: no peak"
+
+
+def test_training_state_counts_parameters_gradients_and_adam_states_once() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=True))
+    model[1].weight = model[0].weight  # tied: one storage
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    params = sum(p.numel() * 4 for p in model.parameters())  # the tied weight once: parameters() dedups
+    steps = sum(s["step"].untyped_storage().nbytes() for s in optimizer.state.values())
+    # parameters, their gradients, Adam's two moments, and its step counters
+    assert training_state_bytes(model, [optimizer]) == 4 * params + steps
+    assert training_state_bytes(model, []) == 2 * params
+
+
+def test_prediction_is_read_back_into_the_sweep_row(tmp_path: Path) -> None:
+    from diagnostics.report.sweep import load_run
+    from diagnostics.report.sweep_render import _planner
+
+    run = tmp_path / "0"
+    run.mkdir()
+    record = {
+        "predicted": {"step_time_s": 0.11, "state_bytes": 100},
+        "measured": {"step_time_s": 0.1, "state_bytes": 80},
+    }
+    (run / "run.json").write_text(json.dumps({"status": "completed", "result": {}, "prediction": record}))
+    assert _planner(load_run(tmp_path, run)) == "step +10%, state +25%"
