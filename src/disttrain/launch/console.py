@@ -10,6 +10,7 @@ opened (RUN_DIR/<job name>.log). The run's own lines (``say``) are prints and ar
 from __future__ import annotations
 
 import logging
+import os
 
 LIBRARY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
@@ -19,6 +20,9 @@ def _console(handler: logging.Handler) -> bool:
 
 
 def route_library_output_to_log_file() -> None:
+    # Kineto (the profiler window) prints "USDT: ... profiler_start/stop" from C++ straight to the console on every
+    # rank; its levels below 6 all include those lines. A user's own KINETO_LOG_LEVEL wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     root = logging.getLogger()
     files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
     for name in LIBRARY_LOGGERS:
