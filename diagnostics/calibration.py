@@ -25,6 +25,8 @@ class Calibration:
     memory_bandwidth_gbps: float | None = None
     # link -> collective -> bus bandwidth GB/s (nccl-tests convention), median over ranks
     links: dict[str, dict[str, float]] = field(default_factory=dict)
+    # link -> microseconds one collective call costs whatever its size: median over collectives and ranks
+    latency_us: dict[str, float] = field(default_factory=dict)
     ranks: int = 0
     source: str = ""  # the run dir it was measured in
 
@@ -64,6 +66,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     best: dict[tuple[str, int], float] = {}
     memory: list[float] = []
     links: dict[tuple[str, str], list[float]] = {}
+    latencies: dict[str, list[float]] = {}
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
@@ -80,6 +83,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             and isinstance(r.get("op"), str)
         ):
             links.setdefault((r["link"], r["op"]), []).append(gbps)
+            if latency := _positive(r.get("latency_us")):
+                latencies.setdefault(r["link"], []).append(latency)
     matmul: dict[str, list[float]] = {}
     for (dtype, _), rate in best.items():
         matmul.setdefault(dtype, []).append(rate)
@@ -90,6 +95,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         matmul_flops_per_s={dtype: statistics.median(rates) for dtype, rates in matmul.items()},
         memory_bandwidth_gbps=statistics.median(memory) if memory else None,
         links=by_link,
+        latency_us={link: statistics.median(values) for link, values in latencies.items()},
         ranks=len(ranks),
         source=str(run_dir),
     )

@@ -28,7 +28,8 @@ Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
 - ``calibration``: the measured matmul FLOP/s of this device, at the ``start`` and the ``end`` of training; the
   calibrated peak is the larger (other processes' load on a shared host only ever lowers a measurement).
 - ``link_calibration``: at start-up, one collective (all-reduce, all-gather, reduce-scatter) timed over the run's
-  ``intra_node`` or ``inter_node`` group, with nccl-tests' algorithm and bus bandwidths (GB/s).
+  ``intra_node`` or ``inter_node`` group, with nccl-tests' algorithm and bus bandwidths (GB/s) and the latency of
+  a one-element-per-rank call (microseconds).
 - ``memory_calibration``: at start-up, this device's streaming memory bandwidth (GB/s of ``a = b + c``).
 - ``error``: a collector failed; training went on.
 - ``hang``: the watchdog fired: no step completed within the timeout.
@@ -77,7 +78,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
         "steps_measured",
     ),
     "calibration": ("when", "dtype", "matrix_size", "flops_per_s", "seconds"),
-    "link_calibration": ("link", "op", "ranks", "bytes", "seconds", "algbw_gbps", "busbw_gbps"),
+    "link_calibration": ("link", "op", "ranks", "bytes", "seconds", "algbw_gbps", "busbw_gbps", "latency_us"),
     "memory_calibration": ("bandwidth_gbps",),
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),

@@ -37,14 +37,34 @@ BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: 
 BUS_FACTORS["reduce_scatter"] = BUS_FACTORS["all_gather"]
 
 
-def collective_bandwidth(op: str, group: object | None, nbytes: int, device: torch.device, repeats: int = 5) -> dict:
+def collective_bandwidth(op: str, group: object | None, nbytes: int, device: torch.device, repeats: int = 3) -> dict:
     """Median time of ``op`` over a ``nbytes`` buffer (the full, unsharded size) in ``group`` after one warm-up;
-    algorithm bandwidth = nbytes / time, bus bandwidth = algorithm bandwidth x the nccl-tests factor. Every rank
-    of ``group`` must call it with the same arguments."""
+    algorithm bandwidth = nbytes / time, bus bandwidth = algorithm bandwidth x the nccl-tests factor; and the
+    latency: the median time of the same call over one element per rank. Every rank of ``group`` must call it
+    with the same arguments."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
-    numel = max(n, nbytes // 4 // n * n)
+    seconds, size = _median_call(op, group, max(n, nbytes // 4 // n * n), n, device, repeats)
+    latency, _ = _median_call(op, group, n, n, device, repeats)
+    algbw = size / seconds / 1e9
+    return {
+        "op": op,
+        "ranks": n,
+        "bytes": size,
+        "seconds": seconds,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * BUS_FACTORS[op](n),
+        "latency_us": latency * 1e6,
+    }
+
+
+def _median_call(
+    op: str, group: object | None, numel: int, n: int, device: torch.device, repeats: int
+) -> tuple[float, int]:
+    """(median seconds of one ``op`` call over ``numel`` fp32 elements, the buffer's bytes)."""
+    import torch.distributed as dist
+
     full = torch.ones(numel, device=device, dtype=torch.float32)
     shard = torch.ones(numel // n, device=device, dtype=torch.float32)
     run = {
@@ -62,20 +82,10 @@ def collective_bandwidth(op: str, group: object | None, nbytes: int, device: tor
         sync()
         if i:  # the first call sets up the connections
             times.append(time.perf_counter() - start)
-    seconds = sorted(times)[len(times) // 2]
-    size = numel * 4
-    algbw = size / seconds / 1e9
-    return {
-        "op": op,
-        "ranks": n,
-        "bytes": size,
-        "seconds": seconds,
-        "algbw_gbps": algbw,
-        "busbw_gbps": algbw * BUS_FACTORS[op](n),
-    }
+    return sorted(times)[len(times) // 2], numel * 4
 
 
-def memory_bandwidth_gbps(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
+def memory_bandwidth_gbps(device: torch.device, nbytes: int = 32 * 2**20, repeats: int = 3) -> float:
     """Streaming bandwidth of ``a = b + c`` (three buffers of ``nbytes`` moved): what a memory-bound optimizer step
     runs at on this device."""
     numel = nbytes // 4

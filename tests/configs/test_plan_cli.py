@@ -179,6 +179,8 @@ def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Pat
         "hbm_bandwidth_gbps": "measured",
         "intra_node_bandwidth_gbps": "measured",
         "inter_node_bandwidth_gbps": "none",
+        "intra_node_latency_us": "measured",
+        "inter_node_latency_us": "none",
     }
     assert payload["recommended"] is not None  # hw=cpu has no datasheet peak: only the calibration times steps
     table = run_plan(args[:-1], tmp_path)

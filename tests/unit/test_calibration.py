@@ -33,7 +33,7 @@ def write_calibration_run(run_dir: Path, *, torn: bool = False) -> None:
         for op, factor in (("all_reduce", 1.0), ("all_gather", 2.0), ("reduce_scatter", 3.0)):
             w.write(
                 "link_calibration", link="intra_node", op=op, ranks=2, bytes=8 << 20, seconds=0.01,
-                algbw_gbps=busbw, busbw_gbps=busbw * factor,
+                algbw_gbps=busbw, busbw_gbps=busbw * factor, latency_us=100.0 * factor * (rank + 1),
             )  # fmt: skip
         w.write("calibration", when="end", dtype="fp32", matrix_size=512, flops_per_s=end, seconds=0.3)
         w.close()
@@ -50,6 +50,7 @@ def test_each_rank_keeps_its_best_matmul_rate_and_the_run_takes_the_median(tmp_p
     assert cal.links["intra_node"] == pytest.approx({"all_reduce": 5.0, "all_gather": 10.0, "reduce_scatter": 15.0})
     assert cal.bus_bandwidth_gbps("intra_node") == pytest.approx(10.0)  # the median over the three collectives
     assert cal.bus_bandwidth_gbps("inter_node") is None
+    assert cal.latency_us == {"intra_node": pytest.approx(250.0)}  # median of every rank's and op's: 100..600
     assert cal.ranks == 2
 
 
@@ -75,6 +76,7 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         matmul_flops_per_s={"bf16": 2.0e14},
         memory_bandwidth_gbps=1500.0,
         links={"intra_node": {"all_reduce": 100.0}, "inter_node": {"all_reduce": 20.0}},
+        latency_us={"intra_node": 8.0, "inter_node": 25.0},
         source="RUN",
     )
     a100 = hw_profile("2x8xh100")
@@ -83,18 +85,22 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
     assert profile.hw.hbm_bandwidth_gbps == 1500.0
     assert profile.hw.intra_node_bandwidth_gbps == 100.0
     assert profile.hw.inter_node_bandwidth_gbps == 20.0  # a world group's bus bandwidth is the per-node figure
+    assert (profile.hw.intra_node_latency_us, profile.hw.inter_node_latency_us) == (8.0, 25.0)
     assert set(profile.sources.values()) == {"measured"}
     assert assumptions_for(profile).compute_efficiency == DEFAULT_ASSUMPTIONS.calibrated_compute_efficiency
     datasheet = calibrated_profile(a100, Calibration(matmul_flops_per_s={"fp32": 1e13}), "bf16")
     assert datasheet.hw == a100 and datasheet.sources["peak_tflops"] == "datasheet"
     assert assumptions_for(datasheet) == DEFAULT_ASSUMPTIONS
     cpu = calibrated_profile(hw_profile("cpu"), None, "fp32")
-    assert cpu.sources == {
-        "peak_tflops": "none",
-        "hbm_bandwidth_gbps": "none",
-        "intra_node_bandwidth_gbps": "none",
-        "inter_node_bandwidth_gbps": "none",
+    assert set(cpu.sources) == {
+        "peak_tflops",
+        "hbm_bandwidth_gbps",
+        "intra_node_bandwidth_gbps",
+        "inter_node_bandwidth_gbps",
+        "intra_node_latency_us",
+        "inter_node_latency_us",
     }
+    assert set(cpu.sources.values()) == {"none"}
 
 
 def test_errors_are_predicted_over_measured_and_rows_show_what_either_side_has() -> None:

@@ -157,8 +157,42 @@ def test_megatron_without_pipelining_gathers_weights_every_micro_batch() -> None
     comm = comm_plan(shape, flat, workload, hw("8xa100"))
     group = process_groups(flat, hw("8xa100"))["dp_shard"]
     slice_ = shape.stage_parameters(2, 1, 0)
-    assert comm.mb_fwd == collective_bytes("all_gather", 2 * slice_, group)
-    assert comm.mb_bwd == collective_bytes("all_gather", 2 * shape.n_layers * shape.block_tp_numel(2), group)
+    units = shape.n_layers + 1  # one all-gather call per block, then the root
+    assert comm.mb_fwd == collective_bytes("all_gather", 2 * slice_, group, units)
+    assert comm.mb_bwd == collective_bytes(
+        "all_gather", 2 * shape.n_layers * shape.block_tp_numel(2), group, shape.n_layers
+    )
     assert comm.step_fwd.network == 0
     piped = Layout("megatron", dp=2, tp=2, pp=2, microbatches=8, schedule="1f1b")
     assert comm_plan(shape, piped, workload, hw("8xa100")).mb_fwd.network == 0
+
+
+@pytest.mark.parametrize(("preset", "per_layer"), [("gpt-nano", 6), ("llama-7b", 7)])
+def test_tensor_parallel_activation_collectives_as_the_engine_issues_them(preset: str, per_layer: int) -> None:
+    """Forward: the two row-parallel outputs. Backward: one per column-parallel input projection (q, k, v, w1, and
+    w3 under SwiGLU), since each module sums its own input gradient. Plus the vocab-parallel embedding output and
+    the LM head's input gradient."""
+    from disttrain.planner.comm import process_groups
+
+    shape = model_shape(model(preset))
+    workload = Workload(2, 4, shape.seq_len, "fp32")
+    layout = Layout("megatron", dp=1, tp=2, microbatches=2)
+    activation = 2 * shape.seq_len * shape.d_model * 4
+    group = process_groups(layout, hw("8xa100"))["tp"]
+    expected = collective_bytes("all_reduce", activation, group).scale(per_layer * shape.n_layers + 2)
+    assert comm_plan(shape, layout, workload, hw("8xa100")).mb_exposed == expected
+
+
+def test_every_collective_call_pays_its_links_latency_once() -> None:
+    """Bytes over bandwidth, plus calls x latency per link class; FSDP2 issues one call per unit (block or root)."""
+    cpu = dataclasses.replace(hw("cpu"), intra_node_bandwidth_gbps=1.0, intra_node_latency_us=500.0)
+    group = Group(2, 2)
+    one = collective_bytes("all_gather", 1e6, group)
+    many = collective_bytes("all_gather", 1e6, group, calls=10)
+    assert (one.intra_calls, many.intra_calls) == (1, 10) and one.intra == many.intra
+    assert link_time(many, cpu, 25.0) - link_time(one, cpu, 25.0) == pytest.approx(9 * 500e-6)
+    assert link_time(one.scale(3), cpu, 25.0) == pytest.approx(3 * (0.5e6 / 1e9 + 500e-6))
+    shape = model_shape(model("gpt-nano"))
+    fsdp = comm_plan(shape, Layout("fsdp", dp=2), Workload(4, 8, shape.seq_len, "fp32"), cpu)
+    assert fsdp.mb_fwd.intra_calls == shape.n_layers + 1  # blocks, then the root
+    assert fsdp.mb_bwd.intra_calls == 2 * shape.n_layers + 1  # the blocks' re-gathers and every reduce-scatter

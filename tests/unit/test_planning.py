@@ -69,8 +69,8 @@ def test_no_prediction_for_a_user_model() -> None:
 
 
 def test_auto_chooses_tensor_parallelism_when_only_it_fits() -> None:
-    """llama-7b at micro 16 x 4096 tokens: no data-parallel layout fits an A100 (activations), TP with SP does."""
-    cfg, why = resolved(["strategy=auto", *LLAMA7B_8XA100, "trainer.micro_batch_size=16"])
+    """llama-7b at micro 32 x 4096 tokens: no data-parallel layout fits an A100 (activations), TP with SP does."""
+    cfg, why = resolved(["strategy=auto", *LLAMA7B_8XA100, "trainer.micro_batch_size=32"])
     assert cfg.strategy.name == "megatron" and cfg.strategy.tp > 1 and cfg.strategy.sequence_parallel
     assert "megatron layouts that fit" in why
     # The choice is a runnable config: it validates and its prediction fits.

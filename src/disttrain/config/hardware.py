@@ -27,6 +27,9 @@ class HardwareProfile:
     intra_node_link: str = "none"  # nvlink | pcie | shm
     intra_node_bandwidth_gbps: float | None = None  # GB/s per device, one direction
     inter_node_bandwidth_gbps: float | None = None  # GB/s per node, one direction
+    # Seconds every collective call costs on top of its bytes (None: not modelled); calibration measures them.
+    intra_node_latency_us: float | None = None
+    inter_node_latency_us: float | None = None
     source: str = ""  # datasheet the numbers come from
 
     @property

@@ -16,9 +16,6 @@ from disttrain.config.hardware import HardwareProfile
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from disttrain.planner.spec import Assumptions
 
-# What the planner reads from a profile, in the order the sources are listed.
-CALIBRATED_FIELDS = ("peak_tflops", "hbm_bandwidth_gbps", "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps")
-
 
 @dataclass(frozen=True)
 class CalibratedProfile:
@@ -51,6 +48,8 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "hbm_bandwidth_gbps": _source(hw.hbm_bandwidth_gbps),
         "intra_node_bandwidth_gbps": _source(hw.intra_node_bandwidth_gbps),
         "inter_node_bandwidth_gbps": _source(hw.inter_node_bandwidth_gbps),
+        "intra_node_latency_us": _source(hw.intra_node_latency_us),
+        "inter_node_latency_us": _source(hw.inter_node_latency_us),
     }
     if calibration is None:
         return CalibratedProfile(hw, sources)
@@ -70,6 +69,11 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
     if inter:
         changes["inter_node_bandwidth_gbps"] = inter
         sources["inter_node_bandwidth_gbps"] = "measured"
+    for link in ("intra_node", "inter_node"):
+        latency = calibration.latency_us.get(link)
+        if latency:
+            changes[f"{link}_latency_us"] = latency
+            sources[f"{link}_latency_us"] = "measured"
     return CalibratedProfile(dataclasses.replace(hw, **changes), sources, calibration)  # type: ignore[arg-type]
 
 

@@ -20,10 +20,19 @@ from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, Workload
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
-# Activation collectives per transformer layer and micro-batch under TP (in all-reduce equivalents): two in
-# forward (after attention and after the MLP), two in backward; full recomputation repeats the forward two.
-TP_COLLECTIVES_PER_LAYER = 4
+# Activation collectives per transformer layer and micro-batch under TP (in all-reduce equivalents), as
+# strategy=megatron runs them: two in forward (the row-parallel attention output and MLP output projections),
+# and in backward one per column-parallel input projection (q, k and v are separate modules, then w1, and w3
+# under SwiGLU: each sums its input gradient over the TP group itself); full recomputation repeats the forward
+# two. Megatron-LM fuses QKV and the MLP's input projections, which makes it four per layer.
+TP_FORWARD_COLLECTIVES_PER_LAYER = 2
+DDP_BUCKET_BYTES = 25 * 2**20  # strategy.bucket_cap_mb's default: one all-reduce call per bucket
 TP_COLLECTIVES_PER_RECOMPUTED_LAYER = 2
+
+
+def tp_collectives_per_layer(swiglu: bool) -> int:
+    column_parallel_inputs = 3 + (2 if swiglu else 1)
+    return TP_FORWARD_COLLECTIVES_PER_LAYER + column_parallel_inputs
 
 
 @dataclass(frozen=True)
@@ -41,12 +50,21 @@ class LinkBytes:
     intra: float = 0.0  # NVLink / PCIe between GPUs of a node
     inter: float = 0.0  # the inter-node network
     host: float = 0.0  # PCIe to host memory (offload)
+    # Collective calls, each paying its link's latency once (many small calls cost more than one large one).
+    intra_calls: float = 0.0  # calls whose group stays inside a node
+    inter_calls: float = 0.0  # calls whose group spans nodes
 
     def __add__(self, other: LinkBytes) -> LinkBytes:
-        return LinkBytes(self.intra + other.intra, self.inter + other.inter, self.host + other.host)
+        return LinkBytes(
+            self.intra + other.intra,
+            self.inter + other.inter,
+            self.host + other.host,
+            self.intra_calls + other.intra_calls,
+            self.inter_calls + other.inter_calls,
+        )
 
     def scale(self, k: float) -> LinkBytes:
-        return LinkBytes(self.intra * k, self.inter * k, self.host * k)
+        return LinkBytes(self.intra * k, self.inter * k, self.host * k, self.intra_calls * k, self.inter_calls * k)
 
     @property
     def network(self) -> float:
@@ -71,23 +89,27 @@ def collective_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}; expected one of {OPS}")
 
 
-def collective_bytes(op: str, nbytes: float, group: Group) -> LinkBytes:
-    """Per-rank traffic of ``op`` over ``nbytes`` (the full, unsharded buffer; a p2p message's size)."""
+def collective_bytes(op: str, nbytes: float, group: Group, calls: float = 1) -> LinkBytes:
+    """Per-rank traffic of ``op`` over ``nbytes`` (the full, unsharded buffer; a p2p message's size), issued as
+    ``calls`` collectives (e.g. one per FSDP unit) that together move those bytes."""
     if group.size <= 1 or nbytes <= 0:
         return ZERO
     volume = collective_factor(op, group.size) * nbytes
     if group.per_node >= group.size:
-        return LinkBytes(intra=volume)
+        return LinkBytes(intra=volume, intra_calls=calls)
     inter = volume / group.per_node
-    return LinkBytes(intra=volume - inter, inter=inter)
+    return LinkBytes(intra=volume - inter, inter=inter, inter_calls=calls)
 
 
 def link_time(traffic: LinkBytes, hw: HardwareProfile, host_gbps: float) -> float:
     """Seconds for ``traffic``: intra- and inter-node links run concurrently (a pipelined ring), every GPU of a
-    node shares the node's inter-node bandwidth, and host copies come on top."""
+    node shares the node's inter-node bandwidth, each call pays its link's latency (when the profile gives one:
+    a calibration measures it), and host copies come on top."""
     intra = _seconds(traffic.intra, hw.intra_node_bandwidth_gbps, "hw.intra_node_bandwidth_gbps")
+    intra += traffic.intra_calls * (hw.intra_node_latency_us or 0.0) * 1e-6
     node_inter = traffic.inter * hw.devices_per_node
     inter = _seconds(node_inter, hw.inter_node_bandwidth_gbps, "hw.inter_node_bandwidth_gbps")
+    inter += traffic.inter_calls * (hw.inter_node_latency_us or 0.0) * 1e-6
     return max(intra, inter) + _seconds(traffic.host, host_gbps, "assumptions.host_link_gbps")
 
 
@@ -136,8 +158,9 @@ def process_groups(layout: Layout, hw: HardwareProfile) -> dict[str, Group]:
 
 def _ddp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
     grad_bytes = (2 if workload.precision == "bf16-true" else 4) * shape.num_parameters
-    # Lightning skips the all-reduce on accumulation micro-batches (no_sync): once per step.
-    return CommPlan(step_bwd=collective_bytes("all_reduce", grad_bytes, groups["dp"]))
+    # Lightning skips the all-reduce on accumulation micro-batches (no_sync): once per step, one call per bucket.
+    buckets = math.ceil(grad_bytes / DDP_BUCKET_BYTES)
+    return CommPlan(step_bwd=collective_bytes("all_reduce", grad_bytes, groups["dp"], buckets))
 
 
 def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
@@ -147,12 +170,13 @@ def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[st
     shard = shape.fsdp_shard_parameters(n)
     block_shards = shape.n_layers * shape.fsdp_block_shard_parameters(n) if shape.known else shard
     group = groups["dp_shard"]
-    forward = collective_bytes("all_gather", n * shard * gather, group)
-    backward = collective_bytes("reduce_scatter", n * shard * reduce, group)
+    units = shape.n_layers + 1 if shape.known else 1  # a unit per block, then the root: one call each
+    forward = collective_bytes("all_gather", n * shard * gather, group, units)
+    backward = collective_bytes("reduce_scatter", n * shard * reduce, group, units)
     if layout.reshard_after_forward:  # the root is never resharded, blocks are gathered again
-        backward += collective_bytes("all_gather", n * block_shards * gather, group)
+        backward += collective_bytes("all_gather", n * block_shards * gather, group, max(1, units - 1))
     if layout.dp_replicate > 1:  # HSDP: reduced shards are then all-reduced across replicas
-        backward += collective_bytes("all_reduce", shard * reduce, groups["dp_replicate"])
+        backward += collective_bytes("all_reduce", shard * reduce, groups["dp_replicate"], units)
     if not layout.offload_optimizer:
         # Lightning's ModelParallelStrategy does not pause gradient sync while accumulating: every micro-batch.
         return CommPlan(mb_fwd=forward, mb_bwd=backward)
@@ -198,7 +222,8 @@ def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: di
 def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
     tp, pp, precision = layout.tp, layout.pp, workload.precision
     activation = workload.micro_batch_size * workload.seq_len * shape.d_model * compute_bytes(precision)
-    per_layer = TP_COLLECTIVES_PER_LAYER + (TP_COLLECTIVES_PER_RECOMPUTED_LAYER if layout.recompute == "full" else 0)
+    per_layer = tp_collectives_per_layer(shape.swiglu)
+    per_layer += TP_COLLECTIVES_PER_RECOMPUTED_LAYER if layout.recompute == "full" else 0
     # The busiest stage also reduces the embedding output (first stage) and the head's input (last stage).
     edge_collectives = 2 if pp == 1 else 1
     tp_count = per_layer * (shape.n_layers // pp) + edge_collectives
@@ -217,14 +242,17 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         params = collective_bytes("all_gather", param_bytes * stage_params, groups["dp"])
     else:  # FSDP2 over dp_shard (size 1 under dp_type=replicate), then an all-reduce of the shard over replicas
         shard_group, n = groups["dp_shard"], layout.dp_shard
-        grads = collective_bytes("reduce_scatter", 4 * stage_params, shard_group)
-        grads += collective_bytes("all_reduce", 4 * math.ceil(stage_params / n), groups["dp_replicate"])
-        params = collective_bytes("all_gather", param_bytes * stage_params, shard_group)
+        layers = shape.n_layers // pp
+        units = layers + 1 if shape.known else 1  # a unit per block of the stage, then the stage's root
+        grads = collective_bytes("reduce_scatter", 4 * stage_params, shard_group, units)
+        grads += collective_bytes("all_reduce", 4 * math.ceil(stage_params / n), groups["dp_replicate"], units)
+        params = collective_bytes("all_gather", param_bytes * stage_params, shard_group, units)
         if pp == 1:
             # Without pipelining the engine reshards blocks after forward (as strategy=fsdp does): every micro-batch
             # gathers all weights for its forward and the blocks' again for its backward; gradients reduce once.
             blocks = shape.n_layers * shape.block_tp_numel(tp) if shape.known else stage_params
-            mb_fwd, mb_bwd = params, collective_bytes("all_gather", param_bytes * blocks, shard_group)
+            block_gathers = collective_bytes("all_gather", param_bytes * blocks, shard_group, max(1, layers))
+            mb_fwd, mb_bwd = params, block_gathers
             params = ZERO
     step_exposed = ZERO
     # The two copies of a tied embedding all-reduce their gradients, except under the V schedule, whose rank 0
