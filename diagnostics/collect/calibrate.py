@@ -10,7 +10,7 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def matmul_flops_per_s(device: torch.device, dtype: str, min_seconds: float = 0.3) -> dict:
+def matmul_flops_per_s(device: torch.device, dtype: str, min_seconds: float = 0.15) -> dict:
     """Time square matmuls for at least ``min_seconds`` after a warm-up; 2*n^3 FLOPs each."""
     n = 4096 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
