@@ -14,7 +14,7 @@ from diagnostics.prediction import compare
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
-from disttrain.planner import model_shape
+from disttrain.planner import memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.comm import link_time
 from disttrain.planner.plan import plan_layout
@@ -43,8 +43,6 @@ def predict_run(
         candidate = plan_layout(shape, layout, work, profile.hw, assumptions)
     except ValueError as err:  # no peak FLOP/s or no bandwidth for a link this layout uses
         record["unpredicted"] = str(err)
-        from disttrain.planner import memory_per_gpu
-
         memory = memory_per_gpu(shape, layout, work, assumptions.flash_attention)
     else:
         memory, estimate = candidate.memory, candidate.estimate

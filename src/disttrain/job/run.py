@@ -280,7 +280,11 @@ def finish(
             write_stop_marker(run_dir, process_role().global_rank, guard.stop_reason)
             raise RunStopped(NONFINITE)
         return
-    prediction = predict_and_measure(run_cfg, parts, run_dir, planned)
+    try:
+        prediction = predict_and_measure(run_cfg, parts, run_dir, planned)
+    except Exception as err:  # a layout the planner cannot model must not turn a finished run into a failure
+        say(f"disttrain: no planner prediction for this run: {type(err).__name__}: {err}", file=sys.stderr)
+        prediction = None
     predicted_memory_bytes = prediction["predicted"]["memory_bytes"] if prediction else None
     metrics = parts.trainer.callback_metrics
     floor = getattr(datamodule, "loss_floor", None)
