@@ -49,6 +49,11 @@ class Scenario:
     # Ranks also meet before forward, as DDP's buffer broadcast or FSDP's first all-gather makes them: a rank
     # that waits there for a slower one has the wait inside its forward time.
     sync_before_forward: bool = False
+    # Ranks meet inside forward and inside backward too, as at FSDP2's per-block all-gathers: a rank that waits
+    # there ends the phase with the slow one. ``timed_collectives``: the records carry that time inside forward and
+    # backward (forward_comm_s, backward_comm_s) as the FSDP collector writes it; False: an older collector.
+    sync_in_phases: bool = False
+    timed_collectives: bool = True
     skew: float = 0.0  # each step one rank, drawn at random, is held this long in forward (a shared host's scheduler)
     mfu: float = 0.35  # against the datasheet (GPU) or calibrated (CPU) peak
     mem_fraction: float = 0.45  # GPU reserved / device memory
@@ -146,6 +151,8 @@ class RankStep:
     backward_compute: float
     comm_wait: float
     optimizer: float
+    forward_comm: float = 0.0  # of forward: time inside collectives (FSDP2 all-gathers), waits included
+    backward_comm: float = 0.0  # of backward compute, likewise
 
     @property
     def local_compute(self) -> float:
@@ -184,6 +191,17 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
             ready = [start[r] + rows[r]["other"] + rows[r]["data"] for r in range(world)]
             for r in range(world):
                 rows[r]["forward"] += max(ready) - ready[r]
+        in_phase = {r: {"forward": 0.0, "backward": 0.0} for r in range(world)}
+        if sc.sync_in_phases:  # a collective at the end of each phase's own work (the next block's all-gather)
+            ready = [start[r] + rows[r]["other"] + rows[r]["data"] + rows[r]["forward"] for r in range(world)]
+            for r in range(world):
+                in_phase[r]["forward"] = max(ready) - ready[r] + sc.comm / 4
+                rows[r]["forward"] += in_phase[r]["forward"]
+            ready = [start[r] + rows[r]["other"] + rows[r]["data"] + rows[r]["forward"] + rows[r]["backward"]
+                     for r in range(world)]  # fmt: skip
+            for r in range(world):
+                in_phase[r]["backward"] = max(ready) - ready[r] + sc.comm / 4
+                rows[r]["backward"] += in_phase[r]["backward"]
         arrive = [start[r] + rows[r]["other"] + rows[r]["data"] + rows[r]["forward"] + rows[r]["backward"]
                   for r in range(world)]  # fmt: skip
         release = max(arrive) + sc.comm
@@ -192,7 +210,8 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
             end = release + seg["optimizer"]
             wait = release - arrive[rank]
             times = (seg["other"], seg["data"], seg["forward"], seg["backward"], wait, seg["optimizer"])
-            step.append(RankStep(start[rank], end - start[rank], *times))
+            comm = (in_phase[rank]["forward"], in_phase[rank]["backward"])
+            step.append(RankStep(start[rank], end - start[rank], *times, *comm))
             start[rank] = end
         steps.append(step)
     return steps
@@ -265,6 +284,11 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                 comm_wait_s=wait,
                 tokens=tokens_per_step,
                 **extra,
+                **(
+                    {"forward_comm_s": r.forward_comm, "backward_comm_s": r.backward_comm}
+                    if sc.sync_in_phases and sc.timed_collectives
+                    else {}
+                ),
             )
             _sample(writers[rank], sc, rank, step, t)
         window.append(measured)

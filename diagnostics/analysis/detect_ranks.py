@@ -13,6 +13,14 @@ cause, the growth per step is what every other rank waits for it, and ranks that
 Phase order within a step as the collector times it: other (hooks and logging after the previous step, batch
 transfer), data (``next(dataloader)``), forward, backward compute, comm wait (DDP's wait for the last buckets),
 optimizer. Data never contains a collective; a data-slow rank is reported by input_bound, not here.
+
+Where a phase calls collectives itself (FSDP2: an all-gather before every block's forward and backward), a fast
+rank waits for a slow one *inside* that phase, and both ranks end the phase at the same moment: no order of
+arrival to see at its end. The collector times those collectives (``forward_comm_s``, ``backward_comm_s``), and
+the phase is split into the rank's own work followed by its time in collectives. The split moves the waits to
+the end of the phase (they happen between its blocks), which changes only where inside the phase a lateness
+is counted, not the phase: the slow rank falls behind in the phase's work, the waiting rank catches up in its
+collectives.
 """
 
 from __future__ import annotations
@@ -34,11 +42,14 @@ SEGMENTS = (
     ("other", "other"),
     ("data", "data"),
     ("forward", "forward"),
+    ("forward_comm", "forward_comm"),
     ("backward_compute", "backward"),
+    ("backward_comm", "backward_comm"),
     ("comm_wait", "comm_wait"),
     ("optimizer", "optimizer"),
 )
-NAMED = {"comm_wait": "backward"}  # a rank that falls behind inside DDP's wait: its transfer (end of backward)
+# A rank that falls behind inside a collective: its own transfer is slow, in the phase that issued it.
+NAMED = {"comm_wait": "backward", "forward_comm": "forward", "backward_comm": "backward"}
 
 
 def segments(s: StepRecord) -> list[float] | None:
@@ -47,7 +58,11 @@ def segments(s: StepRecord) -> list[float] | None:
         return None
     data, wait, optimizer = s.data_wait_s or 0.0, s.comm_wait_s or 0.0, s.optimizer_s or 0.0
     other = max(0.0, s.step_s - data - s.forward_s - s.backward_s - optimizer)
-    return [other, data, s.forward_s, max(0.0, s.backward_s - wait), wait, optimizer]
+    backward = max(0.0, s.backward_s - wait)
+    forward_comm = min(s.forward_comm_s or 0.0, s.forward_s)
+    backward_comm = min(s.backward_comm_s or 0.0, backward)
+    return [other, data, s.forward_s - forward_comm, forward_comm, backward - backward_comm, backward_comm, wait,
+            optimizer]  # fmt: skip
 
 
 def lateness_growth(run: RunTelemetry) -> list[dict[int, list[float]]]:

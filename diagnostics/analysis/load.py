@@ -43,6 +43,10 @@ class StepRecord:
     tokens: float | None = None
     bubble_fraction: float | None = None  # pipeline schedules only; not in every collector version
     start_t: float | None = None  # unix time the step started on this rank's host; not in every collector version
+    # Time inside collectives a phase issued itself (FSDP2's all-gathers/reduce-scatters), part of forward_s and
+    # of backward_s before the comm wait; only where the collector timed them.
+    forward_comm_s: float | None = None
+    backward_comm_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,8 @@ def _step(rec: dict[str, Any]) -> StepRecord | None:
     step = rec.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
         return None
-    keys = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s", "comm_wait_s", "tokens")
+    keys = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s", "comm_wait_s", "tokens",
+            "forward_comm_s", "backward_comm_s")  # fmt: skip
     return StepRecord(
         step=step,
         step_s=num(rec.get("step_s")),

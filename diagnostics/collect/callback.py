@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 
 from diagnostics.collect.calibrate import collective_bandwidth, matmul_flops_per_s, memory_bandwidth_gbps
+from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
 from diagnostics.collect.state_bytes import training_state_bytes
@@ -89,6 +90,7 @@ class DiagnosticsCallback(pl.Callback):
         # direct cost, which an A/B of whole runs on a shared machine measures only through its noise.
         self.own_s = 0.0
         self._last_step = -1
+        self.times_collectives = False  # FSDP2's collectives are timed per phase (collect/fsdp_comm)
         self._disabled: set[str] = set()
 
     # -- plumbing -------------------------------------------------------------------------------------------
@@ -150,6 +152,8 @@ class DiagnosticsCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guarded("grad_hook", lambda: self._hook_first_parameter(pl_module))
+        wrapped = self.guarded("fsdp_comm", lambda: time_fsdp_collectives(pl_module, self.timer.collective_ran))
+        self.times_collectives = bool(wrapped)
         if self.sampler is not None:
             self.sampler.start()
         if self.settings.profile:
@@ -259,6 +263,11 @@ class DiagnosticsCallback(pl.Callback):
                 other_s=phases.other_s,
                 tokens=self.facts.tokens_per_step,
                 **({"bubble_fraction": phases.bubble_fraction} if phases.pipelined else {}),
+                **(
+                    {"forward_comm_s": phases.forward_comm_s, "backward_comm_s": phases.backward_comm_s}
+                    if self.times_collectives
+                    else {}
+                ),
             )
         if step % self.settings.gather_every == 0:
             self.guarded("rank_gather", lambda: self._gather(trainer, step))

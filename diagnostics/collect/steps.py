@@ -29,6 +29,11 @@ class StepPhases:
     optimizer_s: float = 0.0
     pipeline_wait_s: float = 0.0  # pipeline schedules: time inside the schedule computing nothing (bubble, p2p)
     pipelined: bool = False
+    # Time inside the collectives a phase calls itself (FSDP2's all-gathers in forward, its all-gathers and
+    # reduce-scatters in backward before this rank's own compute ends; collect/fsdp_comm): a fast rank's wait for
+    # a slow one lands here, not in its own work. Zero where nothing times them (DDP, or FSDP on a GPU stream).
+    forward_comm_s: float = 0.0
+    backward_comm_s: float = 0.0
     step_s: float = 0.0
     # Unix time the step started (the previous step's end): ranks on one host share the clock, so the analysis
     # can tell which rank reached each phase end last (the order of arrival; see diagnostics/analysis/detect_ranks).
@@ -114,6 +119,17 @@ class PhaseTimer:
         if pipelined:
             self.current.pipeline_wait_s += max(0.0, wall_s - forward_s - backward_s)
             self.current.pipelined = True
+
+    def collective_ran(self, seconds: float) -> None:
+        """A collective issued inside the current phase took ``seconds`` (transfer plus the wait for the others).
+
+        In backward only until this rank's own compute ends: after that the whole rest of backward is already
+        the comm wait (``comm_wait_s``), so counting it again would subtract it twice.
+        """
+        if self.phase == "forward":
+            self.current.forward_comm_s += seconds
+        elif self.phase == "backward" and self._grad_ready is None:
+            self.current.backward_comm_s += seconds
 
     def before_optimizer_step(self) -> None:
         self._optimizer_start = self.now()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diagnostics.analysis import analyse
+from diagnostics.analysis import analyse, load_run
 from tests.conftest import REPO, run_cli
 from tests.diag_fixtures import slice_steps
 from tests.plugins import PHASE_FIRST_STEP, PHASE_SEGMENT_STEPS, SLOW_PHASES, phase_plan
@@ -42,6 +42,10 @@ def test_the_slow_rank_is_named_with_its_phase_and_the_waiting_rank_never(tmp_pa
     run_dir = tmp_path / "run"
     result = run_cli([f"strategy={strategy}", *PHASE_RUN, f"hydra.run.dir={run_dir}"], cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if strategy == "fsdp":  # FSDP2's collectives are timed inside the phases that issue them (collect/fsdp_comm)
+        steps = [s for tele in load_run(run_dir).ranks.values() for s in tele.steps]
+        assert all(s.forward_comm_s is not None and s.backward_comm_s is not None for s in steps)
+        assert all(s.forward_comm_s > 0 for s in steps), "the root's all-gather opens every forward"
     for phase, rank, first, last in phase_plan():
         # Records are numbered by global_step after the step; the first record of a range can still carry the
         # previous scenario's tail (a prefetched batch), so it is left out.

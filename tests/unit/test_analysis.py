@@ -124,6 +124,37 @@ def test_a_slow_rank_is_named_with_its_phase_never_the_rank_that_waits(
     assert ({"input_bound", "straggler"} - {kind}).isdisjoint(found)  # one cause, one finding
 
 
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_fsdp_the_rank_that_waits_inside_the_phase_is_told_apart_by_its_timed_collectives(
+    tmp_path: Path, phase: str, rank: int
+) -> None:
+    """FSDP2: the ranks meet at an all-gather inside forward and inside backward, so the waiting rank ends the
+    phase together with the slow one. Its time inside the collectives (forward_comm_s, backward_comm_s) is what
+    it waited: the phase's own work is what is left, and only the slow rank fell behind in it."""
+    found = findings_of(
+        tmp_path, "healthy", slow_rank=rank, slow_phase=phase, slow_s=0.06, sync_in_phases=True, grad_hook=False
+    )
+    finding = found["straggler"]
+    assert finding.ranks == [rank] and finding.evidence["slow_phase"] == phase, finding.message
+    assert finding.severity == "warning" and finding.cost["fraction"] == pytest.approx(0.06 / 0.408, rel=0.1)
+    growth = finding.evidence["lateness_growth_s_per_step"]
+    assert growth[rank][phase] == pytest.approx(0.06, rel=0.15)  # the slow rank falls behind in its own work
+    assert growth[rank][f"{phase}_comm"] < -0.05  # ... and is caught up with inside the collective
+    assert max(growth[1 - rank].values()) < 0.005  # the waiting rank never falls behind
+    assert not [f for f in found.values() if f.severity != "info" and f.ranks == [1 - rank]]
+
+
+def test_under_fsdp_without_timed_collectives_the_waiting_rank_is_still_never_blamed(tmp_path: Path) -> None:
+    """Older collectors: the wait inside forward cannot be told from work; nothing is named rather than the wrong
+    rank."""
+    found = findings_of(
+        tmp_path, "healthy", slow_rank=0, slow_phase="forward", slow_s=0.06, sync_in_phases=True,
+        grad_hook=False, timed_collectives=False,
+    )  # fmt: skip
+    assert not [f for f in found.values() if f.severity != "info" and f.ranks == [1]], found
+
+
 def test_a_rank_waiting_for_slow_batches_inside_its_forward_is_not_a_straggler(tmp_path: Path) -> None:
     """The reported case: rank 1's batches are slow; rank 0 waits for it in the collective before forward (DDP's
     buffer broadcast, FSDP's all-gather), so rank 0's local compute is the longer one."""

@@ -86,6 +86,29 @@ def test_phase_timer_keeps_the_first_end_of_backward_compute_and_the_step_start_
     assert phases.start_t == start  # on the host clock: the analysis orders the ranks' arrivals with it
 
 
+def test_phase_timer_counts_collectives_in_the_phase_that_issued_them() -> None:
+    """FSDP2's all-gathers and reduce-scatters (collect/fsdp_comm) land in forward_comm_s / backward_comm_s; in
+    backward only until this rank's own compute ends, since the rest of backward is already the comm wait."""
+    clock = FakeClock()
+    timer = PhaseTimer(clock=clock)
+    timer.finish_step()
+    timer.collective_ran(9.0)  # between steps (a logging sync): no phase of the step issued it
+    timer.batch_start()
+    timer.collective_ran(0.25)  # the next block's all-gather, waiting for a slow rank
+    clock.advance(0.4)
+    timer.before_backward()
+    timer.collective_ran(0.1)
+    clock.advance(0.5)
+    timer.grad_ready()
+    timer.collective_ran(0.3)  # the root's reduce-scatter after this rank's compute: comm wait already
+    clock.advance(0.3)
+    timer.after_backward()
+    phases = timer.finish_step()
+    assert phases is not None
+    assert (phases.forward_comm_s, phases.backward_comm_s) == (pytest.approx(0.25), pytest.approx(0.1))
+    assert phases.comm_wait_s == pytest.approx(0.3)
+
+
 def test_phase_timer_sums_accumulated_micro_batches() -> None:
     clock = FakeClock()
     timer = PhaseTimer(clock=clock)
