@@ -54,6 +54,7 @@ class Scenario:
     # backward (forward_comm_s, backward_comm_s) as the FSDP collector writes it; False: an older collector.
     sync_in_phases: bool = False
     timed_collectives: bool = True
+    comm_spike: tuple[int, float] | None = None  # (step, seconds): that step's collective is held this much longer
     skew: float = 0.0  # each step one rank, drawn at random, is held this long in forward (a shared host's scheduler)
     mfu: float = 0.35  # against the datasheet (GPU) or calibrated (CPU) peak
     mem_fraction: float = 0.45  # GPU reserved / device memory
@@ -171,7 +172,7 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
     steps: list[list[RankStep]] = []
     start = [T0] * world
     completed = sc.steps if sc.hang_after is None else sc.hang_after
-    for _ in range(completed if sc.crash is None else sc.crash[1] - 1):
+    for index in range(completed if sc.crash is None else sc.crash[1] - 1):
         rows = []
         for rank in range(world):
             slow = sc.slow_factor if rank == sc.slow_rank else 1.0
@@ -205,6 +206,8 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
         arrive = [start[r] + rows[r]["other"] + rows[r]["data"] + rows[r]["forward"] + rows[r]["backward"]
                   for r in range(world)]  # fmt: skip
         release = max(arrive) + sc.comm
+        if sc.comm_spike is not None and sc.comm_spike[0] == index + 1:
+            release += sc.comm_spike[1]
         step = []
         for rank, seg in enumerate(rows):
             end = release + seg["optimizer"]

@@ -12,27 +12,13 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from diagnostics.analysis.stats import t_quantile
+
 CONFIDENCE = 0.95
 # The smallest change the test is meant to resolve: a change this large either way is worth knowing about.
 RESOLUTION = 0.03
 METHOD = f"{CONFIDENCE:.0%} t-interval of the mean paired log ratio ln(B/A) over interleaved rounds, as exp(.) - 1"
 VERDICTS = ("confirmed", "no measurable effect", "worse", "failed", "inconclusive")
-
-# Two-sided 95% quantiles of Student's t by degrees of freedom (beyond 30: a first-order expansion around z).
-_T_975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-    2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-_Z_975 = 1.959964
-
-
-def t_quantile(df: int) -> float:
-    """The two-sided 95% critical value of Student's t with ``df`` degrees of freedom (df >= 1)."""
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
-    if df <= len(_T_975):
-        return _T_975[df - 1]
-    return _Z_975 + (_Z_975**3 + _Z_975) / (4 * df)
 
 
 @dataclass(frozen=True)

@@ -79,10 +79,18 @@ def costed(
     *,
     corroborated: bool = True,
     metric: float | None = None,
+    graded_on: float | None = None,
 ) -> Finding:
-    """A finding graded on its cost; ``corroborated=False`` (one source only) caps it at info."""
+    """A finding graded on its cost; ``corroborated=False`` (one source only) caps it at info.
+
+    ``graded_on``: a lower confidence bound of the cost, where the detector has one; severity follows it
+    instead of the estimate, so a cost that is only noise above a threshold does not raise the finding.
+    """
     price = cost(fraction, basis)
-    severity = severity_of(price["fraction"], corroborated=corroborated)
+    grade = price["fraction"] if graded_on is None else min(price["fraction"], max(0.0, graded_on))
+    severity = severity_of(grade, corroborated=corroborated)
+    if graded_on is not None:
+        evidence = {**evidence, "cost_lower_bound": round(max(0.0, graded_on), 4)}
     if not corroborated:
         evidence = {**evidence, "corroborated": False}
     return Finding(kind, severity, ranks, evidence, message, metric, price)

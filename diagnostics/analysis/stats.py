@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from diagnostics.analysis.load import StepRecord
@@ -50,3 +51,33 @@ def rounded(value: float | None, digits: int = 4) -> float | None:
     if value is None or value == 0:
         return value
     return float(f"{value:.{digits}g}")
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (beyond 30: a first-order expansion around z).
+_T_975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+    2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+_Z_975 = 1.959964
+
+
+def t_quantile(df: int) -> float:
+    """The two-sided 95% critical value of Student's t with ``df`` degrees of freedom (df >= 1)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
+    if df <= len(_T_975):
+        return _T_975[df - 1]
+    return _Z_975 + (_Z_975**3 + _Z_975) / (4 * df)
+
+
+def mean_lower_bound(values: Sequence[float]) -> float | None:
+    """The lower end of the two-sided 95% t-interval of the mean of ``values`` (None with fewer than two).
+
+    A cost graded on it is at least that large with confidence: a finding whose true cost sits just under a
+    severity threshold does not cross it whenever a noisy run reads it a point high.
+    """
+    if len(values) < 2:
+        return None
+    mu = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - 1))
+    return mu - t_quantile(len(values) - 1) * sd / math.sqrt(len(values))
