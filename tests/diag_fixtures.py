@@ -54,6 +54,7 @@ class Scenario:
     # backward (forward_comm_s, backward_comm_s) as the FSDP collector writes it; False: an older collector.
     sync_in_phases: bool = False
     timed_collectives: bool = True
+    rank0_hold: tuple[int, float] | None = None  # (every, seconds): rank 0 is held between steps (writing logs)
     comm_spike: tuple[int, float] | None = None  # (step, seconds): that step's collective is held this much longer
     skew: float = 0.0  # each step one rank, drawn at random, is held this long in forward (a shared host's scheduler)
     mfu: float = 0.35  # against the datasheet (GPU) or calibrated (CPU) peak
@@ -188,6 +189,8 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
             rows.append(seg)
         if sc.skew:
             rows[rng.randrange(world)]["forward"] += sc.skew
+        if sc.rank0_hold is not None and (index + 1) % sc.rank0_hold[0] == 0:
+            rows[0]["other"] += sc.rank0_hold[1]
         if sc.sync_before_forward:
             ready = [start[r] + rows[r]["other"] + rows[r]["data"] for r in range(world)]
             for r in range(world):

@@ -155,6 +155,19 @@ def test_under_fsdp_without_timed_collectives_the_waiting_rank_is_still_never_bl
     assert not [f for f in found.values() if f.severity != "info" and f.ranks == [1]], found
 
 
+def test_a_stragglers_cost_is_that_of_the_typical_step(tmp_path: Path) -> None:
+    """Every 4th step rank 0 is held between steps (a log write) as long as rank 1's slow forward: in those steps
+    the slow rank costs nothing (the job waits for rank 0 anyway), and beyond the others it even reads -0.12 s
+    (rank 0 fell behind, rank 1 did not). The cost is the typical step's share, as the benchmark's counterfactual
+    (median steps) measures it; the mean over the 18 steady steps reads (13 - 5) / 18 of it."""
+    found = findings_of(tmp_path, "healthy", slow_rank=1, slow_phase="forward", slow_s=0.12, rank0_hold=(4, 0.12))
+    finding = found["straggler"]
+    assert finding.ranks == [1] and finding.evidence["slow_phase"] == "forward"
+    assert finding.evidence["falls_behind_s_per_step"][1] == pytest.approx(8 / 18 * 0.12, rel=0.1)  # the mean ...
+    assert finding.cost["fraction"] == pytest.approx(0.12 / (0.343 + 0.12), rel=0.05)  # ... the typical step
+    assert "median over" in finding.cost["basis"]
+
+
 def test_a_rank_waiting_for_slow_batches_inside_its_forward_is_not_a_straggler(tmp_path: Path) -> None:
     """The reported case: rank 1's batches are slow; rank 0 waits for it in the collective before forward (DDP's
     buffer broadcast, FSDP's all-gather), so rank 0's local compute is the longer one."""
