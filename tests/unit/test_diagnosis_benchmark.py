@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from benchmarks.diagnosis_accuracy import RunResult, Scenario, format_table, judge, targets_line
+from benchmarks.diagnosis_accuracy import RunResult, Scenario, format_table, judge, median_step, targets_line
 from benchmarks.diagnosis_stability import agreement, loud_kinds
 
 STRAGGLER = Scenario("slow-rank1", "test", ["+model.sleep_s=0.1"], [], "straggler", [1])
@@ -71,13 +73,26 @@ def test_targets_line_counts_and_names_the_misses() -> None:
     assert targets_line([good, bad]) == "targets met: 2 of 3; missed: healthy: quiet when healthy"
 
 
-def test_bubble_cost_is_the_step_share_that_does_not_grow_with_the_micro_batches() -> None:
+def test_bubble_cost_is_the_schedules_share_that_does_not_grow_with_the_micro_batches() -> None:
     bubble = Scenario("bubble", "test", [], [], "pipeline_bubble", [0, 1], microbatches=(2, 8))
-    # t(m) = 0.1 s per micro-batch + 0.1 s fixed: at m=2 the fixed part is a third of the 0.3 s step.
-    verdict = judge(bubble, [RunResult(True, step_s=0.3, findings=[finding("pipeline_bubble", [0, 1], cost=0.3)])],
-                    [RunResult(True, step_s=0.9)])  # fmt: skip
-    assert verdict.measured_cost == pytest.approx(1 / 3)
+    # t(m) = 0.1 s per micro-batch + 0.1 s fixed: at m=2 the fixed part is a third of the 0.3 s step ...
+    fault = RunResult(True, step_s=0.3, findings=[finding("pipeline_bubble", [0, 1], cost=0.25)], outside_s=0.03)
+    verdict = judge(bubble, [fault], [RunResult(True, step_s=0.9)])
+    # ... of which 0.03 s ran outside the schedule (the optimizer step): not bubble.
+    assert verdict.measured_cost == pytest.approx(0.07 / 0.3)
     assert verdict.targets == {"top finding and rank": True, "cost within 5 points": True}
+
+
+def test_the_time_outside_a_pipeline_schedule_comes_from_the_step_records(tmp_path) -> None:
+    """Step time minus the schedule's wall time (its forward and backward compute plus its wait)."""
+    telemetry = tmp_path / "telemetry"
+    telemetry.mkdir()
+    records = [{"kind": "meta", "tokens_per_step": 1024}]
+    records += [{"kind": "step", "step": i, "step_s": 0.5, "forward_s": 0.1, "backward_s": 0.2, "bubble_fraction": 0.3}
+                for i in range(2, 7)]  # fmt: skip
+    (telemetry / "rank0000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokens, step_s, outside_s = median_step(tmp_path)
+    assert (tokens, step_s) == (1024, 0.5) and outside_s == pytest.approx(0.5 - 0.1 - 0.2 - 0.15)
 
 
 def test_stability_compares_sets_of_loud_kinds_and_optionally_their_ranks() -> None:
