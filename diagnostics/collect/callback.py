@@ -265,7 +265,7 @@ class DiagnosticsCallback(pl.Callback):
                 **({"bubble_fraction": phases.bubble_fraction} if phases.pipelined else {}),
                 **(
                     {"forward_comm_s": phases.forward_comm_s, "backward_comm_s": phases.backward_comm_s}
-                    if self.times_collectives
+                    if self.times_collectives and phases.phase_comm_known
                     else {}
                 ),
             )

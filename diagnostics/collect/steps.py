@@ -34,6 +34,9 @@ class StepPhases:
     # a slow one lands here, not in its own work. Zero where nothing times them (DDP, or FSDP on a GPU stream).
     forward_comm_s: float = 0.0
     backward_comm_s: float = 0.0
+    # False when an engine ran the step's micro-batches itself (schedule_ran): Lightning's phase hooks did not
+    # bracket its forward and backward, so which phase a collective fell in is unknown.
+    phase_comm_known: bool = True
     step_s: float = 0.0
     # Unix time the step started (the previous step's end): ranks on one host share the clock, so the analysis
     # can tell which rank reached each phase end last (the order of arrival; see diagnostics/analysis/detect_ranks).
@@ -116,6 +119,7 @@ class PhaseTimer:
         self.current.forward_s += forward_s
         self.current.backward_s += backward_s
         self.current.backward_compute_s += backward_s
+        self.current.phase_comm_known = False
         if pipelined:
             self.current.pipeline_wait_s += max(0.0, wall_s - forward_s - backward_s)
             self.current.pipelined = True

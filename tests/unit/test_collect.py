@@ -106,7 +106,11 @@ def test_phase_timer_counts_collectives_in_the_phase_that_issued_them() -> None:
     phases = timer.finish_step()
     assert phases is not None
     assert (phases.forward_comm_s, phases.backward_comm_s) == (pytest.approx(0.25), pytest.approx(0.1))
-    assert phases.comm_wait_s == pytest.approx(0.3)
+    assert phases.comm_wait_s == pytest.approx(0.3) and phases.phase_comm_known
+    timer.batch_start()
+    timer.collective_ran(0.2)  # inside an engine's schedule: its backward ran under Lightning's "forward" phase
+    timer.schedule_ran(0.1, 0.2, 0.5, pipelined=False)
+    assert not timer.finish_step().phase_comm_known  # type: ignore[union-attr]
 
 
 def test_phase_timer_sums_accumulated_micro_batches() -> None:
