@@ -220,7 +220,7 @@ def load_run(run_dir: Path, rediagnose: bool = False) -> RunResult:
     report_path = run_dir / "report" / "report.json"
     findings = json.loads(report_path.read_text())["findings"] if report_path.exists() else []
     tokens, step_s, outside_s = median_step(run_dir)
-    return RunResult(True, tokens / step_s if tokens and step_s else None, step_s, findings, outside_s=outside_s)
+    return RunResult(True, tokens / step_s if tokens and step_s else None, step_s, outside_s, findings)
 
 
 def median_step(run_dir: Path) -> tuple[int | None, float | None, float | None]:

@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from benchmarks.diagnosis_accuracy import RunResult, Scenario, format_table, judge, median_step, targets_line
+from benchmarks.diagnosis_accuracy import (
+    RunResult,
+    Scenario,
+    format_table,
+    judge,
+    load_run,
+    median_step,
+    targets_line,
+)
 from benchmarks.diagnosis_stability import agreement, loud_kinds
 
 STRAGGLER = Scenario("slow-rank1", "test", ["+model.sleep_s=0.1"], [], "straggler", [1])
@@ -93,6 +101,9 @@ def test_the_time_outside_a_pipeline_schedule_comes_from_the_step_records(tmp_pa
     (telemetry / "rank0000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     tokens, step_s, outside_s = median_step(tmp_path)
     assert (tokens, step_s) == (1024, 0.5) and outside_s == pytest.approx(0.5 - 0.1 - 0.2 - 0.15)
+    result = load_run(tmp_path)  # no report: no findings
+    assert result.ok and result.throughput == pytest.approx(2048) and result.outside_s == pytest.approx(0.05)
+    assert result.findings == []
 
 
 def test_stability_compares_sets_of_loud_kinds_and_optionally_their_ranks() -> None:
