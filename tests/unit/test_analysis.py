@@ -113,7 +113,10 @@ def test_a_slow_rank_is_named_with_its_phase_never_the_rank_that_waits(
 ) -> None:
     """grad_hook=False: the wait at the end of backward is timed as backward compute (older FSDP collectors)."""
     if phase == "backward" and not grad_hook:
-        pytest.skip("slowness and wait in one phase end together: no order of arrival to see (see detect_ranks)")
+        pytest.skip(
+            "without timed collectives slowness and wait in one phase end together: no order of arrival to see "
+            "(with them: test_under_fsdp_the_rank_that_waits_inside_the_phase_is_told_apart_by_its_timed_collectives)"
+        )
     found = findings_of(tmp_path, "healthy", slow_rank=rank, slow_phase=phase, slow_s=0.06, grad_hook=grad_hook)
     kind = "input_bound" if phase == "data" else "straggler"
     assert kind in found, found
