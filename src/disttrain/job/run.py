@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.calibration import Calibration, write_calibration
 from diagnostics.crash import retire_crash_records
+from diagnostics.manifest import RunManifest
 from diagnostics.prediction import one_line
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
@@ -36,7 +37,7 @@ from disttrain.job.failure import (
     record_hang,
     stop_for_failure,
 )
-from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
+from disttrain.job.manifest import command_line, git_commit, versions
 from disttrain.job.prediction import predict_run, with_measurement
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
@@ -134,7 +135,7 @@ def train(
     calibration: Calibration | None = None,
 ) -> None:
     """This process's part of the job: spawn the local ranks (rank 0 of a local launch), fit, finish."""
-    manifest: dict = {}  # run.json's content once the run is built; a rank that dies marks it failed
+    manifest = RunManifest()  # run.json's content once the run is built; a rank that dies marks it failed
     role = process_role()
     report = run_cfg.diagnostics.enabled and run_cfg.diagnostics.report
     failures = FailureReporting(run_dir, manifest, report, reports=not role.child and not role.cluster)
@@ -198,28 +199,22 @@ def fit(
             # The watchdog of rank 0 names the hung rank in run.json, then writes the report that reads it.
             write_report = parts.diagnostics.on_hang
             parts.diagnostics.on_hang = lambda hang: (record_hang(failures, hang), write_report(hang))
-        manifest |= {
-            "status": "running",
-            # Credentials from the environment or in credential-named keys never reach a file (redaction.py).
-            "command": redact(command_line()),
-            "config": redact(OmegaConf.to_container(cfg, resolve=True)),
-            "hw": run_cfg.hw,
-            "world": layout,
-            "batch": plan,
-            "num_parameters": facts.num_parameters,
-            "flops_per_token": facts.flops_per_token,
-            "versions": versions(),
-            "git": git_commit(),
-            "resumed_from": str(checkpoint) if checkpoint else None,
-            "restart_attempt": process_role().attempt,
-            "strategy_resolved": run_cfg.strategy,
-        }
+        manifest.status = "running"
+        # Credentials from the environment or in credential-named keys never reach a file (redaction.py).
+        manifest.command = redact(command_line())
+        manifest.config = redact(OmegaConf.to_container(cfg, resolve=True))
+        manifest.hw, manifest.world, manifest.batch = run_cfg.hw, layout, plan
+        manifest.num_parameters, manifest.flops_per_token = facts.num_parameters, facts.flops_per_token
+        manifest.versions, manifest.git = versions(), git_commit()
+        manifest.resumed_from = str(checkpoint) if checkpoint else None
+        manifest.restart_attempt = process_role().attempt
+        manifest.strategy_resolved = run_cfg.strategy
         # The warmup the run uses (a default too long for max_steps was shortened by prepare).
-        manifest["config"]["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
+        manifest.config["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
         if rank_zero:
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest["config"])))
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest.config)))
             redact_yaml_files([run_dir / ".hydra" / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml")])
-            write_json_atomic(run_dir / "run.json", manifest)
+            manifest.write(run_dir)
         # weights_only: a checkpoint is data, never code (rng.py keeps the RNG states loadable this way).
         ckpt_path = str(checkpoint) if checkpoint else None
         parts.trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -263,7 +258,7 @@ def finish(
     datamodule: pl.LightningDataModule,
     ranks: LocalRanks | None,
     run_dir: Path,
-    manifest: dict,
+    manifest: RunManifest,
     started: float,
     planned: tuple[WorldLayout, BatchPlan, Calibration | None],
 ) -> None:
@@ -301,21 +296,20 @@ def finish(
         measured_memory_bytes=measured_peak_memory(),
         memory_kind="peak RSS" if run_cfg.hw.accelerator == "cpu" else "peak allocated",
     )
-    manifest.update(status="stopped" if stopped else "completed", wall_time_s=result.wall_time_s, result=result)
-    manifest["result_gap_to_floor"] = result.gap_to_floor
+    manifest.status = "stopped" if stopped else "completed"
+    manifest.wall_time_s, manifest.result = result.wall_time_s, result
+    manifest.result_gap_to_floor = result.gap_to_floor
     if guard is not None:
-        manifest["nonfinite"] = {
+        manifest.nonfinite = {
             "policy": guard.policy,
             "skipped_steps": guard.skipped_steps,
             "stopped_at_step": guard.stopped_at,
             "stop_reason": guard.stop_reason,
         }
     exported = maybe_export_hf(run_cfg, parts.ckpt_dir, run_dir) if not stopped else None
-    if exported is not None:
-        manifest["hf_export"] = str(exported)
-    if prediction is not None:
-        manifest["prediction"] = prediction
-    write_json_atomic(run_dir / "run.json", manifest)
+    manifest.hf_export = str(exported) if exported is not None else None
+    manifest.prediction = prediction
+    manifest.write(run_dir)
     say(describe_result(result))
     if exported is not None:
         say(f"  hf model    {exported} (transformers from_pretrained)")
@@ -324,8 +318,8 @@ def finish(
     if run_cfg.diagnostics.enabled and run_cfg.diagnostics.report:
         report = say_report(run_dir, parts.trainer if run_cfg.logger.name == "wandb" else None)
         if report is not None and report.prediction is not None:  # the telemetry measured more (comm, every rank)
-            manifest["prediction"] = report.prediction
-            write_json_atomic(run_dir / "run.json", manifest)
+            manifest.prediction = report.prediction
+            manifest.write(run_dir)
     elif prediction is not None:
         say(f"  {one_line(prediction)}")
     if stopped:
