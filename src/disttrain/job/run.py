@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.calibration import Calibration, write_calibration
-from diagnostics.crash import retire_crash_records
+from diagnostics.crash import is_peer_failure, retire_crash_records
 from diagnostics.manifest import RunManifest
 from diagnostics.prediction import one_line
 from disttrain.checkpoint.resume import newest_complete
@@ -37,6 +37,7 @@ from disttrain.job.failure import (
     record_hang,
     stop_for_failure,
 )
+from disttrain.job.launcher_death import report_launcher_death
 from disttrain.job.manifest import command_line, git_commit, versions
 from disttrain.job.prediction import predict_run, with_measurement
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
@@ -44,7 +45,13 @@ from disttrain.job.redaction import redact, redact_yaml_files
 from disttrain.launch.console import route_library_output_to_log_file
 from disttrain.launch.env import process_role, say
 from disttrain.launch.exit_codes import FAILED, NONFINITE, RunStopped
-from disttrain.launch.local import LocalRanks, child_command, die_with_parent, spawn_local_ranks
+from disttrain.launch.local import (
+    LocalRanks,
+    await_parent_death,
+    child_command,
+    die_with_parent,
+    spawn_local_ranks,
+)
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
 from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
@@ -64,7 +71,10 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     task_overrides = list(hydra_cfg.overrides.task)
-    die_with_parent()  # a spawned rank or restart attempt must not outlive the process that started it
+    # A spawned rank or restart attempt must not outlive the process that started it. A rank spawned by an
+    # unsupervised rank 0 also records rank 0's death (nobody else can); under the supervisor, the supervisor does.
+    role = process_role()
+    die_with_parent(partial(report_launcher_death, run_dir) if role.child and not role.supervised else None)
     route_library_output_to_log_file()
     if prepared is None:  # a process preflight did not see: a local rank, a restart attempt, a multirun job
         prepared = prepare(cfg, run_dir, task_overrides)
@@ -228,6 +238,8 @@ def fit(
         if crashed and role.child:
             # The launcher prints the error of the rank that caused the failure, once: this one's goes to its log.
             log_to_own_file(run_dir, "".join(traceback.format_exception(err)))
+            if is_peer_failure(type(err).__name__, str(err)):
+                await_parent_death(timeout_s=3.0)  # the lost peer may be rank 0: its death is recorded first
             raise RunStopped(FAILED) from None
         if crashed and failures.reports:
             failures.lock.acquire()  # if the rank watcher holds it, it is ending this process
