@@ -24,6 +24,7 @@ from diagnostics.crash import (
     is_peer_failure,
     primary_crash,
     read_crash_records,
+    reported_error,
     write_crash_record,
 )
 from diagnostics.manifest import RunManifest
@@ -108,8 +109,9 @@ def stop_for_failure(
         failure = f"rank {rank} died ({error})"
     else:
         assert own_error is not None, "a failure without a dead rank is this process's own error"
-        rank, error = own_rank, first_line(own_error)
-        trace, details = "".join(traceback.format_exception(own_error)), {"exception": type(own_error).__name__}
+        rank, cause = own_rank, reported_error(own_error)
+        error, details = first_line(cause), {"exception": type(cause).__name__}
+        trace = "".join(traceback.format_exception(own_error))
         failure = f"rank {rank} raised {error}"
     if own_error is not None and (cause is None or cause["rank"] != own_rank):
         log_to_own_file(run_dir, "".join(traceback.format_exception(own_error)))  # an echo of the failure
