@@ -103,9 +103,8 @@ class SkipRuns(dict):
     def __missing__(self, layout: str) -> tuple[Path, subprocess.CompletedProcess]:
         run_dir = self.tmp / layout
         ending, _, skips = SKIP_RUNS[layout]
-        args = [*STEPS, *LAYOUTS[layout], "trainer.nan_policy=skip", f"trainer.max_nan_skips={skips}"]
-        if layout == "ddp":
-            args += SLOW_TEARDOWN_DATA
+        layout_args = LAYOUTS[layout] if layout != "ddp" else ["strategy=ddp", *USER_MODEL, *SLOW_TEARDOWN_DATA]
+        args = [*STEPS, *layout_args, "trainer.nan_policy=skip", f"trainer.max_nan_skips={skips}"]
         self[layout] = (run_dir, launch(args, run_dir, fault=f"{NAN_FAULTS}; {ending}", timeout=240))
         return self[layout]
 
