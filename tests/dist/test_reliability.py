@@ -115,7 +115,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Uninterrupted:
 # A kill after a step is also covered by the rank-death and restart tests below; mid-save is the hard case.
 @pytest.mark.parametrize("where", ["save"])
 def test_sigkill_then_resume_is_bitwise_exact_ddp(where: str, reference: dict, tmp_path: Path) -> None:
-    """Rank 0 (the launcher) is SIGKILLed mid-epoch or mid-save; its child dies with it; resume is exact."""
+    """Rank 0 (the launcher) is SIGKILLed mid-epoch or mid-save; its child records it and dies with it; resume is
+    exact."""
     if where == "step":
         point = KILL_POINTS.randint(EVERY + 1, STEPS - 1)
         newest = point // EVERY * EVERY
