@@ -234,15 +234,18 @@ NAN_MODEL = [
 
 
 def test_nonfinite_stop_keeps_last_good_checkpoint_fsdp(tmp_path: Path) -> None:
+    """The loss turns NaN on rank 1 only; every rank stops. Rank 0's teardown is slow (SlowTeardownData), so rank 1
+    has exited 4 before the launcher has finished fit: a stopping rank must not be taken for a dead one."""
     run_dir = tmp_path / "run"
-    args = [*DATA, *TRAIN, "strategy=fsdp", *NAN_MODEL, "+model.inf_steps=[5]"]
+    slow_teardown = ["~data", "+data._target_=tests.plugins.SlowTeardownData"]
+    args = [*TRAIN, *slow_teardown, "strategy=fsdp", *NAN_MODEL, "+model.inf_steps=[5]"]
     # Diagnostics on (cheaply) so the telemetry and the report are written as in a real run.
     args += ["diagnostics.calibrate=false", "diagnostics.profile=false"]
     result = launch(args, run_dir)
     assert result.returncode == 4, result.stderr[-3000:]
     assert "non-finite loss and gradients at step 5 (nan_policy=stop)" in result.stderr
     assert f"last good checkpoint: {run_dir / 'checkpoints' / 'step000003.ckpt'}" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "died" not in result.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step000003.ckpt"]
     manifest = read_manifest(run_dir)
     assert manifest["status"] == "stopped"
