@@ -1,16 +1,17 @@
 """Rank 0 of a local launch dies (SIGKILL, the out-of-memory killer): its ranks record the failure it cannot.
 
 Rank 0 is the launcher: it names a dead rank in run.json, writes the report and ends the console. When it dies
-itself, nothing of it is left to do so. The ranks it spawned learn of its death from the kernel (a signal sent
-as it dies, ``launch/local.py``) and go down at once, as they always did: nothing is left waiting in a
-collective. First, the one that claims the report starts this module as a process of its own: torch-free, it
-starts in a fraction of a second and outlives the rank. It marks run.json failed naming rank 0 (unless rank 0
-had recorded an end itself: a hang, an error, a stop), writes failure.json and the report, and ends the console
-with the line any other rank's death gets. The exit code the shell sees stays rank 0's own: 137 for SIGKILL.
+itself, nothing of it is left to do so. Each rank it spawned has a thread waiting on rank 0's pidfd
+(``launch/local.py``), woken when it exits, after which the rank goes down at once, as it always did: nothing is
+left waiting in a collective. First, the rank that claims the report starts this module as a process of its
+own: torch-free, it starts in a fraction of a second and outlives the rank. It marks run.json failed naming
+rank 0 (unless rank 0 had recorded an end itself: a hang, an error, a stop), writes failure.json and the
+report, and ends the console with the line any other rank's death gets. The exit code the shell sees stays
+rank 0's own: 137 for SIGKILL.
 
-Nothing of this runs while rank 0 lives: the ranks only block one signal and keep one thread waiting for it.
-Under the restart supervisor (``trainer.max_restarts``) the supervisor sees rank 0 die and restarts the job, and
-the ranks die without a word as before.
+Nothing of this runs while rank 0 lives: the waiting thread costs nothing. Under the restart supervisor
+(``trainer.max_restarts``) the supervisor sees rank 0 die and restarts the job; the ranks die by
+PR_SET_PDEATHSIG without a word, as before.
 """
 
 from __future__ import annotations
