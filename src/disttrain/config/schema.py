@@ -16,6 +16,7 @@ from disttrain.config.hardware import HardwareProfile
 Norm = Literal["layernorm", "rmsnorm"]
 Mlp = Literal["gelu", "swiglu"]
 PosEmb = Literal["learned", "rope"]
+Objective = Literal["val_loss", "tokens_per_s"]  # what a job returns to a Hydra sweeper
 NORMS: tuple[str, ...] = get_args(Norm)
 MLPS: tuple[str, ...] = get_args(Mlp)
 POS_EMBS: tuple[str, ...] = get_args(PosEmb)
@@ -354,3 +355,6 @@ class RunConfig:
     # A finished run dir whose measured speeds (matmul, memory, links) the planner uses instead of the datasheet's:
     # strategy=auto chooses with them, and the prediction in run.json uses them when this run measured none.
     calibration: str | None = None
+    # What the job returns to a Hydra sweeper (hydra/sweeper=optuna): the final validation loss (minimized) or the
+    # training tokens/s (maximized); see disttrain.job.objective.
+    objective: Objective = "val_loss"
