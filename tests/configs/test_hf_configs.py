@@ -91,7 +91,18 @@ def test_plan_cli_reads_the_hf_config(local: dict[str, Path]) -> None:
         (["model=hf-tiny-llama", "model.config.model_type=nosuchmodel"], "model.config"),
         (["model=hf-tiny-gpt2", "model.seq_len=2048"], "model.seq_len"),
         (["model=hf-tiny-gpt2", "strategy=megatron", "strategy.tp=2"], "strategy"),  # GPT-2 has no TP plan
-        (["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=2"], "strategy.pp"),
+        (
+            ["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=2", "strategy.virtual_stages=2"],
+            "strategy.virtual_stages",
+        ),
+        (
+            ["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=2", "strategy.schedule=zero_bubble"],
+            "strategy.schedule",
+        ),
+        (
+            ["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=3", "hw.devices_per_node=3"],
+            "strategy.pp",
+        ),  # 4 layers in 3 stages
         (
             ["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "strategy.sequence_parallel=true"],
             "strategy.sequence_parallel",
@@ -108,6 +119,11 @@ def test_bad_model_inputs(overrides: list[str], key: str) -> None:
 def test_megatron_tp_for_a_llama_family_model_validates() -> None:
     run_cfg, plan = validated(["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2"])
     assert (run_cfg.strategy.tp, plan.data_parallel_size) == (2, 1)
+    # Pipeline stages by decoder layer, with TP inside each stage.
+    run_cfg, plan = validated(
+        ["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "strategy.pp=2", "hw.devices_per_node=4"]
+    )
+    assert (run_cfg.strategy.tp, run_cfg.strategy.pp, plan.data_parallel_size) == (2, 2, 1)
 
 
 def test_corpus_is_tokenized_once_and_joined_with_eos(local: dict[str, Path], tmp_path: Path) -> None:
