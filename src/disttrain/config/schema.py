@@ -45,6 +45,14 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     compile: bool = False
+    # Rows of a learned position table when they are not seq_len: an HF model's own table (GPT-2's n_positions,
+    # 1024, whatever seq_len it trains at). The reference model's table has seq_len rows; it leaves this null.
+    position_rows: int | None = None
+
+    @property
+    def learned_position_rows(self) -> int:
+        """Rows of the learned position table (counted as parameters; 0 work per token)."""
+        return self.seq_len if self.position_rows is None else self.position_rows
 
     @property
     def kv_heads(self) -> int:
