@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import select
 from types import SimpleNamespace
 
 import pytest
@@ -104,6 +105,14 @@ def test_plain_lines_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> 
     ]
 
 
+def read_available(fd: int, quiet_s: float = 0.5) -> str:
+    """Everything written to the terminal so far (a pty hands it over in pieces)."""
+    chunks = []
+    while select.select([fd], [], [], quiet_s)[0]:
+        chunks.append(os.read(fd, 65536))
+    return b"".join(chunks).decode()
+
+
 def test_a_terminal_gets_the_bar_and_a_dumb_one_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     primary, secondary = os.openpty()
     with os.fdopen(secondary, "w") as terminal:
@@ -114,8 +123,9 @@ def test_a_terminal_gets_the_bar_and_a_dumb_one_lines(monkeypatch: pytest.Monkey
         bar.on_train_batch_end(fake_trainer(1))
         bar.on_train_end(fake_trainer(1))
         terminal.flush()
-        drawn = os.read(primary, 65536).decode()
+        drawn = read_available(primary)
         assert "step 1/20" in drawn and "\x1b[" in drawn
+        assert "\x1b[?25l" not in drawn  # the cursor stays visible: a job ended by os._exit cannot leave it hidden
         monkeypatch.setenv("TERM", "dumb")
         assert isinstance(build_progress(20, 5, throughput(None), stream=terminal), ProgressPrinter)
     os.close(primary)

@@ -57,6 +57,17 @@ class ProgressPrinter(pl.Callback):
         say("  ".join([f"step {step}/{trainer.max_steps}", *progress_fields(trainer, self.throughput)]))
 
 
+class CursorKeepingConsole(Console):
+    """A Rich console that never hides the terminal's cursor.
+
+    Rich hides it while a bar is live and shows it again when the bar stops; a job that ends with ``os._exit``
+    (a rank died, the launcher stops the job at once) never gets there and would leave the user's shell without
+    a cursor."""
+
+    def show_cursor(self, show: bool = True) -> bool:
+        return False
+
+
 class RichProgress(pl.Callback):
     """A live bar on rank 0's terminal: step/max_steps, the latest loss and validation loss, tokens/s, ETA.
 
@@ -84,7 +95,7 @@ class RichProgress(pl.Callback):
             TextColumn("{task.fields[metrics]}"),
             TextColumn("ETA"),
             TimeRemainingColumn(),
-            console=self.console or Console(),
+            console=self.console or CursorKeepingConsole(),
             auto_refresh=False,
             redirect_stdout=True,
             redirect_stderr=True,
@@ -152,5 +163,6 @@ def build_progress(
     """The progress callback for where this process's stdout goes (``stream``; stdout when not given)."""
     stream = sys.stdout if stream is None else stream
     if draws_a_bar(stream):
-        return RichProgress(throughput, Console(file=None if stream is sys.stdout else stream, force_terminal=True))
+        console = CursorKeepingConsole(file=None if stream is sys.stdout else stream, force_terminal=True)
+        return RichProgress(throughput, console)
     return ProgressPrinter(ProgressPrinter.interval(max_steps, log_every_n_steps), throughput)
