@@ -39,6 +39,7 @@ from disttrain.job.failure import (
 )
 from disttrain.job.launcher_death import report_launcher_death
 from disttrain.job.manifest import command_line, git_commit, versions
+from disttrain.job.objective import objective_value
 from disttrain.job.prediction import predict_run, with_measurement
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
@@ -65,8 +66,10 @@ if TYPE_CHECKING:
     from disttrain.training.build import TrainerParts
 
 
-def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None = None) -> None:
-    """``prepared``: what ``preflight`` prepared and checked in this process (None: prepare here)."""
+def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None = None) -> float | None:
+    """Run the job; returns its objective (``objective=``, for a Hydra sweeper) where this process can read it.
+
+    ``prepared``: what ``preflight`` prepared and checked in this process (None: prepare here)."""
     started = time.time()
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -109,14 +112,14 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
             except ConfigError as err:  # a dry run launches nothing: warn about what a real launch would refuse
                 say(f"warning: a real launch would be refused: {err}")
             say("dry run: configuration is valid; nothing was launched")
-        return
+        return None
     restarts = run_cfg.trainer.max_restarts
     if restarts and process_role().starts_the_job:
         # Restarts need a process that is not itself a rank: this one becomes the supervisor (supervise.py).
         code = supervise(module_name, task_overrides, run_dir, restarts, os.getcwd())
         if code:
             raise RunStopped(code)
-        return
+        return objective_value(run_dir, run_cfg.objective)  # the attempts wrote run.json
     if rank_zero and restarts and process_role().cluster and not process_role().supervised:
         say(
             "note: trainer.max_restarts applies to local launches; under torchrun use --max-restarts (a restarted "
@@ -130,6 +133,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     command = partial(child_command, module_name, task_overrides, str(run_dir))
     with slurm_attempt(run_dir, rank_zero, checkpoint):  # under SLURM: rendezvous, attempts record, requeue
         train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, prepared.calibration)
+    return objective_value(run_dir, run_cfg.objective) if rank_zero else None
 
 
 def train(
