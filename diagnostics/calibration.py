@@ -8,6 +8,7 @@ from the cluster. ``RUN_DIR/calibration.json`` holds the same figures once a run
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,12 @@ class Calibration:
     links: dict[str, dict[str, float]] = field(default_factory=dict)
     # link -> microseconds one collective call costs whatever its size: median over collectives and ranks
     latency_us: dict[str, float] = field(default_factory=dict)
+    # link -> collective -> microseconds of that collective's call (median over ranks): gloo's all-gather and
+    # reduce-scatter cost ~10x its all-reduce, so one figure per link misprices most of them
+    op_latency_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Seconds of rank-to-rank drift per sqrt(second) of identical work (``compute_jitter`` of the hw profile):
+    # from each rank's wait at a one-element all-reduce after the same matmul segment, mean over ranks
+    compute_jitter: float | None = None
     ranks: int = 0
     source: str = ""  # the run dir it was measured in
 
@@ -52,6 +59,7 @@ def _records(run_dir: Path) -> list[dict]:
                 "calibration",
                 "link_calibration",
                 "memory_calibration",
+                "sync_calibration",
             ):
                 records.append(record)
     return records
@@ -61,12 +69,35 @@ def _positive(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
 
 
+# E[max of n standard normals], exact (Harter 1961) where Blom's approximation is off by more than 1%.
+_EXPECTED_MAX = {2: 0.5642, 3: 0.8463, 4: 1.0294, 5: 1.1630, 6: 1.2672, 7: 1.3522, 8: 1.4236}
+
+
+def expected_max_of_normals(n: int) -> float:
+    """E[max of ``n`` independent standard normals]: how far the last of ``n`` drifting ranks lags their mean, in
+    sigmas (tabulated up to 8, Blom's approximation above: within 0.5% from 16 on)."""
+    if n < 2:
+        return 0.0
+    return _EXPECTED_MAX.get(n) or statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def compute_jitter(segment_s: float, wait_s: float, latency_s: float, ranks: int) -> float | None:
+    """Sigma (seconds per sqrt(second)) from one rank's mean wait at a sync after a ``segment_s`` segment: the wait
+    beyond the call's latency is E[max over ranks] - E[own] = sigma x sqrt(segment) x E[max of n normals]."""
+    lead = expected_max_of_normals(ranks)
+    if segment_s <= 0 or lead <= 0:
+        return None
+    return max(0.0, wait_s - latency_s) / (math.sqrt(segment_s) * lead)
+
+
 def calibration_from_telemetry(run_dir: Path) -> Calibration:
     """Each rank's best matmul rate (start or end: load only ever lowers it), then the median over ranks."""
     best: dict[tuple[str, int], float] = {}
     memory: list[float] = []
     links: dict[tuple[str, str], list[float]] = {}
     latencies: dict[str, list[float]] = {}
+    op_latencies: dict[tuple[str, str], list[float]] = {}
+    jitters: list[float] = []
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
@@ -85,17 +116,30 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             links.setdefault((r["link"], r["op"]), []).append(gbps)
             if latency := _positive(r.get("latency_us")):
                 latencies.setdefault(r["link"], []).append(latency)
+                op_latencies.setdefault((r["link"], r["op"]), []).append(latency)
+        elif r["kind"] == "sync_calibration" and (segment := _positive(r.get("segment_s"))):
+            wait, latency, n = r.get("wait_s"), r.get("latency_s"), r.get("ranks")
+            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (wait, latency, n)):
+                if (sigma := compute_jitter(segment, wait, latency, int(n))) is not None:
+                    jitters.append(sigma)
     matmul: dict[str, list[float]] = {}
     for (dtype, _), rate in best.items():
         matmul.setdefault(dtype, []).append(rate)
     by_link: dict[str, dict[str, float]] = {}
     for (link, op), values in links.items():
         by_link.setdefault(link, {})[op] = statistics.median(values)
+    op_latency: dict[str, dict[str, float]] = {}
+    for (link, op), values in op_latencies.items():
+        op_latency.setdefault(link, {})[op] = statistics.median(values)
     return Calibration(
         matmul_flops_per_s={dtype: statistics.median(rates) for dtype, rates in matmul.items()},
         memory_bandwidth_gbps=statistics.median(memory) if memory else None,
         links=by_link,
         latency_us={link: statistics.median(values) for link, values in latencies.items()},
+        op_latency_us=op_latency,
+        # The mean, not the median: only the ranks that arrive early wait, and the mean over ranks is what the
+        # step time pays.
+        compute_jitter=statistics.mean(jitters) if jitters else None,
         ranks=len(ranks),
         source=str(run_dir),
     )

@@ -35,6 +35,9 @@ def write_calibration_run(run_dir: Path, *, torn: bool = False) -> None:
                 "link_calibration", link="intra_node", op=op, ranks=2, bytes=8 << 20, seconds=0.01,
                 algbw_gbps=busbw, busbw_gbps=busbw * factor, latency_us=100.0 * factor * (rank + 1),
             )  # fmt: skip
+        # rank 0 arrives first and waits 2.5 ms beyond the call's 0.5 ms; rank 1 only pays the call
+        wait = 0.0035 if rank == 0 else 0.0005
+        w.write("sync_calibration", ranks=2, rounds=16, segment_s=0.004, wait_s=wait, latency_s=0.0005)
         w.write("calibration", when="end", dtype="fp32", matrix_size=512, flops_per_s=end, seconds=0.3)
         w.close()
     if torn:
@@ -51,6 +54,12 @@ def test_each_rank_keeps_its_best_matmul_rate_and_the_run_takes_the_median(tmp_p
     assert cal.bus_bandwidth_gbps("intra_node") == pytest.approx(10.0)  # the median over the three collectives
     assert cal.bus_bandwidth_gbps("inter_node") is None
     assert cal.latency_us == {"intra_node": pytest.approx(250.0)}  # median of every rank's and op's: 100..600
+    # per collective: the median over the ranks' 100/200, 200/400, 300/600
+    assert cal.op_latency_us == {
+        "intra_node": pytest.approx({"all_reduce": 150.0, "all_gather": 300.0, "reduce_scatter": 450.0})
+    }
+    # the mean over ranks of (wait - latency) / (sqrt(segment) x E[max of 2 normals]): (3 ms + 0) / 2 / (0.0632 x 0.5642)
+    assert cal.compute_jitter == pytest.approx(0.0015 / (0.004**0.5 * 0.5642))
     assert cal.ranks == 2
 
 
@@ -77,6 +86,8 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         memory_bandwidth_gbps=1500.0,
         links={"intra_node": {"all_reduce": 100.0}, "inter_node": {"all_reduce": 20.0}},
         latency_us={"intra_node": 8.0, "inter_node": 25.0},
+        op_latency_us={"intra_node": {"all_reduce": 6.0, "all_gather": 10.0}},
+        compute_jitter=0.01,
         source="RUN",
     )
     a100 = hw_profile("2x8xh100")
@@ -86,6 +97,9 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
     assert profile.hw.intra_node_bandwidth_gbps == 100.0
     assert profile.hw.inter_node_bandwidth_gbps == 20.0  # a world group's bus bandwidth is the per-node figure
     assert (profile.hw.intra_node_latency_us, profile.hw.inter_node_latency_us) == (8.0, 25.0)
+    assert profile.hw.collective_busbw_gbps == {"intra_node.all_reduce": 100.0, "inter_node.all_reduce": 20.0}
+    assert profile.hw.collective_latency_us == {"intra_node.all_reduce": 6.0, "intra_node.all_gather": 10.0}
+    assert profile.hw.compute_jitter == 0.01
     assert set(profile.sources.values()) == {"measured"}
     assert assumptions_for(profile).compute_efficiency == DEFAULT_ASSUMPTIONS.calibrated_compute_efficiency
     datasheet = calibrated_profile(a100, Calibration(matmul_flops_per_s={"fp32": 1e13}), "bf16")
@@ -99,6 +113,9 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         "inter_node_bandwidth_gbps",
         "intra_node_latency_us",
         "inter_node_latency_us",
+        "collective_busbw_gbps",
+        "collective_latency_us",
+        "compute_jitter",
     }
     assert set(cpu.sources.values()) == {"none"}
 

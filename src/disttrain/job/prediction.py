@@ -49,7 +49,9 @@ def predict_run(
         predicted.update(
             step_time_s=estimate.step_time_s,
             compute_s=estimate.compute_s,
-            comm_s=link_time(candidate.comm, profile.hw, assumptions.host_link_gbps),
+            # What the run measures as collective time includes waiting for the last rank.
+            comm_s=link_time(candidate.comm, profile.hw, assumptions.host_link_gbps) + estimate.sync_wait_s,
+            sync_wait_s=estimate.sync_wait_s,
             exposed_comm_s=estimate.exposed_comm_s,
             bubble_s=estimate.bubble_s,
             optimizer_step_s=estimate.optimizer_step_s,

@@ -4,7 +4,8 @@ Compute runs at ``Assumptions.compute_efficiency`` of the dense datasheet peak. 
 overlap (FSDP/ZeRO-3 prefetched all-gathers behind forward, gradient reductions behind backward) costs only
 what ``Assumptions.comm_overlap`` of that compute window cannot hide; tensor-parallel collectives and pipeline
 sends sit on the critical path and are stretched by the pipeline bubble like compute is. The optimizer step
-is memory-bound and timed at HBM bandwidth (on the host for offloaded states).
+is memory-bound and timed at HBM bandwidth (on the host for offloaded states). Ranks doing the same work drift
+apart (``hw.compute_jitter``, measured by calibration): every blocking collective waits for the group's last rank.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from diagnostics.calibration import expected_max_of_normals
 from diagnostics.mfu import flops_utilization
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import PrecisionConfig
 from disttrain.planner.bubble import bubble_fraction
-from disttrain.planner.comm import CommPlan, link_time
+from disttrain.planner.comm import CommPlan, Sync, link_time
 from disttrain.planner.memory import rank_parameters
 from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token
 from disttrain.planner.spec import Assumptions, Layout, Workload
@@ -34,6 +36,7 @@ class StepEstimate:
     bubble_s: float
     host_optimizer_s: float
     optimizer_step_s: float  # the GPU's own optimizer step over its parameters (HBM-bound)
+    sync_wait_s: float  # blocking collectives waiting for their group's last rank (rank drift, not bytes)
     bubble_fraction: float
     tokens_per_s: float
     mfu: float
@@ -105,6 +108,20 @@ def optimizer_step_seconds(shape: ModelShape, layout: Layout, workload: Workload
     return accessed / (hw.hbm_bandwidth_gbps * 1e9)
 
 
+def sync_wait_seconds(compute_s: float, syncs: list[Sync], jitter: float | None) -> float:
+    """Seconds a step's blocking collectives wait for their group's last rank.
+
+    Each rank's time for the same work drifts like a random walk, ``jitter`` seconds per sqrt(second) of compute;
+    a sync of ``n`` ranks after a segment of ``d`` seconds waits sigma x sqrt(d) x E[max of n normals] for the last
+    one. The syncs split ``compute_s`` into equal segments, so k syncs of one group cost
+    sigma x E[max] x sqrt(k x compute): many small syncs (TP's per-layer all-reduces) cost more than one per step."""
+    calls = sum(s.calls for s in syncs)
+    if not jitter or calls <= 0 or compute_s <= 0:
+        return 0.0
+    segment = compute_s / calls
+    return jitter * math.sqrt(segment) * sum(s.calls * expected_max_of_normals(s.group) for s in syncs)
+
+
 def _exposed(comm_s: float, window_s: float, overlap: float) -> float:
     return max(0.0, comm_s - overlap * window_s)
 
@@ -148,7 +165,9 @@ def estimate_step(
     )
     host_optimizer = comm.host_optimizer_parameters / assumptions.cpu_optimizer_params_per_s
     optimizer = optimizer_step_seconds(shape, layout, workload, hw)
-    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + optimizer
+    syncs = [Sync(s.group, s.calls * m) for s in comm.mb_syncs] + list(comm.step_syncs)
+    sync_wait = sync_wait_seconds(m * (forward + backward), syncs, hw.compute_jitter)
+    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + optimizer + sync_wait
     tokens_per_s = workload.tokens_per_step / step
     util = mfu_from_throughput(tokens_per_s, model_per_token, layout.world_size, peak, hardware_per_token)
     return StepEstimate(
@@ -158,6 +177,7 @@ def estimate_step(
         bubble_s=pipeline * bubble,
         host_optimizer_s=host_optimizer,
         optimizer_step_s=optimizer,
+        sync_wait_s=sync_wait,
         bubble_fraction=bubble,
         tokens_per_s=tokens_per_s,
         mfu=util.mfu,
