@@ -119,9 +119,9 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
                 op_latencies.setdefault((r["link"], r["op"]), []).append(latency)
         elif r["kind"] == "sync_calibration" and (segment := _positive(r.get("segment_s"))):
             wait, latency, n = r.get("wait_s"), r.get("latency_s"), r.get("ranks")
-            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (wait, latency, n)):
-                if (sigma := compute_jitter(segment, wait, latency, int(n))) is not None:
-                    jitters.append(sigma)
+            numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (wait, latency, n))
+            if numbers and (sigma := compute_jitter(segment, wait, latency, int(n))) is not None:
+                jitters.append(sigma)
     matmul: dict[str, list[float]] = {}
     for (dtype, _), rate in best.items():
         matmul.setdefault(dtype, []).append(rate)

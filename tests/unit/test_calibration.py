@@ -58,7 +58,8 @@ def test_each_rank_keeps_its_best_matmul_rate_and_the_run_takes_the_median(tmp_p
     assert cal.op_latency_us == {
         "intra_node": pytest.approx({"all_reduce": 150.0, "all_gather": 300.0, "reduce_scatter": 450.0})
     }
-    # the mean over ranks of (wait - latency) / (sqrt(segment) x E[max of 2 normals]): (3 ms + 0) / 2 / (0.0632 x 0.5642)
+    # the mean over ranks of (wait - latency) / (sqrt(segment) x E[max of 2 normals]): (3 ms + 0) / 2 / (0.0632 x
+    # 0.5642)
     assert cal.compute_jitter == pytest.approx(0.0015 / (0.004**0.5 * 0.5642))
     assert cal.ranks == 2
 

@@ -2,8 +2,9 @@
 
 The calibration (``diagnostics.calibration``) replaces, where it measured them: the matmul peak of the run's
 compute dtype, the memory bandwidth (the optimizer step), the bus bandwidth and per-call latency of the intra-node
-and inter-node links and of each collective on them, and the ranks' drift (``compute_jitter``). ``sources`` says for each number the planner reads whether it is ``measured`` or
-``datasheet`` (or ``none``), which ``python -m plan`` prints and run.json records.
+and inter-node links and of each collective on them, and the ranks' drift (``compute_jitter``). ``sources`` says
+for each number the planner reads whether it is ``measured`` or ``datasheet`` (or ``none``), which
+``python -m plan`` prints and run.json records.
 """
 
 from __future__ import annotations
