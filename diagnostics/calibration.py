@@ -31,8 +31,11 @@ class Calibration:
     # link -> collective -> microseconds of that collective's call (median over ranks): gloo's all-gather and
     # reduce-scatter cost ~10x its all-reduce, so one figure per link misprices most of them
     op_latency_us: dict[str, dict[str, float]] = field(default_factory=dict)
-    # Seconds of rank-to-rank drift per sqrt(second) of identical work (``compute_jitter`` of the hw profile):
-    # from each rank's wait at a one-element all-reduce after the same matmul segment, mean over ranks
+    # From the start-up sync rounds (a matmul segment, then a one-element all-reduce, on every rank): microseconds a
+    # blocking call costs after compute beyond its warm latency (the last rank to arrive waits only for the call:
+    # median over rounds of the shortest wait), and the ranks' drift, seconds per sqrt(second) of identical work
+    # (the others' extra wait); ``sync_overhead_us`` and ``compute_jitter`` of the hw profile
+    sync_overhead_us: float | None = None
     compute_jitter: float | None = None
     ranks: int = 0
     source: str = ""  # the run dir it was measured in
@@ -81,13 +84,21 @@ def expected_max_of_normals(n: int) -> float:
     return _EXPECTED_MAX.get(n) or statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
-def compute_jitter(segment_s: float, wait_s: float, latency_s: float, ranks: int) -> float | None:
-    """Sigma (seconds per sqrt(second)) from one rank's mean wait at a sync after a ``segment_s`` segment: the wait
-    beyond the call's latency is E[max over ranks] - E[own] = sigma x sqrt(segment) x E[max of n normals]."""
-    lead = expected_max_of_normals(ranks)
-    if segment_s <= 0 or lead <= 0:
+def sync_figures(segment_s: float, latency_s: float, waits: list[list[float]]) -> tuple[float, float] | None:
+    """(overhead seconds, sigma) from every rank's waits per sync round (``waits[rank][round]``).
+
+    In each round the last rank to arrive waits only for the call: the shortest wait is the call's cost after
+    compute, and what it has beyond the warm ``latency_s`` is the overhead (the median over rounds). Every other
+    rank also waited for the last: their mean extra wait is E[max over ranks] - E[own] = sigma x sqrt(segment) x
+    E[max of n normals]. None without two ranks' rounds."""
+    n = len(waits)
+    rounds = min((len(w) for w in waits), default=0)
+    if n < 2 or rounds == 0 or segment_s <= 0:
         return None
-    return max(0.0, wait_s - latency_s) / (math.sqrt(segment_s) * lead)
+    shortest = [min(w[r] for w in waits) for r in range(rounds)]
+    overhead = max(0.0, statistics.median(shortest) - latency_s)
+    extra = statistics.mean(w[r] - shortest[r] for w in waits for r in range(rounds))
+    return overhead, extra / (math.sqrt(segment_s) * expected_max_of_normals(n))
 
 
 def calibration_from_telemetry(run_dir: Path) -> Calibration:
@@ -97,7 +108,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     links: dict[tuple[str, str], list[float]] = {}
     latencies: dict[str, list[float]] = {}
     op_latencies: dict[tuple[str, str], list[float]] = {}
-    jitters: list[float] = []
+    syncs: list[tuple[float, float, list[float]]] = []  # per rank: segment, warm latency, wait per round
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
@@ -118,10 +129,9 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
                 latencies.setdefault(r["link"], []).append(latency)
                 op_latencies.setdefault((r["link"], r["op"]), []).append(latency)
         elif r["kind"] == "sync_calibration" and (segment := _positive(r.get("segment_s"))):
-            wait, latency, n = r.get("wait_s"), r.get("latency_s"), r.get("ranks")
-            numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (wait, latency, n))
-            if numbers and (sigma := compute_jitter(segment, wait, latency, int(n))) is not None:
-                jitters.append(sigma)
+            waits = r.get("waits_s")
+            if isinstance(waits, list) and all(_positive(w) for w in waits) and _positive(r.get("latency_s")):
+                syncs.append((segment, float(r["latency_s"]), [float(w) for w in waits]))
     matmul: dict[str, list[float]] = {}
     for (dtype, _), rate in best.items():
         matmul.setdefault(dtype, []).append(rate)
@@ -131,15 +141,19 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     op_latency: dict[str, dict[str, float]] = {}
     for (link, op), values in op_latencies.items():
         op_latency.setdefault(link, {})[op] = statistics.median(values)
+    figures = None
+    if syncs:  # the ranks' segments differ only by their drift: one segment length, one warm latency
+        segment = statistics.mean(segment for segment, _, _ in syncs)
+        latency = statistics.median(latency for _, latency, _ in syncs)
+        figures = sync_figures(segment, latency, [waits for _, _, waits in syncs])
     return Calibration(
         matmul_flops_per_s={dtype: statistics.median(rates) for dtype, rates in matmul.items()},
         memory_bandwidth_gbps=statistics.median(memory) if memory else None,
         links=by_link,
         latency_us={link: statistics.median(values) for link, values in latencies.items()},
         op_latency_us=op_latency,
-        # The mean, not the median: only the ranks that arrive early wait, and the mean over ranks is what the
-        # step time pays.
-        compute_jitter=statistics.mean(jitters) if jitters else None,
+        sync_overhead_us=None if figures is None else figures[0] * 1e6,
+        compute_jitter=None if figures is None else figures[1],
         ranks=len(ranks),
         source=str(run_dir),
     )

@@ -97,17 +97,27 @@ def _call_times(op: str, group: object | None, numel: int, n: int, device: torch
     return times
 
 
-def sync_wait(group: object | None, device: torch.device, rounds: int = 24) -> dict:
-    """How long a synchronising collective waits for the other ranks after the same work on each: ``rounds`` of (a
-    fixed matmul segment, then a one-element all-reduce). Each rank's mean time in the all-reduce, less the call's
-    own latency (measured back to back after a barrier), is the wait for the last rank to arrive: the planner's
-    ``compute_jitter`` (ranks drifting apart like random walks) comes from it and the segment's length. Every rank
-    of ``group`` must call it."""
+def sync_wait(group: object | None, device: torch.device, rounds: int = 12) -> dict:
+    """What a blocking collective costs right after the same work on every rank: ``rounds`` of (a fixed matmul
+    segment, ~5 ms on CPU, then a one-element all-reduce), each rank's wait in every round. Per round, the last rank
+    to arrive waits only for the call itself (cold: a progress thread that slept through the compute must wake),
+    the others also for it: the planner's ``sync_overhead_us`` and ``compute_jitter`` (ranks drifting apart like
+    random walks) come from those (``diagnostics.calibration``). Every rank of ``group`` must call it."""
     import torch.distributed as dist
 
-    n = 1024 if device.type == "cuda" else 192  # ~1-5 ms per segment: the scale of a layer's work between syncs
+    n = 1024 if device.type == "cuda" else 192
     a = torch.randn(n, n, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ a
+    sync()
+    start = time.perf_counter()
+    a @ a
+    sync()
+    target = 0.001 if device.type == "cuda" else 0.005
+    # Every rank must do the same work: the most matmuls any rank needs for the target length.
+    reps = torch.tensor([max(1, round(target / max(time.perf_counter() - start, 1e-6)))], device=device)
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
+    reps_n = int(min(reps.item(), 1000))
     token = torch.ones(1, device=device)
     latency = _fastest_call("all_reduce", group, dist.get_world_size(group), device)
     segments, waits = [], []
@@ -115,7 +125,7 @@ def sync_wait(group: object | None, device: torch.device, rounds: int = 24) -> d
     for i in range(rounds + 1):
         sync()
         start = time.perf_counter()
-        for _ in range(8):
+        for _ in range(reps_n):
             a @ a
         sync()
         middle = time.perf_counter()
@@ -129,6 +139,7 @@ def sync_wait(group: object | None, device: torch.device, rounds: int = 24) -> d
         "rounds": rounds,
         "segment_s": sum(segments) / rounds,
         "wait_s": sum(waits) / rounds,
+        "waits_s": waits,
         "latency_s": latency,
     }
 

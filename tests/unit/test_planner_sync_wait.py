@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from diagnostics.calibration import compute_jitter, expected_max_of_normals
+from diagnostics.calibration import expected_max_of_normals, sync_figures
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import validate_profile
 from disttrain.planner import Layout, Workload, collective_bytes, comm_plan, model_shape, plan_layout
@@ -51,6 +51,8 @@ def test_per_collective_keys_are_checked() -> None:
         validate_profile(dataclasses.replace(CPU, collective_latency_us={"intra_node.p2p": 0.0}))
     with pytest.raises(ConfigError, match=r"hw.compute_jitter: must be >= 0"):
         validate_profile(dataclasses.replace(CPU, compute_jitter=-1.0))
+    with pytest.raises(ConfigError, match=r"hw.host_memory_gib: must be >= 0"):
+        validate_profile(dataclasses.replace(CPU, host_memory_gib=-1.0))
 
 
 def test_expected_lag_of_the_last_rank_in_sigmas() -> None:
@@ -61,11 +63,13 @@ def test_expected_lag_of_the_last_rank_in_sigmas() -> None:
     assert expected_max_of_normals(100) == pytest.approx(2.5076, rel=5e-3)
 
 
-def test_jitter_is_the_wait_beyond_the_call_over_sqrt_segment_and_the_expected_lag() -> None:
-    # 4 ms segments, 2 ranks; a rank waited 2.5 ms where the call itself takes 0.5: sigma = 2 ms / (0.0632 x 0.5642)
-    assert compute_jitter(0.004, 0.0025, 0.0005, 2) == pytest.approx(0.002 / (0.004**0.5 * 0.5642))
-    assert compute_jitter(0.004, 0.0003, 0.0005, 2) == 0.0  # faster than the back-to-back call: no drift
-    assert compute_jitter(0.004, 0.0025, 0.0005, 1) is None
+def test_the_last_rank_to_arrive_measures_the_call_the_others_the_drift() -> None:
+    # 2 ranks, 4 ms segments, a warm call of 0.5 ms: per round the shortest wait is the call after compute
+    overhead, sigma = sync_figures(0.004, 0.0005, [[0.003, 0.001, 0.001], [0.001, 0.002, 0.001]])
+    assert overhead == pytest.approx(0.0005)  # median of 1, 1, 1 ms, less the warm 0.5
+    assert sigma == pytest.approx((0.002 + 0.001) / 6 / (0.004**0.5 * 0.5642))
+    assert sync_figures(0.004, 0.002, [[0.001], [0.0015]])[0] == 0.0  # faster than warm: no overhead
+    assert sync_figures(0.004, 0.0005, [[0.003, 0.001]]) is None  # one rank cannot tell its wait's parts apart
 
 
 def test_many_small_syncs_wait_longer_than_one_per_step() -> None:
@@ -75,12 +79,14 @@ def test_many_small_syncs_wait_longer_than_one_per_step() -> None:
     mixed = sync_wait_seconds(2.0, [Sync(2, 3), Sync(8, 1)], 0.01)
     assert mixed == pytest.approx(0.01 * math.sqrt(0.5) * (3 * 0.5642 + 1.4236))
     assert sync_wait_seconds(1.0, [Sync(2, 4)], None) == 0.0  # a datasheet profile: not modelled
-    assert sync_wait_seconds(1.0, [Sync(1, 4)], 0.01) == 0.0  # one rank waits for no one
+    assert sync_wait_seconds(1.0, [Sync(1, 4)], 0.01, 0.001) == 0.0  # one rank waits for no one
+    # each call also pays the overhead of a call right after compute
+    assert sync_wait_seconds(1.0, [Sync(2, 4)], 0.01, 0.001) == pytest.approx(4 * 0.001 + 4 * 0.01 * 0.5 * 0.5642)
 
 
 def test_tensor_parallel_pays_a_wait_per_activation_collective_ddp_one_per_step() -> None:
     shape = model_shape(model("gpt-nano"))
-    box = dataclasses.replace(CPU, compute_jitter=0.02)
+    box = dataclasses.replace(CPU, compute_jitter=0.02, sync_overhead_us=400.0)
     work = Workload(16, 32, shape.seq_len, "fp32")
     tp_layout = Layout("megatron", tp=2, microbatches=2)
     per_mb = tp_collectives_per_layer(shape.swiglu) * shape.n_layers + 2  # + the embedding's and the head's
@@ -88,9 +94,10 @@ def test_tensor_parallel_pays_a_wait_per_activation_collective_ddp_one_per_step(
     assert traffic.mb_syncs == (Sync(2, per_mb),) and traffic.step_syncs == (Sync(2, 1),)
     tp = plan_layout(shape, tp_layout, work, box, DEFAULT_ASSUMPTIONS).estimate
     calls = 2 * per_mb + 1
-    assert tp.sync_wait_s == pytest.approx(0.02 * math.sqrt(tp.compute_s / calls) * calls * 0.5642)
+    drift = 0.02 * math.sqrt(tp.compute_s / calls) * calls * 0.5642
+    assert tp.sync_wait_s == pytest.approx(calls * 400e-6 + drift)
     ddp = plan_layout(shape, Layout("ddp", dp=2), work, box, DEFAULT_ASSUMPTIONS).estimate
-    assert ddp.sync_wait_s == pytest.approx(0.02 * math.sqrt(ddp.compute_s) * 0.5642)
+    assert ddp.sync_wait_s == pytest.approx(400e-6 + 0.02 * math.sqrt(ddp.compute_s) * 0.5642)
     assert tp.sync_wait_s > 5 * ddp.sync_wait_s
     without = plan_layout(shape, tp_layout, work, CPU, DEFAULT_ASSUMPTIONS).estimate
     assert tp.step_time_s - without.step_time_s == pytest.approx(tp.sync_wait_s)
@@ -112,7 +119,7 @@ def test_fsdp_and_zero_wait_every_micro_batch_pipelines_at_each_send() -> None:
 def test_a_gpu_datasheet_profile_models_no_drift() -> None:
     shape = model_shape(model("llama-7b"))
     box = hw("8xh100")
-    assert box.compute_jitter is None
+    assert box.compute_jitter is None and box.sync_overhead_us is None
     layout = Layout("megatron", tp=8, microbatches=1, sequence_parallel=True)
     estimate = plan_layout(shape, layout, Workload(1, 1, 4096, "bf16-mixed"), box).estimate
     assert estimate.sync_wait_s == 0.0

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from diagnostics.calibration import Calibration
+from diagnostics.prediction import one_line
 from disttrain.config.errors import ConfigError
 from disttrain.config.hf import reference_shape
 from disttrain.config.parse import parse_run_config
@@ -176,6 +177,33 @@ def test_run_prediction_says_which_numbers_it_used_and_why_it_could_not_time_the
     assert p["tokens_per_s"] == pytest.approx(32 * 128 / p["step_time_s"])
     measured = with_measurement(calibrated, {"step_time_s": p["step_time_s"] * 2})
     assert measured["error"] == {"step_time_s": pytest.approx(-0.5)}
+    assert "datasheet" not in measured  # hw=cpu has none to compare with
+
+
+def test_a_calibrated_gpu_run_also_says_how_far_off_its_datasheet_alone_was() -> None:
+    cfg = parse_run_config(compose_train(["strategy=fsdp", *LLAMA7B_8XA100]))
+    world, plan = world_layout(cfg), validate_run(cfg)
+    # This GPU's matmuls measured at 60% of the 312 TFLOPS datasheet peak, NVLink at half its 300 GB/s.
+    calibration = Calibration(
+        matmul_flops_per_s={"bf16": 0.6 * 312e12}, links={"intra_node": {"all_gather": 150.0}}, source="RUN"
+    )
+    record = predict_run(cfg, world, plan, calibration)
+    sheet = plan_layout(
+        model_shape(reference_shape(cfg.model)), layout_of(cfg.strategy, world, plan), workload(cfg, plan), cfg.hw
+    )
+    assert record["datasheet"] == {
+        "step_time_s": pytest.approx(sheet.step_time_s),
+        "tokens_per_s": pytest.approx(sheet.tokens_per_s),
+    }
+    assert record["predicted"]["step_time_s"] > sheet.step_time_s  # the measured speeds are slower
+    measured = with_measurement(record, {"step_time_s": record["predicted"]["step_time_s"]})
+    assert measured["error"]["step_time_s"] == pytest.approx(0.0)
+    assert measured["datasheet_error"]["step_time_s"] == pytest.approx(
+        sheet.step_time_s / record["predicted"]["step_time_s"] - 1
+    )
+    line = one_line(measured)
+    assert "planner (calibrated) predicted vs measured: step time" in line
+    assert f"; datasheet alone: step time {sheet.step_time_s * 1e3:.1f} ms (" in line
 
 
 def test_offloaded_states_are_checked_against_the_hosts_memory() -> None:

@@ -36,10 +36,13 @@ class HardwareProfile:
     # and per-call latency where they differ from the link's figures above; calibration measures them.
     collective_busbw_gbps: dict[str, float] = field(default_factory=dict)
     collective_latency_us: dict[str, float] = field(default_factory=dict)
-    # How far ranks doing the same work drift apart: seconds of timing noise per square root of a second of
-    # compute (a random walk). Every synchronising collective then waits for the last rank to arrive: the
-    # planner charges sigma x sqrt(compute between syncs) x E[max of n normals] per sync. None: not modelled
-    # (datasheets have no such figure; calibration measures it: large on a shared CPU box, ~0 on a GPU).
+    # Blocking collectives right after compute (TP's activation all-reduces, pipeline sends, the gradient sync
+    # before the optimizer step). ``sync_overhead_us``: what such a call costs beyond its warm latency (gloo's
+    # progress thread wakes up; ~0 for NCCL kernels queued behind the compute). ``compute_jitter``: how far ranks
+    # doing the same work drift apart, seconds per sqrt(second) of compute (a random walk): every sync waits
+    # sigma x sqrt(compute since the last) x E[max of n normals] for its group's last rank. None: not modelled
+    # (datasheets have neither; calibration measures both: large on a shared CPU box, small on a GPU).
+    sync_overhead_us: float | None = None
     compute_jitter: float | None = None
     # Host (CPU) memory per node, shared by its devices' processes: offloaded optimizer states and parameters
     # live there. None: not checked.
@@ -83,7 +86,7 @@ def validate_profile(hw: HardwareProfile) -> None:
                 )  # fmt: skip
             if value <= 0:
                 raise ConfigError(f"hw.{name}", f"'{key}' must be > 0, got {value}", "give the measured figure")
-    for name in ("compute_jitter", "host_memory_gib"):
+    for name in ("sync_overhead_us", "compute_jitter", "host_memory_gib"):
         value = getattr(hw, name)
         if value is not None and value < 0:
             raise ConfigError(f"hw.{name}", f"must be >= 0, got {value}", f"set hw.{name}=null or a measured figure")

@@ -2,9 +2,9 @@
 
 The calibration (``diagnostics.calibration``) replaces, where it measured them: the matmul peak of the run's
 compute dtype, the memory bandwidth (the optimizer step), the bus bandwidth and per-call latency of the intra-node
-and inter-node links and of each collective on them, and the ranks' drift (``compute_jitter``). ``sources`` says
-for each number the planner reads whether it is ``measured`` or ``datasheet`` (or ``none``), which
-``python -m plan`` prints and run.json records.
+and inter-node links and of each collective on them, and what blocking syncs cost (``sync_overhead_us``,
+``compute_jitter``). ``sources`` says for each number the planner reads whether it is ``measured`` or
+``datasheet`` (or ``none``), which ``python -m plan`` prints and run.json records.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "inter_node_latency_us": _source(hw.inter_node_latency_us),
         "collective_busbw_gbps": _source(hw.collective_busbw_gbps),
         "collective_latency_us": _source(hw.collective_latency_us),
+        "sync_overhead_us": _source(hw.sync_overhead_us),
         "compute_jitter": _source(hw.compute_jitter),
     }
     if calibration is None:
@@ -86,6 +87,9 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
     if per_op:
         changes["collective_latency_us"] = {**hw.collective_latency_us, **per_op}
         sources["collective_latency_us"] = "measured"
+    if calibration.sync_overhead_us is not None:
+        changes["sync_overhead_us"] = calibration.sync_overhead_us
+        sources["sync_overhead_us"] = "measured"
     if calibration.compute_jitter is not None:
         changes["compute_jitter"] = calibration.compute_jitter
         sources["compute_jitter"] = "measured"
