@@ -15,6 +15,8 @@ hw=cpu has no datasheet numbers: without calibration nothing but memory can be p
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +35,7 @@ QUANTITIES = ("step_time_s", "comm_s", "state_bytes", "tokens_per_s")
 TARGET = 0.15
 
 
-def one_run(layout: str, steps: int, extra: list[str]) -> dict:
+def one_run(layout: str, steps: int, extra: list[str], keep: Path | None = None) -> dict:
     overrides = [
         *LAYOUTS[layout],
         f"trainer.max_steps={steps}",
@@ -43,7 +45,13 @@ def one_run(layout: str, steps: int, extra: list[str]) -> dict:
         "trainer.global_batch_size=32",  # the same global batch for every layout (Megatron tp2 has dp=1)
         *extra,
     ]
-    return train_manifest(overrides).get("prediction") or {}
+    inspect = None
+    if keep is not None:  # the run dirs, for python -m diagnose and the profiler traces
+
+        def inspect(run_dir: Path) -> None:
+            shutil.copytree(run_dir, keep / f"{layout}-{len(list(keep.glob(layout + '-*')))}")
+
+    return train_manifest(overrides, inspect).get("prediction") or {}
 
 
 def median_and_spread(values: list[float]) -> str:
@@ -57,20 +65,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--extra", nargs="*", default=[], help="extra `python -m train` overrides for every run")
+    parser.add_argument("--keep", type=Path, help="copy every run dir here (layout-N/)")
     args = parser.parse_args()
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     errors: dict[str, dict[str, list[float]]] = {name: {q: [] for q in QUANTITIES} for name in args.layouts}
     examples: dict[str, dict] = {}
+    loads: list[float] = []
     for repeat in range(args.repeats):
         order = args.layouts[repeat % len(args.layouts) :] + args.layouts[: repeat % len(args.layouts)]
         for name in order:
-            record = one_run(name, args.steps, args.extra)
+            record = one_run(name, args.steps, args.extra, args.keep)
             examples[name] = record
             for q, e in (record.get("error") or {}).items():
                 if q in errors[name]:
                     errors[name][q].append(e)
             step = (record.get("error") or {}).get("step_time_s")
             shown = "n/a" if step is None else f"{step:+.1%}"
-            print(f"  repeat {repeat + 1} {name}: step-time error {shown}", flush=True)
+            loads.append(os.getloadavg()[0])  # timing figures are only as good as the host is quiet
+            print(f"  repeat {repeat + 1} {name}: step-time error {shown} (load {loads[-1]:.1f})", flush=True)
     header = f"{'layout':<14}" + "".join(f"{q:>26}" for q in QUANTITIES) + "  predicted / measured step (last run)"
     print("\nmedian error (min..max) over repeats, predicted / measured - 1:")
     print(header)
@@ -85,6 +98,7 @@ def main() -> None:
         met += bool(step) and abs(statistics.median(step)) <= TARGET
     basis = next(iter(examples.values()), {}).get("basis")
     print(f"\nhw numbers: {basis}")
+    print(f"host load (1-minute average) as each run ended: {min(loads):.1f}..{max(loads):.1f}, {os.cpu_count()} cores")
     print(f"step time within +-{TARGET:.0%}: {met} of {len(args.layouts)} layouts")
 
 

@@ -8,6 +8,7 @@ from the cluster. ``RUN_DIR/calibration.json`` holds the same figures once a run
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,15 @@ class Calibration:
     links: dict[str, dict[str, float]] = field(default_factory=dict)
     # link -> microseconds one collective call costs whatever its size: median over collectives and ranks
     latency_us: dict[str, float] = field(default_factory=dict)
+    # link -> collective -> microseconds of that collective's call (median over ranks): gloo's all-gather and
+    # reduce-scatter cost ~10x its all-reduce, so one figure per link misprices most of them
+    op_latency_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    # From the start-up sync rounds (a matmul segment, then a one-element all-reduce, on every rank): microseconds a
+    # blocking call costs after compute beyond its warm latency (the last rank to arrive waits only for the call:
+    # median over rounds of the shortest wait), and the ranks' drift, seconds per sqrt(second) of identical work
+    # (the others' extra wait); ``sync_overhead_us`` and ``compute_jitter`` of the hw profile
+    sync_overhead_us: float | None = None
+    compute_jitter: float | None = None
     ranks: int = 0
     source: str = ""  # the run dir it was measured in
 
@@ -52,6 +62,7 @@ def _records(run_dir: Path) -> list[dict]:
                 "calibration",
                 "link_calibration",
                 "memory_calibration",
+                "sync_calibration",
             ):
                 records.append(record)
     return records
@@ -61,12 +72,43 @@ def _positive(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
 
 
+# E[max of n standard normals], exact (Harter 1961) where Blom's approximation is off by more than 1%.
+_EXPECTED_MAX = {2: 0.5642, 3: 0.8463, 4: 1.0294, 5: 1.1630, 6: 1.2672, 7: 1.3522, 8: 1.4236}
+
+
+def expected_max_of_normals(n: int) -> float:
+    """E[max of ``n`` independent standard normals]: how far the last of ``n`` drifting ranks lags their mean, in
+    sigmas (tabulated up to 8, Blom's approximation above: within 0.5% from 16 on)."""
+    if n < 2:
+        return 0.0
+    return _EXPECTED_MAX.get(n) or statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def sync_figures(segment_s: float, latency_s: float, waits: list[list[float]]) -> tuple[float, float] | None:
+    """(overhead seconds, sigma) from every rank's waits per sync round (``waits[rank][round]``).
+
+    In each round the last rank to arrive waits only for the call: the shortest wait is the call's cost after
+    compute, and what it has beyond the warm ``latency_s`` is the overhead (the median over rounds). Every other
+    rank also waited for the last: their mean extra wait is E[max over ranks] - E[own] = sigma x sqrt(segment) x
+    E[max of n normals]. None without two ranks' rounds."""
+    n = len(waits)
+    rounds = min((len(w) for w in waits), default=0)
+    if n < 2 or rounds == 0 or segment_s <= 0:
+        return None
+    shortest = [min(w[r] for w in waits) for r in range(rounds)]
+    overhead = max(0.0, statistics.median(shortest) - latency_s)
+    extra = statistics.mean(w[r] - shortest[r] for w in waits for r in range(rounds))
+    return overhead, extra / (math.sqrt(segment_s) * expected_max_of_normals(n))
+
+
 def calibration_from_telemetry(run_dir: Path) -> Calibration:
     """Each rank's best matmul rate (start or end: load only ever lowers it), then the median over ranks."""
     best: dict[tuple[str, int], float] = {}
     memory: list[float] = []
     links: dict[tuple[str, str], list[float]] = {}
     latencies: dict[str, list[float]] = {}
+    op_latencies: dict[tuple[str, str], list[float]] = {}
+    syncs: list[tuple[float, float, list[float]]] = []  # per rank: segment, warm latency, wait per round
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
@@ -85,17 +127,33 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             links.setdefault((r["link"], r["op"]), []).append(gbps)
             if latency := _positive(r.get("latency_us")):
                 latencies.setdefault(r["link"], []).append(latency)
+                op_latencies.setdefault((r["link"], r["op"]), []).append(latency)
+        elif r["kind"] == "sync_calibration" and (segment := _positive(r.get("segment_s"))):
+            waits = r.get("waits_s")
+            if isinstance(waits, list) and all(_positive(w) for w in waits) and _positive(r.get("latency_s")):
+                syncs.append((segment, float(r["latency_s"]), [float(w) for w in waits]))
     matmul: dict[str, list[float]] = {}
     for (dtype, _), rate in best.items():
         matmul.setdefault(dtype, []).append(rate)
     by_link: dict[str, dict[str, float]] = {}
     for (link, op), values in links.items():
         by_link.setdefault(link, {})[op] = statistics.median(values)
+    op_latency: dict[str, dict[str, float]] = {}
+    for (link, op), values in op_latencies.items():
+        op_latency.setdefault(link, {})[op] = statistics.median(values)
+    figures = None
+    if syncs:  # the ranks' segments differ only by their drift: one segment length, one warm latency
+        segment = statistics.mean(segment for segment, _, _ in syncs)
+        latency = statistics.median(latency for _, latency, _ in syncs)
+        figures = sync_figures(segment, latency, [waits for _, _, waits in syncs])
     return Calibration(
         matmul_flops_per_s={dtype: statistics.median(rates) for dtype, rates in matmul.items()},
         memory_bandwidth_gbps=statistics.median(memory) if memory else None,
         links=by_link,
         latency_us={link: statistics.median(values) for link, values in latencies.items()},
+        op_latency_us=op_latency,
+        sync_overhead_us=None if figures is None else figures[0] * 1e6,
+        compute_jitter=None if figures is None else figures[1],
         ranks=len(ranks),
         source=str(run_dir),
     )

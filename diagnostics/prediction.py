@@ -98,7 +98,10 @@ def prediction_of(analysis: Analysis) -> dict[str, Any] | None:
     if not isinstance(record, dict) or not isinstance(record.get("predicted"), dict):
         return None
     measured = {**(record.get("measured") or {}), **measured_from_analysis(analysis, record["predicted"])}
-    return {**record, "measured": measured, "error": compare(record["predicted"], measured)}
+    record = {**record, "measured": measured, "error": compare(record["predicted"], measured)}
+    if isinstance(record.get("datasheet"), dict):
+        record["datasheet_error"] = compare(record["datasheet"], measured)
+    return record
 
 
 def one_line(record: dict[str, Any]) -> str:
@@ -115,4 +118,9 @@ def one_line(record: dict[str, Any]) -> str:
     if not parts:
         return "planner: " + (record.get("unpredicted") or "nothing comparable was measured")
     basis = "calibrated" if "measured" in (record.get("basis") or {}).values() else "datasheet"
-    return f"planner ({basis}) predicted vs measured: " + ", ".join(parts)
+    line = f"planner ({basis}) predicted vs measured: " + ", ".join(parts)
+    sheet = compare(record.get("datasheet") or {}, record.get("measured") or {})
+    if "step_time_s" in sheet:  # a calibrated GPU run: what the datasheet alone would have said
+        line += f"; datasheet alone: step time {format_value('step_time_s', record['datasheet']['step_time_s'])} "
+        line += f"({sheet['step_time_s']:+.0%})"
+    return line

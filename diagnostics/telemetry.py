@@ -31,6 +31,9 @@ Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
   ``intra_node`` or ``inter_node`` group, with nccl-tests' algorithm and bus bandwidths (GB/s) and the latency of
   a one-element-per-rank call (microseconds).
 - ``memory_calibration``: at start-up, this device's streaming memory bandwidth (GB/s of ``a = b + c``).
+- ``sync_calibration``: at start-up, over the world: the mean time of a fixed matmul segment, this rank's wait in
+  the one-element all-reduce after it in each round (and their mean), with the call's warm latency (what a
+  blocking collective costs after compute, and how far ranks drift apart).
 - ``error``: a collector failed; training went on.
 - ``hang``: the watchdog fired: no step completed within the timeout.
 - ``nonfinite``: a step had a non-finite loss or gradient (``what``); ``action`` is ``skipped`` (its update was
@@ -80,6 +83,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "calibration": ("when", "dtype", "matrix_size", "flops_per_s", "seconds"),
     "link_calibration": ("link", "op", "ranks", "bytes", "seconds", "algbw_gbps", "busbw_gbps", "latency_us"),
     "memory_calibration": ("bandwidth_gbps",),
+    "sync_calibration": ("ranks", "rounds", "segment_s", "wait_s", "waits_s", "latency_s"),
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
     "nonfinite": ("step", "what", "action", "skipped_total"),

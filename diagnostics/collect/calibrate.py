@@ -40,13 +40,13 @@ BUS_FACTORS["reduce_scatter"] = BUS_FACTORS["all_gather"]
 def collective_bandwidth(op: str, group: object | None, nbytes: int, device: torch.device, repeats: int = 3) -> dict:
     """Median time of ``op`` over a ``nbytes`` buffer (the full, unsharded size) in ``group`` after one warm-up;
     algorithm bandwidth = nbytes / time, bus bandwidth = algorithm bandwidth x the nccl-tests factor; and the
-    latency: the median time of the same call over one element per rank. Every rank of ``group`` must call it
+    latency: the fastest of the same call over one element per rank. Every rank of ``group`` must call it
     with the same arguments."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     seconds, size = _median_call(op, group, max(n, nbytes // 4 // n * n), n, device, repeats)
-    latency, _ = _median_call(op, group, n, n, device, repeats)
+    latency = _fastest_call(op, group, n, device)
     algbw = size / seconds / 1e9
     return {
         "op": op,
@@ -59,10 +59,22 @@ def collective_bandwidth(op: str, group: object | None, nbytes: int, device: tor
     }
 
 
+def _fastest_call(op: str, group: object | None, n: int, device: torch.device, repeats: int = 7) -> float:
+    """The call's own cost over one element per rank: the fastest of ``repeats`` (a slower one waited for a rank
+    the OS had descheduled, which the planner charges separately as drift: ``sync_wait``)."""
+    return min(_call_times(op, group, n, n, device, repeats))
+
+
 def _median_call(
     op: str, group: object | None, numel: int, n: int, device: torch.device, repeats: int
 ) -> tuple[float, int]:
     """(median seconds of one ``op`` call over ``numel`` fp32 elements, the buffer's bytes)."""
+    times = sorted(_call_times(op, group, numel, n, device, repeats))
+    return times[len(times) // 2], numel * 4
+
+
+def _call_times(op: str, group: object | None, numel: int, n: int, device: torch.device, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` ``op`` calls over ``numel`` fp32 elements, each after a barrier, after one warm-up."""
     import torch.distributed as dist
 
     full = torch.ones(numel, device=device, dtype=torch.float32)
@@ -82,7 +94,54 @@ def _median_call(
         sync()
         if i:  # the first call sets up the connections
             times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2], numel * 4
+    return times
+
+
+def sync_wait(group: object | None, device: torch.device, rounds: int = 12) -> dict:
+    """What a blocking collective costs right after the same work on every rank: ``rounds`` of (a fixed matmul
+    segment, ~5 ms on CPU, then a one-element all-reduce), each rank's wait in every round. Per round, the last rank
+    to arrive waits only for the call itself (cold: a progress thread that slept through the compute must wake),
+    the others also for it: the planner's ``sync_overhead_us`` and ``compute_jitter`` (ranks drifting apart like
+    random walks) come from those (``diagnostics.calibration``). Every rank of ``group`` must call it."""
+    import torch.distributed as dist
+
+    n = 1024 if device.type == "cuda" else 192
+    a = torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ a
+    sync()
+    start = time.perf_counter()
+    a @ a
+    sync()
+    target = 0.001 if device.type == "cuda" else 0.005
+    # Every rank must do the same work: the most matmuls any rank needs for the target length.
+    reps = torch.tensor([max(1, round(target / max(time.perf_counter() - start, 1e-6)))], device=device)
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
+    reps_n = int(min(reps.item(), 1000))
+    token = torch.ones(1, device=device)
+    latency = _fastest_call("all_reduce", group, dist.get_world_size(group), device)
+    segments, waits = [], []
+    dist.barrier(group=group)
+    for i in range(rounds + 1):
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps_n):
+            a @ a
+        sync()
+        middle = time.perf_counter()
+        dist.all_reduce(token, group=group)
+        sync()
+        if i:  # the first round pays any warm-up
+            segments.append(middle - start)
+            waits.append(time.perf_counter() - middle)
+    return {
+        "ranks": dist.get_world_size(group),
+        "rounds": rounds,
+        "segment_s": sum(segments) / rounds,
+        "wait_s": sum(waits) / rounds,
+        "waits_s": waits,
+        "latency_s": latency,
+    }
 
 
 def memory_bandwidth_gbps(device: torch.device, nbytes: int = 32 * 2**20, repeats: int = 3) -> float:

@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from diagnostics.collect.calibrate import collective_bandwidth, matmul_flops_per_s, memory_bandwidth_gbps
+from diagnostics.collect.calibrate import collective_bandwidth, matmul_flops_per_s, memory_bandwidth_gbps, sync_wait
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
@@ -361,6 +361,7 @@ class DiagnosticsCallback(pl.Callback):
         for link, group in groups:
             for op in ("all_reduce", "all_gather", "reduce_scatter"):
                 self.write("link_calibration", link=link, **collective_bandwidth(op, group, nbytes, device))
+        self.write("sync_calibration", **sync_wait(None, device))
 
     def _throughput(self, world_size: int, tokens_per_s: float) -> None:
         f = self.facts

@@ -181,6 +181,10 @@ def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Pat
         "inter_node_bandwidth_gbps": "none",
         "intra_node_latency_us": "measured",
         "inter_node_latency_us": "none",
+        "collective_busbw_gbps": "measured",
+        "collective_latency_us": "measured",
+        "sync_overhead_us": "measured",
+        "compute_jitter": "measured",
     }
     assert payload["recommended"] is not None  # hw=cpu has no datasheet peak: only the calibration times steps
     table = run_plan(args[:-1], tmp_path)

@@ -78,6 +78,8 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     assert links["all_reduce"]["busbw_gbps"] == pytest.approx(links["all_reduce"]["algbw_gbps"])  # 2(n-1)/n = 1
     calibration = json.loads((run_dir / "calibration.json").read_text())
     assert calibration["links"]["intra_node"]["all_reduce"] > 0 and calibration["ranks"] == 2
+    assert set(calibration["op_latency_us"]["intra_node"]) == set(links)  # each collective's own call cost
+    assert calibration["compute_jitter"] is not None  # the ranks' drift, from the sync rounds at start-up
     prediction = read_manifest(run_dir)["prediction"]
     assert prediction["basis"]["peak_tflops"] == "measured" == prediction["basis"]["intra_node_bandwidth_gbps"]
     assert set(prediction["error"]) >= {"step_time_s", "tokens_per_s", "mfu", "comm_s", "state_bytes"}

@@ -35,6 +35,13 @@ def write_calibration_run(run_dir: Path, *, torn: bool = False) -> None:
                 "link_calibration", link="intra_node", op=op, ranks=2, bytes=8 << 20, seconds=0.01,
                 algbw_gbps=busbw, busbw_gbps=busbw * factor, latency_us=100.0 * factor * (rank + 1),
             )  # fmt: skip
+        # the call takes 1 ms after compute (0.5 ms warm); rank 0 arrives first in rounds 1 and 2 and waits 3 ms
+        # more, rank 1 in round 3 (1.5 ms more)
+        waits = [0.004, 0.004, 0.001] if rank == 0 else [0.001, 0.001, 0.0025]
+        w.write(
+            "sync_calibration", ranks=2, rounds=3, segment_s=0.004, wait_s=sum(waits) / 3, waits_s=waits,
+            latency_s=0.0005,
+        )  # fmt: skip
         w.write("calibration", when="end", dtype="fp32", matrix_size=512, flops_per_s=end, seconds=0.3)
         w.close()
     if torn:
@@ -51,6 +58,14 @@ def test_each_rank_keeps_its_best_matmul_rate_and_the_run_takes_the_median(tmp_p
     assert cal.bus_bandwidth_gbps("intra_node") == pytest.approx(10.0)  # the median over the three collectives
     assert cal.bus_bandwidth_gbps("inter_node") is None
     assert cal.latency_us == {"intra_node": pytest.approx(250.0)}  # median of every rank's and op's: 100..600
+    # per collective: the median over the ranks' 100/200, 200/400, 300/600
+    assert cal.op_latency_us == {
+        "intra_node": pytest.approx({"all_reduce": 150.0, "all_gather": 300.0, "reduce_scatter": 450.0})
+    }
+    # the last rank's wait is the call: 1 ms, 0.5 ms over the warm one; the others' extra wait, (3 + 3 + 1.5) ms
+    # over 6 rank-rounds, is sigma x sqrt(4 ms) x E[max of 2 normals]
+    assert cal.sync_overhead_us == pytest.approx(500.0)
+    assert cal.compute_jitter == pytest.approx(0.0075 / 6 / (0.004**0.5 * 0.5642))
     assert cal.ranks == 2
 
 
@@ -77,6 +92,9 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         memory_bandwidth_gbps=1500.0,
         links={"intra_node": {"all_reduce": 100.0}, "inter_node": {"all_reduce": 20.0}},
         latency_us={"intra_node": 8.0, "inter_node": 25.0},
+        op_latency_us={"intra_node": {"all_reduce": 6.0, "all_gather": 10.0}},
+        sync_overhead_us=3.0,
+        compute_jitter=0.01,
         source="RUN",
     )
     a100 = hw_profile("2x8xh100")
@@ -86,6 +104,9 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
     assert profile.hw.intra_node_bandwidth_gbps == 100.0
     assert profile.hw.inter_node_bandwidth_gbps == 20.0  # a world group's bus bandwidth is the per-node figure
     assert (profile.hw.intra_node_latency_us, profile.hw.inter_node_latency_us) == (8.0, 25.0)
+    assert profile.hw.collective_busbw_gbps == {"intra_node.all_reduce": 100.0, "inter_node.all_reduce": 20.0}
+    assert profile.hw.collective_latency_us == {"intra_node.all_reduce": 6.0, "intra_node.all_gather": 10.0}
+    assert (profile.hw.sync_overhead_us, profile.hw.compute_jitter) == (3.0, 0.01)
     assert set(profile.sources.values()) == {"measured"}
     assert assumptions_for(profile).compute_efficiency == DEFAULT_ASSUMPTIONS.calibrated_compute_efficiency
     datasheet = calibrated_profile(a100, Calibration(matmul_flops_per_s={"fp32": 1e13}), "bf16")
@@ -99,6 +120,10 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         "inter_node_bandwidth_gbps",
         "intra_node_latency_us",
         "inter_node_latency_us",
+        "collective_busbw_gbps",
+        "collective_latency_us",
+        "sync_overhead_us",
+        "compute_jitter",
     }
     assert set(cpu.sources.values()) == {"none"}
 
@@ -145,3 +170,16 @@ def test_prediction_is_read_back_into_the_sweep_row(tmp_path: Path) -> None:
     }
     (run / "run.json").write_text(json.dumps({"status": "completed", "result": {}, "prediction": record}))
     assert _planner(load_run(tmp_path, run)) == "step +10%, state +25%"
+
+
+def test_the_plan_table_says_which_numbers_are_datasheet_measured_or_missing() -> None:
+    from disttrain.planner.render import sources_line
+
+    datasheet = calibrated_profile(hw_profile("8xh100"), None, "bf16").sources
+    assert sources_line(datasheet) == (
+        "hw numbers: peak_tflops datasheet, hbm_bandwidth_gbps datasheet, intra_node_bandwidth_gbps datasheet, "
+        "inter_node_bandwidth_gbps datasheet; not modelled: intra_node_latency_us, inter_node_latency_us, "
+        "sync_overhead_us, compute_jitter"
+    )
+    measured = calibrated_profile(hw_profile("cpu"), Calibration(matmul_flops_per_s={"fp32": 1e10}), "fp32").sources
+    assert sources_line(measured).startswith("hw numbers: peak_tflops measured; not modelled: hbm_bandwidth_gbps")

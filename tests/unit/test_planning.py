@@ -7,12 +7,24 @@ import dataclasses
 import pytest
 
 from diagnostics.calibration import Calibration
+from diagnostics.prediction import one_line
 from disttrain.config.errors import ConfigError
+from disttrain.config.hf import reference_shape
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig
 from disttrain.config.validate import batch_plan, validate_run, world_layout
 from disttrain.job.prediction import predict_run, with_measurement
-from disttrain.strategies.auto import AUTO_TIE, auto_candidates, check_fits, predict_memory, resolve_auto
+from disttrain.planner import model_shape, plan_layout
+from disttrain.strategies.auto import (
+    AUTO_TIE,
+    auto_candidates,
+    check_fits,
+    describe_memory,
+    layout_of,
+    predict_memory,
+    resolve_auto,
+    workload,
+)
 from tests.conftest import compose_train
 
 LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
@@ -165,3 +177,65 @@ def test_run_prediction_says_which_numbers_it_used_and_why_it_could_not_time_the
     assert p["tokens_per_s"] == pytest.approx(32 * 128 / p["step_time_s"])
     measured = with_measurement(calibrated, {"step_time_s": p["step_time_s"] * 2})
     assert measured["error"] == {"step_time_s": pytest.approx(-0.5)}
+    assert "datasheet" not in measured  # hw=cpu has none to compare with
+
+
+def test_a_calibrated_gpu_run_also_says_how_far_off_its_datasheet_alone_was() -> None:
+    cfg = parse_run_config(compose_train(["strategy=fsdp", *LLAMA7B_8XA100]))
+    world, plan = world_layout(cfg), validate_run(cfg)
+    # This GPU's matmuls measured at 60% of the 312 TFLOPS datasheet peak, NVLink at half its 300 GB/s.
+    calibration = Calibration(
+        matmul_flops_per_s={"bf16": 0.6 * 312e12}, links={"intra_node": {"all_gather": 150.0}}, source="RUN"
+    )
+    record = predict_run(cfg, world, plan, calibration)
+    sheet = plan_layout(
+        model_shape(reference_shape(cfg.model)), layout_of(cfg.strategy, world, plan), workload(cfg, plan), cfg.hw
+    )
+    assert record["datasheet"] == {
+        "step_time_s": pytest.approx(sheet.step_time_s),
+        "tokens_per_s": pytest.approx(sheet.tokens_per_s),
+    }
+    assert record["predicted"]["step_time_s"] > sheet.step_time_s  # the measured speeds are slower
+    measured = with_measurement(record, {"step_time_s": record["predicted"]["step_time_s"]})
+    assert measured["error"]["step_time_s"] == pytest.approx(0.0)
+    assert measured["datasheet_error"]["step_time_s"] == pytest.approx(
+        sheet.step_time_s / record["predicted"]["step_time_s"] - 1
+    )
+    line = one_line(measured)
+    assert "planner (calibrated) predicted vs measured: step time" in line
+    assert f"; datasheet alone: step time {sheet.step_time_s * 1e3:.1f} ms (" in line
+
+
+def test_offloaded_states_are_checked_against_the_hosts_memory() -> None:
+    """ZeRO-3 offload of llama-70b puts ~145 GiB per GPU on the host: 8 GPUs fit a DGX's 2 TiB, not 512 GiB."""
+    offload = [
+        "strategy=deepspeed",
+        "strategy.stage=3",
+        "strategy.offload_optimizer=true",
+        "strategy.offload_params=true",
+        "model=llama-70b",
+        "model.seq_len=2048",
+        "hw=8xa100",
+        "trainer.micro_batch_size=1",
+        "precision=bf16-mixed",
+    ]
+    cfg = parse_run_config(compose_train(offload))
+    memory = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+    assert memory is not None and 140 * 2**30 < memory.host < 150 * 2**30
+    check_fits(cfg, memory, check_memory=True)  # 8 x 145 GiB within 0.9 x 2048 GiB
+    usable = 0.9 * 2048 / 8
+    assert (
+        f"host (offloaded) {memory.host / 2**30:.2f} GiB per GPU, fits in {usable:.1f} GiB usable"
+        in describe_memory(cfg, memory)
+    )
+    small = parse_run_config(compose_train([*offload, "hw.host_memory_gib=512"]))
+    with pytest.raises(ConfigError, match=r"offloaded states per device .* exceeds the 460.8 GiB of host") as info:
+        check_fits(small, memory, check_memory=True)
+    assert info.value.key == "hw.host_memory_gib" and "offload_params=false" in info.value.fix
+    assert "EXCEEDS 57.6 GiB usable" in describe_memory(small, memory)
+    check_fits(small, memory, check_memory=False)
+    layout = layout_of(small.strategy, world_layout(small), validate_run(small))
+    planned = plan_layout(
+        model_shape(reference_shape(small.model)), layout, workload(small, validate_run(small)), small.hw
+    )
+    assert not planned.fits and any("hw.host_memory_gib" in note for note in planned.notes)

@@ -116,6 +116,13 @@ def test_megatron_layout_and_config_are_inverse() -> None:
         config.num_microbatches,
         config.activation_checkpointing,
     )
+    for dp_type, replicas, expected in (("hsdp", 2, 2), ("replicate", 4, 1), ("fsdp", 1, 1)):
+        layout = Layout("megatron", dp=4, tp=2, dp_type=dp_type, dp_replicate=replicas)
+        back = megatron_config_of(layout)
+        assert (back.dp_type, back.dp_replicate) == (dp_type, expected)
+        assert spec_of(back).planner_layout(dp=4, accumulation=1).dp_replicate == replicas
+    with pytest.raises(ValueError, match="distributed_optimizer"):
+        megatron_config_of(Layout("megatron", dp=4, dp_type="distributed_optimizer"))
 
 
 def test_each_spec_validates_its_own_settings() -> None:

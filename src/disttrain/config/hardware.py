@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from disttrain.config.errors import ConfigError
 
 ACCELERATORS = ("cpu", "gpu")
+LINK_NAMES = ("intra_node", "inter_node")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -30,6 +32,21 @@ class HardwareProfile:
     # Seconds every collective call costs on top of its bytes (None: not modelled); calibration measures them.
     intra_node_latency_us: float | None = None
     inter_node_latency_us: float | None = None
+    # Per collective, keyed ``<link>.<op>`` (e.g. ``intra_node.all_gather``): bus bandwidth (nccl-tests convention)
+    # and per-call latency where they differ from the link's figures above; calibration measures them.
+    collective_busbw_gbps: dict[str, float] = field(default_factory=dict)
+    collective_latency_us: dict[str, float] = field(default_factory=dict)
+    # Blocking collectives right after compute (TP's activation all-reduces, pipeline sends, the gradient sync
+    # before the optimizer step). ``sync_overhead_us``: what such a call costs beyond its warm latency (gloo's
+    # progress thread wakes up; ~0 for NCCL kernels queued behind the compute). ``compute_jitter``: how far ranks
+    # doing the same work drift apart, seconds per sqrt(second) of compute (a random walk): every sync waits
+    # sigma x sqrt(compute since the last) x E[max of n normals] for its group's last rank. None: not modelled
+    # (datasheets have neither; calibration measures both: large on a shared CPU box, small on a GPU).
+    sync_overhead_us: float | None = None
+    compute_jitter: float | None = None
+    # Host (CPU) memory per node, shared by its devices' processes: offloaded optimizer states and parameters
+    # live there. None: not checked.
+    host_memory_gib: float | None = None
     source: str = ""  # datasheet the numbers come from
 
     @property
@@ -59,5 +76,19 @@ def validate_profile(hw: HardwareProfile) -> None:
             raise ConfigError(f"hw.peak_tflops.{dtype}", f"unknown dtype '{dtype}'", f"use one of {list(DTYPES)}")
         if tflops <= 0:
             raise ConfigError(f"hw.peak_tflops.{dtype}", f"must be > 0, got {tflops}", "use the dense datasheet peak")
+    for name in ("collective_busbw_gbps", "collective_latency_us"):
+        for key, value in getattr(hw, name).items():
+            link, _, op = key.partition(".")
+            if link not in LINK_NAMES or op not in COLLECTIVES:
+                raise ConfigError(
+                    f"hw.{name}", f"unknown key '{key}'", f"use <link>.<op> with link in {list(LINK_NAMES)} and op "
+                    f"in {list(COLLECTIVES)}, e.g. intra_node.all_reduce"
+                )  # fmt: skip
+            if value <= 0:
+                raise ConfigError(f"hw.{name}", f"'{key}' must be > 0, got {value}", "give the measured figure")
+    for name in ("sync_overhead_us", "compute_jitter", "host_memory_gib"):
+        value = getattr(hw, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"hw.{name}", f"must be >= 0, got {value}", f"set hw.{name}=null or a measured figure")
     if hw.accelerator == "gpu" and hw.memory_per_device_gib is None:
         raise ConfigError("hw.memory_per_device_gib", "GPU profiles need their memory", "set it from the datasheet")

@@ -49,7 +49,9 @@ def predict_run(
         predicted.update(
             step_time_s=estimate.step_time_s,
             compute_s=estimate.compute_s,
-            comm_s=link_time(candidate.comm, profile.hw, assumptions.host_link_gbps),
+            # What the run measures as collective time includes waiting for the last rank.
+            comm_s=link_time(candidate.comm, profile.hw, assumptions.host_link_gbps) + estimate.sync_wait_s,
+            sync_wait_s=estimate.sync_wait_s,
             exposed_comm_s=estimate.exposed_comm_s,
             bubble_s=estimate.bubble_s,
             optimizer_step_s=estimate.optimizer_step_s,
@@ -59,9 +61,20 @@ def predict_run(
         )
     predicted.update(memory_bytes=memory.total, state_bytes=memory.params + memory.grads + memory.optimizer_states)
     record["predicted"] = predicted
+    if profile.measured and cfg.hw.peak_flops(cfg.precision.compute_dtype) is not None:
+        # How far the profile's datasheet alone would have been off: the same layout without the calibration.
+        try:
+            sheet = plan_layout(shape, layout, work, cfg.hw).estimate
+        except ValueError:  # the profile lacks a link bandwidth this layout needs
+            pass
+        else:
+            record["datasheet"] = {"step_time_s": sheet.step_time_s, "tokens_per_s": sheet.tokens_per_s}
     return record
 
 
 def with_measurement(record: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
     """``record`` with what the run measured and each prediction's relative error (predicted / measured - 1)."""
-    return {**record, "measured": measured, "error": compare(record.get("predicted", {}), measured)}
+    record = {**record, "measured": measured, "error": compare(record.get("predicted", {}), measured)}
+    if "datasheet" in record:
+        record["datasheet_error"] = compare(record["datasheet"], measured)
+    return record

@@ -1,8 +1,9 @@
 """A hardware profile with this machine's measured speeds in place of its datasheet ones.
 
 The calibration (``diagnostics.calibration``) replaces, where it measured them: the matmul peak of the run's
-compute dtype, the memory bandwidth (the optimizer step), and the bus bandwidth of the intra-node and
-inter-node links. ``sources`` says for each number the planner reads whether it is ``measured`` or
+compute dtype, the memory bandwidth (the optimizer step), the bus bandwidth and per-call latency of the intra-node
+and inter-node links and of each collective on them, and what blocking syncs cost (``sync_overhead_us``,
+``compute_jitter``). ``sources`` says for each number the planner reads whether it is ``measured`` or
 ``datasheet`` (or ``none``), which ``python -m plan`` prints and run.json records.
 """
 
@@ -50,6 +51,10 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "inter_node_bandwidth_gbps": _source(hw.inter_node_bandwidth_gbps),
         "intra_node_latency_us": _source(hw.intra_node_latency_us),
         "inter_node_latency_us": _source(hw.inter_node_latency_us),
+        "collective_busbw_gbps": _source(hw.collective_busbw_gbps),
+        "collective_latency_us": _source(hw.collective_latency_us),
+        "sync_overhead_us": _source(hw.sync_overhead_us),
+        "compute_jitter": _source(hw.compute_jitter),
     }
     if calibration is None:
         return CalibratedProfile(hw, sources)
@@ -74,6 +79,20 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         if latency:
             changes[f"{link}_latency_us"] = latency
             sources[f"{link}_latency_us"] = "measured"
+    per_op = {f"{link}.{op}": gbps for link, ops in calibration.links.items() for op, gbps in ops.items() if gbps}
+    if per_op:
+        changes["collective_busbw_gbps"] = {**hw.collective_busbw_gbps, **per_op}
+        sources["collective_busbw_gbps"] = "measured"
+    per_op = {f"{link}.{op}": us for link, ops in calibration.op_latency_us.items() for op, us in ops.items() if us}
+    if per_op:
+        changes["collective_latency_us"] = {**hw.collective_latency_us, **per_op}
+        sources["collective_latency_us"] = "measured"
+    if calibration.sync_overhead_us is not None:
+        changes["sync_overhead_us"] = calibration.sync_overhead_us
+        sources["sync_overhead_us"] = "measured"
+    if calibration.compute_jitter is not None:
+        changes["compute_jitter"] = calibration.compute_jitter
+        sources["compute_jitter"] = "measured"
     return CalibratedProfile(dataclasses.replace(hw, **changes), sources, calibration)  # type: ignore[arg-type]
 
 

@@ -11,13 +11,14 @@ under sequence parallelism, the same volume) twice per layer in forward and twic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from disttrain.config.hardware import HardwareProfile
 from disttrain.planner.memory import compute_bytes, rank_parameters
 from disttrain.planner.shapes import ModelShape
-from disttrain.planner.spec import Layout, Workload
+from disttrain.planner.spec import MEGATRON_DP_TYPES, Layout, Workload
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
 # Activation collectives per transformer layer and micro-batch under TP (in all-reduce equivalents), as
@@ -44,6 +45,20 @@ class Group:
 
 
 @dataclass(frozen=True)
+class OpTraffic:
+    """One collective's share of a ``LinkBytes``: its bytes and calls per link class."""
+
+    op: str
+    intra: float = 0.0
+    inter: float = 0.0
+    intra_calls: float = 0.0
+    inter_calls: float = 0.0
+
+    def scale(self, k: float) -> OpTraffic:
+        return OpTraffic(self.op, self.intra * k, self.inter * k, self.intra_calls * k, self.inter_calls * k)
+
+
+@dataclass(frozen=True)
 class LinkBytes:
     """Bytes one GPU sends over each link class."""
 
@@ -53,18 +68,39 @@ class LinkBytes:
     # Collective calls, each paying its link's latency once (many small calls cost more than one large one).
     intra_calls: float = 0.0  # calls whose group stays inside a node
     inter_calls: float = 0.0  # calls whose group spans nodes
+    # The same traffic per collective (sorted by op): a profile may give each collective its own bus bandwidth
+    # and latency (gloo's all-gather and reduce-scatter run at a fraction of its all-reduce's bandwidth).
+    ops: tuple[OpTraffic, ...] = ()
 
     def __add__(self, other: LinkBytes) -> LinkBytes:
+        merged = {t.op: t for t in self.ops}
+        for t in other.ops:
+            mine = merged.get(t.op, OpTraffic(t.op))
+            merged[t.op] = OpTraffic(
+                t.op,
+                mine.intra + t.intra,
+                mine.inter + t.inter,
+                mine.intra_calls + t.intra_calls,
+                mine.inter_calls + t.inter_calls,
+            )
         return LinkBytes(
             self.intra + other.intra,
             self.inter + other.inter,
             self.host + other.host,
             self.intra_calls + other.intra_calls,
             self.inter_calls + other.inter_calls,
+            tuple(merged[op] for op in sorted(merged)),
         )
 
     def scale(self, k: float) -> LinkBytes:
-        return LinkBytes(self.intra * k, self.inter * k, self.host * k, self.intra_calls * k, self.inter_calls * k)
+        return LinkBytes(
+            self.intra * k,
+            self.inter * k,
+            self.host * k,
+            self.intra_calls * k,
+            self.inter_calls * k,
+            tuple(t.scale(k) for t in self.ops),
+        )
 
     @property
     def network(self) -> float:
@@ -96,21 +132,39 @@ def collective_bytes(op: str, nbytes: float, group: Group, calls: float = 1) -> 
         return ZERO
     volume = collective_factor(op, group.size) * nbytes
     if group.per_node >= group.size:
-        return LinkBytes(intra=volume, intra_calls=calls)
+        return LinkBytes(intra=volume, intra_calls=calls, ops=(OpTraffic(op, intra=volume, intra_calls=calls),))
     inter = volume / group.per_node
-    return LinkBytes(intra=volume - inter, inter=inter, inter_calls=calls)
+    ops = (OpTraffic(op, intra=volume - inter, inter=inter, inter_calls=calls),)
+    return LinkBytes(intra=volume - inter, inter=inter, inter_calls=calls, ops=ops)
 
 
 def link_time(traffic: LinkBytes, hw: HardwareProfile, host_gbps: float) -> float:
     """Seconds for ``traffic``: intra- and inter-node links run concurrently (a pipelined ring), every GPU of a
     node shares the node's inter-node bandwidth, each call pays its link's latency (when the profile gives one:
-    a calibration measures it), and host copies come on top."""
-    intra = _seconds(traffic.intra, hw.intra_node_bandwidth_gbps, "hw.intra_node_bandwidth_gbps")
-    intra += traffic.intra_calls * (hw.intra_node_latency_us or 0.0) * 1e-6
-    node_inter = traffic.inter * hw.devices_per_node
-    inter = _seconds(node_inter, hw.inter_node_bandwidth_gbps, "hw.inter_node_bandwidth_gbps")
-    inter += traffic.inter_calls * (hw.inter_node_latency_us or 0.0) * 1e-6
+    a calibration measures it), and host copies come on top. A collective the profile gives its own bus bandwidth
+    or latency (``hw.collective_busbw_gbps``/``collective_latency_us``, keyed ``<link>.<op>``) uses them."""
+    untagged = OpTraffic(
+        "",
+        traffic.intra - sum(t.intra for t in traffic.ops),
+        traffic.inter - sum(t.inter for t in traffic.ops),
+        traffic.intra_calls - sum(t.intra_calls for t in traffic.ops),
+        traffic.inter_calls - sum(t.inter_calls for t in traffic.ops),
+    )
+    intra = inter = 0.0
+    for t in (*traffic.ops, untagged):
+        intra += _op_seconds(t.op, "intra_node", t.intra, t.intra_calls, hw, 1)
+        inter += _op_seconds(t.op, "inter_node", t.inter, t.inter_calls, hw, hw.devices_per_node)
     return max(intra, inter) + _seconds(traffic.host, host_gbps, "assumptions.host_link_gbps")
+
+
+def _op_seconds(op: str, link: str, nbytes: float, calls: float, hw: HardwareProfile, sharing: int) -> float:
+    """``nbytes`` (each of ``sharing`` GPUs sending as many at once) and ``calls`` latencies of ``op`` on ``link``."""
+    key = f"{link}.{op}"
+    gbps = hw.collective_busbw_gbps.get(key) or getattr(hw, f"{link}_bandwidth_gbps")
+    latency = hw.collective_latency_us.get(key) or getattr(hw, f"{link}_latency_us") or 0.0
+    # Rounding in the untagged remainder can leave -1e-9 bytes: no time, and no "bandwidth not set" error.
+    seconds = _seconds(nbytes * sharing, gbps, f"hw.{link}_bandwidth_gbps") if nbytes > 1e-6 else 0.0
+    return seconds + max(0.0, calls) * latency * 1e-6
 
 
 def _seconds(nbytes: float, gbps: float | None, key: str) -> float:
@@ -119,6 +173,14 @@ def _seconds(nbytes: float, gbps: float | None, key: str) -> float:
     if not gbps:
         raise ValueError(f"{key} is not set but this layout sends {nbytes:.3g} bytes over that link")
     return nbytes / (gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Blocking collectives after which every rank of a ``group``-rank group has waited for the last to arrive."""
+
+    group: int
+    calls: float
 
 
 @dataclass(frozen=True)
@@ -132,6 +194,11 @@ class CommPlan:
     step_bwd: LinkBytes = ZERO  # once, hidden behind the last micro-batch's backward (gradient reduction)
     step_exposed: LinkBytes = ZERO  # once, exposed (post-step all-gathers, host optimizer traffic)
     host_optimizer_parameters: int = 0  # parameters the host's optimizer updates per step (offload)
+    # Blocking syncs (the planner charges each the wait for the group's last rank): per micro-batch (TP activation
+    # collectives, pipeline sends, FSDP/ZeRO gradient reductions) and per step (the world-wide gradient and
+    # non-finite checks before the optimizer step). Prefetched all-gathers are not syncs: their slack absorbs drift.
+    mb_syncs: tuple[Sync, ...] = ()
+    step_syncs: tuple[Sync, ...] = ()
 
     def per_step(self, microbatches: int) -> LinkBytes:
         per_mb = self.mb_fwd + self.mb_bwd + self.mb_exposed
@@ -177,13 +244,14 @@ def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[st
         backward += collective_bytes("all_gather", n * block_shards * gather, group, max(1, units - 1))
     if layout.dp_replicate > 1:  # HSDP: reduced shards are then all-reduced across replicas
         backward += collective_bytes("all_reduce", shard * reduce, groups["dp_replicate"], units)
+    syncs = (Sync(n, 1),) if n > 1 else ()  # backward ends waiting for the last reduce-scatter
     if not layout.offload_optimizer:
         # Lightning's ModelParallelStrategy does not pause gradient sync while accumulating: every micro-batch.
-        return CommPlan(mb_fwd=forward, mb_bwd=backward)
+        return CommPlan(mb_fwd=forward, mb_bwd=backward, mb_syncs=syncs)
     p = 2 if precision == "bf16-true" else 4
     gathers = 2 if layout.reshard_after_forward else 1
     host = LinkBytes(host=p * shard * (gathers + 1))  # shards up for each all-gather, gradients down
-    return CommPlan(mb_fwd=forward, mb_bwd=backward, mb_exposed=host, host_optimizer_parameters=shard)
+    return CommPlan(mb_fwd=forward, mb_bwd=backward, mb_exposed=host, host_optimizer_parameters=shard, mb_syncs=syncs)
 
 
 def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
@@ -202,13 +270,18 @@ def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: di
     if layout.offload_params:  # each rank fetches its partition before the forward and backward all-gathers
         host_mb += LinkBytes(host=2 * p16 * shard)
     host_params = shard if layout.offload_optimizer else 0
+    syncs = (Sync(dp, 1),) if stage > 1 and dp > 1 else ()  # stages 2/3 reduce (and wait) every micro-batch
     if stage == 1:
         return CommPlan(
             mb_exposed=host_mb, step_bwd=reduce, step_exposed=gather + host_step, host_optimizer_parameters=host_params
         )
     if stage == 2:
         return CommPlan(
-            mb_bwd=reduce, mb_exposed=host_mb, step_exposed=gather + host_step, host_optimizer_parameters=host_params
+            mb_bwd=reduce,
+            mb_exposed=host_mb,
+            step_exposed=gather + host_step,
+            host_optimizer_parameters=host_params,
+            mb_syncs=syncs,
         )
     return CommPlan(
         mb_fwd=gather,
@@ -216,6 +289,7 @@ def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: di
         mb_exposed=host_mb,
         step_exposed=host_step,
         host_optimizer_parameters=host_params,
+        mb_syncs=syncs,
     )
 
 
@@ -228,10 +302,12 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
     edge_collectives = 2 if pp == 1 else 1
     tp_count = per_layer * (shape.n_layers // pp) + edge_collectives
     exposed = collective_bytes("all_reduce", activation, groups["tp"]).scale(tp_count)
+    syncs = [Sync(tp, tp_count)] if tp > 1 else []
     if pp > 1:
         chunks = layout.virtual_stages if layout.schedule in ("interleaved_1f1b", "zero_bubble") else 1
         message = activation / tp if layout.sequence_parallel else activation
         exposed += collective_bytes("p2p", message, groups["pp"]).scale(2 * chunks)  # forward and backward
+        syncs.append(Sync(2, 2 * chunks))  # a receive waits for its neighbour's send
     stage_params = max(rank_parameters(shape, layout, 0), rank_parameters(shape, layout, pp - 1))
     param_bytes = compute_bytes(precision)
     mb_fwd = mb_bwd = ZERO
@@ -261,7 +337,17 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         tied = sum(t.tp_numel(tp) for t in shape.embedding if t.kind == "tied")
         pair = Group(2, 2 if groups["pp"].per_node >= pp else 1)
         step_exposed = collective_bytes("all_reduce", 4 * tied, pair)
-    return CommPlan(mb_fwd, mb_bwd, exposed, step_fwd=params, step_bwd=grads, step_exposed=step_exposed)
+    if layout.dp_type in MEGATRON_DP_TYPES and layout.dp_shard > 1 and pp == 1:
+        syncs.append(Sync(layout.dp_shard, 1))  # as strategy=fsdp: every micro-batch waits for its reduce-scatter
+    return CommPlan(
+        mb_fwd,
+        mb_bwd,
+        exposed,
+        step_fwd=params,
+        step_bwd=grads,
+        step_exposed=step_exposed,
+        mb_syncs=tuple(syncs),
+    )
 
 
 def comm_plan(shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile) -> CommPlan:
@@ -270,4 +356,7 @@ def comm_plan(shape: ModelShape, layout: Layout, workload: Workload, hw: Hardwar
     builders = {"ddp": _ddp, "fsdp": _fsdp, "deepspeed": _deepspeed, "megatron": _megatron}
     if layout.strategy not in builders:
         raise ValueError(f"unknown strategy {layout.strategy!r}")
-    return builders[layout.strategy](shape, layout, workload, groups)
+    plan = builders[layout.strategy](shape, layout, workload, groups)
+    if layout.world_size > 1:  # gradient reduction and the non-finite check end every step world-wide
+        plan = dataclasses.replace(plan, step_syncs=(*plan.step_syncs, Sync(layout.world_size, 1)))
+    return plan

@@ -159,6 +159,20 @@ def memory_limit(hw: HardwareProfile, headroom: float) -> float | None:
     return hw.memory_per_device_gib * GIB * (1.0 - headroom)
 
 
+def host_memory_limit(hw: HardwareProfile, headroom: float) -> float | None:
+    """Host bytes one device's offloaded states may use: the node's host memory less ``headroom``, shared by its
+    devices' processes; None when the profile gives no host memory (not checked)."""
+    if hw.host_memory_gib is None:
+        return None
+    return hw.host_memory_gib * GIB * (1.0 - headroom) / hw.devices_per_node
+
+
+def host_fits(memory: MemoryBreakdown, hw: HardwareProfile, headroom: float) -> bool:
+    """Whether the offloaded states of every device on a node fit its host memory (always, when not given)."""
+    limit = host_memory_limit(hw, headroom)
+    return limit is None or memory.host <= limit
+
+
 def plan_layout(
     shape: ModelShape,
     layout: Layout,
@@ -179,10 +193,17 @@ def plan_layout(
         notes.append("raw parameter count: activations and per-layer working buffers are unknown (0)")
     if limit is None:
         notes.append(f"hw profile '{hw.name}' gives no per-device memory: fit is not checked")
+    on_host = host_fits(memory, hw, assumptions.headroom)
+    if not on_host:
+        usable = host_memory_limit(hw, assumptions.headroom) or 0.0
+        notes.append(
+            f"offloaded states need {memory.host / GIB:.1f} GiB of host memory per device, over the "
+            f"{usable / GIB:.1f} GiB each of hw.devices_per_node={hw.devices_per_node} gets of hw.host_memory_gib"
+        )
     return CandidatePlan(
         layout=layout,
         memory=memory,
-        fits=limit is None or memory.total <= limit,
+        fits=(limit is None or memory.total <= limit) and on_host,
         comm=traffic.per_step(layout.microbatches),
         estimate=estimate,
         overrides=tuple(overrides),

@@ -139,7 +139,12 @@ def json_payload(result: Plan, tokens_per_s: float | None) -> dict[str, Any]:
 def sources_line(sources: dict[str, str]) -> str:
     """Which hw numbers the predictions rest on: measured (``calibration=``) or the profile's datasheet."""
     named = ", ".join(f"{name} {source}" for name, source in sources.items() if source != "none")
-    return f"hw numbers: {named or 'none given'}"
+    # What neither gives is left out of the predictions (no latency: calls are free; no jitter: ranks never drift);
+    # without per-collective figures each collective simply uses its link's, so those are not listed.
+    missing = ", ".join(
+        name for name, source in sources.items() if source == "none" and not name.startswith("collective_")
+    )
+    return f"hw numbers: {named or 'none given'}" + (f"; not modelled: {missing}" if missing else "")
 
 
 def print_plan(

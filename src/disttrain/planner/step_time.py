@@ -4,7 +4,9 @@ Compute runs at ``Assumptions.compute_efficiency`` of the dense datasheet peak. 
 overlap (FSDP/ZeRO-3 prefetched all-gathers behind forward, gradient reductions behind backward) costs only
 what ``Assumptions.comm_overlap`` of that compute window cannot hide; tensor-parallel collectives and pipeline
 sends sit on the critical path and are stretched by the pipeline bubble like compute is. The optimizer step
-is memory-bound and timed at HBM bandwidth (on the host for offloaded states).
+is memory-bound and timed at HBM bandwidth (on the host for offloaded states). Ranks doing the same work drift
+apart and a blocking collective right after compute costs more than a warm one (``hw.compute_jitter``,
+``hw.sync_overhead_us``, measured by calibration): every blocking collective pays both.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from diagnostics.calibration import expected_max_of_normals
 from diagnostics.mfu import flops_utilization
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import PrecisionConfig
 from disttrain.planner.bubble import bubble_fraction
-from disttrain.planner.comm import CommPlan, link_time
+from disttrain.planner.comm import CommPlan, Sync, link_time
 from disttrain.planner.memory import rank_parameters
 from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token
 from disttrain.planner.spec import Assumptions, Layout, Workload
@@ -34,6 +37,7 @@ class StepEstimate:
     bubble_s: float
     host_optimizer_s: float
     optimizer_step_s: float  # the GPU's own optimizer step over its parameters (HBM-bound)
+    sync_wait_s: float  # blocking collectives after compute: waking up, waiting for the group's last rank
     bubble_fraction: float
     tokens_per_s: float
     mfu: float
@@ -105,6 +109,24 @@ def optimizer_step_seconds(shape: ModelShape, layout: Layout, workload: Workload
     return accessed / (hw.hbm_bandwidth_gbps * 1e9)
 
 
+def sync_wait_seconds(compute_s: float, syncs: list[Sync], jitter: float | None, overhead_s: float = 0.0) -> float:
+    """Seconds a step's blocking collectives cost beyond their bytes and warm latency.
+
+    Each call right after compute pays ``overhead_s`` (a progress thread waking), and waits for its group's last
+    rank: each rank's time for the same work drifts like a random walk, ``jitter`` seconds per sqrt(second) of
+    compute, so a sync of ``n`` ranks after a segment of ``d`` seconds waits sigma x sqrt(d) x E[max of n normals].
+    The syncs split ``compute_s`` into equal segments: k syncs of one group wait sigma x E[max] x sqrt(k x compute),
+    so many small syncs (TP's per-layer all-reduces) wait longer than one per step."""
+    calls = sum(s.calls for s in syncs if s.group > 1)
+    if calls <= 0 or compute_s <= 0:
+        return 0.0
+    drift = 0.0
+    if jitter:
+        segment = compute_s / calls
+        drift = jitter * math.sqrt(segment) * sum(s.calls * expected_max_of_normals(s.group) for s in syncs)
+    return calls * overhead_s + drift
+
+
 def _exposed(comm_s: float, window_s: float, overlap: float) -> float:
     return max(0.0, comm_s - overlap * window_s)
 
@@ -148,7 +170,10 @@ def estimate_step(
     )
     host_optimizer = comm.host_optimizer_parameters / assumptions.cpu_optimizer_params_per_s
     optimizer = optimizer_step_seconds(shape, layout, workload, hw)
-    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + optimizer
+    syncs = [Sync(s.group, s.calls * m) for s in comm.mb_syncs] + list(comm.step_syncs)
+    overhead = (hw.sync_overhead_us or 0.0) * 1e-6
+    sync_wait = sync_wait_seconds(m * (forward + backward), syncs, hw.compute_jitter, overhead)
+    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + optimizer + sync_wait
     tokens_per_s = workload.tokens_per_step / step
     util = mfu_from_throughput(tokens_per_s, model_per_token, layout.world_size, peak, hardware_per_token)
     return StepEstimate(
@@ -158,6 +183,7 @@ def estimate_step(
         bubble_s=pipeline * bubble,
         host_optimizer_s=host_optimizer,
         optimizer_step_s=optimizer,
+        sync_wait_s=sync_wait,
         bubble_fraction=bubble,
         tokens_per_s=tokens_per_s,
         mfu=util.mfu,

@@ -27,7 +27,8 @@ from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.planner import Layout, MemoryBreakdown, Workload, memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.candidates import megatron_layouts
-from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, memory_limit, plan_layout
+from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, host_memory_limit, memory_limit, plan_layout
+from disttrain.planner.spec import MEGATRON_DP_TYPES
 from disttrain.strategies.spec import spec_of
 
 GIB = 2**30
@@ -63,12 +64,30 @@ def describe_memory(cfg: RunConfig, memory: MemoryBreakdown) -> str:
     if cfg.hw.memory_per_device_gib:
         limit = memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
         line += f"; {'fits in' if memory.total <= limit else 'EXCEEDS'} {limit / GIB:.1f} GiB usable"
+    if memory.host:
+        line += f"; host (offloaded) {memory.host / GIB:.2f} GiB {per}"
+        host_limit = host_memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
+        if host_limit is not None:
+            line += f", {'fits in' if memory.host <= host_limit else 'EXCEEDS'} {host_limit / GIB:.1f} GiB usable"
     return line
 
 
 def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: bool) -> None:
-    """Refuse a run predicted not to fit its devices (``check_memory=false`` launches it anyway)."""
-    if memory is None or not check_memory or not cfg.hw.memory_per_device_gib:
+    """Refuse a run predicted not to fit its devices or, for offloaded states, its hosts' memory
+    (``check_memory=false`` launches it anyway)."""
+    if memory is None or not check_memory:
+        return
+    host_limit = host_memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
+    if host_limit is not None and memory.host > host_limit:
+        raise ConfigError(
+            "hw.host_memory_gib",
+            f"predicted {memory.host / GIB:.1f} GiB of offloaded states per device with strategy={cfg.strategy.name}"
+            f" ({memory.host * cfg.hw.devices_per_node / GIB:.1f} GiB per node) exceeds the "
+            f"{host_limit * cfg.hw.devices_per_node / GIB:.1f} GiB of host memory usable on hw={cfg.hw.name}",
+            "set hw.host_memory_gib to the node's real memory, offload less (strategy.offload_params=false), "
+            "use more nodes, or add check_memory=false to launch anyway",
+        )
+    if not cfg.hw.memory_per_device_gib:
         return
     limit = memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
     if memory.total > limit:
@@ -106,7 +125,10 @@ def auto_candidates(cfg: RunConfig) -> list[StrategyConfig]:
 
 
 def megatron_config_of(layout: Layout) -> MegatronConfig:
-    """The ``strategy=megatron`` settings that run a planner layout (the inverse of ``layout_of``)."""
+    """The ``strategy=megatron`` settings that run a planner layout (the inverse of ``layout_of``); ValueError for
+    Megatron-LM's own data parallelism, a reference model strategy=megatron does not run."""
+    if layout.dp_type not in MEGATRON_DP_TYPES:
+        raise ValueError(f"strategy=megatron runs dp_type {list(MEGATRON_DP_TYPES)}, not {layout.dp_type!r}")
     return MegatronConfig(
         tp=layout.tp,
         pp=layout.pp,
@@ -115,6 +137,9 @@ def megatron_config_of(layout: Layout) -> MegatronConfig:
         microbatches=layout.microbatches,
         virtual_stages=layout.virtual_stages,
         activation_checkpointing=layout.recompute,
+        dp_type=layout.dp_type,
+        # strategy.dp_replicate is read under hsdp only (replicate derives it from dp)
+        dp_replicate=layout.dp_replicate if layout.dp_type == "hsdp" else MegatronConfig.dp_replicate,
     )
 
 
