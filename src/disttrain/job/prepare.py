@@ -78,9 +78,26 @@ def resolve_strategy(
     return run_cfg, validate_run(run_cfg), reason
 
 
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def dropped_by_new_choices(original: list[str], task_overrides: list[str]) -> list[str]:
+    """The original run's overrides minus the options of a config group this command chooses differently.
+
+    ``resume=<deepspeed run with strategy.stage=2> strategy=fsdp`` resumes under FSDP: the DeepSpeed option would not
+    compose with it (and belongs to the strategy given up), so a re-chosen group takes the new choice's options."""
+    before = {_override_key(o): o for o in original if "." not in _override_key(o)}
+    changed = {
+        _override_key(o) for o in task_overrides if "." not in _override_key(o) and before.get(_override_key(o)) != o
+    }
+    return [o for o in original if _override_key(o).split(".", 1)[0] not in changed or "." not in _override_key(o)]
+
+
 def compose_for_resume(resume: str, task_overrides: list[str]) -> DictConfig:
     """The resumed run's config: its original overrides, then this command's (later ones win)."""
-    keep = [o for o in original_overrides(resume) + task_overrides if not o.lstrip("+~").startswith("resume=")]
+    keep = [o for o in dropped_by_new_choices(original_overrides(resume), task_overrides) + task_overrides]
+    keep = [o for o in keep if not o.lstrip("+~").startswith("resume=")]
     try:
         return compose(config_name="train", overrides=[*keep, f"resume={resume}"])
     except HydraException as err:
