@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import read_manifest, run_cli
+from tests.conftest import load_checkpoint, read_manifest, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -81,16 +81,8 @@ def test_two_ranks_match_one_process(layout: str, single_process_reference: dict
 
 
 def model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Model tensors of a Lightning checkpoint: one file (DDP) or a torch.distributed.checkpoint dir (FSDP)."""
-    if checkpoint.is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        converted = checkpoint.parent / f"{checkpoint.name}.pt"
-        dcp_to_torch_save(checkpoint, converted)
-        state = torch.load(converted, weights_only=True)
-    else:
-        state = torch.load(checkpoint, weights_only=True)["state_dict"]
-    state = state.get("state_dict", state)
+    """Model tensors of a checkpoint (any strategy: one layout), by single-process name."""
+    state = load_checkpoint(checkpoint)["state_dict"]
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "model" in k}
 
 

@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from disttrain.checkpoint.compat import META_FILE  # Lightning's name for the non-tensor part
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 MODEL_KEY = "state_dict"
-META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a distributed checkpoint
 FORMAT_KEY = "disttrain_checkpoint"
 FORMAT = "universal-1"
 STATE = "state"
@@ -93,11 +94,15 @@ def read_into(
     model_state: dict[str, Any] | None,
     optimizer_states: list[dict[str, Any]],
     index: dict[str, Any] | None = None,
+    twins: dict[str, str] | None = None,
 ) -> None:
     """Fill the templates in place from the checkpoint (a collective).
 
     Optimizer hyper-parameters the checkpoint lacks (an optimizer class with other group options, e.g. DeepSpeed's
-    CPU Adam) keep this run's values; a missing model or optimizer *tensor* is an error naming it.
+    CPU Adam) keep this run's values; a missing model or optimizer *tensor* is an error naming it. ``twins`` maps a
+    parameter this run holds separately to the one a single process shares it with (a pipeline's last stage keeps
+    its own copy of the tied ``lm_head.weight``, which one process optimizes as ``tok_emb.weight``): its optimizer
+    entries are read from the twin's when the checkpoint has none of its own.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -106,10 +111,13 @@ def read_into(
     if model_state is not None:
         _check_present(index, MODEL_KEY, model_state)
         request[MODEL_KEY] = model_state
+    renamed: list[dict[str, str]] = []
     for i, state in enumerate(optimizer_states):
         prefix = optimizer_key(i)
-        present = {k: v for k, v in state.items() if f"{prefix}.{k}" in index}
-        dropped = set(state) - set(present)
+        aliases = twin_keys(state, set(index), prefix, twins or {})
+        renamed.append(aliases)
+        present = {aliases.get(k, k): v for k, v in state.items() if f"{prefix}.{aliases.get(k, k)}" in index}
+        dropped = {k for k in state if aliases.get(k, k) not in present}
         lost = sorted(k for k in dropped if not k.startswith(f"{PARAM_GROUPS}."))
         if lost:
             raise MissingState(
@@ -119,7 +127,27 @@ def read_into(
         request[prefix] = present
     dcp.load(request, checkpoint_id=path)
     for i, state in enumerate(optimizer_states):
-        state.update(request[optimizer_key(i)])  # non-tensor values are replaced, not filled in place
+        loaded = request[optimizer_key(i)]
+        for key in state:  # non-tensor values are replaced, not filled in place
+            source = renamed[i].get(key, key)
+            if source in loaded:
+                state[key] = loaded[source] if source == key else _copy(loaded[source])
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def twin_keys(state: dict[str, Any], index: set[str], prefix: str, twins: dict[str, str]) -> dict[str, str]:
+    """Optimizer keys of a twin parameter the checkpoint lacks, mapped to the key of the parameter it twins."""
+    out: dict[str, str] = {}
+    for key in state:
+        for own, other in twins.items():
+            for part in (STATE, PARAM_GROUPS):
+                head = f"{part}.{own}."
+                if key.startswith(head) and f"{prefix}.{key}" not in index:
+                    out[key] = f"{part}.{other}.{key[len(head) :]}"
+    return out
 
 
 def _check_present(index: dict[str, Any], prefix: str, state: dict[str, Any]) -> None:

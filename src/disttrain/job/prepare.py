@@ -173,15 +173,20 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
         guard_new_run_dir(run_dir)
     cfg, point = find_resume(cfg, run_dir, task_overrides, attempt)
     run_cfg, warmup_note = fit_default_warmup(parse_run_config(cfg), task_overrides)
+    if point is not None and run_dir is not None and run_dir_of(point.checkpoint) == run_dir.resolve():
+        # A restart continues its own run, whose optimizer state is this run's: resume_weights_only was for the start.
+        run_cfg = dataclasses.replace(run_cfg, resume_weights_only=False)
     plan = validate_run(run_cfg)
     calibration = load_calibration(run_cfg.calibration)
     run_cfg, plan, auto_reason = resolve_strategy(run_cfg, plan, calibration)
     layout = world_layout(run_cfg)
     check_world_size(layout)
     if point is not None:
+        from disttrain.checkpoint.compat import check_strategy_can_read
         from disttrain.checkpoint.shapes import check_checkpoint_fits_model  # imports torch: only on resume
 
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
+        check_strategy_can_read(point.checkpoint, run_cfg.strategy.name, layout.world_size)
     memory = predict_memory(run_cfg, layout, plan)
     return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory, warmup_note, calibration)
 

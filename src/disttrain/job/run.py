@@ -114,6 +114,11 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     if rank_zero and prepared.resume is not None:
         prefix = f"restart {prepared.attempt}: " if prepared.attempt else ""
         say(prefix + prepared.resume.describe())
+        if run_cfg.resume_weights_only:
+            say(
+                "resume_weights_only=true: model weights, step, schedule and data position resumed; the optimizer "
+                "state (Adam's moments and step counts) starts afresh"
+            )
     if rank_zero and prepared.attempt:
         keep_previous_metrics(run_dir, prepared.attempt)  # a restart trains in the same run dir
     command = partial(child_command, module_name, task_overrides, str(run_dir))
@@ -222,6 +227,7 @@ def fit(
             write_json_atomic(run_dir / "run.json", manifest)
         # weights_only: a checkpoint is data, never code (rng.py keeps the RNG states loadable this way).
         ckpt_path = str(checkpoint) if checkpoint else None
+        parts.trainer.strategy.resume_weights_only = run_cfg.resume_weights_only  # type: ignore[attr-defined]
         parts.trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         if ranks is not None:
             # Past the last collective a rank ending (even non-zero: a non-finite stop) cannot hang the others.

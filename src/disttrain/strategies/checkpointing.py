@@ -57,8 +57,13 @@ class UniversalCheckpointing:
             "format": universal.FORMAT,
             "strategy": type(self).__name__,
             "world_size": self.world_size,  # type: ignore[attr-defined]
+            **self.writer_facts(),
         }
         universal.save(path, model_state, optimizer_states, checkpoint, self.is_global_zero)  # type: ignore[attr-defined]
+
+    def writer_facts(self) -> dict[str, Any]:
+        """What else the checkpoint records about the layout that wrote it (a collective; nothing by default)."""
+        return {}
 
     # ---- how it is read ------------------------------------------------------------------------------------------
     @property
@@ -104,7 +109,8 @@ class UniversalCheckpointing:
         options = universal.flat_optimizer_options()
         model_state = get_model_state_dict(module)
         optimizer_states = [get_optimizer_state_dict(module, o, options=options) for o in optimizers]
-        universal.read_into(path, model_state, optimizer_states)
+        twins = getattr(module, "tied_twins", None)
+        universal.read_into(path, model_state, optimizer_states, twins=twins)
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=True))
         for optimizer, state in zip(optimizers, optimizer_states, strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)

@@ -85,6 +85,16 @@ class CPUCapableDeepSpeedStrategy(UniversalCheckpointing, DeepSpeedStrategy):
 
         return full_optimizer_state(self.lightning_module, self.deepspeed_engine.optimizer)
 
+    def writer_facts(self) -> dict[str, Any]:
+        """The ZeRO stage and what each rank held: its flat fp32 partition per group and (stage 3) its slice of the
+        model's own parameters, so a checkpoint shows the partitioning it came from (the full tensors do not)."""
+        from disttrain.strategies.deepspeed_state import partition_numels
+
+        mine = partition_numels(self.lightning_module, self.deepspeed_engine.optimizer)
+        held: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(held, mine)
+        return {"zero_stage": self.config["zero_optimization"]["stage"], "ranks": held}
+
     def load_universal(self, path: Path) -> None:
         from disttrain.checkpoint import universal
         from disttrain.strategies import deepspeed_state as ds

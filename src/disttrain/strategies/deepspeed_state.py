@@ -73,6 +73,19 @@ def _full_shape(param: nn.Parameter) -> torch.Size:
     return param.ds_shape if hasattr(param, "ds_shape") else param.shape
 
 
+def partition_numels(module: nn.Module, zero: Any) -> dict[str, list[int]]:
+    """Elements this rank holds per optimizer group: fp32 master partition, and (stage 3) model parameter slices."""
+    groups: dict[int, list[int]] = {}
+    params: dict[int, int] = {}
+    for group_id, members, flat in zero_groups(zero):
+        groups.setdefault(group_id, []).append(flat.numel())
+        params[group_id] = params.get(group_id, 0) + sum(
+            p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in members
+        )
+    ordered = sorted(groups)
+    return {"fp32_partition": [sum(groups[g]) for g in ordered], "params": [params[g] for g in ordered]}
+
+
 def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The fp32 master weights under every single-process name, plus persistent buffers (a collective)."""
     from deepspeed.utils import safe_get_full_fp32_param
