@@ -83,7 +83,7 @@ def _override_key(override: str) -> str:
 
 
 def dropped_by_new_choices(original: list[str], task_overrides: list[str]) -> list[str]:
-    """The original run's overrides minus the options of a config group this command chooses differently.
+    """The original run's overrides minus a config group this command chooses differently (choice and options).
 
     ``resume=<deepspeed run with strategy.stage=2> strategy=fsdp`` resumes under FSDP: the DeepSpeed option would not
     compose with it (and belongs to the strategy given up), so a re-chosen group takes the new choice's options."""
@@ -91,13 +91,31 @@ def dropped_by_new_choices(original: list[str], task_overrides: list[str]) -> li
     changed = {
         _override_key(o) for o in task_overrides if "." not in _override_key(o) and before.get(_override_key(o)) != o
     }
-    return [o for o in original if _override_key(o).split(".", 1)[0] not in changed or "." not in _override_key(o)]
+    return [o for o in original if _override_key(o).split(".", 1)[0] not in changed]
+
+
+def _is_resume(override: str) -> bool:
+    return _override_key(override) == "resume"
+
+
+def recorded_overrides(resume: str, seen: frozenset[Path] = frozenset()) -> list[str]:
+    """The overrides that made the run ``resume`` points into, through any chain of resumes.
+
+    A resumed run records only its own command (``resume=<earlier run> strategy=fsdp``): the earlier run's recorded
+    overrides come first, the later command's options replacing what it re-chose."""
+    own = original_overrides(resume)
+    parent = next((o.split("=", 1)[1] for o in own if _is_resume(o)), None)
+    own = [o for o in own if not _is_resume(o)]
+    here = run_dir_of(Path(resume).expanduser()).resolve()
+    if parent is None or here in seen or not Path(parent).expanduser().exists():
+        return own
+    return dropped_by_new_choices(recorded_overrides(parent, seen | {here}), own) + own
 
 
 def compose_for_resume(resume: str, task_overrides: list[str]) -> DictConfig:
     """The resumed run's config: its original overrides, then this command's (later ones win)."""
-    keep = [o for o in dropped_by_new_choices(original_overrides(resume), task_overrides) + task_overrides]
-    keep = [o for o in keep if not o.lstrip("+~").startswith("resume=")]
+    keep = dropped_by_new_choices(recorded_overrides(resume), task_overrides) + task_overrides
+    keep = [o for o in keep if not _is_resume(o)]
     try:
         return compose(config_name="train", overrides=[*keep, f"resume={resume}"])
     except HydraException as err:
