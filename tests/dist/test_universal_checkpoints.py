@@ -147,3 +147,25 @@ def test_resume_weights_only_starts_the_optimizer_afresh(runs: dict[str, Path], 
     assert losses[4] == pytest.approx(reference[4], abs=1e-4)
     # ... and fresh moments make a different update from the second step on.
     assert abs(losses[5] - reference[5]) > 1e-4
+
+
+def test_export_writes_one_file_the_single_process_model_loads(runs: dict[str, Path]) -> None:
+    """``python -m train export=<run>`` on a run DeepSpeed, then FSDP wrote: the model's own names, same values."""
+    import torch
+
+    from disttrain.config.schema import ModelConfig
+    from disttrain.models import build_model
+
+    source = runs["deepspeed-2->fsdp"]
+    result = run_cli([f"export={source}"], cwd=source)
+    out = source / "export" / f"step{STEPS:06d}.pt"
+    assert result.returncode == 0 and result.stdout.strip() == f"exported {out}", result.stderr[-2000:]
+    assert result.stderr == ""
+    weights = torch.load(out, weights_only=True)
+    model = build_model(ModelConfig(**read_manifest(source)["config"]["model"]), seed=1, device="cpu")
+    assert not model.load_state_dict(weights).missing_keys
+    saved = load_checkpoint(checkpoint(source, STEPS))["state_dict"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved[f"model.{name}"]), name
+    again = run_cli([f"export={source}"], cwd=source)
+    assert again.returncode == 2 and "export_to: " in again.stderr  # never written over

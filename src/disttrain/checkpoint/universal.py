@@ -18,6 +18,7 @@ index first, so a missing tensor is named instead of failing deep inside DCP.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,24 @@ def save(
     dcp.save(tensors, checkpoint_id=path)
     if is_global_zero:
         torch.save(meta, path / META_FILE)
+
+
+def read_model(path: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors (``model.<name>``, full size, CPU) in this one process; the optimizer stays on disk."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    head = f"{MODEL_KEY}."
+    template = {
+        key[len(head) :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in saved_keys(path).items()
+        if key.startswith(head) and isinstance(meta, TensorStorageMetadata)
+    }
+    request = {MODEL_KEY: template}
+    with warnings.catch_warnings():  # DCP warns that it reads "in a single process", which is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(request, checkpoint_id=path, no_dist=True)
+    return request[MODEL_KEY]
 
 
 def read_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
