@@ -20,25 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_MODEL, load_checkpoint, read_manifest, run_cli
+from tests.conftest import load_checkpoint, read_manifest, run_cli
+from tests.dist.test_deepspeed import COMMON as DEEPSPEED_COMMON
+from tests.dist.test_deepspeed import STEPS
 from tests.dist.test_parity_and_resume import train_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-STEPS = 6
+# test_deepspeed's tiny 6-step run (TINY_MODEL, fp32, lr 1e-3, no diagnostics), with a checkpoint every step.
 COMMON = [
-    *TINY_MODEL,
-    "data.num_train_tokens=65536",
-    "data.num_val_tokens=8192",
-    f"trainer.max_steps={STEPS}",
-    "trainer.log_every_n_steps=1",
-    "trainer.val_every_n_steps=1000",
-    "trainer.val_batches=1",
+    *(arg for arg in DEEPSPEED_COMMON if not arg.startswith("trainer.ckpt_every_n_steps=")),
     "trainer.ckpt_every_n_steps=1",
-    "optimizer.warmup_steps=2",
-    "optimizer.lr=1e-3",  # see test_parity_and_resume: Adam amplifies summation-order noise at 3e-3
-    "precision=fp32",
-    "diagnostics=off",
 ]
 # Every layout below runs the global batch of 8 samples per step.
 LAYOUTS = {
