@@ -7,6 +7,7 @@ local ranks, fit (build, record the run, ``Trainer.fit``) and finish (run.json, 
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -87,6 +88,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
         say(describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token))
         if prepared.warmup_note:
             say(prepared.warmup_note)
+        if prepared.elastic_note:
+            say(prepared.elastic_note)
         if auto_reason:
             say(auto_reason)
         if memory is not None:
@@ -122,7 +125,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     if rank_zero and prepared.attempt:
         keep_previous_metrics(run_dir, prepared.attempt)  # a restart trains in the same run dir
     command = partial(child_command, module_name, task_overrides, str(run_dir))
-    with slurm_attempt(run_dir, rank_zero, checkpoint):  # under SLURM: rendezvous, attempts record, requeue
+    world = {"world_size": layout.world_size, "global_batch": plan.global_batch_size, "accumulation": plan.accumulation}
+    with slurm_attempt(run_dir, rank_zero, checkpoint, world):  # under SLURM: rendezvous, attempts record, requeue
         train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, prepared.calibration)
 
 
@@ -217,6 +221,7 @@ def fit(
             "git": git_commit(),
             "resumed_from": str(checkpoint) if checkpoint else None,
             "restart_attempt": process_role().attempt,
+            "attempts": [*attempts_so_far(run_dir, process_role().attempt), this_attempt(layout, plan)],
             "strategy_resolved": run_cfg.strategy,
         }
         # The warmup the run uses (a default too long for max_steps was shortened by prepare).
@@ -338,6 +343,27 @@ def finish(
         last = newest_complete(parts.ckpt_dir)
         kept = f"; last good checkpoint: {last.checkpoint}" if last else "; no checkpoint was saved before it"
         raise RunStopped(NONFINITE, f"disttrain: stopped: {guard.stop_reason}{kept}")
+
+
+def this_attempt(layout: WorldLayout, plan: BatchPlan) -> dict[str, int]:
+    return {
+        "attempt": process_role().attempt,
+        "world_size": layout.world_size,
+        "global_batch": plan.global_batch_size,
+        "accumulation": plan.accumulation,
+    }
+
+
+def attempts_so_far(run_dir: Path, attempt: int) -> list[dict]:
+    """The earlier attempts' records from run.json (a restart trains in the same run dir; an elastic one on
+    another world size), so run.json lists every attempt's world size."""
+    if attempt == 0:
+        return []
+    try:
+        earlier = json.loads((run_dir / "run.json").read_text(encoding="utf-8")).get("attempts", [])
+    except (OSError, ValueError):
+        return []
+    return [a for a in earlier if isinstance(a, dict) and a.get("attempt", attempt) < attempt]
 
 
 def maybe_export_hf(run_cfg: RunConfig, ckpt_dir: Path, run_dir: Path) -> Path | None:
