@@ -82,7 +82,24 @@ class UniversalCheckpointing:
         self.load_universal(path)
         meta = universal.read_meta(path, weights_only)
         self.restate_loops(meta)
+        self.restore_scheduled_lr(meta)
         return meta
+
+    def restore_scheduled_lr(self, meta: dict[str, Any]) -> None:
+        """Each optimizer group's lr as its schedule last set it (``_last_lr``).
+
+        The flattened optimizer state carries it already; a checkpoint that kept its groups in another layout (FSDP2
+        before the shared layout) does not, and the first resumed step would run at the freshly built optimizer's lr.
+        """
+        optimizers = [unwrap(o) for o in self.optimizers]  # type: ignore[attr-defined]
+        schedules = meta.get("lr_schedulers") or []
+        if len(schedules) != len(optimizers):
+            return
+        for optimizer, schedule in zip(optimizers, schedules, strict=True):
+            last = schedule.get("_last_lr") if isinstance(schedule, dict) else None
+            if last is not None and len(last) == len(optimizer.param_groups):
+                for group, lr in zip(optimizer.param_groups, last, strict=True):
+                    group["lr"] = lr
 
     def restate_loops(self, meta: dict[str, Any]) -> None:
         """The loop counters as this run counts steps (another accumulation or optimization mode than the writer's)."""
