@@ -72,7 +72,9 @@ class UniversalCheckpointing:
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return not self._universal_loaded and super().lightning_restore_optimizer  # type: ignore[misc]
+        if self._universal_loaded or self.resume_weights_only:
+            return False  # read by load_universal already, or not at all on purpose
+        return super().lightning_restore_optimizer  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))  # type: ignore[attr-defined]
