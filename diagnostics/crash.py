@@ -32,6 +32,10 @@ PEER_FAILURE_MARKERS = (
     "nccl communicator was aborted",
 )
 PEER_FAILURE_TYPES = ("DistNetworkError", "DistBackendError")
+# Engines that re-raise an error of the user's code inside one of their own, chained to it: torch's pipeline
+# schedule reports a stage's error as "[Stage 1] failed to run forward:" and the arguments' shapes. The record
+# names the cause (its type and first line); the traceback keeps the whole chain.
+ENGINE_WRAPPERS = re.compile(r"\s*(\[Stage \d+\] failed to run (forward|backward)|Failed to run stage backward)")
 
 
 def crash_path(run_dir: Path, rank: int) -> Path:
@@ -42,6 +46,13 @@ def first_line(error: BaseException) -> str:
     """``Type: first line of the message`` (the whole message can be pages long)."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
+
+
+def reported_error(error: BaseException) -> BaseException:
+    """The error a failure is named by: ``error``, or the cause an engine's wrapper (``ENGINE_WRAPPERS``) hides."""
+    while error.__cause__ is not None and ENGINE_WRAPPERS.match(str(error)):
+        error = error.__cause__
+    return error
 
 
 def is_peer_failure(error_type: str, message: str) -> bool:
@@ -57,14 +68,15 @@ def write_crash_record(
     path = crash_path(run_dir, rank)
     if path.exists():
         return None
-    text = str(error).strip()
+    cause = reported_error(error)
+    text = str(cause).strip()
     record: dict[str, Any] = {
         "rank": rank,
         "t": time.time(),
-        "exception": type(error).__name__,
+        "exception": type(cause).__name__,
         "message": text.splitlines()[0][:300] if text else "",
-        "error": first_line(error),
-        "peer_failure": is_peer_failure(type(error).__name__, text),
+        "error": first_line(cause),
+        "peer_failure": is_peer_failure(type(cause).__name__, text),
         "step": step,
         "phase": phase,
         "traceback": _cut("".join(traceback.format_exception(type(error), error, error.__traceback__))),

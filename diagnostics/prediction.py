@@ -94,7 +94,7 @@ def measured_from_analysis(analysis: Analysis, predicted: dict[str, Any]) -> dic
 
 def prediction_of(analysis: Analysis) -> dict[str, Any] | None:
     """run.json's ``prediction`` with the telemetry's measurements and the errors (None: nothing predicted)."""
-    record = (analysis.run.manifest or {}).get("prediction")
+    record = analysis.run.manifest.prediction if analysis.run.manifest is not None else None
     if not isinstance(record, dict) or not isinstance(record.get("predicted"), dict):
         return None
     measured = {**(record.get("measured") or {}), **measured_from_analysis(analysis, record["predicted"])}

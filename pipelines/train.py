@@ -28,11 +28,12 @@ preflighted: Prepared | None = None
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
+    """One job; returns its objective (final val loss or tokens/s, ``objective=``) for a sweeper such as Optuna."""
     from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
 
     try:
-        run_from_hydra(cfg, module_name="train", prepared=preflighted)
+        return run_from_hydra(cfg, module_name="train", prepared=preflighted)
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)

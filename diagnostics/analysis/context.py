@@ -37,7 +37,7 @@ class RunContext:
 
     @classmethod
     def from_run(cls, run: RunTelemetry) -> RunContext:
-        manifest = run.manifest or {}
+        manifest = run.manifest
         cpus = run.meta("cpu_count")  # of the training host; not in every collector version
         threads = run.meta("num_threads")
         hosts: dict[str, int] = {}
@@ -45,8 +45,8 @@ class RunContext:
             if isinstance(host := (tele.meta or {}).get("hostname"), str):
                 hosts[host] = hosts.get(host, 0) + 1
         return cls(
-            manifest.get("config") or {},
-            manifest.get("batch") or {},
+            manifest.config if manifest is not None else {},
+            manifest.batch if manifest is not None and isinstance(manifest.batch, dict) else {},
             cpus if isinstance(cpus, int) else None,
             threads if isinstance(threads, int) and not isinstance(threads, bool) else None,
             max(hosts.values()) if hosts else None,

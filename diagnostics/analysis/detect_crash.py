@@ -14,6 +14,7 @@ from diagnostics.analysis.finding import Finding
 from diagnostics.analysis.load import RunTelemetry
 from diagnostics.analysis.thresholds import CRASHED_RUN_MIN_STEPS
 from diagnostics.crash import describe_site, primary_crash, raised_at
+from diagnostics.manifest import RunManifest
 
 LOST = "the run stopped: every step after it is lost until it is fixed and resumed"
 
@@ -24,11 +25,15 @@ def detect_crash(run: RunTelemetry) -> list[Finding]:
     cause = primary_crash(run.crashes)
     if cause is not None:
         return [_from_record(run, cause, echoes)]
-    manifest = run.manifest or {}
-    failed_rank = manifest.get("failed_rank")
-    hung = "hung_ranks" in manifest  # the watchdog ended it: the hang detector's finding, not a crash
-    if manifest.get("status") == "failed" and isinstance(failed_rank, int) and not hung:
-        return [_from_manifest(manifest, failed_rank, echoes)]
+    manifest = run.manifest
+    # A run the hang watchdog ended (hung_ranks set) is the hang detector's finding, not a crash.
+    if (
+        manifest is not None
+        and manifest.status == "failed"
+        and manifest.failed_rank is not None
+        and manifest.hung_ranks is None
+    ):
+        return [_from_manifest(manifest, manifest.failed_rank, echoes)]
     if echoes:  # every rank that wrote a record saw only a peer vanish: the one that failed left none
         first = run.crashes[echoes[0]]
         evidence = {"peer_failures": echoes, "seen": first.get("error"), "step": first.get("step")}
@@ -58,11 +63,10 @@ def _from_record(run: RunTelemetry, record: dict[str, Any], echoes: list[int]) -
     return _finding([rank], evidence, message)
 
 
-def _from_manifest(manifest: dict[str, Any], rank: int, echoes: list[int]) -> Finding:
-    evidence = {"rank": rank, "failure": manifest.get("failure"), "record": "run.json", "peer_failures": echoes}
-    for key in ("exception", "step", "phase"):
-        evidence[key] = manifest.get(key)
-    return _finding([rank], evidence, f"{manifest.get('failure') or f'rank {rank} failed'}; the run stopped")
+def _from_manifest(manifest: RunManifest, rank: int, echoes: list[int]) -> Finding:
+    evidence = {"rank": rank, "failure": manifest.failure, "record": "run.json", "peer_failures": echoes}
+    evidence |= {"exception": manifest.exception, "step": manifest.step, "phase": manifest.phase}
+    return _finding([rank], evidence, f"{manifest.failure or f'rank {rank} failed'}; the run stopped")
 
 
 def _finding(ranks: list[int], evidence: dict[str, Any], message: str) -> Finding:

@@ -203,7 +203,7 @@ def detect_low_mfu(run: RunTelemetry, summary: Summary) -> list[Finding]:
         "tokens_per_s": rounded(summary.tokens_per_s),
         "flops_per_token": summary.flops_per_token,
         "num_devices": summary.world_size,
-        "precision": run.meta("precision") or ((run.manifest or {}).get("config") or {}).get("precision"),
+        "precision": run.meta("precision") or (run.manifest.config.get("precision") if run.manifest else None),
         "threshold": LOW_MFU,
     }
     per_device = f"{(peak or 0) / 1e12:.1f} TFLOP/s" if (peak or 0) >= 1e12 else f"{(peak or 0) / 1e9:.1f} GFLOP/s"

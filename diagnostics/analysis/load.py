@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from diagnostics.crash import read_crash_records
+from diagnostics.manifest import RunManifest, read_manifest
 from diagnostics.telemetry import TELEMETRY_DIR
 
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
@@ -108,7 +109,7 @@ class RunTelemetry:
     run_dir: Path
     ranks: dict[int, RankTelemetry]
     windows: list[RanksWindow]
-    manifest: dict[str, Any] | None
+    manifest: RunManifest | None
     overrides: list[str] | None
     problems: list[str]
     crashes: dict[int, dict[str, Any]] = field(default_factory=dict)  # failure_rank<N>.json records by rank
@@ -119,9 +120,8 @@ class RunTelemetry:
         for tele in self.ranks.values():
             if tele.meta and isinstance(tele.meta.get("world_size"), int):
                 return tele.meta["world_size"]
-        world = (self.manifest or {}).get("world") or {}
-        if isinstance(world.get("world_size"), int):
-            return world["world_size"]
+        if self.manifest is not None and self.manifest.world_size is not None:
+            return self.manifest.world_size
         return max(self.ranks, default=-1) + 1
 
     def meta(self, key: str) -> Any:
@@ -232,17 +232,6 @@ def read_rank_file(path: Path) -> tuple[list[dict[str, Any]], int, bool]:
     return records, bad, torn
 
 
-def read_manifest(run_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
-    path = run_dir / "run.json"
-    if not path.is_file():
-        return None, "no run.json: config context (current values, A/B base) is unknown"
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        return None, f"run.json is unreadable ({err}); config context is unknown"
-    return (manifest, None) if isinstance(manifest, dict) else (None, "run.json is not a JSON object")
-
-
 def read_overrides(run_dir: Path) -> list[str] | None:
     """The command-line overrides of the run: Hydra's record, else the argv saved in run.json."""
     record = run_dir / ".hydra" / "overrides.yaml"
@@ -257,8 +246,8 @@ def read_overrides(run_dir: Path) -> list[str] | None:
         if isinstance(loaded, list):
             return [str(o) for o in loaded]
     manifest, _ = read_manifest(run_dir)
-    command = (manifest or {}).get("command")
-    if isinstance(command, list) and len(command) > 1:
+    command = manifest.command if manifest is not None else None
+    if command and len(command) > 1:
         # argv[0] is the interpreter or script; Hydra's own settings are not part of the run's configuration.
         return [str(a) for a in command[2:] if "=" in str(a) and not str(a).lstrip("+~").startswith("hydra.")]
     return None

@@ -181,7 +181,8 @@ def _tokens_per_s(run: RunTelemetry, step_times: list[float]) -> tuple[float | N
 def _utilizations(run: RunTelemetry, summary: Summary) -> None:
     """Fill MFU/HFU from the throughput record, else compute them; >100% becomes an accounting error."""
     rec = (run.ranks.get(0) or RankTelemetry(0)).throughput or {}
-    summary.flops_per_token = num(run.meta("flops_per_token")) or num((run.manifest or {}).get("flops_per_token"))
+    recorded_flops = run.manifest.flops_per_token if run.manifest is not None else None
+    summary.flops_per_token = num(run.meta("flops_per_token")) or num(recorded_flops)
     summary.hardware_flops_per_token = num(run.meta("hardware_flops_per_token")) or summary.flops_per_token
     summary.peak_flops = num(rec.get("peak_flops")) or num(run.meta("peak_flops"))
     summary.peak_flops_source = run.meta("peak_flops_source")

@@ -35,6 +35,7 @@ COLLECTIVE_MARKERS = (
     "wait_tensor",
     "_engine_run_backward",
     "run_backward",
+    "_wait_batch_p2p",  # a pipeline stage waiting for its neighbour's activations or gradients (send/recv)
 )
 GRACE_S = 30.0
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from diagnostics.manifest import RunManifest, read_manifest
 from diagnostics.report.fmt import peak_memory
 
 SWEEP_REPORT_DIR = "report"
@@ -137,7 +138,7 @@ def find_runs(sweep_dir: Path) -> list[Path]:
 
 
 def load_run(sweep_dir: Path, run_dir: Path) -> SweepRun:
-    manifest = _read_json(run_dir / "run.json") or {}
+    manifest = read_manifest(run_dir)[0] or RunManifest()
     failure = _read_json(run_dir / "failure.json")
     report = _read_json(run_dir / "report" / "report.json")
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
@@ -145,23 +146,23 @@ def load_run(sweep_dir: Path, run_dir: Path) -> SweepRun:
     if lines is None:
         lines = (failure or {}).get("overrides") or []
     run = SweepRun(name=str(run_dir.relative_to(sweep_dir)), overrides=parse_overrides(lines), status="running")
-    result = manifest.get("result") or {}
+    result = manifest.result if isinstance(manifest.result, dict) else {}
     run.train_loss, run.val_loss = result.get("train_loss"), result.get("val_loss")
     run.steps, run.tokens_per_s = result.get("steps"), result.get("tokens_per_s")
-    run.world_size = (manifest.get("world") or {}).get("world_size")
+    run.world_size = manifest.world_size
     if result.get("measured_memory_bytes"):
         run.peak_memory_bytes, run.peak_memory_kind = result["measured_memory_bytes"], result.get("memory_kind")
-    run.prediction = manifest.get("prediction") if isinstance(manifest.get("prediction"), dict) else None
+    run.prediction = manifest.prediction
     if report is not None:
         _apply_report(run, report)
     attempts = run_dir / "attempts.jsonl"
     if attempts.is_file():
         starts = sum('"event": "start"' in line for line in attempts.read_text(encoding="utf-8").splitlines())
         run.attempts = max(1, starts)
-    status = manifest.get("status")
+    status = manifest.status
     if failure is not None or status == "failed":
         run.status = "failed"
-        run.error = (failure or {}).get("error") or manifest.get("failure") or "failed (no error recorded)"
+        run.error = (failure or {}).get("error") or manifest.failure or "failed (no error recorded)"
         detail = (failure or {}).get("traceback") or ""
         run.error_detail = detail.strip()[-2000:] or None
     elif status in ("completed", "stopped"):

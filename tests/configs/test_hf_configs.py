@@ -72,9 +72,7 @@ def test_inline_configs_compose_and_count(option: str) -> None:
     facts = model_facts(run_cfg.model, 0)
     shape = hf_shape(run_cfg.model)
     assert shape.vocab_size == run_cfg.model.vocab_size == 512
-    # GPT-2's learned position table has n_positions rows; the shape's has seq_len rows.
-    extra = (1024 - shape.seq_len) * shape.d_model if shape.pos_emb == "learned" else 0
-    assert facts.num_parameters == count_parameters(shape) + extra
+    assert facts.num_parameters == count_parameters(shape)  # GPT-2's 1024 learned position rows included
 
 
 def test_plan_cli_reads_the_hf_config(local: dict[str, Path]) -> None:
@@ -91,7 +89,18 @@ def test_plan_cli_reads_the_hf_config(local: dict[str, Path]) -> None:
         (["model=hf-tiny-llama", "model.config.model_type=nosuchmodel"], "model.config"),
         (["model=hf-tiny-gpt2", "model.seq_len=2048"], "model.seq_len"),
         (["model=hf-tiny-gpt2", "strategy=megatron", "strategy.tp=2"], "strategy"),  # GPT-2 has no TP plan
-        (["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=2"], "strategy.pp"),
+        (
+            ["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=2", "strategy.virtual_stages=2"],
+            "strategy.virtual_stages",
+        ),
+        (
+            ["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=2", "strategy.schedule=zero_bubble"],
+            "strategy.schedule",
+        ),
+        (
+            ["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=3", "hw.devices_per_node=3"],
+            "strategy.pp",
+        ),  # 4 layers in 3 stages
         (
             ["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "strategy.sequence_parallel=true"],
             "strategy.sequence_parallel",
@@ -108,6 +117,11 @@ def test_bad_model_inputs(overrides: list[str], key: str) -> None:
 def test_megatron_tp_for_a_llama_family_model_validates() -> None:
     run_cfg, plan = validated(["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2"])
     assert (run_cfg.strategy.tp, plan.data_parallel_size) == (2, 1)
+    # Pipeline stages by decoder layer, with TP inside each stage.
+    run_cfg, plan = validated(
+        ["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "strategy.pp=2", "hw.devices_per_node=4"]
+    )
+    assert (run_cfg.strategy.tp, run_cfg.strategy.pp, plan.data_parallel_size) == (2, 2, 1)
 
 
 def test_corpus_is_tokenized_once_and_joined_with_eos(local: dict[str, Path], tmp_path: Path) -> None:
@@ -180,3 +194,22 @@ def test_bad_data_inputs(local: dict[str, Path], tmp_path: Path) -> None:
     # Nothing half-written is left in the cache by the failures.
     assert not list((tmp_path / "cache").glob("*.tmp"))
     assert np.all([p.suffix == ".bin" for p in (tmp_path / "cache").iterdir()])
+
+
+@pytest.mark.parametrize("seq_len", [64, 128])
+def test_gpt2_learned_positions_are_counted_at_the_models_own_rows(seq_len: int) -> None:
+    # GPT-2 holds n_positions (1024) position rows whatever seq_len a run uses; the planner counts what it holds.
+    from disttrain.models.hf import build_hf_model
+    from disttrain.planner.shapes import model_shape
+
+    run_cfg, _ = validated(["model=hf-tiny-gpt2", f"model.seq_len={seq_len}"])
+    shape = hf_shape(run_cfg.model)
+    real = sum(p.numel() for p in build_hf_model(run_cfg.model, seed=0, device="meta").parameters())
+    assert shape.learned_position_rows == 1024
+    assert count_parameters(shape) == real == model_facts(run_cfg.model, 0).num_parameters
+    assert model_shape(shape).num_parameters == real
+
+
+def test_a_position_table_size_is_refused_for_the_reference_model() -> None:
+    err = error_of(["model.position_rows=1024"])
+    assert err.key == "model.position_rows" and "\n" not in str(err)

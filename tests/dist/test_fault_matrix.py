@@ -1,24 +1,28 @@
 """The fault matrix (README, "Reliability"): each fault on rank 0 and on a non-zero rank ends as documented.
 
-Faults come from ``DISTTRAIN_FAULT`` (``disttrain/reliability/faults.py``). To keep CI time flat, the faults that
-do not end a run share one: a ``nan_policy=skip`` run takes a non-finite loss and a non-finite gradient on each
-rank, then stops (the same stop as ``nan_policy=stop``) on a non-zero rank, while rank 0 is still tearing down
-(the race of a stopping rank taken for a dead one). Faults that end a run get one run per cell not already
-covered elsewhere (see the matrix in README: the other cells are in test_reliability.py and
-test_diagnostics_runs.py). Every case asserts the exit code, the rank named on the console, in run.json and
-in the report, that no process is left behind and which checkpoint is the newest complete one.
+Faults come from ``DISTTRAIN_FAULT`` (``disttrain/reliability/faults.py``). Every launch costs CI time, so runs
+are shared: a ``nan_policy=skip`` run per layout takes a non-finite loss and a non-finite gradient on each rank,
+then ends with a fault on rank 0 (DDP: ENOSPC in the last save; FSDP and Megatron: an exception). Its
+checkpoints are then cut short (a file, a shard of rank 0, a shard of rank 1) and resumed from, and the resumed
+run ends with another fault. The other faults that end a run get one run per cell not covered elsewhere (see
+the matrix in README: the other cells, and the non-finite stop, are in test_reliability.py and
+test_diagnostics_runs.py). Every case asserts the exit code, the rank named on the console, in run.json and in
+the report, that no process is left behind and which checkpoints are complete.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from diagnostics.telemetry import telemetry_path
 from disttrain.checkpoint.files import discover
-from tests.conftest import TINY_MODEL, read_manifest
+from tests.conftest import TINY_MODEL, load_checkpoint, read_manifest
 from tests.dist.test_reliability import launch, survivors
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -35,14 +39,14 @@ STEPS = [
     "diagnostics.profile=false",
 ]
 USER_MODEL = ["~model", "+model._target_=tests.plugins.BigramModel", "+model.vocab_size=10", "+model.seq_len=16"]
-# Rank 0's teardown is slow: the other ranks have finished and exited before the launcher has finished fit.
-SLOW_TEARDOWN_DATA = ["~data", "+data._target_=tests.plugins.SlowTeardownData"]
+USER_DATA = ["~data", "+data._target_=tests.plugins.CountingData"]
 GPT = [*TINY_MODEL, "data.num_train_tokens=2048", "data.num_val_tokens=2048"]
 LAYOUTS = {
-    "ddp": ["strategy=ddp", *USER_MODEL, *SLOW_TEARDOWN_DATA],
-    "fsdp": ["strategy=fsdp", *USER_MODEL, *SLOW_TEARDOWN_DATA],
+    "ddp": ["strategy=ddp", *USER_MODEL, *USER_DATA],
+    "fsdp": ["strategy=fsdp", *USER_MODEL, *USER_DATA],
     "megatron-pp2": ["strategy=megatron", "strategy.pp=2", *GPT],
 }
+RAISED = "RuntimeError: exception in forward of step {step} on rank {rank} (DISTTRAIN_FAULT)"
 
 
 def checkpoints(run_dir: Path) -> list[str]:
@@ -53,50 +57,134 @@ def report(run_dir: Path) -> dict:
     return json.loads((run_dir / "report" / "report.json").read_text())
 
 
-# -- non-finite loss and gradients: every rank, one run per layout ------------------------------------------------
-# Steps count from 1 in DISTTRAIN_FAULT; the guard numbers a step by the steps completed before it (one less).
-NAN_FAULTS = "nan_loss@step=2,rank=0; nan_grad@step=4,rank=1; nan_grad@step=5,rank=0; nan_loss@step=8,rank=1"
-NAN_SEEN = [(1, "loss and gradients"), (3, "gradients"), (4, "gradients"), (7, "loss and gradients")]
-
-
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_nonfinite_on_each_rank_is_skipped_then_a_stop_on_rank_1_ends_as_documented(layout: str, tmp_path: Path):
-    run_dir = tmp_path / "run"
-    faults, seen = NAN_FAULTS, NAN_SEEN
-    if layout.startswith("megatron"):
-        # Its engine runs backward itself: no after-backward hook to corrupt a gradient in, and no before-backward
-        # hook to check the loss in: a non-finite loss is caught through the gradients it makes.
-        faults = "nan_loss@step=2,rank=0; nan_loss@step=8,rank=1"
-        seen = [(1, "gradients"), (7, "gradients")]
-    skips = len(seen) - 1
-    args = [*STEPS, *LAYOUTS[layout], "trainer.nan_policy=skip", f"trainer.max_nan_skips={skips}"]
-    result = launch(args, run_dir, fault=faults, timeout=240)
-    assert result.returncode == 4, result.stderr[-3000:]
-    last_good = run_dir / "checkpoints" / "step000006.ckpt"
-    assert result.stderr.rstrip().splitlines()[-1] == (
-        f"disttrain: stopped: non-finite {seen[-1][1]} at step 7 (more than trainer.max_nan_skips={skips}); "
-        f"last good checkpoint: {last_good}"
-    )
-    assert "died" not in result.stderr and "Traceback" not in result.stderr
+def assert_failed(result: subprocess.CompletedProcess, run_dir: Path, rank: int, failure: str, code: int = 1) -> None:
+    """The run ended with ``code``; the console, run.json and the report name ``rank`` and ``failure``."""
+    assert result.returncode == code, result.stderr[-3000:]
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last == f"disttrain: {failure}; stopping the job; report: {run_dir / 'report' / 'report.md'}"
     manifest = read_manifest(run_dir)
-    assert manifest["status"] == "stopped"
-    assert manifest["nonfinite"]["skipped_steps"] == [step for step, _ in seen[:-1]]
-    assert manifest["nonfinite"]["stopped_at_step"] == 7
-    for rank in (0, 1):  # every rank voted and recorded the same verdicts
-        records = [json.loads(line) for line in telemetry_path(run_dir, rank).open()]
-        assert [(r["step"], r["what"]) for r in records if r["kind"] == "nonfinite"] == seen
-    assert (run_dir / "report" / "report.md").is_file()
-    assert checkpoints(run_dir) == ["step000003.ckpt", "step000006.ckpt"]  # none for the stopping step
+    assert (manifest["status"], manifest["failed_rank"], manifest["failure"]) == ("failed", rank, failure)
+    assert json.loads((run_dir / "failure.json").read_text())["rank"] == rank
+    top = report(run_dir)["findings"][0]
+    assert (top["kind"], top["ranks"]) == ("crash", [rank])
     assert survivors(run_dir) == []
 
 
-# -- faults that end the run: one run per cell ---------------------------------------------------------------------
-# (layout, fault, exit code, rank named, the run's last line after "disttrain: ", report finding)
+def assert_raised(result: subprocess.CompletedProcess, run_dir: Path, rank: int, site: str, error: str) -> None:
+    """A rank's own error: its traceback once (a chained one whole), then the one line naming it."""
+    assert_failed(result, run_dir, rank, f"rank {rank} raised in {site}: {error}")
+    chained = result.stderr.count("The above exception was the direct cause of the following exception")
+    assert result.stderr.count("Traceback (most recent call last)") == 1 + chained
+
+
+# -- non-finite loss and gradients on every rank, skipped; then a fault that ends the run: one run per layout -------
+# Steps count from 1 in DISTTRAIN_FAULT; the guard numbers a step by the steps completed before it (one less).
+NAN_FAULTS = "nan_loss@step=2,rank=0; nan_grad@step=4,rank=1; nan_grad@step=5,rank=0"
+SKIPPED = [(1, "loss and gradients"), (3, "gradients"), (4, "gradients")]
+SKIP_RUNS = {  # layout -> (the faults after NAN_FAULTS, the non-finite steps seen, where rank 0 then raises)
+    "ddp": ("enospc@save=9,rank=0", SKIPPED, "checkpoint of step 9"),  # the last save fails on a full disk
+    "fsdp": ("nan_loss@step=7,rank=1; raise@step=8,rank=0", [*SKIPPED, (6, "loss and gradients")], "forward of step 8"),
+    # Its engine runs backward itself: a non-finite loss is caught through the gradients it makes.
+    "megatron-pp2": (
+        "nan_loss@step=7,rank=1; raise@step=8,rank=0",
+        [(step, "gradients") for step in (1, 3, 4, 6)],
+        "forward of step 8",  # wrapped by the pipeline engine: named by its cause
+    ),
+}
+
+
+class SkipRuns(dict):
+    """Each layout's skip run, launched on first use; its checkpoints are resumed from below."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__()
+        self.tmp = tmp
+
+    def __missing__(self, layout: str) -> tuple[Path, subprocess.CompletedProcess]:
+        run_dir = self.tmp / layout
+        ending, seen, _ = SKIP_RUNS[layout]
+        args = [*STEPS, *LAYOUTS[layout], "trainer.nan_policy=skip", f"trainer.max_nan_skips={len(seen)}"]
+        self[layout] = (run_dir, launch(args, run_dir, fault=f"{NAN_FAULTS}; {ending}", timeout=240))
+        return self[layout]
+
+
+@pytest.fixture(scope="module")
+def skip_runs(tmp_path_factory: pytest.TempPathFactory) -> SkipRuns:
+    return SkipRuns(tmp_path_factory.mktemp("skip"))
+
+
+@pytest.mark.parametrize("layout", sorted(SKIP_RUNS))
+def test_nonfinite_on_each_rank_is_skipped_then_rank_0_fails(layout: str, skip_runs: SkipRuns) -> None:
+    run_dir, result = skip_runs[layout]
+    _, seen, site = SKIP_RUNS[layout]
+    if site.startswith("checkpoint"):
+        partial = run_dir / "checkpoints" / ".partial-step000009" / "step000009.ckpt"
+        error = f"OSError: [Errno 28] No space left on device: '{partial}'"
+    else:
+        error = RAISED.format(step=8, rank=0)
+    assert_raised(result, run_dir, 0, site, error)
+    for rank in (0, 1):  # every rank voted and recorded the same verdicts
+        records = [json.loads(line) for line in telemetry_path(run_dir, rank).open()]
+        assert [(r["step"], r["what"]) for r in records if r["kind"] == "nonfinite"] == seen
+    assert checkpoints(run_dir) == ["step000003.ckpt", "step000006.ckpt"]  # none for the failed step
+    if layout == "ddp":  # a skipped step leaves Adam untouched: its step count lags the global step by the skips
+        for step, updates in ((3, 2), (6, 3)):
+            state = load_checkpoint(run_dir / "checkpoints" / f"step{step:06d}.ckpt")
+            assert state["global_step"] == step
+            adam = state["optimizer_0"]
+            assert {float(v) for k, v in adam.items() if k.startswith("state.") and k.endswith(".step")} == {
+                float(updates)
+            }
+            assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
+
+
+# -- a corrupt newest checkpoint, resumed from, then a fault that ends the resumed run: one run per layout -----------
+RESUMED = {  # layout -> (what is cut short in step 6's checkpoint, the fault, its rank)
+    "ddp": ("step000006.ckpt/__1_0.distcp", "enospc@save=6,rank=1", 1),  # rank 1's part (a full disk)
+    "fsdp": ("step000006.ckpt/__0_0.distcp", "sigkill@step=5,rank=0", 0),  # rank 0's shard
+    "megatron-pp2": ("step000006.ckpt/__1_0.distcp", "enospc@save=6,rank=0", 0),  # rank 1's shard (stage 1)
+}
+
+
+@pytest.mark.parametrize("layout", sorted(RESUMED))
+def test_resume_passes_over_a_corrupt_checkpoint_then_a_fault_ends_the_resumed_run(
+    layout: str, skip_runs: SkipRuns, tmp_path: Path
+) -> None:
+    source, _ = skip_runs[layout]
+    first = tmp_path / "first"
+    shutil.copytree(source, first, symlinks=True)  # the skip run's own test asserts on the original
+    cut, fault, rank = RESUMED[layout]
+    part = first / "checkpoints" / cut
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    resumed = tmp_path / "resumed"
+    result = launch([f"resume={first}"], resumed, fault=fault, timeout=240)
+    # The DDP skip run's last save failed: its staging dir is passed over too.
+    interrupted = ", .partial-step000009 (interrupted save)" if layout == "ddp" else ""
+    assert (
+        f"resuming from {first / 'checkpoints' / 'step000003.ckpt'} (the newest complete checkpoint; skipped "
+        f"step000006.ckpt (incomplete){interrupted})"
+    ) in result.stdout
+    if fault.startswith("enospc"):
+        partial = resumed / "checkpoints" / ".partial-step000006" / "step000006.ckpt"
+        error = f"OSError: [Errno 28] No space left on device: '{partial}'"
+        assert_raised(result, resumed, rank, "checkpoint of step 6", error)
+    else:  # SIGKILL of rank 0, the launcher: the shell sees 137; rank 1 records it
+        assert_failed(result, resumed, 0, "rank 0 died (killed by SIGKILL)", code=-9)
+        assert "Traceback" not in result.stderr
+    assert checkpoints(resumed) == []  # the resumed run failed before its first save completed
+    names = sorted(p.name for p in (first / "checkpoints").glob("step*"))
+    assert names == ["step000003.ckpt", "step000006.ckpt"]  # resuming deletes nothing
+
+
+# -- other faults that end the run: one run per cell ---------------------------------------------------------------
+# (layout, fault, exit code, rank named, report finding)
 ENDING = {
     "ddp-hang-rank0": ("ddp", "hang@step=5,rank=0", 3, 0, "hang"),
-    "ddp-enospc-rank0": ("ddp", "enospc@save=6,rank=0", 1, 0, "crash"),
+    "fsdp-hang-rank0": ("fsdp", "hang@step=5,rank=0", 3, 0, "hang"),
     "fsdp-raise-rank1": ("fsdp", "raise@step=5,rank=1", 1, 1, "crash"),
+    "fsdp-enospc-rank0": ("fsdp", "enospc@save=6,rank=0", 1, 0, "crash"),
     "fsdp-enospc-rank1": ("fsdp", "enospc@save=6,rank=1", 1, 1, "crash"),
+    "megatron-hang-rank0": ("megatron-pp2", "hang@step=5,rank=0", 3, 0, "hang"),
     "megatron-raise-rank1": ("megatron-pp2", "raise@step=5,rank=1", 1, 1, "crash"),
 }
 
@@ -109,52 +197,20 @@ def test_a_fault_that_ends_the_run_names_its_rank_everywhere(case: str, tmp_path
     if finding == "hang":
         args.append("diagnostics.hang_timeout_s=10")
     result = launch(args, run_dir, fault=fault, timeout=240)
-    assert result.returncode == code, result.stderr[-3000:]
-    manifest = read_manifest(run_dir)
-    assert manifest["status"] == "failed" and manifest["failed_rank"] == rank
     if finding == "hang":
+        assert result.returncode == code, result.stderr[-3000:]
         assert f"ranks not in a collective: [{rank}]" in result.stderr
+        manifest = read_manifest(run_dir)
+        assert manifest["status"] == "failed" and manifest["failed_rank"] == rank
         hung = f"rank {rank} hung: no step completed in 10 s after step 4, outside any collective"
         assert manifest["failure"] == hung
+        top = report(run_dir)["findings"][0]
+        assert (top["kind"], top["ranks"]) == ("hang", [rank])
+        assert survivors(run_dir) == []
+    elif fault.startswith("raise"):
+        assert_raised(result, run_dir, rank, "forward of step 5", RAISED.format(step=5, rank=rank))
     else:
         partial = run_dir / "checkpoints" / ".partial-step000006" / "step000006.ckpt"
-        site, error = {
-            "raise": ("forward of step 5", f"RuntimeError: exception in forward of step 5 on rank {rank}"),
-            "enospc": ("checkpoint of step 6", f"OSError: [Errno 28] No space left on device: '{partial}'"),
-        }[fault.partition("@")[0]]
-        last = result.stderr.rstrip().splitlines()[-1]
-        tracebacks = 1
-        if layout.startswith("megatron"):  # the pipeline engine wraps a stage's error: the cause is chained to it
-            error = "RuntimeError: [Stage 1] failed to run forward:"
-            assert f"RuntimeError: exception in forward of step 5 on rank {rank}" in result.stderr
-            assert result.stderr.count("The above exception was the direct cause of the following exception") == 1
-            tracebacks = 2
-        assert last.startswith(f"disttrain: rank {rank} raised in {site}: {error}"), last
-        assert last.endswith(f"; stopping the job; report: {run_dir / 'report' / 'report.md'}")
-        assert result.stderr.count("Traceback (most recent call last)") == tracebacks  # printed once
-        assert manifest["failure"] == last.removeprefix("disttrain: ").split("; stopping the job")[0]
-    top = report(run_dir)["findings"][0]
-    assert (top["kind"], top["ranks"]) == (finding, [rank])
+        error = f"OSError: [Errno 28] No space left on device: '{partial}'"
+        assert_raised(result, run_dir, rank, "checkpoint of step 6", error)
     assert checkpoints(run_dir) == ["step000003.ckpt"]  # the one before the fault stays the newest complete one
-    assert survivors(run_dir) == []
-
-
-# -- corrupt newest checkpoints on resume: a shard of rank 1, and one of rank 0, cut short ---------------------------
-def test_resume_passes_over_checkpoints_with_a_shard_cut_short_fsdp(tmp_path: Path) -> None:
-    first = tmp_path / "first"
-    assert launch([*STEPS, *LAYOUTS["fsdp"]], first, timeout=240).returncode == 0
-    for step, rank in ((9, 1), (6, 0)):  # a full disk, a partial copy
-        shard = first / "checkpoints" / f"step{step:06d}.ckpt" / f"__{rank}_0.distcp"
-        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    resumed = tmp_path / "resumed"
-    result = launch([f"resume={first}"], resumed, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        f"resuming from {first / 'checkpoints' / 'step000003.ckpt'} (the newest complete checkpoint; skipped "
-        "step000006.ckpt (incomplete), step000009.ckpt (incomplete))"
-    ) in result.stdout
-    assert read_manifest(resumed)["status"] == "completed"
-    assert checkpoints(resumed) == ["step000006.ckpt", "step000009.ckpt"]
-    names = sorted(p.name for p in (first / "checkpoints").glob("step*"))
-    assert names == ["step000003.ckpt", "step000006.ckpt", "step000009.ckpt"]  # resuming deletes nothing
-    assert survivors(resumed) == []

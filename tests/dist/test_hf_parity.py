@@ -1,9 +1,10 @@
 """model=hf + data=hf through the real CLI: a tiny HF Llama on a locally tokenized corpus under DDP, FSDP2 (with
-activation checkpointing), Megatron TP=2 (the model's own base_model_tp_plan) and ZeRO-3 matches one process to
-1e-4; every run ends with an HF export that
-``from_pretrained`` reloads to the trained weights and logits.
+activation checkpointing), Megatron TP=2 x PP=2 on 4 ranks (the model's own base_model_tp_plan inside pipeline
+stages cut by decoder layer, its tied embedding split between the first and last stage) and ZeRO-3 matches one
+process to 1e-4; every run ends with an HF export that ``from_pretrained`` reloads to the trained weights and logits.
 
-The four runs are spawned once per module and shared by the tests.
+The runs are spawned once per module and shared by the tests; one more resumes the single-process run from its
+step-10 checkpoint and must continue exactly (data=hf's loader position included).
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from disttrain.checkpoint.export import checkpoint_state, hf_weights
 from disttrain.config.schema import HFModelConfig
 from disttrain.models.hf import build_hf_model
 from tests.conftest import CONF, read_manifest
-from tests.dist.test_parity_and_resume import run, train_losses
+from tests.dist.test_parity_and_resume import model_weights, run, train_losses
 from tests.hf_fixtures import TINY_LLAMA, sentences, train_tokenizer, write_jsonl
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 20
 LAYOUTS = {
-    "single": ["hw.devices_per_node=1", "trainer.micro_batch_size=8"],
+    "single": ["hw.devices_per_node=1", "trainer.micro_batch_size=8", "trainer.ckpt_every_n_steps=10"],
     "ddp": ["strategy=ddp", "trainer.micro_batch_size=4"],
     "fsdp": ["strategy=fsdp", "strategy.activation_checkpointing=true", "trainer.micro_batch_size=4"],
-    "megatron-tp2": ["strategy=megatron", "strategy.tp=2", "trainer.micro_batch_size=8"],
+    # micro 4 x 2 pipeline micro-batches = the reference's global batch of 8
+    "megatron-tp2-pp2": ["strategy=megatron", "strategy.tp=2", "strategy.pp=2", "hw.devices_per_node=4",
+                         "trainer.micro_batch_size=4"],
     "zero3": ["strategy=deepspeed", "strategy.stage=3", "strategy.param_persistence_threshold=0",
               "trainer.micro_batch_size=4"],
 }  # fmt: skip
@@ -64,7 +67,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: run(tmp, name, [*common, *extra]) for name, extra in LAYOUTS.items()}
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "megatron-tp2", "zero3"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "megatron-tp2-pp2", "zero3"])
 def test_two_ranks_match_one_process(layout: str, runs: dict[str, Path]) -> None:
     reference, losses = train_losses(runs["single"]), train_losses(runs[layout])
     assert sorted(losses) == sorted(reference) == list(range(STEPS))
@@ -94,3 +97,20 @@ def test_export_reloads_with_from_pretrained(layout: str, runs: dict[str, Path])
         assert torch.equal(reloaded(input_ids=tokens).logits, wrapper(tokens))
     # The run's tokenizer-sized data never produced an id the model cannot embed.
     assert reloaded.config.vocab_size == 512
+
+
+def test_resume_continues_the_hf_corpus_exactly(runs: dict[str, Path]) -> None:
+    original = runs["single"]
+    mid = original / "checkpoints" / "step000010.ckpt"
+    resumed = run(original.parent, "single-resumed", [f"resume={mid}"])
+    assert read_manifest(resumed)["resumed_from"] == str(mid.resolve())
+    assert read_manifest(resumed)["config"]["data"]["name"] == "hf"
+    full, after = train_losses(original), train_losses(resumed)
+    assert sorted(after) == list(range(10, STEPS))
+    # The same windows of the memory-mapped corpus in the same order: the same losses, then the same weights.
+    assert [after[s] for s in range(10, STEPS)] == [full[s] for s in range(10, STEPS)]
+    expected = model_weights(original / "checkpoints" / f"step0000{STEPS}.ckpt")
+    actual = model_weights(resumed / "checkpoints" / f"step0000{STEPS}.ckpt")
+    assert expected and sorted(expected) == sorted(actual)
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, actual[name]), f"{name} differs after resume"

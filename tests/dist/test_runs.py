@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from diagnostics.telemetry import telemetry_path
 from tests.conftest import read_manifest, run_cli
@@ -104,16 +105,24 @@ SHORT = [
 ]
 
 
-def test_local_sweep_runs_every_job_with_its_own_ranks(tmp_path: Path) -> None:
+def test_optuna_sweep_runs_every_job_with_its_own_ranks_and_gets_their_objectives(tmp_path: Path) -> None:
+    # hydra/sweeper=optuna on the local launcher; the grid sampler makes the two trials exactly the two values.
     sweep = tmp_path / "sweep"
-    run_ok(["-m", "optimizer.lr=1e-3,3e-3", *SHORT, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
-    lrs = []
+    args = ["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "optimizer.lr=choice(1e-3,3e-3)"]
+    run_ok([*args, *SHORT, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    val_losses = {}
     for job in ("0", "1"):
         manifest = read_manifest(sweep / job)
         assert manifest["status"] == "completed"
         assert (sweep / job / "train_rank1.log").exists()  # each job ran its own second rank
-        lrs.append(manifest["config"]["optimizer"]["lr"])
-    assert lrs == [1e-3, 3e-3]
+        val_losses[manifest["config"]["optimizer"]["lr"]] = manifest["result"]["val_loss"]
+    assert sorted(val_losses) == [1e-3, 3e-3]
+    assert len(set(val_losses.values())) == 2
+    # What each job returned reached Optuna: the study's best (minimized, objective=val_loss by default) is the
+    # smaller final validation loss, paired with the learning rate of the job that returned it.
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_value"] == pytest.approx(min(val_losses.values()))
+    assert results["best_params"] == {"optimizer.lr": min(val_losses, key=val_losses.get)}
 
 
 def test_second_run_in_the_same_dir_is_refused_and_leaves_the_first_intact(tmp_path: Path) -> None:

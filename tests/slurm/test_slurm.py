@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import TINY_MODEL, load_checkpoint, read_manifest, run_cli
 from tests.slurm.conftest import sweep, sweep_command, sweep_env
@@ -69,8 +70,11 @@ def two_node_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sweep_of_four_jobs_each_with_its_report_and_one_ranking(tmp_path: Path) -> None:
+    # An Optuna sweep (grid sampler: exactly the 2x2 grid) whose one batch of 4 trials is one SLURM job array.
     sweep_dir = tmp_path / "sweep"
-    args = [*TINY, "hw.devices_per_node=1", "trainer.max_steps=10", "optimizer.lr=1e-3,3e-3", "strategy=ddp,fsdp"]
+    optuna = ["hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.n_jobs=4"]
+    grid = ["optimizer.lr=choice(1e-3,3e-3)", "strategy=choice(ddp,fsdp)"]
+    args = [*TINY, "hw.devices_per_node=1", "trainer.max_steps=10", *optuna, *grid]
     check(sweep([*args, f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path))
 
     job_ids = set()
@@ -82,6 +86,10 @@ def test_sweep_of_four_jobs_each_with_its_report_and_one_ranking(tmp_path: Path)
         (start,) = [a for a in attempts(run_dir) if a["event"] == "start"]  # it ran as a SLURM job, once
         job_ids.add(start["job_id"])
     assert len(job_ids) == 4
+    # Each job's rank 0 returned its final validation loss through the SLURM launcher to Optuna (minimized).
+    val_losses = [read_manifest(sweep_dir / str(job))["result"]["val_loss"] for job in range(4)]
+    best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    assert best["best_value"] == pytest.approx(min(val_losses))
 
     report = sweep_report(sweep_dir)
     assert report["varying"] == ["optimizer.lr", "strategy"] and report["failed"] == []

@@ -217,9 +217,19 @@ Thread 150 (idle): "gloo-worker"
     all_reduce (torch/distributed/distributed_c10d.py:2800)
 """
 
+STACK_IN_PIPELINE_RECV = """Process 103: python -m train
+Python v3.11.7
+
+Thread 103 (idle): "MainThread"
+    _wait_batch_p2p (torch/distributed/pipelining/schedules.py:683)
+    Schedule1F1B._step_microbatches (torch/distributed/pipelining/schedules.py:1067)
+    MegatronEngine.forward_backward (disttrain/strategies/megatron/engine.py:278)
+"""
+
 
 def test_hang_stacks_classify_the_rank_outside_collectives() -> None:
     assert in_collective(STACK_IN_ALLREDUCE)
+    assert in_collective(STACK_IN_PIPELINE_RECV)  # waiting for the hung stage's activations
     assert not in_collective(STACK_SLEEPING)  # a collective on another thread does not count
     assert "forward (my_model.py:12)" in main_thread_stack(STACK_SLEEPING)
 

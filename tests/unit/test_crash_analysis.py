@@ -15,6 +15,7 @@ from diagnostics.crash import (
     is_peer_failure,
     primary_crash,
     read_crash_records,
+    reported_error,
     retire_crash_records,
     write_crash_record,
 )
@@ -159,3 +160,22 @@ def test_a_ranks_first_error_is_its_record(tmp_path: Path) -> None:
     assert "Traceback (most recent call last)" in record["traceback"]
     crash_path(tmp_path, 3).write_text('{"rank": 3, "exc')  # torn: skipped
     assert list(read_crash_records(tmp_path)) == [2]
+
+
+def test_a_pipeline_stage_wrapper_gives_way_to_the_cause_it_chains(tmp_path: Path) -> None:
+    """torch's pipeline schedule re-raises a stage's error as '[Stage 1] failed to run forward:' (the arguments'
+    shapes on the next lines): the record names the cause, and keeps the whole chain in the traceback."""
+    try:
+        try:
+            raise KeyError("token 7 not in the vocabulary")
+        except KeyError as cause:
+            raise RuntimeError(
+                "\n            [Stage 1] failed to run forward:\n            args: ('Tensor(...)',)"
+            ) from cause
+    except RuntimeError as wrapper:
+        write_crash_record(tmp_path, 1, wrapper, 5, "forward")
+    (record,) = read_crash_records(tmp_path).values()
+    assert (record["exception"], record["error"]) == ("KeyError", "KeyError: 'token 7 not in the vocabulary'")
+    assert "failed to run forward" in record["traceback"] and "KeyError" in record["traceback"]
+    plain = raised(RuntimeError("failed to run forward: of my own"))  # a user's own message is not a wrapper
+    assert reported_error(plain) is plain

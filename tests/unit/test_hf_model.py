@@ -71,3 +71,46 @@ def test_export_reloads_with_from_pretrained_to_the_same_logits(config: dict, tm
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
     with torch.no_grad():
         assert torch.equal(model(tokens()), reloaded(input_ids=tokens()).logits)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_chained_are_the_whole_model(tied: bool) -> None:
+    from disttrain.models.hf_pipeline import build_hf_stage
+
+    config = {**TINY_LLAMA, "num_hidden_layers": 4, "tie_word_embeddings": tied}
+    model = HFModelConfig(name="tiny", config=config, seq_len=32)
+    whole = build_hf_model(model, seed=3)
+    whole.apply_activation_checkpointing()  # as the engine does: layers wrapped before the model is cut
+    names = {name: p for name, p in whole.named_parameters(remove_duplicate=False)}
+    stages = []
+    for stage in range(2):
+        wrapper = build_hf_model(model, seed=3)
+        wrapper.apply_activation_checkpointing()
+        stages.append(build_hf_stage(wrapper, stage, 2))
+    first, last = stages
+    hidden = first(tokens())
+    assert hidden.shape == (2, 32, TINY_LLAMA["hidden_size"])
+    assert torch.equal(last(hidden), whole(tokens()))
+    # Each stage holds its layers under their global ids; together they are the whole model, each name once.
+    held = [dict(s.named_parameters(remove_duplicate=False)) for s in stages]
+    assert {n.split(".")[3] for n in held[0] if ".layers." in n} == {"0", "1"}
+    assert {n.split(".")[3] for n in held[1] if ".layers." in n} == {"2", "3"}
+    assert set(held[0]) | set(held[1]) == set(names) and not set(held[0]) & set(held[1])
+    for part in held:
+        for name, param in part.items():
+            assert torch.equal(param, names[name]), name
+    assert first.tok_emb is not None and first.lm_head is None and last.tok_emb is None and last.lm_head is not None
+    assert [len(s.blocks) for s in stages] == [2, 2]
+    if tied:  # the last stage's head starts as an equal copy of the first stage's embedding
+        assert torch.equal(last.lm_head.weight, first.tok_emb.weight)
+
+
+def test_an_architecture_without_llama_stages_is_refused_by_name() -> None:
+    from disttrain.models.hf_pipeline import build_hf_stage, pipeline_structure_problem
+
+    gpt2 = HFModelConfig(name="gpt2", config={"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2})
+    wrapper = build_hf_model(gpt2, seed=0)
+    problem = pipeline_structure_problem(wrapper)
+    assert problem is not None and "embed_tokens" in problem and "layers" in problem
+    with pytest.raises(ValueError, match="pipeline stages"):
+        build_hf_stage(wrapper, 0, 2)

@@ -3,6 +3,8 @@ few one-line children for the launcher's watch)."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import subprocess
 import sys
@@ -30,8 +32,9 @@ from disttrain.checkpoint.resume import find_resume_point
 from disttrain.checkpoint.rng import capture, restore
 from disttrain.config.errors import ConfigError
 from disttrain.data.datamodule import TokenDataModule
+from disttrain.job.launcher_death import describe_launcher_death, record_launcher_death, wants_report
 from disttrain.job.redaction import redact, secret_values
-from disttrain.launch.local import LocalRanks, describe_exit
+from disttrain.launch.local import LocalRanks, describe_exit, exit_status_of_dead_process
 from disttrain.reliability.faults import Fault, faults_from_env, parse_fault
 from disttrain.reliability.nan_guard import (
     NonFiniteGuard,
@@ -237,6 +240,35 @@ def test_launcher_tells_an_agreed_stop_from_a_death(tmp_path: Path) -> None:
 def test_exit_descriptions() -> None:
     assert describe_exit(-9) == "killed by SIGKILL"
     assert describe_exit(1) == "exit code 1"
+
+
+def test_how_a_dying_process_ended_is_read_before_it_is_reaped() -> None:
+    """A rank reads how rank 0 (not its own child) ended from its zombie; once reaped, nothing is known."""
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    killed.kill()
+    assert exit_status_of_dead_process(killed.pid, wait_s=10) == -9
+    assert exit_status_of_dead_process(exited.pid, wait_s=10) == 3
+    assert exit_status_of_dead_process(os.getpid(), wait_s=0) is None  # alive
+    killed.wait(), exited.wait()
+    assert exit_status_of_dead_process(killed.pid, wait_s=0) is None  # reaped: the pid is gone
+
+
+def test_a_dead_launcher_is_recorded_once_and_only_over_a_running_run(tmp_path: Path) -> None:
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", "config": {"diagnostics": {"report": 0}}}))
+    assert record_launcher_death(tmp_path, -9) == "rank 0 died (killed by SIGKILL)"
+    manifest = json.loads((tmp_path / "run.json").read_text())
+    assert (manifest["status"], manifest["failed_rank"], manifest["failure"]) == (
+        "failed",
+        0,
+        "rank 0 died (killed by SIGKILL)",
+    )
+    assert json.loads((tmp_path / "failure.json").read_text())["error"] == "killed by SIGKILL"
+    assert not wants_report(tmp_path)
+    # Rank 0 recorded an end itself (a hang, an error), then its ranks saw it go: nothing is overwritten.
+    assert record_launcher_death(tmp_path, 3) is None
+    assert json.loads((tmp_path / "run.json").read_text())["failure"] == "rank 0 died (killed by SIGKILL)"
+    assert describe_launcher_death(None) == "rank 0 died (its process ended without ending the job)"
 
 
 def test_redaction_of_environment_credentials_and_credential_keys() -> None:

@@ -152,15 +152,24 @@ def validate_megatron(
 
 
 def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelConfig:
-    """What the HF tensor-parallel path supports: the architecture's own plain column/row-wise plan, no pipeline
-    stages, no sequence parallelism, no selective recomputation; returns the model's shape for the common checks."""
+    """What the HF path supports: the architecture's own plain column/row-wise plan over its decoder ``layers``
+    (Llama-family), pipeline stages of whole decoder layers with one stage per pipeline rank, no sequence
+    parallelism, no selective recomputation; returns the model's shape for the common checks."""
     from disttrain.config.hf import hf_shape, load_hf_config
 
     config = load_hf_config(model)
     plan = getattr(config, "base_model_tp_plan", None) or {}
     odd = sorted({style for style in plan.values() if style not in ("colwise", "rowwise")})
-    if not plan or odd:
-        why = f"its plan uses styles {odd}" if odd else "its transformers config has no base_model_tp_plan"
+    # The plan names the decoder layers' projections under `layers.*`: the Llama layout the stages are cut from.
+    llama_layout = bool(plan) and all(pattern.startswith("layers.") for pattern in plan)
+    if not plan or odd or not llama_layout:
+        why = (
+            f"its plan uses styles {odd}"
+            if odd
+            else "its plan is not over decoder `layers`"
+            if plan
+            else "its transformers config has no base_model_tp_plan"
+        )
         raise ConfigError(
             "strategy",
             f"strategy=megatron has no tensor-parallel plan for model_type '{config.model_type}' ({why}); "
@@ -168,8 +177,16 @@ def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelCon
             "use strategy=fsdp, strategy=deepspeed or strategy=ddp for this model",
         )
     for key, bad, fix in (
-        ("pp", cfg.pp != 1, "strategy.pp=1 (pipeline stages of HF models are not built)"),
-        ("virtual_stages", cfg.virtual_stages != 1, "strategy.virtual_stages=1"),
+        (
+            "virtual_stages",
+            cfg.virtual_stages != 1,
+            "strategy.virtual_stages=1 (an HF model's pipeline rank holds one stage)",
+        ),
+        (
+            "schedule",
+            cfg.pp > 1 and cfg.schedule == "zero_bubble",
+            "strategy.schedule=1f1b or gpipe (zero_bubble places two stages on a rank)",
+        ),
         ("sequence_parallel", cfg.sequence_parallel, "strategy.sequence_parallel=false (norms stay replicated)"),
         (
             "activation_checkpointing",

@@ -108,6 +108,8 @@ def hf_shape(model: HFModelConfig) -> ModelConfig:
         bias=bool(_first(config, "attention_bias", "mlp_bias", default=not hasattr(config, "rms_norm_eps"))),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
         init_std=float(model.init_std or _first(config, "initializer_range", default=0.02)),
+        # A learned table (GPT-2) has a row per position the model supports, not per position a run uses.
+        position_rows=None if rope else _first(config, "n_positions", "max_position_embeddings"),
     )
 
 

@@ -31,6 +31,7 @@ from disttrain.config.schema import (
     LoggerConfig,
     MegatronConfig,
     ModelConfig,
+    Objective,
     OptimizerConfig,
     PrecisionConfig,
     RunConfig,
@@ -58,6 +59,7 @@ STRATEGY_KINDS: dict[str, type] = {
 }
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
 LOGGERS = ("csv", "wandb", "tensorboard")
+OBJECTIVES = typing.get_args(Objective)
 
 
 def to_container(cfg: DictConfig | Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -196,7 +198,7 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
     _choice(groups["logger"], "logger", LOGGERS)
     hw = build_dataclass(HardwareProfile, groups["hw"], "hw")
     validate_profile(hw)
-    top = {k: cfg.get(k) for k in ("dry_run", "resume", "check_memory", "calibration")}
+    top = {k: cfg.get(k) for k in ("dry_run", "resume", "check_memory", "calibration", "objective")}
     top["resume_weights_only"] = cfg.get("resume_weights_only", False)
     for flag in ("dry_run", "check_memory", "resume_weights_only"):
         if not isinstance(top[flag], bool):
@@ -210,6 +212,12 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
     if top["calibration"] is not None and not isinstance(top["calibration"], str):
         raise ConfigError(
             "calibration", f"expected a run dir, got {top['calibration']!r}", "use calibration=outputs/<date>/<time>"
+        )
+    if top["objective"] not in OBJECTIVES:
+        raise ConfigError(
+            "objective",
+            f"unknown objective {top['objective']!r}{did_you_mean(str(top['objective']), OBJECTIVES)}",
+            f"use one of {list(OBJECTIVES)} (what the job returns to hydra/sweeper=optuna)",
         )
     return RunConfig(
         model=parse_model(groups["model"]),
@@ -226,4 +234,5 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
         resume_weights_only=top["resume_weights_only"],
         check_memory=top["check_memory"],
         calibration=top["calibration"],
+        objective=top["objective"],
     )

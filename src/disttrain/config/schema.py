@@ -16,6 +16,7 @@ from disttrain.config.hardware import HardwareProfile
 Norm = Literal["layernorm", "rmsnorm"]
 Mlp = Literal["gelu", "swiglu"]
 PosEmb = Literal["learned", "rope"]
+Objective = Literal["val_loss", "tokens_per_s"]  # what a job returns to a Hydra sweeper
 NORMS: tuple[str, ...] = get_args(Norm)
 MLPS: tuple[str, ...] = get_args(Mlp)
 POS_EMBS: tuple[str, ...] = get_args(PosEmb)
@@ -44,6 +45,14 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     compile: bool = False
+    # Rows of a learned position table when they are not seq_len: an HF model's own table (GPT-2's n_positions,
+    # 1024, whatever seq_len it trains at). The reference model's table has seq_len rows; it leaves this null.
+    position_rows: int | None = None
+
+    @property
+    def learned_position_rows(self) -> int:
+        """Rows of the learned position table (counted as parameters; 0 work per token)."""
+        return self.seq_len if self.position_rows is None else self.position_rows
 
     @property
     def kv_heads(self) -> int:
@@ -356,3 +365,6 @@ class RunConfig:
     # A finished run dir whose measured speeds (matmul, memory, links) the planner uses instead of the datasheet's:
     # strategy=auto chooses with them, and the prediction in run.json uses them when this run measured none.
     calibration: str | None = None
+    # What the job returns to a Hydra sweeper (hydra/sweeper=optuna): the final validation loss (minimized) or the
+    # training tokens/s (maximized); see disttrain.job.objective.
+    objective: Objective = "val_loss"

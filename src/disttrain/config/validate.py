@@ -120,6 +120,12 @@ def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
         )
     if m.pos_emb == "rope" and m.head_dim % 2:
         raise ConfigError("model.pos_emb", f"rope needs an even head_dim, got {m.head_dim}", "change d_model/n_heads")
+    if m.position_rows is not None and m.position_rows != m.seq_len:
+        raise ConfigError(
+            "model.position_rows",
+            f"{m.position_rows} rows: the reference model's learned position table has model.seq_len={m.seq_len}",
+            "remove model.position_rows (it describes an HF model's own table)",
+        )
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {m.dropout}", "use e.g. model.dropout=0.0")
     require_positive("model.init_std", m.init_std)

@@ -9,6 +9,7 @@ writes the report, prints that rank's traceback once and ends with one line. Sur
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import threading
@@ -23,9 +24,10 @@ from diagnostics.crash import (
     is_peer_failure,
     primary_crash,
     read_crash_records,
+    reported_error,
     write_crash_record,
 )
-from disttrain.job.manifest import write_json_atomic
+from diagnostics.manifest import RunManifest
 from disttrain.job.sweeps import TRACEBACK_CHARS, write_failure
 from disttrain.launch.env import process_role, say
 from disttrain.launch.exit_codes import FAILED, RunStopped
@@ -41,7 +43,7 @@ class FailureReporting:
     report, and a lock so that the main thread and the rank watcher report a failure once between them."""
 
     run_dir: Path
-    manifest: dict
+    manifest: RunManifest
     report: bool
     # Whether this process reports the job's failure: the launcher or a 1-process run, decided before local ranks
     # are spawned (spawning sets the launcher's own NODE_RANK, after which it looks like a cluster task).
@@ -107,15 +109,14 @@ def stop_for_failure(
         failure = f"rank {rank} died ({error})"
     else:
         assert own_error is not None, "a failure without a dead rank is this process's own error"
-        rank, error = own_rank, first_line(own_error)
-        trace, details = "".join(traceback.format_exception(own_error)), {"exception": type(own_error).__name__}
+        rank, cause = own_rank, reported_error(own_error)
+        error, details = first_line(cause), {"exception": type(cause).__name__}
+        trace = "".join(traceback.format_exception(own_error))
         failure = f"rank {rank} raised {error}"
     if own_error is not None and (cause is None or cause["rank"] != own_rank):
         log_to_own_file(run_dir, "".join(traceback.format_exception(own_error)))  # an echo of the failure
     with contextlib.suppress(Exception):  # the job must end whatever happens here
-        write_json_atomic(
-            run_dir / "run.json", {**manifest, "status": "failed", "failure": failure, "failed_rank": rank, **details}
-        )
+        manifest.failed(failure, rank, **details).write(run_dir)
         source = f"rank {rank}" + (" (local rank started by rank 0)" if rank else "")
         write_failure(run_dir, {"error": error, "source": source, "rank": rank, "traceback": trace[-TRACEBACK_CHARS:]})
     where = ""
@@ -137,15 +138,14 @@ def record_hang(failure_reporting: FailureReporting, hang: dict) -> None:
     failure = f"{who} hung: {error}" + (", outside any collective" if outside else "")
     run_dir, manifest = failure_reporting.run_dir, failure_reporting.manifest
     with contextlib.suppress(Exception):  # the watchdog must end the job whatever happens here
-        record = {**manifest, "status": "failed", "failure": failure, "failed_rank": rank, "hung_ranks": outside}
-        write_json_atomic(run_dir / "run.json", record)
+        manifest.failed(failure, rank, hung_ranks=list(outside)).write(run_dir)
         write_failure(run_dir, {"error": f"hang: {error}", "source": who, "rank": rank, "traceback": ""})
 
 
-def rank_died(run_dir: Path, manifest: dict, rank: int, code: int) -> str:
+def rank_died(run_dir: Path, manifest: RunManifest, rank: int, code: int) -> str:
     """The one-line report of a dead rank; also marks the run failed in run.json (best effort)."""
     failure = f"rank {rank} died ({describe_exit(code)})"
-    if manifest:
+    if manifest.recorded:
         with contextlib.suppress(Exception):  # the job must end whatever happens here
-            write_json_atomic(run_dir / "run.json", {**manifest, "status": "failed", "failure": failure})
+            dataclasses.replace(manifest, status="failed", failure=failure).write(run_dir)
     return f"disttrain: {failure}; stopping the job"

@@ -15,7 +15,7 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override, OverrideType
+from hydra.core.override_parser.types import Override, OverrideType, ValueType
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,6 +43,11 @@ def parse_overrides(overrides: list[str]) -> list[Override]:
 
 
 def values_of(override: Override) -> list[str]:
+    """The values a sweep override lists; for an interval (a sweeper such as Optuna samples it) only its start,
+    which stands for the values the jobs will get when the command is checked (of the same type: Optuna samples
+    integers only from int(interval(1, 8)), whose bounds are then ints)."""
+    if override.value_type == ValueType.INTERVAL_SWEEP:
+        return [str(override.value().start)]
     if override.is_sweep_override():
         return [str(v) for v in override.sweep_string_iterator()]
     value = override.value()

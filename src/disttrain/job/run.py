@@ -7,7 +7,6 @@ local ranks, fit (build, record the run, ``Trainer.fit``) and finish (run.json, 
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
@@ -22,7 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.calibration import Calibration, write_calibration
-from diagnostics.crash import retire_crash_records
+from diagnostics.crash import is_peer_failure, retire_crash_records
+from diagnostics.manifest import RunManifest, read_manifest
 from diagnostics.prediction import one_line
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
@@ -37,14 +37,22 @@ from disttrain.job.failure import (
     record_hang,
     stop_for_failure,
 )
-from disttrain.job.manifest import command_line, git_commit, versions, write_json_atomic
+from disttrain.job.launcher_death import report_launcher_death
+from disttrain.job.manifest import command_line, git_commit, versions
+from disttrain.job.objective import objective_value
 from disttrain.job.prediction import predict_run, with_measurement
 from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
 from disttrain.launch.console import route_library_output_to_log_file
 from disttrain.launch.env import process_role, say
 from disttrain.launch.exit_codes import FAILED, NONFINITE, RunStopped
-from disttrain.launch.local import LocalRanks, child_command, die_with_parent, spawn_local_ranks
+from disttrain.launch.local import (
+    LocalRanks,
+    await_parent_death,
+    child_command,
+    die_with_parent,
+    spawn_local_ranks,
+)
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
 from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
@@ -58,13 +66,18 @@ if TYPE_CHECKING:
     from disttrain.training.build import TrainerParts
 
 
-def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None = None) -> None:
-    """``prepared``: what ``preflight`` prepared and checked in this process (None: prepare here)."""
+def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None = None) -> float | None:
+    """Run the job; returns its objective (``objective=``, for a Hydra sweeper) where this process can read it.
+
+    ``prepared``: what ``preflight`` prepared and checked in this process (None: prepare here)."""
     started = time.time()
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     task_overrides = list(hydra_cfg.overrides.task)
-    die_with_parent()  # a spawned rank or restart attempt must not outlive the process that started it
+    # A spawned rank or restart attempt must not outlive the process that started it. A rank spawned by an
+    # unsupervised rank 0 also records rank 0's death (nobody else can); under the supervisor, the supervisor does.
+    role = process_role()
+    die_with_parent(partial(report_launcher_death, run_dir) if role.child and not role.supervised else None)
     route_library_output_to_log_file()
     if prepared is None:  # a process preflight did not see: a local rank, a restart attempt, a multirun job
         prepared = prepare(cfg, run_dir, task_overrides)
@@ -101,14 +114,14 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
             except ConfigError as err:  # a dry run launches nothing: warn about what a real launch would refuse
                 say(f"warning: a real launch would be refused: {err}")
             say("dry run: configuration is valid; nothing was launched")
-        return
+        return None
     restarts = run_cfg.trainer.max_restarts
     if restarts and process_role().starts_the_job:
         # Restarts need a process that is not itself a rank: this one becomes the supervisor (supervise.py).
         code = supervise(module_name, task_overrides, run_dir, restarts, os.getcwd())
         if code:
             raise RunStopped(code)
-        return
+        return objective_value(run_dir, run_cfg.objective)  # the attempts wrote run.json
     if rank_zero and restarts and process_role().cluster and not process_role().supervised:
         say(
             "note: trainer.max_restarts applies to local launches; under torchrun use --max-restarts (a restarted "
@@ -128,6 +141,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     world = {"world_size": layout.world_size, "global_batch": plan.global_batch_size, "accumulation": plan.accumulation}
     with slurm_attempt(run_dir, rank_zero, checkpoint, world):  # under SLURM: rendezvous, attempts record, requeue
         train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, prepared.calibration)
+    return objective_value(run_dir, run_cfg.objective) if rank_zero else None
 
 
 def train(
@@ -143,7 +157,7 @@ def train(
     calibration: Calibration | None = None,
 ) -> None:
     """This process's part of the job: spawn the local ranks (rank 0 of a local launch), fit, finish."""
-    manifest: dict = {}  # run.json's content once the run is built; a rank that dies marks it failed
+    manifest = RunManifest()  # run.json's content once the run is built; a rank that dies marks it failed
     role = process_role()
     report = run_cfg.diagnostics.enabled and run_cfg.diagnostics.report
     failures = FailureReporting(run_dir, manifest, report, reports=not role.child and not role.cluster)
@@ -207,29 +221,23 @@ def fit(
             # The watchdog of rank 0 names the hung rank in run.json, then writes the report that reads it.
             write_report = parts.diagnostics.on_hang
             parts.diagnostics.on_hang = lambda hang: (record_hang(failures, hang), write_report(hang))
-        manifest |= {
-            "status": "running",
-            # Credentials from the environment or in credential-named keys never reach a file (redaction.py).
-            "command": redact(command_line()),
-            "config": redact(OmegaConf.to_container(cfg, resolve=True)),
-            "hw": run_cfg.hw,
-            "world": layout,
-            "batch": plan,
-            "num_parameters": facts.num_parameters,
-            "flops_per_token": facts.flops_per_token,
-            "versions": versions(),
-            "git": git_commit(),
-            "resumed_from": str(checkpoint) if checkpoint else None,
-            "restart_attempt": process_role().attempt,
-            "attempts": [*attempts_so_far(run_dir, process_role().attempt), this_attempt(layout, plan)],
-            "strategy_resolved": run_cfg.strategy,
-        }
+        manifest.status = "running"
+        # Credentials from the environment or in credential-named keys never reach a file (redaction.py).
+        manifest.command = redact(command_line())
+        manifest.config = redact(OmegaConf.to_container(cfg, resolve=True))
+        manifest.hw, manifest.world, manifest.batch = run_cfg.hw, layout, plan
+        manifest.num_parameters, manifest.flops_per_token = facts.num_parameters, facts.flops_per_token
+        manifest.versions, manifest.git = versions(), git_commit()
+        manifest.resumed_from = str(checkpoint) if checkpoint else None
+        manifest.restart_attempt = process_role().attempt
+        manifest.attempts = [*attempts_so_far(run_dir, process_role().attempt), this_attempt(layout, plan)]
+        manifest.strategy_resolved = run_cfg.strategy
         # The warmup the run uses (a default too long for max_steps was shortened by prepare).
-        manifest["config"]["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
+        manifest.config["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
         if rank_zero:
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest["config"])))
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest.config)))
             redact_yaml_files([run_dir / ".hydra" / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml")])
-            write_json_atomic(run_dir / "run.json", manifest)
+            manifest.write(run_dir)
         # weights_only: a checkpoint is data, never code (rng.py keeps the RNG states loadable this way).
         ckpt_path = str(checkpoint) if checkpoint else None
         parts.trainer.strategy.resume_weights_only = run_cfg.resume_weights_only  # type: ignore[attr-defined]
@@ -244,6 +252,8 @@ def fit(
         if crashed and role.child:
             # The launcher prints the error of the rank that caused the failure, once: this one's goes to its log.
             log_to_own_file(run_dir, "".join(traceback.format_exception(err)))
+            if is_peer_failure(type(err).__name__, str(err)):
+                await_parent_death(timeout_s=3.0)  # the lost peer may be rank 0: its death is recorded first
             raise RunStopped(FAILED) from None
         if crashed and failures.reports:
             failures.lock.acquire()  # if the rank watcher holds it, it is ending this process
@@ -274,7 +284,7 @@ def finish(
     datamodule: pl.LightningDataModule,
     ranks: LocalRanks | None,
     run_dir: Path,
-    manifest: dict,
+    manifest: RunManifest,
     started: float,
     planned: tuple[WorldLayout, BatchPlan, Calibration | None],
 ) -> None:
@@ -312,21 +322,20 @@ def finish(
         measured_memory_bytes=measured_peak_memory(),
         memory_kind="peak RSS" if run_cfg.hw.accelerator == "cpu" else "peak allocated",
     )
-    manifest.update(status="stopped" if stopped else "completed", wall_time_s=result.wall_time_s, result=result)
-    manifest["result_gap_to_floor"] = result.gap_to_floor
+    manifest.status = "stopped" if stopped else "completed"
+    manifest.wall_time_s, manifest.result = result.wall_time_s, result
+    manifest.result_gap_to_floor = result.gap_to_floor
     if guard is not None:
-        manifest["nonfinite"] = {
+        manifest.nonfinite = {
             "policy": guard.policy,
             "skipped_steps": guard.skipped_steps,
             "stopped_at_step": guard.stopped_at,
             "stop_reason": guard.stop_reason,
         }
     exported = maybe_export_hf(run_cfg, parts.ckpt_dir, run_dir) if not stopped else None
-    if exported is not None:
-        manifest["hf_export"] = str(exported)
-    if prediction is not None:
-        manifest["prediction"] = prediction
-    write_json_atomic(run_dir / "run.json", manifest)
+    manifest.hf_export = str(exported) if exported is not None else None
+    manifest.prediction = prediction
+    manifest.write(run_dir)
     say(describe_result(result))
     if exported is not None:
         say(f"  hf model    {exported} (transformers from_pretrained)")
@@ -335,8 +344,8 @@ def finish(
     if run_cfg.diagnostics.enabled and run_cfg.diagnostics.report:
         report = say_report(run_dir, parts.trainer if run_cfg.logger.name == "wandb" else None)
         if report is not None and report.prediction is not None:  # the telemetry measured more (comm, every rank)
-            manifest["prediction"] = report.prediction
-            write_json_atomic(run_dir / "run.json", manifest)
+            manifest.prediction = report.prediction
+            manifest.write(run_dir)
     elif prediction is not None:
         say(f"  {one_line(prediction)}")
     if stopped:
@@ -359,11 +368,9 @@ def attempts_so_far(run_dir: Path, attempt: int) -> list[dict]:
     another world size), so run.json lists every attempt's world size."""
     if attempt == 0:
         return []
-    try:
-        earlier = json.loads((run_dir / "run.json").read_text(encoding="utf-8")).get("attempts", [])
-    except (OSError, ValueError):
-        return []
-    return [a for a in earlier if isinstance(a, dict) and a.get("attempt", attempt) < attempt]
+    earlier, _ = read_manifest(run_dir)
+    records = earlier.attempts if earlier is not None else []
+    return [a for a in records if isinstance(a, dict) and a.get("attempt", attempt) < attempt]
 
 
 def maybe_export_hf(run_cfg: RunConfig, ckpt_dir: Path, run_dir: Path) -> Path | None:

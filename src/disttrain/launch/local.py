@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -35,28 +36,83 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def die_with_parent() -> None:
+_parent_watch: dict[str, int | None] = {}  # the pidfd die_with_parent watches (None: the parent is gone)
+
+
+def die_with_parent(on_parent_death: Callable[[int], None] | None = None) -> None:
     """In a process spawned by disttrain: exit when the spawning process dies, even by SIGKILL.
 
     Otherwise a killed rank 0 leaves its children waiting in a collective for the 30-minute gloo/NCCL
-    timeout, holding memory and GPUs. Linux delivers SIGKILL to us when the parent dies (PR_SET_PDEATHSIG);
-    elsewhere a thread polls the parent pid.
+    timeout, holding memory and GPUs. Without ``on_parent_death`` Linux sends us SIGKILL when the parent dies
+    (PR_SET_PDEATHSIG); elsewhere a thread polls the parent pid.
+
+    ``on_parent_death(parent_pid)``: what to do first (record the death: the parent cannot any more). A thread
+    then waits on the parent's pidfd (Linux 5.3+; no cost while it lives), calls it when the parent has died and
+    ends this process; ``await_parent_death`` lets this process's own exit wait for that.
     """
     parent = int(os.environ.get(PARENT_PID_ENV) or 0)
     if not parent:
         return
-    if sys.platform.startswith("linux"):
+    if on_parent_death is None and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    else:
+        if os.getppid() != parent:  # it died before the request above took effect
+            os._exit(1)
+        return
+    try:
+        pidfd: int | None = os.pidfd_open(parent)  # type: ignore[attr-defined]
+    except ProcessLookupError:
+        pidfd = None  # gone already
+    except (AttributeError, OSError):
+        pidfd = -1  # no pidfd here: poll
 
-        def poll() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
+    def watch() -> None:
+        if pidfd is not None and pidfd >= 0:
+            select.select([pidfd], [], [])  # readable once the parent has exited
+        while pidfd == -1 and os.getppid() == parent:
+            time.sleep(1.0)
+        try:
+            if on_parent_death is not None:
+                on_parent_death(parent)
+        finally:
             os._exit(1)
 
-        threading.Thread(target=poll, name="disttrain-parent-watch", daemon=True).start()
-    if os.getppid() != parent:  # it died before the request above took effect
-        os._exit(1)
+    _parent_watch.update(pidfd=pidfd)
+    threading.Thread(target=watch, name="disttrain-parent-watch", daemon=True).start()
+
+
+def await_parent_death(timeout_s: float) -> None:
+    """In a spawned rank that lost a peer, before it exits: if the peer was the parent, wait while the watcher of
+    ``die_with_parent`` records its death and ends this process; returns after ``timeout_s`` if the parent lives."""
+    if "pidfd" not in _parent_watch:
+        return
+    pidfd = _parent_watch["pidfd"]
+    if pidfd is not None and pidfd >= 0:
+        if not select.select([pidfd], [], [], timeout_s)[0]:
+            return  # alive: it ends this rank itself
+    elif pidfd == -1:
+        deadline = time.monotonic() + timeout_s
+        while os.getppid() == int(os.environ.get(PARENT_PID_ENV) or 0):
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+    time.sleep(30.0)  # the watcher ends this process once the death is recorded
+
+
+def exit_status_of_dead_process(pid: int, wait_s: float = 0.5) -> int | None:
+    """How a process that is dying ended, as Popen reports it (``-9``: SIGKILL), read while it is a zombie its own
+    parent has not reaped yet (Linux, ``/proc/PID/stat`` field 52); None when that cannot be read (any more)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            state, status = fields[0], int(fields[49])  # the fields after "(comm)" start at field 3
+        except (OSError, IndexError, ValueError):
+            return None  # reaped already (or no /proc)
+        if state in ("Z", "X"):
+            return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
+        if time.monotonic() >= deadline:
+            return None  # still exiting, or the pid was reused
+        time.sleep(0.01)
 
 
 def free_port() -> int:

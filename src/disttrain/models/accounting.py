@@ -37,7 +37,7 @@ def block_parameters(cfg: ModelConfig) -> int:
 
 def count_embedding_parameters(cfg: ModelConfig) -> int:
     """Token embedding plus learned position embedding: the parameters that are looked up, not multiplied."""
-    pos = cfg.seq_len * cfg.d_model if cfg.pos_emb == "learned" else 0
+    pos = cfg.learned_position_rows * cfg.d_model if cfg.pos_emb == "learned" else 0
     return cfg.vocab_size * cfg.d_model + pos
 
 

@@ -218,7 +218,7 @@ def model_shape(cfg: ModelConfig, head_dim: int | None = None) -> ModelShape:
     )
     if cfg.pos_emb == "learned":
         # Megatron replicates learned position embeddings over tensor-parallel ranks.
-        embedding += (ParamTensor("pos_emb.weight", (cfg.seq_len, cfg.d_model), "rep", "lookup"),)
+        embedding += (ParamTensor("pos_emb.weight", (cfg.learned_position_rows, cfg.d_model), "rep", "lookup"),)
     head = _norm("norm", cfg)
     if not cfg.tie_embeddings:
         head += (ParamTensor("lm_head.weight", (cfg.vocab_size, cfg.d_model), "vocab", "linear"),)

@@ -11,7 +11,8 @@ Kinds, and where they strike:
   exactly what a kill mid-save leaves);
 - ``raise@step=N``: a ``RuntimeError`` in the forward of step N (a bug in user code on one rank);
 - ``nan_loss@step=N``: the model's output, so its loss and gradients, turn +inf in step N;
-- ``nan_grad@step=N``: one gradient element turns +inf after the backward of step N, the loss stays finite;
+- ``nan_grad@step=N``: one gradient element turns +inf after the backward of step N (as autograd accumulates it,
+  where the module runs backward itself), the loss stays finite;
 - ``hang@step=N``: the forward of step N blocks forever outside any collective (the hang watchdog's case);
 - ``enospc@save=N``: the checkpoint write of step N fails with ``OSError(ENOSPC)`` naming the file.
 
@@ -104,7 +105,14 @@ class FaultInjection(pl.Callback):
         self.rank = trainer.global_rank
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not any(f.rank == self.rank and f.kind in ("raise", "hang", "nan_loss") for f in self.faults):
+        mine = {f.kind for f in self.faults if f.rank == self.rank}
+        if "nan_grad" in mine and not pl_module.automatic_optimization:
+            # The module runs backward itself (Megatron's pipeline engine): no after-backward hook is called, so the
+            # gradient turns non-finite as autograd accumulates it (later micro-batches add to an inf: it stays).
+            for param in pl_module.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._after_accumulate)
+        if not mine & {"raise", "hang", "nan_loss"}:
             return
         # The model (Megatron: each pipeline chunk) as the strategy built it; the first one a step calls strikes.
         model = getattr(pl_module, "model", None) or pl_module
@@ -134,14 +142,16 @@ class FaultInjection(pl.Callback):
         return None
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "nan_grad" not in self.armed:
-            return
         for param in pl_module.parameters():
-            grad = local_tensor(param.grad) if param.grad is not None else None
-            if grad is not None and grad.numel():  # an FSDP rank may hold an empty shard of a parameter
-                grad.view(-1)[0] = float("inf")
-                self.armed.discard("nan_grad")
-                return
+            self._after_accumulate(param)
+
+    def _after_accumulate(self, param: torch.Tensor) -> None:
+        if "nan_grad" not in self.armed or param.grad is None:
+            return
+        grad = local_tensor(param.grad)
+        if grad.numel():  # an FSDP rank may hold an empty shard of a parameter
+            grad.view(-1)[0] = float("inf")
+            self.armed.discard("nan_grad")
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         if self.mine("sigkill", "step", trainer.global_step):

@@ -34,7 +34,8 @@ from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.reliability.preemption import CheckpointOnSignal
 from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.spec import StrategyBuild, spec_of
-from disttrain.training.callbacks import FinalValidation, ProgressPrinter, Throughput
+from disttrain.training.callbacks import FinalValidation, Throughput
+from disttrain.training.progress import build_progress
 
 
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
@@ -140,7 +141,7 @@ def build_trainer(
         skip_steps=min(10, t.max_steps // 10),
         saving_s=lambda: reliability.checkpoints.save_s,
     )
-    progress = ProgressPrinter(ProgressPrinter.interval(t.max_steps, t.log_every_n_steps), throughput)
+    progress = build_progress(t.max_steps, t.log_every_n_steps, throughput)
     callbacks = [*reliability.callbacks, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
     diagnostics = build_diagnostics(cfg, plan, facts, run_dir, throughput) if cfg.diagnostics.enabled else None
     if diagnostics is not None:

@@ -1,4 +1,4 @@
-"""Trainer callbacks every run gets: a final validation, train-only throughput and progress lines."""
+"""Trainer callbacks every run gets: a final validation and train-only throughput (progress: progress.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import time
 from collections.abc import Callable
 
 import lightning.pytorch as pl
-
-from disttrain.launch.env import say
 
 
 class FinalValidation(pl.Callback):
@@ -57,36 +55,3 @@ class Throughput(pl.Callback):
         if self._val_start is not None and self.start is not None:
             self.excluded_s += time.perf_counter() - self._val_start
         self._val_start = None
-
-
-class ProgressPrinter(pl.Callback):
-    """About ten one-line progress reports per run from rank 0 (a progress bar is noise in cluster logs)."""
-
-    def __init__(self, every_n_steps: int, throughput: Throughput) -> None:
-        self.every_n_steps = max(1, every_n_steps)
-        self.throughput = throughput
-        self.last_printed = -1
-
-    @staticmethod
-    def interval(max_steps: int, log_every_n_steps: int) -> int:
-        """A multiple of the logging interval (so the loss shown is fresh) near a tenth of the run."""
-        return log_every_n_steps * max(1, round(max_steps / 10 / log_every_n_steps))
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        step = trainer.global_step
-        due = step % self.every_n_steps == 0 or step >= trainer.max_steps
-        if not trainer.is_global_zero or step == self.last_printed or not due:
-            return
-        self.last_printed = step
-        metrics = trainer.callback_metrics
-        parts = [f"step {step}/{trainer.max_steps}"]
-        if "train/loss" in metrics:
-            parts.append(f"loss {float(metrics['train/loss']):.4f}")
-        if "val/loss" in metrics:
-            parts.append(f"val {float(metrics['val/loss']):.4f}")
-        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
-        if lr is not None:
-            parts.append(f"lr {lr:.2e}")
-        if self.throughput.tokens_per_s:
-            parts.append(f"{self.throughput.tokens_per_s:,.0f} tok/s")
-        say("  ".join(parts))

@@ -136,37 +136,43 @@ class MegatronEngine:
         self.has_first = 0 in self.stage_ids
         self.has_last = num_stages - 1 in self.stage_ids or d.pp == 1
         self.schedule = self._build_schedule(num_stages) if d.pp > 1 else None
-        self.tied = self._tied_sync() if d.pp > 1 and settings.model.tie_embeddings else None
+        self.tied = self._tied_sync() if d.pp > 1 and self._tied_embeddings() else None
 
     # ---- construction -------------------------------------------------------------------------------------
     def _dp_mesh(self) -> DeviceMesh:
         d = self.settings.degrees
         return self.mesh["dp_replicate", "dp_shard"] if d.dp_replicate > 1 else self.mesh["dp_shard"]
 
-    def _build_hf_chunk(self) -> nn.Module:
-        """The whole HF model (validated: pp=1) with its own TP plan on ``tp`` and FSDP2 on the dp axes."""
+    def _build_hf_chunk(self, stage: int, num_stages: int) -> nn.Module:
+        """The HF model, or under pipelining its stage ``stage`` (decoder layers cut evenly), with its own TP plan
+        on ``tp`` and FSDP2 on the dp axes."""
         from disttrain.config.hf import load_hf_config
         from disttrain.models.hf import build_hf_model
+        from disttrain.models.hf_pipeline import build_hf_stage
         from disttrain.models.hf_tensor_parallel import apply_hf_tensor_parallel, hf_tp_plan
 
         s, d, cfg = self.settings.strategy, self.settings.degrees, self.settings.model
         assert isinstance(cfg, HFModelConfig)
-        # Built whole with the deterministic init on every rank, so each tp rank slices the same values.
+        # Built whole with the deterministic init on every rank, so each tp rank slices the same values and each
+        # stage keeps exactly its layers' values; checkpointing wraps the layers before the model is cut.
         model = build_hf_model(cfg, self.settings.seed, self.device)
-        if d.tp > 1 and not apply_hf_tensor_parallel(model, self.mesh["tp"], hf_tp_plan(load_hf_config(cfg)) or {}):
-            raise RuntimeError(f"the tensor-parallel plan of {cfg.name} matched none of its modules")
         if s.activation_checkpointing == "full":
             model.apply_activation_checkpointing()
+        if d.pp > 1:
+            model = build_hf_stage(model, stage, num_stages)
+        if d.tp > 1 and not apply_hf_tensor_parallel(model, self.mesh["tp"], hf_tp_plan(load_hf_config(cfg)) or {}):
+            raise RuntimeError(f"the tensor-parallel plan of {cfg.name} matched none of its modules")
         policy = MixedPrecisionPolicy(param_dtype=self.settings.param_dtype, reduce_dtype=torch.float32)
+        # Under pipelining every micro-batch runs forward then (later) backward: keep the gathered weights.
         for block in model.blocks:
-            fully_shard(block, mesh=self._dp_mesh(), mp_policy=policy)
+            fully_shard(block, mesh=self._dp_mesh(), mp_policy=policy, reshard_after_forward=d.pp == 1)
         fully_shard(model, mesh=self._dp_mesh(), mp_policy=policy, reshard_after_forward=False)
         return model
 
     def _build_chunk(self, stage: int, num_stages: int) -> Transformer:
         s, d, cfg = self.settings.strategy, self.settings.degrees, self.settings.model
         if isinstance(cfg, HFModelConfig):
-            return self._build_hf_chunk()  # type: ignore[return-value]
+            return self._build_hf_chunk(stage, num_stages)  # type: ignore[return-value]
         chunk = build_stage_model(cfg, stage, num_stages)
         if d.tp > 1:
             apply_tensor_parallel(chunk, self.mesh["tp"], s.sequence_parallel, self.loss_parallel)
@@ -208,6 +214,14 @@ class MegatronEngine:
         if len(stages) == 1:
             return cls(stages[0], n_microbatches=n, loss_fn=self._loss_fn, scale_grads=False)
         return cls(stages, n_microbatches=n, loss_fn=self._loss_fn, scale_grads=False)
+
+    def _tied_embeddings(self) -> bool:
+        model = self.settings.model
+        if isinstance(model, HFModelConfig):
+            from disttrain.config.hf import hf_shape
+
+            return hf_shape(model).tie_embeddings
+        return model.tie_embeddings
 
     def _tied_sync(self) -> TiedEmbeddingSync:
         mesh_ranks = self.mesh.mesh  # [pp, dp_replicate, dp_shard, tp] -> global rank

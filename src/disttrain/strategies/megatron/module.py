@@ -60,7 +60,8 @@ class MegatronModule(LanguageModelModule):
         mesh = getattr(self, "_device_mesh", None)
         assert mesh is not None, "MegatronStrategy sets the device mesh before configure_model"
         self.engine = MegatronEngine(self.settings, mesh, self.trainer.strategy.root_device)
-        # An HF model runs whole (pp=1): its own names, as under every other strategy (the HF export reads them).
+        # An HF model (or its one pipeline stage here) keeps its own names, as under every other strategy: the HF
+        # export reads them, and the stages' names together are the whole model's.
         self.model = self.engine.chunks[0] if self.engine.hf else StageUnion(self.engine.chunks)
 
     @property

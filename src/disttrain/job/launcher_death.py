@@ -1,0 +1,98 @@
+"""Rank 0 of a local launch dies (SIGKILL, the out-of-memory killer): its ranks record the failure it cannot.
+
+Rank 0 is the launcher: it names a dead rank in run.json, writes the report and ends the console. When it dies
+itself, nothing of it is left to do so. Each rank it spawned has a thread waiting on rank 0's pidfd
+(``launch/local.py``), woken when it exits, after which the rank goes down at once, as it always did: nothing is
+left waiting in a collective. First, the rank that claims the report starts this module as a process of its
+own: torch-free, it starts in a fraction of a second and outlives the rank. It marks run.json failed naming
+rank 0 (unless rank 0 had recorded an end itself: a hang, an error, a stop), writes failure.json and the
+report, and ends the console with the line any other rank's death gets. The exit code the shell sees stays
+rank 0's own: 137 for SIGKILL.
+
+Nothing of this runs while rank 0 lives: the waiting thread costs nothing. Under the restart supervisor
+(``trainer.max_restarts``) the supervisor sees rank 0 die and restarts the job; the ranks die by
+PR_SET_PDEATHSIG without a word, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from diagnostics.manifest import RunManifest, read_manifest
+from disttrain.launch.local import describe_exit, exit_status_of_dead_process
+
+CLAIM_FILE = ".launcher-death-reported"  # the first rank to create it reports; the others just exit
+REPORT_TIME_LIMIT_S = 120  # the reporter must not outlive the job for long, whatever happens to it
+
+
+def report_launcher_death(run_dir: Path, parent_pid: int) -> None:
+    """In a spawned rank whose launcher (rank 0) just died: start the reporter unless another rank has."""
+    code = exit_status_of_dead_process(parent_pid)
+    try:
+        os.close(os.open(Path(run_dir) / CLAIM_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return  # another rank reports it
+    except OSError:
+        return  # the run dir is gone: nothing to record into
+    command = [sys.executable, "-m", "disttrain.job.launcher_death", str(run_dir), "" if code is None else str(code)]
+    with contextlib.suppress(OSError):
+        subprocess.Popen(command, stdin=subprocess.DEVNULL)
+
+
+def describe_launcher_death(code: int | None) -> str:
+    """'rank 0 died (killed by SIGKILL)'; without its exit status (its parent reaped it first), what is known."""
+    how = describe_exit(code) if code is not None else "its process ended without ending the job"
+    return f"rank 0 died ({how})"
+
+
+def record_launcher_death(run_dir: Path, code: int | None) -> str | None:
+    """Mark run.json failed naming rank 0 and write failure.json; None when rank 0 had recorded an end itself."""
+    from disttrain.job.sweeps import write_failure
+
+    manifest = read_manifest(run_dir)[0] or RunManifest()  # none yet: it died before it had recorded the run
+    if manifest.status != "running":
+        return None  # rank 0 ended the run itself (it killed its ranks after recording why)
+    failure = describe_launcher_death(code)
+    manifest.failed(failure, 0).write(run_dir)
+    error = describe_exit(code) if code is not None else "ended without ending the job"
+    write_failure(run_dir, {"error": error, "source": "rank 0", "rank": 0, "traceback": ""})
+    return failure
+
+
+def wants_report(run_dir: Path) -> bool:
+    """Whether the run writes a report (``diagnostics.enabled`` and ``diagnostics.report`` in run.json's config)."""
+    manifest = read_manifest(run_dir)[0]
+    diagnostics = manifest.config.get("diagnostics") if manifest is not None else None
+    if not isinstance(diagnostics, dict):
+        return False
+    return bool(diagnostics.get("enabled", True) and diagnostics.get("report", True))
+
+
+def main(argv: list[str]) -> int:
+    """``python -m disttrain.job.launcher_death RUN_DIR [EXIT_STATUS]`` (started by a rank, see the module doc)."""
+    signal.alarm(REPORT_TIME_LIMIT_S)
+    run_dir = Path(argv[0])
+    code = int(argv[1]) if len(argv) > 1 and argv[1].lstrip("-").isdigit() else None
+    failure = record_launcher_death(run_dir, code)
+    if failure is None:
+        return 0
+    where = ""
+    if wants_report(run_dir):
+        from diagnostics.report import diagnose_run
+
+        try:
+            report = diagnose_run(run_dir)
+            where = f"; report: {report.written_to / 'report.md'}" if report.written_to else ""
+        except Exception as err:  # the record above is what matters; say why there is no report
+            print(f"disttrain: could not write the diagnostics report: {type(err).__name__}: {err}", file=sys.stderr)
+    print(f"disttrain: {failure}; stopping the job{where}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
