@@ -54,6 +54,8 @@ class RunManifest:
     git: dict[str, Any] | None = None
     resumed_from: str | None = None
     restart_attempt: int = 0
+    # Every attempt so far: its world size, global batch and accumulation (an elastic restart changes the world).
+    attempts: list[dict[str, Any]] = field(default_factory=list)
     strategy_resolved: Any = None  # strategy=auto's choice (else the configured strategy)
     wall_time_s: float | None = None
     result: Any = None  # steps, losses, tokens/s, memory
@@ -157,6 +159,6 @@ def _fits(name: str, value: Any) -> bool:
         return isinstance(value, str)
     if name in _NUMBERS:
         return isinstance(value, int | float) and not isinstance(value, bool)
-    if name in ("command", "hung_ranks"):
+    if name in ("command", "hung_ranks", "attempts"):
         return isinstance(value, list)
     return True  # hw, world, batch, result, strategy_resolved: any JSON value, read with _get

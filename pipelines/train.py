@@ -1,4 +1,5 @@
-"""``python -m train``: compose conf/ with Hydra and run one training job (see README).
+"""``python -m train``: compose conf/ with Hydra and run one training job (see README); ``export=<run>`` writes
+the run's weights as one file instead (disttrain/job/export.py).
 
 Kept thin on purpose: Hydra in, typed config out, and a user's mistake becomes one line and exit code 2.
 """
@@ -46,11 +47,17 @@ def main(cfg: DictConfig) -> float | None:
 
 def cli(argv: list[str] | None = None) -> None:
     """Check the command before Hydra creates a run dir (see disttrain.job.preflight), then run it."""
+    from disttrain.job.export import export_arguments, run_export
     from disttrain.job.preflight import preflight
 
     global preflighted
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        preflighted = preflight(sys.argv[1:] if argv is None else argv, CONF_DIR)
+        if (export := export_arguments(argv)) is not None:  # export=<run or checkpoint>: no training, no ranks
+            for path in run_export(export, CONF_DIR):
+                print(f"exported {path}")
+            return
+        preflighted = preflight(argv, CONF_DIR)
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)

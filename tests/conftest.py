@@ -53,6 +53,20 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Comp
     )
 
 
+def load_checkpoint(checkpoint: Path) -> dict:
+    """A whole checkpoint as one dict: ``state_dict`` (model tensors by single-process name), ``optimizer_0``
+    (flattened optimizer state) and the rest Lightning saved (``global_step``, ``loops``, ``rng_states``, ...)."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(checkpoint, Path(tmp) / "merged.pt")
+        state = torch.load(Path(tmp) / "merged.pt", weights_only=False)
+    return {**torch.load(checkpoint / "meta.pt", weights_only=True), **state}
+
+
 def read_manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 

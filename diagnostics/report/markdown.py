@@ -81,6 +81,18 @@ def prediction_section(record: dict | None) -> list[str]:
     return lines
 
 
+def attempt_lines(attempts: list[dict]) -> list[str]:
+    """One line listing each attempt's world when the run was restarted (an elastic restart changes it)."""
+    if len(attempts) < 2:
+        return []
+    parts = [
+        f"{a.get('attempt')}: world {a.get('world_size')} (global batch {a.get('global_batch')}, accumulation "
+        f"{a.get('accumulation')})"
+        for a in attempts
+    ]
+    return ["", f"attempts: {'; '.join(parts)}"]
+
+
 def to_markdown(report: Report, ab_lines: str | None = None) -> str:
     ctx = report.context()
     lines = [
@@ -88,6 +100,7 @@ def to_markdown(report: Report, ab_lines: str | None = None) -> str:
         "",
         f"strategy `{ctx['strategy']}`, precision `{ctx['precision']}`, hw `{ctx['hw']}`, model `{ctx['model']}`, "
         f"data `{ctx['data']}`, world size {ctx['world_size']}",
+        *attempt_lines(ctx["attempts"]),
         "",
         "## Summary",
         "",

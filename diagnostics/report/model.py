@@ -72,6 +72,8 @@ class Report:
             "batch": ctx.batch,
             "overrides": self.analysis.run.overrides,
             "config": config,
+            # Each attempt's world size, global batch and accumulation (restarts; elastic ones change the world).
+            "attempts": self.analysis.run.manifest.attempts if self.analysis.run.manifest is not None else [],
         }
 
     def to_json(self) -> dict[str, Any]:

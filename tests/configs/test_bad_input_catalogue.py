@@ -57,6 +57,9 @@ CATALOGUE: list[tuple[list[str], dict[str, str], str, str]] = [
     (["resume={no_checkpoints}"], {}, "resume", "complete checkpoint"),
     (["resume={truncated}"], {}, "resume", "complete checkpoint"),
     (["resume={existing}", "model.d_model=64"], {}, "model", "model settings the run was started with"),
+    # a DDP checkpoint file from before the universal layout, under another strategy; weights-only without a resume
+    (["resume={existing}", "strategy=fsdp"], {}, "strategy", "resume once with strategy=ddp"),
+    (["resume_weights_only=true"], {}, "resume_weights_only", "add resume=<run dir>"),
     # a setting of the resumed run's strategy without naming that strategy again; a typo in one
     (["resume={megatron}", "strategy.tp=2"], {}, "strategy.tp", "resume=... strategy=megatron strategy.tp=2"),
     (["resume={megatron}", "strategy.tpp=2"], {}, "strategy.tpp", "'tp'"),

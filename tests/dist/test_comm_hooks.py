@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from disttrain.strategies.powersgd import state_path
-from tests.conftest import REPO, read_manifest
+from tests.conftest import REPO, load_checkpoint, read_manifest
 from tests.dist.test_parity_and_resume import run
 
 pytestmark = pytest.mark.dist
@@ -126,8 +126,8 @@ def test_powersgd_cli_run_converges_records_its_bytes_and_resumes_exactly(tmp_pa
     assert sorted(resumed_losses) and min(resumed_losses) >= 30
     for step, loss in resumed_losses.items():
         assert loss == pytest.approx(full_losses[step], abs=1e-6), step
-    expected = torch.load(full / "checkpoints" / "step000060.ckpt", weights_only=True)["state_dict"]
-    actual = torch.load(resumed / "checkpoints" / "step000060.ckpt", weights_only=True)["state_dict"]
+    expected = load_checkpoint(full / "checkpoints" / "step000060.ckpt")["state_dict"]
+    actual = load_checkpoint(resumed / "checkpoints" / "step000060.ckpt")["state_dict"]
     assert sorted(expected) == sorted(actual)
     for name, tensor in expected.items():
         assert torch.equal(tensor, actual[name]), f"{name} differs after a PowerSGD resume"

@@ -2,8 +2,8 @@
 only its partition, and exact resume from a sharded ZeRO-3 checkpoint.
 
 Every run is one ``python -m train`` process tree (``import deepspeed`` costs seconds per process), so each stage is
-a single short job; the shard sizes are read from the per-rank files DeepSpeed itself wrote in that job's
-checkpoints, which hold exactly the optimizer partitions (and, for ZeRO-3, the parameter partitions) each rank had.
+a single short job; the shard sizes are read from the record each checkpoint keeps of what every rank held (the
+checkpoint itself holds full tensors under single-process names, like every strategy's).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from disttrain.config.schema import ModelConfig
 from disttrain.models import build_model
 from tests.conftest import TINY_MODEL, read_manifest
-from tests.dist.test_parity_and_resume import run, train_losses
+from tests.dist.test_parity_and_resume import model_weights, run, train_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -72,12 +72,11 @@ def group_numels(run_dir: Path) -> tuple[list[int], list[list[int]]]:
     return [sum(g) for g in groups], groups
 
 
-def rank_files(run_dir: Path, step: int, kind: str) -> list[dict]:
-    tag = run_dir / "checkpoints" / f"step{step:06d}.ckpt" / "checkpoint"
-    return [
-        torch.load(tag / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt", map_location="cpu", weights_only=False)
-        for rank in range(WORLD)
-    ]
+def held_by_ranks(run_dir: Path, step: int) -> tuple[int, list[dict[str, list[int]]]]:
+    """The ZeRO stage and what each rank held when the checkpoint was written (recorded in it by the strategy)."""
+    writer = torch.load(run_dir / "checkpoints" / f"step{step:06d}.ckpt" / "meta.pt", weights_only=True)
+    record = writer["disttrain_checkpoint"]
+    return record["zero_stage"], record["ranks"]
 
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
@@ -93,41 +92,31 @@ def test_zero_stage_matches_one_process(stage: int, runs: dict[str, Path]) -> No
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_1_2_each_rank_holds_half_of_the_optimizer_state(stage: int, runs: dict[str, Path]) -> None:
     totals, _ = group_numels(runs[f"zero{stage}"])
-    for rank, state in enumerate(rank_files(runs[f"zero{stage}"], STEPS, "optim")):
-        osd = state["optimizer_state_dict"]
-        assert osd["zero_stage"] == stage and osd["partition_count"] == [WORLD, WORLD]
-        # Each flat group is padded to a multiple of 2 x world elements, then split evenly over the ranks.
-        expected = [math.ceil(n / (2 * WORLD)) * 2 for n in totals]
-        assert [t.numel() for t in osd["single_partition_of_fp32_groups"]] == expected, f"rank {rank}"
-        adam = osd["base_optimizer_state"]["state"]
-        assert [adam[g]["exp_avg"].numel() for g in (0, 1)] == expected
-        assert [adam[g]["exp_avg_sq"].numel() for g in (0, 1)] == expected
-        assert sum(expected) < sum(totals)  # strictly less than a replica's state
+    zero_stage, ranks = held_by_ranks(runs[f"zero{stage}"], STEPS)
+    assert zero_stage == stage and len(ranks) == WORLD
+    # Each flat group is padded to a multiple of 2 x world elements, then split evenly over the ranks.
+    expected = [math.ceil(n / (2 * WORLD)) * 2 for n in totals]
+    for rank, held in enumerate(ranks):
+        assert held["fp32_partition"] == expected, f"rank {rank}"
+        assert held["params"] == totals, f"rank {rank}"  # stages 1/2 keep whole model parameters
+    assert sum(expected) < sum(totals)  # strictly less than a replica's state
 
 
 def test_zero_3_each_rank_holds_only_its_parameter_partitions(runs: dict[str, Path]) -> None:
     totals, per_param = group_numels(runs["zero3"])
     # ZeRO-3 splits every parameter itself: ceil(numel / world) elements of each on every rank.
     expected = [sum(math.ceil(n / WORLD) for n in group) for group in per_param]
-    for rank, (model, optim) in enumerate(
-        zip(rank_files(runs["zero3"], STEPS, "model"), rank_files(runs["zero3"], STEPS, "optim"), strict=True)
-    ):
-        # The module state each rank saved holds placeholders only: no rank ever kept whole parameters.
-        assert model["module"] and all(t.numel() == 0 for t in model["module"].values()), f"rank {rank}"
-        osd = optim["optimizer_state_dict"]
-        assert osd["zero_stage"] == 3
-        assert [t.numel() for t in osd["fp32_flat_groups"]] == expected, f"rank {rank}"
-        adam = osd["optimizer_state_dict"]["state"]
-        assert [adam[g]["exp_avg"].numel() for g in (0, 1)] == expected
+    zero_stage, ranks = held_by_ranks(runs["zero3"], STEPS)
+    assert zero_stage == 3 and len(ranks) == WORLD
+    for rank, held in enumerate(ranks):
+        # No rank ever kept whole parameters: its model slice and its fp32 master are its partitions only.
+        assert held["params"] == expected, f"rank {rank}"
+        assert held["fp32_partition"] == expected, f"rank {rank}"
     assert expected[0] < totals[0] and expected[0] * WORLD >= totals[0]
 
 
 def full_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(
-        str(run_dir / "checkpoints" / f"step{step:06d}.ckpt"), tag="checkpoint"
-    )
+    return model_weights(run_dir / "checkpoints" / f"step{step:06d}.ckpt")
 
 
 def test_zero_3_resume_from_sharded_checkpoint_is_exact(runs: dict[str, Path], tmp_path: Path) -> None:

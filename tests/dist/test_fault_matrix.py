@@ -22,7 +22,7 @@ import torch
 
 from diagnostics.telemetry import telemetry_path
 from disttrain.checkpoint.files import discover
-from tests.conftest import TINY_MODEL, read_manifest
+from tests.conftest import TINY_MODEL, load_checkpoint, read_manifest
 from tests.dist.test_reliability import launch, survivors
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -129,15 +129,18 @@ def test_nonfinite_on_each_rank_is_skipped_then_rank_0_fails(layout: str, skip_r
     assert checkpoints(run_dir) == ["step000003.ckpt", "step000006.ckpt"]  # none for the failed step
     if layout == "ddp":  # a skipped step leaves Adam untouched: its step count lags the global step by the skips
         for step, updates in ((3, 2), (6, 3)):
-            state = torch.load(run_dir / "checkpoints" / f"step{step:06d}.ckpt", weights_only=True)
+            state = load_checkpoint(run_dir / "checkpoints" / f"step{step:06d}.ckpt")
             assert state["global_step"] == step
-            assert {float(s["step"]) for s in state["optimizer_states"][0]["state"].values()} == {float(updates)}
+            adam = state["optimizer_0"]
+            assert {float(v) for k, v in adam.items() if k.startswith("state.") and k.endswith(".step")} == {
+                float(updates)
+            }
             assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
 
 
 # -- a corrupt newest checkpoint, resumed from, then a fault that ends the resumed run: one run per layout -----------
 RESUMED = {  # layout -> (what is cut short in step 6's checkpoint, the fault, its rank)
-    "ddp": ("step000006.ckpt", "enospc@save=6,rank=1", 1),  # the checkpoint file (a full disk)
+    "ddp": ("step000006.ckpt/__1_0.distcp", "enospc@save=6,rank=1", 1),  # rank 1's part (a full disk)
     "fsdp": ("step000006.ckpt/__0_0.distcp", "sigkill@step=5,rank=0", 0),  # rank 0's shard
     "megatron-pp2": ("step000006.ckpt/__1_0.distcp", "enospc@save=6,rank=0", 0),  # rank 1's shard (stage 1)
 }

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import read_manifest, run_cli
+from tests.conftest import load_checkpoint, read_manifest, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -68,11 +68,31 @@ LAYOUTS = {
 }
 
 
+class LayoutRuns:
+    """Each layout's 20-step run, made once per module: the parity test and the resume test share it."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.done: dict[str, Path] = {}
+
+    def __getitem__(self, layout: str) -> Path:
+        if layout not in self.done:
+            self.done[layout] = run(self.factory.mktemp(layout), layout, [*COMMON, *LAYOUTS[layout]])
+        return self.done[layout]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory)
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_ranks_match_one_process(layout: str, single_process_reference: dict[int, float], tmp_path: Path) -> None:
+def test_two_ranks_match_one_process(
+    layout: str, single_process_reference: dict[int, float], layout_runs: LayoutRuns
+) -> None:
     """2 ranks see the same samples per step as 1 process x micro 8: the same losses for 20 steps."""
     strategy = layout
-    losses = train_losses(run(tmp_path, layout, [*COMMON, *LAYOUTS[layout]]))
+    losses = train_losses(layout_runs[layout])
     assert sorted(losses) == list(range(STEPS)) == sorted(single_process_reference)
     worst = max(abs(losses[s] - single_process_reference[s]) for s in range(STEPS))
     assert worst <= 1e-4, f"{strategy}: max |loss - reference| = {worst:.2e}"
@@ -81,23 +101,16 @@ def test_two_ranks_match_one_process(layout: str, single_process_reference: dict
 
 
 def model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Model tensors of a Lightning checkpoint: one file (DDP) or a torch.distributed.checkpoint dir (FSDP)."""
-    if checkpoint.is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        converted = checkpoint.parent / f"{checkpoint.name}.pt"
-        dcp_to_torch_save(checkpoint, converted)
-        state = torch.load(converted, weights_only=True)
-    else:
-        state = torch.load(checkpoint, weights_only=True)["state_dict"]
-    state = state.get("state_dict", state)
+    """Model tensors of a checkpoint (any strategy: one layout), by single-process name."""
+    state = load_checkpoint(checkpoint)["state_dict"]
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "model" in k}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_resume_from_mid_run_checkpoint_ends_with_identical_weights(strategy: str, tmp_path: Path) -> None:
-    args = [*COMMON, f"strategy={strategy}", "trainer.micro_batch_size=4"]
-    uninterrupted = run(tmp_path, "full", args)
+def test_resume_from_mid_run_checkpoint_ends_with_identical_weights(
+    strategy: str, layout_runs: LayoutRuns, tmp_path: Path
+) -> None:
+    uninterrupted = layout_runs[strategy]  # the parity test's run of this strategy (checkpoints at 10 and 20)
     mid = uninterrupted / "checkpoints" / "step000010.ckpt"
     resumed = run(tmp_path, "resumed", [f"resume={mid}"])
     # The resumed run took its configuration from the original run's recorded overrides.

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diagnostics.telemetry import telemetry_path
-from tests.conftest import REPO, TINY_MODEL, read_manifest
+from tests.conftest import REPO, TINY_MODEL, load_checkpoint, read_manifest
 from tests.dist.test_parity_and_resume import model_weights
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import TINY_MODEL, read_manifest, run_cli
+from tests.conftest import TINY_MODEL, load_checkpoint, read_manifest, run_cli
 from tests.slurm.conftest import sweep, sweep_command, sweep_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -49,7 +49,7 @@ def attempts(run_dir: Path) -> list[dict]:
 
 
 def model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(checkpoint, weights_only=True)["state_dict"]
+    state = load_checkpoint(checkpoint)["state_dict"]
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 

@@ -111,3 +111,21 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_report_lists_each_attempts_world_after_an_elastic_restart(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "el", "healthy")
+    manifest = json.loads((run_dir / "run.json").read_text())
+    manifest["attempts"] = [
+        {"attempt": 0, "world_size": 2, "global_batch": 8, "accumulation": 1},
+        {"attempt": 1, "world_size": 1, "global_batch": 8, "accumulation": 2},
+    ]
+    (run_dir / "run.json").write_text(json.dumps(manifest))
+    report = diagnose_run(run_dir)
+    md = (run_dir / "report" / "report.md").read_text()
+    line = "attempts: 0: world 2 (global batch 8, accumulation 1); 1: world 1 (global batch 8, accumulation 2)"
+    assert md.count(line) == 1
+    assert json.loads((run_dir / "report" / "report.json").read_text())["context"]["attempts"][1]["world_size"] == 1
+    single = write_run(tmp_path / "one", "healthy")
+    assert "attempts:" not in (diagnose_run(single).written_to / "report.md").read_text()
+    assert report.context()["attempts"] == manifest["attempts"]

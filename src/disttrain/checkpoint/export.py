@@ -1,9 +1,9 @@
-"""Export a ``model=hf`` run's weights in Hugging Face format (config.json + model.safetensors).
+"""Export a checkpoint's weights as one file, and a ``model=hf`` run's in Hugging Face format.
 
-Works from any strategy's checkpoint, after the ranks are gone: a single file (DDP), a torch.distributed.checkpoint
-directory (FSDP2) or DeepSpeed's per-rank directory (ZeRO partitions merged by Lightning's converter). The
-weights are loaded into the configured model and written with ``save_pretrained``, so ``from_pretrained`` on the
-directory gives the trained model (tied embeddings stay tied).
+Works from any checkpoint, after the ranks are gone, in one process: the universal layout is read model part only;
+a pre-universal DDP file or DeepSpeed ZeRO dir is merged. ``export_state_dict`` writes one ``torch.save`` file under
+the model's own parameter names; ``export_hf`` loads the weights into the configured HF model and writes it with
+``save_pretrained``, so ``from_pretrained`` on the directory gives the trained model (tied embeddings stay tied).
 """
 
 from __future__ import annotations
@@ -15,31 +15,44 @@ from pathlib import Path
 
 import torch
 
+from disttrain.checkpoint import universal
 from disttrain.config.schema import HFModelConfig
 
+MODEL_PREFIX = "model."  # the LightningModule holds the model as `model`
 HF_PREFIX = "model.hf."  # the LightningModule holds the wrapper as `model`, the wrapper the HF model as `hf`
 
 
 def checkpoint_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the LightningModule's state dict in a checkpoint, whatever strategy wrote it."""
+    """Every tensor of the LightningModule's state dict in a checkpoint (``model.<name>``), whatever wrote it.
+
+    A universal checkpoint is read model part only (the optimizer state stays on disk) in this one process;
+    checkpoints in a strategy's older own format (a DDP file, a DeepSpeed ZeRO dir) are merged as before."""
+    if universal.is_universal(checkpoint):
+        return universal.read_model(checkpoint)
     if checkpoint.is_dir():
         with tempfile.TemporaryDirectory() as tmp:
             merged = Path(tmp) / "merged.pt"
-            if (checkpoint / ".metadata").exists():
-                from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+            from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
-                dcp_to_torch_save(checkpoint, merged)
-            else:
-                from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
-
-                # DeepSpeed's converter prints its progress: keep the run's console to the run's own lines.
-                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                    convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint), str(merged))
+            # DeepSpeed's converter prints its progress: keep the console to our own lines.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                convert_zero_checkpoint_to_fp32_state_dict(str(checkpoint), str(merged))
             state = torch.load(merged, map_location="cpu", weights_only=False)
     else:
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     weights = state.get("state_dict", state)
     return {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
+
+
+def export_state_dict(checkpoint: Path, out: Path) -> Path:
+    """One ``torch.save`` file of the model's weights under the model's own names (``blocks.0.attn.wq.weight``):
+    ``model.load_state_dict(torch.load(out))`` on the single-process model, whatever strategy trained it."""
+    weights = {k.removeprefix(MODEL_PREFIX): v for k, v in checkpoint_state(checkpoint).items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    torch.save(weights, partial)
+    partial.replace(out)  # a kill mid-write never leaves a file under the final name
+    return out
 
 
 def hf_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

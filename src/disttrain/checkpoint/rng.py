@@ -5,6 +5,8 @@ would differ from an uninterrupted run's. Each checkpoint gets ``rng_states``: o
 (all-gathered, because only rank 0 writes the non-tensor part of a checkpoint under DDP and FSDP alike).
 The states are plain tensors, ints and lists, so checkpoints still load with ``torch.load(weights_only=True)``.
 
+A resume on another world size re-seeds instead (``RankRngState``).
+
 The restore happens at the first training batch after a resume, not when the checkpoint is read: between
 reading and the first step Lightning builds the dataloader iterator, which draws from the global generator,
 while the uninterrupted run drew nothing between its save and its next step.
@@ -12,6 +14,7 @@ while the uninterrupted run drew nothing between its save and its next step.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import sys
 from typing import Any
@@ -59,11 +62,32 @@ def gather_states(trainer: pl.Trainer) -> list[dict[str, Any]]:
     return gathered
 
 
-class RankRngState(pl.Callback):
-    """Adds every rank's RNG state to each checkpoint and puts this rank's back at the first step of a resume."""
+def rank_seed(seed: int, step: int, rank: int) -> int:
+    """A seed for ``rank``'s generators from ``step`` on, the same on every machine (no salted ``hash``)."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**32  # numpy takes 32-bit seeds
 
-    def __init__(self) -> None:
+
+def reseed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+class RankRngState(pl.Callback):
+    """Adds every rank's RNG state to each checkpoint and puts this rank's back at the first step of a resume.
+
+    Under another world size the saved states cannot map onto the new ranks (rank 3 of 4 never existed in a run of
+    2, and a rank's stream position depends on its share of the batch), so every rank is re-seeded from
+    ``(seed, step, rank)`` instead: the continuation is deterministic (the same resume twice draws the same dropout
+    masks), though not the draws the uninterrupted run made. The data order does not depend on these generators:
+    the sampler's position is global (``data/datamodule.py``).
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
         self.pending: dict[str, Any] | None = None
+        self.pending_seed: int | None = None
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         checkpoint[CHECKPOINT_KEY] = gather_states(trainer)
@@ -75,9 +99,11 @@ class RankRngState(pl.Callback):
         if len(states) != trainer.world_size:
             say_once(
                 f"disttrain: the checkpoint holds RNG states of {len(states)} ranks but this run has "
-                f"{trainer.world_size}; random draws (dropout) will differ from an uninterrupted run",
+                f"{trainer.world_size}: each rank's random generators are re-seeded from (trainer.seed, step, rank); "
+                "random draws (dropout) continue deterministically but differ from an uninterrupted run's",
                 file=sys.stderr,
             )
+            self.pending_seed = rank_seed(self.seed, int(checkpoint.get("global_step", 0)), trainer.global_rank)
             return
         self.pending = states[trainer.global_rank]
 
@@ -85,3 +111,6 @@ class RankRngState(pl.Callback):
         if self.pending is not None:
             restore(self.pending)
             self.pending = None
+        if self.pending_seed is not None:
+            reseed(self.pending_seed)
+            self.pending_seed = None

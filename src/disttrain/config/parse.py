@@ -199,11 +199,16 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
     hw = build_dataclass(HardwareProfile, groups["hw"], "hw")
     validate_profile(hw)
     top = {k: cfg.get(k) for k in ("dry_run", "resume", "check_memory", "calibration", "objective")}
-    for flag in ("dry_run", "check_memory"):
+    top["resume_weights_only"] = cfg.get("resume_weights_only", False)
+    for flag in ("dry_run", "check_memory", "resume_weights_only"):
         if not isinstance(top[flag], bool):
             raise ConfigError(flag, f"expected true or false, got {top[flag]!r}", f"use {flag}=true or {flag}=false")
     if top["resume"] is not None and not isinstance(top["resume"], str):
         raise ConfigError("resume", f"expected a path, got {top['resume']!r}", "use resume=outputs/<date>/<time>")
+    if top["resume_weights_only"] and top["resume"] is None:
+        raise ConfigError(
+            "resume_weights_only", "only applies to a resumed run", "add resume=<run dir>, or drop resume_weights_only"
+        )
     if top["calibration"] is not None and not isinstance(top["calibration"], str):
         raise ConfigError(
             "calibration", f"expected a run dir, got {top['calibration']!r}", "use calibration=outputs/<date>/<time>"
@@ -226,6 +231,7 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
         diagnostics=build_dataclass(DiagnosticsConfig, groups["diagnostics"], "diagnostics"),
         dry_run=top["dry_run"],
         resume=top["resume"],
+        resume_weights_only=top["resume_weights_only"],
         check_memory=top["check_memory"],
         calibration=top["calibration"],
         objective=top["objective"],

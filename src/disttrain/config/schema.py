@@ -359,6 +359,8 @@ class RunConfig:
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     dry_run: bool = False
     resume: str | None = None
+    # Resume the weights (and step, schedule, data position) but start the optimizer state afresh, on purpose.
+    resume_weights_only: bool = False
     check_memory: bool = True  # refuse a run the planner predicts will not fit its devices
     # A finished run dir whose measured speeds (matmul, memory, links) the planner uses instead of the datasheet's:
     # strategy=auto chooses with them, and the prediction in run.json uses them when this run measured none.

@@ -45,6 +45,7 @@ class Prepared:
     memory: MemoryBreakdown | None  # predicted per device; None for a user model the planner cannot see into
     warmup_note: str | None = None  # said at launch when the default warmup was shortened to fit max_steps
     calibration: Calibration | None = None  # calibration=RUN_DIR: measured speeds for auto and the prediction
+    elastic_note: str | None = None  # said at launch when a restart found another world size and adapted to it
 
     def with_hydra_config(self, cfg: DictConfig) -> Prepared:
         """This job as the Hydra app composed it: preflight's config carried Hydra's own node (and a resumed
@@ -78,9 +79,44 @@ def resolve_strategy(
     return run_cfg, validate_run(run_cfg), reason
 
 
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def dropped_by_new_choices(original: list[str], task_overrides: list[str]) -> list[str]:
+    """The original run's overrides minus a config group this command chooses differently (choice and options).
+
+    ``resume=<deepspeed run with strategy.stage=2> strategy=fsdp`` resumes under FSDP: the DeepSpeed option would not
+    compose with it (and belongs to the strategy given up), so a re-chosen group takes the new choice's options."""
+    before = {_override_key(o): o for o in original if "." not in _override_key(o)}
+    changed = {
+        _override_key(o) for o in task_overrides if "." not in _override_key(o) and before.get(_override_key(o)) != o
+    }
+    return [o for o in original if _override_key(o).split(".", 1)[0] not in changed]
+
+
+def _is_resume(override: str) -> bool:
+    return _override_key(override) == "resume"
+
+
+def recorded_overrides(resume: str, seen: frozenset[Path] = frozenset()) -> list[str]:
+    """The overrides that made the run ``resume`` points into, through any chain of resumes.
+
+    A resumed run records only its own command (``resume=<earlier run> strategy=fsdp``): the earlier run's recorded
+    overrides come first, the later command's options replacing what it re-chose."""
+    own = original_overrides(resume)
+    parent = next((o.split("=", 1)[1] for o in own if _is_resume(o)), None)
+    own = [o for o in own if not _is_resume(o)]
+    here = run_dir_of(Path(resume).expanduser()).resolve()
+    if parent is None or here in seen or not Path(parent).expanduser().exists():
+        return own
+    return dropped_by_new_choices(recorded_overrides(parent, seen | {here}), own) + own
+
+
 def compose_for_resume(resume: str, task_overrides: list[str]) -> DictConfig:
     """The resumed run's config: its original overrides, then this command's (later ones win)."""
-    keep = [o for o in original_overrides(resume) + task_overrides if not o.lstrip("+~").startswith("resume=")]
+    keep = dropped_by_new_choices(recorded_overrides(resume), task_overrides) + task_overrides
+    keep = [o for o in keep if not _is_resume(o)]
     try:
         return compose(config_name="train", overrides=[*keep, f"resume={resume}"])
     except HydraException as err:
@@ -107,14 +143,61 @@ def refuse_existing_run(run_dir: Path, marker: str) -> None:
     )
 
 
+def launched_by_cluster() -> int | None:
+    """The world size a cluster launcher (torchrun, SLURM) started, or None (local ranks are ours to start)."""
+    role = process_role()
+    if role.child or role.launched_world_size is None:
+        return None
+    if not any(k in os.environ for k in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "GROUP_RANK")):
+        return None  # WORLD_SIZE without a cluster launcher is our own rank-0 environment (or a stale export)
+    return role.launched_world_size
+
+
+def launched_per_node(launched: int) -> int:
+    """Processes per node as the launcher started them (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0 and launched % int(value) == 0:
+            return int(value)
+    nodes = os.environ.get("SLURM_NNODES", "")
+    if nodes.isdigit() and int(nodes) > 0 and launched % int(nodes) == 0:
+        return launched // int(nodes)
+    return launched
+
+
+def fit_elastic_world(run_cfg: RunConfig, plan: BatchPlan, launched: int, per_node: int) -> tuple[RunConfig, str]:
+    """A restart (torchrun ``--nnodes=min:max``, a requeued SLURM job) that found ``launched`` ranks instead of the
+    configured world: the same run on the new world, at the same global batch (the accumulation adapts), so its
+    losses stay comparable and its checkpoint resumes exactly there (universal checkpoints)."""
+    hw = dataclasses.replace(run_cfg.hw, num_nodes=launched // per_node, devices_per_node=per_node)
+    dp = world_layout(dataclasses.replace(run_cfg, hw=hw)).data_parallel_size
+    # More ranks: a smaller micro-batch (the largest that splits each rank's share), fewer: more accumulation.
+    share = plan.global_batch_size // dp if plan.global_batch_size % dp == 0 else plan.micro_batch_size
+    micro = max(m for m in range(1, min(share, plan.micro_batch_size) + 1) if share % m == 0)
+    trainer = dataclasses.replace(run_cfg.trainer, global_batch_size=plan.global_batch_size, micro_batch_size=micro)
+    adapted = dataclasses.replace(run_cfg, hw=hw, trainer=trainer)
+    try:
+        new_plan = validate_run(adapted)
+    except ConfigError as err:
+        raise ConfigError(
+            err.key,
+            f"the restart found {launched} ranks instead of {run_cfg.hw.world_size} and cannot keep the global "
+            f"batch of {plan.global_batch_size} on them ({err.problem})",
+            err.fix,
+        ) from None
+    note = (
+        f"elastic restart: the launcher started {launched} ranks (the run had {run_cfg.hw.world_size}); training on "
+        f"{hw.num_nodes} x {per_node} at the same global batch {new_plan.global_batch_size} = micro "
+        f"{new_plan.micro_batch_size} x dp {new_plan.data_parallel_size} x accumulation {new_plan.accumulation}"
+    )
+    return adapted, note
+
+
 def check_world_size(layout: WorldLayout) -> None:
     """Under torchrun/SLURM the launcher decides the process count: it must match what the config describes."""
-    role = process_role()
-    launched = role.launched_world_size
-    if role.child or launched is None:
+    launched = launched_by_cluster()
+    if launched is None:
         return
-    if not any(k in os.environ for k in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "GROUP_RANK")):
-        return  # WORLD_SIZE without a cluster launcher is our own rank-0 environment (or a stale export)
     if launched != layout.world_size:
         raise ConfigError(
             "hw.devices_per_node",
@@ -156,17 +239,29 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
         guard_new_run_dir(run_dir)
     cfg, point = find_resume(cfg, run_dir, task_overrides, attempt)
     run_cfg, warmup_note = fit_default_warmup(parse_run_config(cfg), task_overrides)
+    if point is not None and run_dir is not None and run_dir_of(point.checkpoint) == run_dir.resolve():
+        # A restart continues its own run, whose optimizer state is this run's: resume_weights_only was for the start.
+        run_cfg = dataclasses.replace(run_cfg, resume_weights_only=False)
     plan = validate_run(run_cfg)
     calibration = load_calibration(run_cfg.calibration)
     run_cfg, plan, auto_reason = resolve_strategy(run_cfg, plan, calibration)
     layout = world_layout(run_cfg)
+    launched = launched_by_cluster()
+    elastic_note = None
+    if attempt > 0 and point is not None and launched is not None and launched != layout.world_size:
+        run_cfg, elastic_note = fit_elastic_world(run_cfg, plan, launched, launched_per_node(launched))
+        plan, layout = validate_run(run_cfg), world_layout(run_cfg)
     check_world_size(layout)
     if point is not None:
+        from disttrain.checkpoint.compat import check_strategy_can_read
         from disttrain.checkpoint.shapes import check_checkpoint_fits_model  # imports torch: only on resume
 
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
+        check_strategy_can_read(point.checkpoint, run_cfg.strategy.name, layout.world_size)
     memory = predict_memory(run_cfg, layout, plan)
-    return Prepared(cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory, warmup_note, calibration)
+    return Prepared(
+        cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory, warmup_note, calibration, elastic_note
+    )
 
 
 def check_launchable(prepared: Prepared, here: bool = True) -> None:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.calibration import Calibration, write_calibration
 from diagnostics.crash import is_peer_failure, retire_crash_records
-from diagnostics.manifest import RunManifest
+from diagnostics.manifest import RunManifest, read_manifest
 from diagnostics.prediction import one_line
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
@@ -101,6 +101,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
         say(describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token))
         if prepared.warmup_note:
             say(prepared.warmup_note)
+        if prepared.elastic_note:
+            say(prepared.elastic_note)
         if auto_reason:
             say(auto_reason)
         if memory is not None:
@@ -128,10 +130,16 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     if rank_zero and prepared.resume is not None:
         prefix = f"restart {prepared.attempt}: " if prepared.attempt else ""
         say(prefix + prepared.resume.describe())
+        if run_cfg.resume_weights_only:
+            say(
+                "resume_weights_only=true: model weights, step, schedule and data position resumed; the optimizer "
+                "state (Adam's moments and step counts) starts afresh"
+            )
     if rank_zero and prepared.attempt:
         keep_previous_metrics(run_dir, prepared.attempt)  # a restart trains in the same run dir
     command = partial(child_command, module_name, task_overrides, str(run_dir))
-    with slurm_attempt(run_dir, rank_zero, checkpoint):  # under SLURM: rendezvous, attempts record, requeue
+    world = {"world_size": layout.world_size, "global_batch": plan.global_batch_size, "accumulation": plan.accumulation}
+    with slurm_attempt(run_dir, rank_zero, checkpoint, world):  # under SLURM: rendezvous, attempts record, requeue
         train(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, command, started, prepared.calibration)
     return objective_value(run_dir, run_cfg.objective) if rank_zero else None
 
@@ -222,6 +230,7 @@ def fit(
         manifest.versions, manifest.git = versions(), git_commit()
         manifest.resumed_from = str(checkpoint) if checkpoint else None
         manifest.restart_attempt = process_role().attempt
+        manifest.attempts = [*attempts_so_far(run_dir, process_role().attempt), this_attempt(layout, plan)]
         manifest.strategy_resolved = run_cfg.strategy
         # The warmup the run uses (a default too long for max_steps was shortened by prepare).
         manifest.config["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
@@ -231,6 +240,7 @@ def fit(
             manifest.write(run_dir)
         # weights_only: a checkpoint is data, never code (rng.py keeps the RNG states loadable this way).
         ckpt_path = str(checkpoint) if checkpoint else None
+        parts.trainer.strategy.resume_weights_only = run_cfg.resume_weights_only  # type: ignore[attr-defined]
         parts.trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         if ranks is not None:
             # Past the last collective a rank ending (even non-zero: a non-finite stop) cannot hang the others.
@@ -342,6 +352,25 @@ def finish(
         last = newest_complete(parts.ckpt_dir)
         kept = f"; last good checkpoint: {last.checkpoint}" if last else "; no checkpoint was saved before it"
         raise RunStopped(NONFINITE, f"disttrain: stopped: {guard.stop_reason}{kept}")
+
+
+def this_attempt(layout: WorldLayout, plan: BatchPlan) -> dict[str, int]:
+    return {
+        "attempt": process_role().attempt,
+        "world_size": layout.world_size,
+        "global_batch": plan.global_batch_size,
+        "accumulation": plan.accumulation,
+    }
+
+
+def attempts_so_far(run_dir: Path, attempt: int) -> list[dict]:
+    """The earlier attempts' records from run.json (a restart trains in the same run dir; an elastic one on
+    another world size), so run.json lists every attempt's world size."""
+    if attempt == 0:
+        return []
+    earlier, _ = read_manifest(run_dir)
+    records = earlier.attempts if earlier is not None else []
+    return [a for a in records if isinstance(a, dict) and a.get("attempt", attempt) < attempt]
 
 
 def maybe_export_hf(run_cfg: RunConfig, ckpt_dir: Path, run_dir: Path) -> Path | None:

@@ -39,7 +39,7 @@ def build_reliability(t: TrainerConfig, ckpt_dir: Path) -> Reliability:
         before_write=injector.before_write if injector is not None else None,
     )
     # The injector runs after StepCheckpoint, so a kill "after step N" comes after step N's checkpoint.
-    callbacks: list[pl.Callback] = [guard, checkpoints, RankRngState()]
+    callbacks: list[pl.Callback] = [guard, checkpoints, RankRngState(t.seed)]
     if injector is not None:
         callbacks.append(injector)
     return Reliability(checkpoints, guard, callbacks)

@@ -131,15 +131,21 @@ def keep_previous_metrics(run_dir: Path, attempt: int) -> None:
 
 
 @contextlib.contextmanager
-def slurm_attempt(run_dir: Path, rank_zero: bool, resumed_from: Path | None) -> Iterator[SlurmTask | None]:
-    """Around training: under SLURM set the rendezvous, record the attempt, and requeue on ``Preempted``."""
+def slurm_attempt(
+    run_dir: Path, rank_zero: bool, resumed_from: Path | None, world: dict[str, int] | None = None
+) -> Iterator[SlurmTask | None]:
+    """Around training: under SLURM set the rendezvous, record the attempt, and requeue on ``Preempted``.
+
+    ``world`` (world size, global batch, accumulation) goes into the attempt's start record: a requeued job may
+    find another number of nodes and train on it (job/prepare.py, fit_elastic_world)."""
     task = current_task()
     if task is None:
         yield None
         return
     os.environ.update(rendezvous_env(task))
     if rank_zero:
-        record_attempt(run_dir, task, "start", resumed_from=str(resumed_from) if resumed_from else None)
+        resumed = str(resumed_from) if resumed_from else None
+        record_attempt(run_dir, task, "start", resumed_from=resumed, **(world or {}))
     try:
         yield task
     except Preempted as preempted:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.config.schema import DDPConfig
+from disttrain.strategies.checkpointing import UniversalCheckpointing
 from disttrain.strategies.comm_hooks import build_comm_hook
 from disttrain.strategies.powersgd import PowerSGDComm, state_path
 
@@ -30,7 +31,7 @@ def register_comm_hook(model: DistributedDataParallel, state: object | None, hoo
     model.register_comm_hook(state=state, hook=hook)
 
 
-class HookedDDPStrategy(DDPStrategy):
+class HookedDDPStrategy(UniversalCheckpointing, DDPStrategy):
     """DDPStrategy that registers its comm hook on any device and checkpoints PowerSGD's per-rank state."""
 
     @property
@@ -70,6 +71,14 @@ class HookedDDPStrategy(DDPStrategy):
         dropped = self.powersgd.load_state_dict(torch.load(path, weights_only=True), self.world_size)  # type: ignore[union-attr]
         if dropped:
             rank_zero_warn(f"PowerSGD resumed without its {'; '.join(dropped)}: they start from zero")
+
+
+class OneProcessStrategy(UniversalCheckpointing, SingleDeviceStrategy):
+    """One process (DDP's world of 1): Lightning's single-device strategy, with the universal checkpoint layout."""
+
+
+def build_one_process(accelerator: str) -> OneProcessStrategy:
+    return OneProcessStrategy(device=torch.device("cuda", 0) if accelerator == "gpu" else torch.device("cpu"))
 
 
 def build_ddp(cfg: DDPConfig, backend: str) -> DDPStrategy:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch import nn
 
 from disttrain.config.schema import DeepSpeedConfig
+from disttrain.strategies.checkpointing import UniversalCheckpointing
 
 # DeepSpeed's op name for its CPU shared-memory collectives (deepspeed/ops/op_builder/cpu/comm.py).
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -66,8 +68,50 @@ def disable_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
-class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
-    """Lightning's DeepSpeedStrategy, unchanged on GPUs; on CPU it skips the three CUDA-only assumptions."""
+class CPUCapableDeepSpeedStrategy(UniversalCheckpointing, DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy, unchanged on GPUs; on CPU it skips the three CUDA-only assumptions.
+
+    Checkpoints are the universal layout: ZeRO partitions gathered under single-process names on save and scattered
+    back on load (``strategies/deepspeed_state.py``), in place of DeepSpeed's per-rank files.
+    """
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from disttrain.strategies.deepspeed_state import full_model_state
+
+        return full_model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from disttrain.strategies.deepspeed_state import full_optimizer_state
+
+        return full_optimizer_state(self.lightning_module, self.deepspeed_engine.optimizer)
+
+    def writer_facts(self) -> dict[str, Any]:
+        """The ZeRO stage and what each rank held: its flat fp32 partition per group and (stage 3) its slice of the
+        model's own parameters, so a checkpoint shows the partitioning it came from (the full tensors do not)."""
+        from disttrain.strategies.deepspeed_state import partition_numels
+
+        mine = partition_numels(self.lightning_module, self.deepspeed_engine.optimizer)
+        held: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(held, mine)
+        return {"zero_stage": self.config["zero_optimization"]["stage"], "ranks": held}
+
+    def load_universal(self, path: Path) -> None:
+        from disttrain.checkpoint import universal
+        from disttrain.strategies import deepspeed_state as ds
+
+        module, zero = self.lightning_module, self.deepspeed_engine.optimizer
+        index = universal.saved_keys(path)
+        model_state = ds.model_template(module)
+        states: list[dict[str, Any]] = []
+        keys: tuple[str, ...] = ()
+        if not self.resume_weights_only:
+            names = [names[0] for names in ds.param_names(module).values()]
+            keys = ds.moment_keys(index, universal.optimizer_key(0), names)
+            states = [ds.optimizer_template(module, zero, keys)]
+        universal.read_into(path, model_state, states, index)
+        ds.load_model_state(module, zero, model_state)
+        if states:
+            ds.load_optimizer_state(module, zero, states[0], keys)
 
     def _on_cpu(self) -> bool:
         return isinstance(self.accelerator, CPUAccelerator)

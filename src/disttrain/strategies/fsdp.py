@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from disttrain.config.schema import FSDPConfig, PrecisionConfig
+from disttrain.strategies.checkpointing import UniversalCheckpointing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -63,10 +64,14 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=False, **options)
 
 
+class FSDPStrategy(UniversalCheckpointing, ModelParallelStrategy):
+    """ModelParallelStrategy (FSDP2 on a DeviceMesh) writing and reading the universal checkpoint layout."""
+
+
 def build_fsdp(
     cfg: FSDPConfig, precision: PrecisionConfig, world_size: int, backend: str, apply_checkpointing: object
-) -> tuple[ModelParallelStrategy, object]:
-    strategy = ModelParallelStrategy(
+) -> tuple[FSDPStrategy, object]:
+    strategy = FSDPStrategy(
         data_parallel_size=world_size,
         tensor_parallel_size=1,
         save_distributed_checkpoint=True,

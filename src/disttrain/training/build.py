@@ -32,6 +32,7 @@ from disttrain.models.module import LanguageModelModule
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.reliability.preemption import CheckpointOnSignal
+from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.spec import StrategyBuild, spec_of
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.progress import build_progress
@@ -154,11 +155,13 @@ def build_trainer(
     spec = spec_of(cfg.strategy)
     # A loader batch is a whole step's micro-batches where the strategy's engine splits them; else one micro-batch.
     batches_per_step = 1 if spec.engine_runs_the_step else plan.accumulation
+    # One process needs no replica synchronisation: Lightning's single-device strategy (with the universal checkpoint).
+    several = layout.world_size > 1 or spec.wraps_one_process
     trainer = pl.Trainer(
         accelerator=cfg.hw.accelerator,
         devices=layout.devices_per_node,
         num_nodes=layout.num_nodes,
-        strategy=strategy.strategy if layout.world_size > 1 or spec.wraps_one_process else "auto",
+        strategy=strategy.strategy if several else build_one_process(cfg.hw.accelerator),
         precision=strategy.trainer_precision,
         max_steps=t.max_steps,
         accumulate_grad_batches=batches_per_step,

@@ -64,6 +64,12 @@ class MegatronModule(LanguageModelModule):
         # export reads them, and the stages' names together are the whole model's.
         self.model = self.engine.chunks[0] if self.engine.hf else StageUnion(self.engine.chunks)
 
+    @property
+    def tied_twins(self) -> dict[str, str]:
+        """A last pipeline stage's own copy of the tied LM head, and the parameter one process holds it as."""
+        tied = getattr(self.settings.model, "tie_embeddings", False)
+        return {"model.lm_head.weight": "model.tok_emb.weight"} if tied else {}
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("strategy=megatron runs its chunks through the pipeline engine, not forward()")
 

@@ -1,0 +1,68 @@
+"""``python -m train export=<run dir or checkpoint> [export_to=<file.pt>]``: one consolidated weights file.
+
+The checkpoint is found as ``resume=`` finds it (a run dir means its newest complete checkpoint). Its model weights
+are written as one ``torch.save`` file under the model's own parameter names (default
+``<run dir>/export/step<N>.pt``); for a ``model=hf`` run also in Hugging Face format next to it
+(``step<N>.hf/``, ``from_pretrained``-loadable), using the run's recorded config for the model's shape. No ranks are
+started: one process reads the checkpoint, whichever strategy and world size wrote it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import initialize_config_dir
+
+from disttrain.checkpoint.resume import find_resume_point, run_dir_of
+from disttrain.config.errors import ConfigError
+from disttrain.config.schema import RunConfig
+
+KEYS = ("export", "export_to")
+
+
+def export_arguments(argv: list[str]) -> dict[str, str] | None:
+    """``{"export": ..., "export_to": ...}`` when the command is an export, else None (a training command)."""
+    if not any(arg.startswith("export=") for arg in argv):
+        return None
+    args: dict[str, str] = {}
+    for arg in argv:
+        pair = arg.split("=", 1)
+        if len(pair) != 2 or pair[0] not in KEYS:
+            raise ConfigError(
+                "export", f"'{arg}' is not an export option", "use export=<run dir or checkpoint> [export_to=<file.pt>]"
+            )
+        args[pair[0]] = pair[1]
+    return args
+
+
+def run_export(args: dict[str, str], conf_dir: Path) -> list[Path]:
+    """Write the export files; returns their paths."""
+    from disttrain.checkpoint.export import export_hf, export_state_dict
+    from disttrain.config.schema import HFModelConfig
+
+    try:
+        checkpoint = find_resume_point(args["export"]).checkpoint
+    except ConfigError as err:  # the same lookup as resume=, named after this command's key
+        raise ConfigError("export", err.problem, err.fix.replace("resume", "export")) from None
+    default = run_dir_of(checkpoint) / "export" / f"{checkpoint.name.removesuffix('.ckpt')}.pt"
+    out = Path(args.get("export_to") or default).expanduser()
+    if out.exists():
+        raise ConfigError(
+            "export_to", f"'{out}' exists already; an export never writes over a file", "pass another export_to="
+        )
+    written = [export_state_dict(checkpoint, out)]
+    run_cfg = recorded_run_config(args["export"], conf_dir)
+    if run_cfg is not None and isinstance(run_cfg.model, HFModelConfig):
+        written.append(export_hf(checkpoint, run_cfg.model, out.with_suffix(".hf"), run_cfg.trainer.seed))
+    return written
+
+
+def recorded_run_config(target: str, conf_dir: Path) -> RunConfig | None:
+    """The typed config of the run the checkpoint belongs to (None without a Hydra record: a copied checkpoint)."""
+    from disttrain.config.parse import parse_run_config
+    from disttrain.job.prepare import compose_for_resume
+
+    if not (run_dir_of(Path(target).expanduser()) / ".hydra" / "overrides.yaml").is_file():
+        return None
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return parse_run_config(compose_for_resume(target, []))
