@@ -30,9 +30,15 @@ preflighted: Prepared | None = None
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """One job; returns its objective (final val loss or tokens/s, ``objective=``) for a sweeper such as Optuna."""
-    from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
+    from disttrain.job.early_start import discard_unclaimed, maybe_start_local_ranks
 
     try:
+        # The local ranks import torch/Lightning while this process does (early_start.py), not after it.
+        hydra_cfg = HydraConfig.get()
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        maybe_start_local_ranks(preflighted, "train", list(hydra_cfg.overrides.task), run_dir)
+        from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
+
         return run_from_hydra(cfg, module_name="train", prepared=preflighted)
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
@@ -43,6 +49,8 @@ def main(cfg: DictConfig) -> float | None:
         if stop.exit_code == FAILED and HydraConfig.get().mode == RunMode.MULTIRUN:
             raise  # one failed job of a sweep: Hydra records it, runs the other jobs, then ends with the failure
         sys.exit(stop.exit_code)
+    finally:
+        discard_unclaimed()  # ranks started early for a job that ended before run.spawn took them
 
 
 def cli(argv: list[str] | None = None) -> None:

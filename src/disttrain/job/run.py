@@ -29,6 +29,7 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.schema import HFModelConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_launch, describe_result
+from disttrain.job.early_start import take_started_ranks
 from disttrain.job.failure import (
     FailureReporting,
     log_to_own_file,
@@ -161,20 +162,28 @@ def train(
     role = process_role()
     report = run_cfg.diagnostics.enabled and run_cfg.diagnostics.report
     failures = FailureReporting(run_dir, manifest, report, reports=not role.child and not role.cluster)
-    if failures.reports:
+    early = take_started_ranks()  # started before torch was imported (early_start.py), or None
+    if failures.reports and early is None:  # an early start is a new run dir, whose ranks may be writing already
         retire_crash_records(run_dir)  # a restart runs in the same run dir
         retire_stop_markers(run_dir)
-    ranks = spawn(layout, command_for_rank, failures)
+    ranks = spawn(layout, command_for_rank, failures, early)
     parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, failures)
     finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, (layout, plan, calibration))
 
 
-def spawn(layout: WorldLayout, command_for_rank: partial, failures: FailureReporting) -> LocalRanks | None:
-    """Local ranks 1..n-1 as children of this process, watched: one dying stops the job (None: nothing to spawn)."""
+def spawn(
+    layout: WorldLayout, command_for_rank: partial, failures: FailureReporting, early: LocalRanks | None = None
+) -> LocalRanks | None:
+    """Local ranks 1..n-1 as children of this process, watched: one dying stops the job (None: nothing to spawn).
+    ``early``: the ranks early_start.py already started for this job (this process then only joins as rank 0)."""
     role = process_role()
     if layout.world_size == 1 or role.child or role.cluster:
         return None
-    ranks = spawn_local_ranks(layout.devices_per_node, command_for_rank, cwd=os.getcwd())
+    if early is not None:
+        early.become_rank_zero()
+        ranks = early
+    else:
+        ranks = spawn_local_ranks(layout.devices_per_node, command_for_rank, cwd=os.getcwd())
     ranks.agreed_stop = partial(agreed_stop, failures.run_dir)  # a rank ending the agreed non-finite stop
 
     def abort(rank: int, code: int) -> None:

@@ -148,7 +148,13 @@ class LocalRanks:
     agreed_stop: Callable[[int, int], bool] = lambda rank, code: False
     stopped: list[tuple[int, int]] = field(default_factory=list)  # (local rank, exit code) of agreed stops
     saved_env: dict[str, str | None] = field(default_factory=dict)
+    rank_zero_env: dict[str, str] = field(default_factory=dict)  # what become_rank_zero sets in this process
     _stop: threading.Event = field(default_factory=threading.Event)
+
+    def become_rank_zero(self) -> None:
+        """Make this process local rank 0 of the job (the environment Lightning reads); ``restore_env`` undoes it."""
+        self.saved_env = {key: os.environ.get(key) for key in self.rank_zero_env}
+        os.environ.update(self.rank_zero_env)
 
     def restore_env(self) -> None:
         """Undo the rank-0 environment, so the next job of a Hydra multirun in this process starts clean."""
@@ -219,6 +225,17 @@ class LocalRanks:
 
 def spawn_local_ranks(num_processes: int, command_for_rank: Callable[[int], list[str]], cwd: str) -> LocalRanks:
     """Set this process up as local rank 0 of ``num_processes`` and start the others with ``command``."""
+    ranks = start_local_ranks(num_processes, command_for_rank, cwd)
+    ranks.become_rank_zero()
+    return ranks
+
+
+def start_local_ranks(num_processes: int, command_for_rank: Callable[[int], list[str]], cwd: str) -> LocalRanks:
+    """Start local ranks 1..n-1 and leave this process's environment as it is until ``become_rank_zero``.
+
+    Split from ``spawn_local_ranks`` so that rank 0 can start its children as soon as the job is checked, and they
+    import torch/Lightning while it does (``job/early_start.py``); its own role (``process_role``) must not change
+    before it reaches the point where it joins the job as rank 0 (``NODE_RANK`` would make it a cluster task)."""
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),  # a fresh port per job: the previous job's store may linger
@@ -226,14 +243,14 @@ def spawn_local_ranks(num_processes: int, command_for_rank: Callable[[int], list
         "WORLD_SIZE": str(num_processes),
         "LOCAL_RANK": "0",
     }
-    ranks = LocalRanks(saved_env={key: os.environ.get(key) for key in env})
-    os.environ.update(env)
+    ranks = LocalRanks(rank_zero_env=env)
     for local_rank in range(1, num_processes):
-        env = {
+        child_env = {
             **os.environ,
+            **env,
             "LOCAL_RANK": str(local_rank),
             CHILD_ENV_FLAG: str(local_rank),
             PARENT_PID_ENV: str(os.getpid()),
         }
-        ranks.procs.append(subprocess.Popen(command_for_rank(local_rank), env=env, cwd=cwd))
+        ranks.procs.append(subprocess.Popen(command_for_rank(local_rank), env=child_env, cwd=cwd))
     return ranks

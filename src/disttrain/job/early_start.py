@@ -1,0 +1,63 @@
+"""Start the local ranks of a checked job before rank 0 imports torch/Lightning, so every rank imports at once.
+
+Importing ``disttrain.job.run`` (torch, Lightning, torchmetrics) takes seconds of CPU per process. Spawned from
+``run.train`` (after that import), the ranks paid it one after the other; started here, right after ``preflight``
+checked the command and Hydra made the run dir, they import while rank 0 does. Nothing else moves: every check of
+the user's input has run before this (``preflight``: prepare, the launch check), and rank 0 still joins the job as
+local rank 0 (its environment, the rank watcher) where it always did, in ``run.spawn``, which takes the ranks
+started here. A job that ends before that kills them (``discard_unclaimed``), so none outlives it.
+
+Only the plain local launch starts early: a dry run spawns nothing, ``trainer.max_restarts`` makes this process a
+supervisor, a multirun's jobs and restart attempts prepare their own config, and cluster tasks spawn nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+from disttrain.job.prepare import Prepared, guard_new_run_dir
+from disttrain.launch.env import process_role
+from disttrain.launch.local import LocalRanks, child_command, start_local_ranks
+
+_started: list[LocalRanks] = []  # ranks started here that run.spawn has not taken yet (at most one job's)
+
+
+def should_start_early(prepared: Prepared | None) -> bool:
+    """Whether this job is a plain local launch whose ranks this process spawns (what ``run.spawn`` would do)."""
+    if prepared is None or prepared.attempt:
+        return False
+    run_cfg = prepared.run_cfg
+    return (
+        prepared.layout.world_size > 1
+        and process_role().starts_the_job
+        and not run_cfg.dry_run
+        and not run_cfg.trainer.max_restarts
+    )
+
+
+def maybe_start_local_ranks(
+    prepared: Prepared | None, module_name: str, task_overrides: Sequence[str], run_dir: Path
+) -> LocalRanks | None:
+    """Start local ranks 1..n-1 of this job now, if it is one that spawns them; ``take_started_ranks`` hands them on."""
+    if not should_start_early(prepared):
+        return None
+    assert prepared is not None  # for the type checker: should_start_early refused None
+    guard_new_run_dir(run_dir)  # the one check run_from_hydra makes before spawning: make it before, here too
+    command = partial(child_command, module_name, list(task_overrides), str(run_dir))
+    ranks = start_local_ranks(prepared.layout.devices_per_node, command, cwd=os.getcwd())
+    _started.append(ranks)
+    return ranks
+
+
+def take_started_ranks() -> LocalRanks | None:
+    """The ranks started early for this job, now owned by the caller (None: none were)."""
+    return _started.pop() if _started else None
+
+
+def discard_unclaimed() -> None:
+    """Kill ranks started early whose job ended before taking them (a failure between preflight and the spawn)."""
+    while _started:
+        _started.pop().kill()
