@@ -33,6 +33,7 @@ _WRITTEN_WHEN_SET = frozenset(
         "step",
         "phase",
         "hung_ranks",
+        "tokenizer_sha256",
     }
 )
 
@@ -56,6 +57,8 @@ class RunManifest:
     restart_attempt: int = 0
     # Every attempt so far: its world size, global batch and accumulation (an elastic restart changes the world).
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    # data=hf: a digest of the tokenizer's files, so a resume can tell a changed tokenizer of the same size
+    tokenizer_sha256: str | None = None
     strategy_resolved: Any = None  # strategy=auto's choice (else the configured strategy)
     wall_time_s: float | None = None
     result: Any = None  # steps, losses, tokens/s, memory
@@ -144,7 +147,7 @@ def _get(value: Any, key: str) -> Any:
 
 _DICTS = {"config", "versions", "git", "nonfinite", "prediction"}
 _INTS = {"num_parameters", "restart_attempt", "failed_rank", "step"}
-_STRS = {"status", "resumed_from", "hf_export", "failure", "exception", "phase"}
+_STRS = {"status", "resumed_from", "hf_export", "failure", "exception", "phase", "tokenizer_sha256"}
 _NUMBERS = {"flops_per_token", "wall_time_s", "result_gap_to_floor"}
 
 

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from disttrain.checkpoint.export import checkpoint_state, hf_weights
 from disttrain.config.schema import HFModelConfig
+from disttrain.data.hf import tokenizer_sha256
 from disttrain.models.hf import build_hf_model
 from tests.conftest import CONF, read_manifest
 from tests.dist.test_parity_and_resume import model_weights, run, train_losses
@@ -105,6 +106,9 @@ def test_resume_continues_the_hf_corpus_exactly(runs: dict[str, Path]) -> None:
     resumed = run(original.parent, "single-resumed", [f"resume={mid}"])
     assert read_manifest(resumed)["resumed_from"] == str(mid.resolve())
     assert read_manifest(resumed)["config"]["data"]["name"] == "hf"
+    # The tokenizer is recorded (a later resume with another tokenizer of the same size is refused before launch).
+    tokenizer = Path(read_manifest(resumed)["config"]["data"]["tokenizer"])
+    assert read_manifest(resumed)["tokenizer_sha256"] == tokenizer_sha256(str(tokenizer))
     full, after = train_losses(original), train_losses(resumed)
     assert sorted(after) == list(range(10, STEPS))
     # The same windows of the memory-mapped corpus in the same order: the same losses, then the same weights.

@@ -55,3 +55,17 @@ def check_strategy_can_read(checkpoint: Path, strategy: str, world_size: int) ->
             f"resume on {ranks} ranks once (its new checkpoints use the universal layout, which any world size "
             "resumes), or start a new run",
         )
+
+
+def check_same_tokenizer(recorded_sha256: str | None, tokenizer: str | None, current_sha256: str | None) -> None:
+    """A resumed run must read its data with the tokenizer the checkpoint was trained with: another one of the same
+    size passes every shape check and silently changes what each token id means."""
+    if recorded_sha256 is None or current_sha256 is None or recorded_sha256 == current_sha256:
+        return
+    raise ConfigError(
+        "data.tokenizer",
+        f"'{tokenizer}' is not the tokenizer the checkpoint's run was trained with (its files differ: sha256 "
+        f"{current_sha256[:12]} vs {recorded_sha256[:12]} recorded in that run's run.json)",
+        "point data.tokenizer at the tokenizer the run was trained with (token ids would change meaning), or start "
+        "a new run",
+    )

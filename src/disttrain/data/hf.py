@@ -65,12 +65,22 @@ class LocalTokenizer:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def fingerprint(self) -> str:
-        digest = hashlib.sha256()
-        for file in self.files:
-            if file.is_file():
-                digest.update(file.name.encode())
-                digest.update(file.read_bytes())
-        return digest.hexdigest()
+        return files_digest(self.files)
+
+
+def tokenizer_sha256(path: str) -> str:
+    """A digest of the tokenizer's files (what run.json records so a resume can tell a changed tokenizer)."""
+    full = Path(path).expanduser()
+    return files_digest(sorted(full.rglob("*")) if full.is_dir() else [full])
+
+
+def files_digest(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        if file.is_file():
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def _load_backend(full: Path) -> tuple[Any, str | None]:

@@ -19,12 +19,13 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from diagnostics.calibration import Calibration
+from diagnostics.manifest import read_manifest
 from disttrain.checkpoint.resume import ResumePoint, find_resume_point, newest_complete, original_overrides, run_dir_of
 from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import AutoStrategyConfig, RunConfig
+from disttrain.config.schema import AutoStrategyConfig, HFDataConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout, validate_run, world_layout
 from disttrain.launch.env import process_role
 from disttrain.planner import MemoryBreakdown
@@ -258,10 +259,24 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
 
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
         check_strategy_can_read(point.checkpoint, run_cfg.strategy.name, layout.world_size)
+        check_resumed_tokenizer(point, run_cfg)
     memory = predict_memory(run_cfg, layout, plan)
     return Prepared(
         cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory, warmup_note, calibration, elastic_note
     )
+
+
+def check_resumed_tokenizer(point: ResumePoint, run_cfg: RunConfig) -> None:
+    """data=hf: the tokenizer is the one the checkpoint's run recorded (the model's shapes cannot tell)."""
+    if not isinstance(run_cfg.data, HFDataConfig):
+        return
+    from disttrain.checkpoint.compat import check_same_tokenizer
+    from disttrain.data.hf import tokenizer_sha256
+
+    recorded, _ = read_manifest(run_dir_of(point.checkpoint))
+    if recorded is not None:
+        current = tokenizer_sha256(run_cfg.data.tokenizer)
+        check_same_tokenizer(recorded.tokenizer_sha256, run_cfg.data.tokenizer, current)
 
 
 def check_launchable(prepared: Prepared, here: bool = True) -> None:

@@ -26,7 +26,7 @@ from diagnostics.manifest import RunManifest, read_manifest
 from diagnostics.prediction import one_line
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import HFModelConfig, RunConfig
+from disttrain.config.schema import HFDataConfig, HFModelConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_launch, describe_result
 from disttrain.job.early_start import take_started_ranks
@@ -241,6 +241,10 @@ def fit(
         manifest.restart_attempt = process_role().attempt
         manifest.attempts = [*attempts_so_far(run_dir, process_role().attempt), this_attempt(layout, plan)]
         manifest.strategy_resolved = run_cfg.strategy
+        if isinstance(run_cfg.data, HFDataConfig):
+            from disttrain.data.hf import tokenizer_sha256
+
+            manifest.tokenizer_sha256 = tokenizer_sha256(run_cfg.data.tokenizer)
         # The warmup the run uses (a default too long for max_steps was shortened by prepare).
         manifest.config["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
         if rank_zero:
