@@ -17,6 +17,12 @@ the DDP/FSDP resume tests of test_parity_and_resume gave up two runs of their ow
 
 from __future__ import annotations
 
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,9 +86,15 @@ def run(tmp: Path, name: str, args: list[str]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("universal")
-    done = {"reference": run(tmp, "reference", [*COMMON, *LAYOUTS["ddp x2"]])}
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run (its own fixture so the elastic test below needs only it, not the whole chain)."""
+    return run(tmp_path_factory.mktemp("universal"), "reference", [*COMMON, *LAYOUTS["ddp x2"]])
+
+
+@pytest.fixture(scope="module")
+def runs(reference: Path) -> dict[str, Path]:
+    tmp = reference.parent
+    done = {"reference": reference}
     for index, (name, source, step, layout) in enumerate(RESUMES):
         # A layout's options replace the source's: the resumed run re-composes the source's recorded overrides.
         done[name] = run(tmp, f"r{index}", [f"resume={checkpoint(done[source], step)}", *LAYOUTS[layout]])
@@ -162,3 +174,93 @@ def test_export_writes_one_file_the_single_process_model_loads(runs: dict[str, P
         assert torch.equal(tensor, saved[f"model.{name}"]), name
     again = run_cli([f"export={source}"], cwd=source)
     assert again.returncode == 2 and "export_to: " in again.stderr  # never written over
+
+
+def cluster_env(rank: int, world: int, port: int, restart: int) -> dict[str, str]:
+    """What torchrun sets in each worker it starts (``--nnodes=1:2``, one node): no rendezvous needed to test what
+    the job does with it, and the kill and the restart stay in the test's hands."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTTRAIN_", "SLURM_", "TORCHELASTIC_"))}
+    return {
+        **env,
+        "PYTHONUNBUFFERED": "1",
+        "HYDRA_FULL_ERROR": "0",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": "elastic-test",
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_elastic_restart_on_fewer_ranks_resumes_at_the_same_global_batch(reference: Path, tmp_path: Path) -> None:
+    """Attempt 0: torchrun starts 2 workers, rank 0 is SIGKILLed after step 3 and the agent ends rank 1. Attempt 1
+    (restart 1) finds one worker: it resumes the run dir's step-3 checkpoint on 1 rank at the global batch of 8
+    (accumulation 2), continues the uninterrupted run's losses, and run.json lists both attempts' worlds."""
+    run_dir, killed_after = tmp_path / "elastic", 3
+    args = [sys.executable, "-m", "train", *COMMON, *LAYOUTS["ddp x2"], f"hydra.run.dir={run_dir}"]
+    port, fault = free_port(), {"DISTTRAIN_FAULT": f"sigkill@step={killed_after},rank=0"}
+    logs = [(tmp_path / f"attempt0_rank{rank}.txt").open("w") for rank in (0, 1)]  # rank 1 dies loudly
+    workers = [
+        subprocess.Popen(args, cwd=tmp_path, env={**cluster_env(rank, 2, port, 0), **fault}, stdout=log, stderr=log)
+        for rank, log in enumerate(logs)
+    ]
+    try:
+        code = workers[0].wait(timeout=300)
+        assert code == -signal.SIGKILL, (tmp_path / "attempt0_rank0.txt").read_text()[-3000:]
+        try:  # rank 1 may notice its peer's death itself; else the agent ends it, as torchrun's does
+            workers[1].wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            workers[1].kill()
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        for log in logs:
+            log.close()
+    newest = checkpoint(run_dir, killed_after)
+    assert newest.exists() and not checkpoint(run_dir, killed_after + 1).exists()
+
+    # The restart runs the same command (the config still says 2 ranks) on the one worker the launcher found.
+    env = {**cluster_env(0, 1, free_port(), 1), **fault}  # the fault strikes attempt 0 only
+    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    note = (
+        "elastic restart: the launcher started 1 ranks (the run had 2); training on 1 x 1 at the same global batch "
+        "8 = micro 4 x dp 1 x accumulation 2"
+    )
+    assert out.count(note) == 1, out[-3000:]
+    assert out.count(f"restart 1: resuming from {newest}") == 1, out[-3000:]
+
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "completed" and manifest["restart_attempt"] == 1
+    assert manifest["resumed_from"] == str(newest)
+    assert manifest["attempts"] == [
+        {"attempt": 0, "world_size": 2, "global_batch": 8, "accumulation": 1},
+        {"attempt": 1, "world_size": 1, "global_batch": 8, "accumulation": 2},
+    ]
+    assert manifest["world"]["world_size"] == 1 and manifest["batch"]["accumulation"] == 2
+
+    # The restart trains the steps after the checkpoint, continuing the uninterrupted 2-rank run to 1e-4 (attempt
+    # 0's metrics, kept beside them, are that run's too).
+    losses, expected = train_losses(run_dir), train_losses(reference)
+    assert sorted(losses) == list(range(killed_after, STEPS))
+    with (run_dir / "metrics" / "metrics_attempt0.csv").open() as handle:
+        first = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(handle) if r["train/loss"]}
+    assert first and set(first) <= set(range(killed_after))
+    worst = max(abs(loss - expected[s]) for s, loss in [*losses.items(), *first.items()])
+    assert worst <= 1e-4, f"max |loss - uninterrupted| = {worst:.2e}"
+    state = load_checkpoint(checkpoint(run_dir, STEPS))
+    steps = {float(v) for k, v in state["optimizer_0"].items() if k.startswith("state.") and k.endswith(".step")}
+    assert state["global_step"] == STEPS and steps == {float(STEPS)}  # Adam's state came through the restart

@@ -194,9 +194,14 @@ def preflight(argv: list[str], conf_dir: Path) -> Prepared | None:
         run_dir = None
         if not multirun:
             run_dir = Path(str(cfg.hydra.run.dir))
-            if marker := existing_run(run_dir):
+            # Only a first launch's rank 0 guards (as guard_new_run_dir): a torchrun/SLURM restart continues in its
+            # own run dir, and a cluster's other ranks may start after rank 0 wrote run.json.
+            first = process_role().attempt == 0 and process_role().is_global_zero
+            if first and (marker := existing_run(run_dir)):
                 refuse_existing_run(run_dir, marker)
-        prepared = prepare(cfg, None, [first_job(o) for o in overrides if not o.key_or_group.startswith("hydra")])
+        # The run dir too: a restart's checkpoint is its newest one, and on another world size it is what lets the
+        # restart train there (fit_elastic_world) instead of being refused for the launcher's rank count.
+        prepared = prepare(cfg, run_dir, [first_job(o) for o in overrides if not o.key_or_group.startswith("hydra")])
     # A cluster launcher (hydra/launcher=slurm) runs the jobs on other machines: this one need not serve them.
     remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
     check_launchable(prepared, here=not remote)
