@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from diagnostics.telemetry import telemetry_path
-from tests.conftest import read_manifest, run_cli
+from tests.conftest import TINY_MODEL, read_manifest, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -127,22 +127,28 @@ def test_optuna_sweep_runs_every_job_with_its_own_ranks_and_gets_their_objective
     assert results["best_params"] == {"optimizer.lr": min(val_losses, key=val_losses.get)}
 
 
-def test_second_run_in_the_same_dir_is_refused_and_leaves_the_first_intact(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    run_ok([*SHORT, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A finished text-file run and its command: its own test and the refused second run share it."""
+    tmp = tmp_path_factory.mktemp("text")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 2000)
+    args = [*SHORT[:-2], "data=text", f"data.path={corpus}", "logger=tensorboard", f"hydra.run.dir={tmp / 'run'}"]
+    run_ok(args, tmp)
+    return tmp / "run", args
+
+
+def test_second_run_in_the_same_dir_is_refused_and_leaves_the_first_intact(text_run: tuple[Path, list[str]]) -> None:
+    run_dir, args = text_run
     before = (run_dir / "run.json").read_text()
-    again = run_cli([*SHORT, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    again = run_cli(args, cwd=run_dir.parent)
     assert again.returncode == 2
     assert "already holds a run" in again.stderr
     assert (run_dir / "run.json").read_text() == before
 
 
-def test_text_file_with_tensorboard_logger(tmp_path: Path) -> None:
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 2000)
-    run_dir = tmp_path / "run"
-    args = [*SHORT[:-2], "data=text", f"data.path={corpus}", "logger=tensorboard"]
-    run_ok([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+def test_text_file_with_tensorboard_logger(text_run: tuple[Path, list[str]]) -> None:
+    run_dir, _ = text_run
     result = read_manifest(run_dir)["result"]
     assert result["loss_floor"] is None  # real text has no known floor
     assert result["val_loss"] < 5.0  # below uniform over bytes (ln 256 = 5.55)
@@ -164,15 +170,20 @@ def test_token_file_with_offline_wandb_logger(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [["strategy=fsdp", "precision=bf16-mixed"], ["strategy=ddp", "precision=bf16-true"], ["experiment=nano-fsdp-bf16"]],
-    ids=["fsdp-bf16-mixed", "ddp-bf16-true", "experiment"],
+    ("overrides", "strategy", "precision"),
+    [
+        (["strategy=ddp", "precision=bf16-true"], "ddp", "bf16-true"),
+        # The recipe is exactly strategy=fsdp + precision=bf16-mixed: one run shows it composes to them and trains.
+        (["experiment=nano-fsdp-bf16"], "fsdp", "bf16-mixed"),
+    ],
+    ids=["ddp-bf16-true", "experiment-fsdp-bf16-mixed"],
 )
-def test_bf16_runs_train(overrides: list[str], tmp_path: Path) -> None:
+def test_bf16_runs_train(overrides: list[str], strategy: str, precision: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_ok([*SHORT, *overrides, f"hydra.run.dir={run_dir}"], tmp_path)
-    result = read_manifest(run_dir)["result"]
-    assert result["val_loss"] < 3.5  # from ~5.5 at init (ln 256)
+    manifest = read_manifest(run_dir)
+    assert (manifest["config"]["strategy"]["name"], manifest["config"]["precision"]["name"]) == (strategy, precision)
+    assert manifest["result"]["val_loss"] < 3.5  # from ~5.5 at init (ln 256)
 
 
 def test_user_model_and_datamodule_by_target(tmp_path: Path) -> None:
@@ -199,5 +210,6 @@ def test_user_model_and_datamodule_by_target(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_compile_true_compiles_blocks_and_trains(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    run_ok([*SHORT, "trainer.max_steps=4", "model.compile=true", f"hydra.run.dir={run_dir}"], tmp_path)
+    # The tiny model: its 2 blocks are compiled (and recompiled per block) like the default's 4, in half the time.
+    run_ok([*SHORT, *TINY_MODEL, "trainer.max_steps=4", "model.compile=true", f"hydra.run.dir={run_dir}"], tmp_path)
     assert json.loads((run_dir / "run.json").read_text())["config"]["model"]["compile"] is True
