@@ -200,6 +200,35 @@ def test_guard_drops_the_update_skips_then_stops() -> None:
     assert optimizer.state == {}  # not even Adam's step count moved
 
 
+def test_guard_clips_with_the_norm_it_checked_exactly_as_clip_grad_norm() -> None:
+    """With ``clip_norm`` the guard clips (the Trainer does not): bitwise what torch's clip_grad_norm_ gives over the
+    optimizer's parameters, and a non-finite step is dropped, not clipped."""
+    torch.manual_seed(0)
+    model, reference = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3)), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim == 1]}, {"params": []}])
+    optimizer.param_groups[1]["params"] = [p for p in model.parameters() if p.ndim > 1]
+    reference_order = [p for p in reference.parameters() if p.ndim == 1] + [
+        p for p in reference.parameters() if p.ndim > 1
+    ]
+    guard = NonFiniteGuard("skip", max_skips=5, clip_norm=0.5)
+    trainer = Stub(
+        strategy=Stub(root_device=torch.device("cpu")), global_step=1, is_global_zero=True, should_stop=False
+    )
+    for scale in (3.0, 0.01):  # clipped (norm above 0.5), then left as it is (norm below)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            p.grad = torch.randn_like(p) * scale
+            q.grad = p.grad.clone()
+        guard.on_before_backward(trainer, model, torch.tensor(1.0))  # type: ignore[arg-type]
+        guard.on_before_optimizer_step(trainer, model, optimizer)  # type: ignore[arg-type]
+        torch.nn.utils.clip_grad_norm_(reference_order, 0.5)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    assert float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])) < 0.5
+    next(model.parameters()).grad[0, 0] = float("nan")
+    guard.on_before_optimizer_step(trainer, model, optimizer)  # type: ignore[arg-type]
+    assert all(p.grad is None for p in model.parameters()) and guard.skipped_steps == [1]
+
+
 def test_fault_specs() -> None:
     assert parse_fault("sigkill@step=7,rank=1") == Fault("step", 7, rank=1)
     assert parse_fault("sigkill@save=6,attempt=1") == Fault("save", 6, attempt=1)

@@ -26,8 +26,9 @@ class Reliability:
     callbacks: list[pl.Callback]  # in the order the Trainer must run them
 
 
-def build_reliability(t: TrainerConfig, ckpt_dir: Path) -> Reliability:
-    guard = NonFiniteGuard(t.nan_policy, t.max_nan_skips)
+def build_reliability(t: TrainerConfig, ckpt_dir: Path, clip_norm: float | None = None) -> Reliability:
+    """``clip_norm``: the guard clips the gradients by this norm (the Trainer must then not clip them itself)."""
+    guard = NonFiniteGuard(t.nan_policy, t.max_nan_skips, clip_norm=clip_norm)
     faults = faults_from_env(process_role().attempt)
     injector = FaultInjection(faults) if faults else None
     checkpoints = StepCheckpoint(

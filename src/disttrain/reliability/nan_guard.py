@@ -72,16 +72,49 @@ def any_nonfinite(grads: list[torch.Tensor]) -> bool:
     norm is finite unless an element is NaN/inf or the sum of squares overflows the gradients' dtype; only then
     does the exact element-wise pass decide, so a large but finite gradient is never called non-finite.
     """
-    if not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))):
-        return False
-    return bool(torch.stack([(~torch.isfinite(g)).any() for g in grads]).any())
+    return bool(grads) and not norm_is_finite(torch.nn.utils.get_total_norm(grads)) and exactly_nonfinite(grads)
+
+
+def norm_is_finite(norm: torch.Tensor) -> bool:
+    return bool(torch.isfinite(norm))
+
+
+def exactly_nonfinite(grads: list[torch.Tensor]) -> bool:
+    """The element-wise check, for when a norm came out non-finite (a NaN/inf element, or an overflowing sum)."""
+    return bool(torch.stack([(~torch.isfinite(local_tensor(g))).any() for g in grads]).any())
+
+
+def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients, as ``clip_grad_norm_`` computes it; over every shard where they are sharded.
+
+    Sharded gradients (FSDP2 DTensors) give a norm reduced over the ranks once, held replicated, so the clip that
+    reuses it needs no second reduction.
+    """
+    norm = torch.nn.utils.get_total_norm(grads)
+    full_tensor = getattr(norm, "full_tensor", None)
+    if not callable(full_tensor):
+        return norm
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = norm.device_mesh  # type: ignore[attr-defined]
+    return DTensor.from_local(full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 class NonFiniteGuard(pl.Callback):
-    def __init__(self, policy: str, max_skips: int, record: Callable[..., None] | None = None) -> None:
+    """The non-finite check of every optimizer step; with ``clip_norm``, also the gradient clipping.
+
+    Clipping needs the gradients' global norm, and so does the check: computed once here, it serves both (the
+    Trainer is then given no ``gradient_clip_val``). The clip is ``clip_grad_norm_``'s own arithmetic over the
+    optimizer's parameters in their order, so the weights are bitwise those Lightning's clipping gives.
+    """
+
+    def __init__(
+        self, policy: str, max_skips: int, record: Callable[..., None] | None = None, clip_norm: float | None = None
+    ) -> None:
         self.policy = policy
         self.max_skips = max_skips
         self.record = record  # diagnostics telemetry writer of this rank, when diagnostics are on
+        self.clip_norm = clip_norm or None
         self.skipped_steps: list[int] = []
         self.stopped_at: int | None = None
         self.stop_reason: str | None = None
@@ -98,8 +131,15 @@ class NonFiniteGuard(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         device = trainer.strategy.root_device
-        grads = [local_tensor(p.grad) for p in pl_module.parameters() if p.grad is not None]
-        bad_grad = torch.tensor(any_nonfinite(grads))
+        norm: torch.Tensor | None = None
+        if self.clip_norm is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            norm = global_norm(grads) if grads else None
+            bad_grad = torch.tensor(norm is not None and not norm_is_finite(norm) and exactly_nonfinite(grads))
+        else:
+            grads = [local_tensor(p.grad) for p in pl_module.parameters() if p.grad is not None]
+            bad_grad = torch.tensor(any_nonfinite(grads))
         bad_loss = self._bad_loss if self._bad_loss is not None else torch.tensor(False)
         self._bad_loss = None
         verdict = torch.stack([bad_loss.to(device), bad_grad.to(device)]).to(torch.float32)
@@ -107,6 +147,8 @@ class NonFiniteGuard(pl.Callback):
             torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
         loss_bad, grad_bad = (bool(v) for v in verdict.tolist())
         if not (loss_bad or grad_bad):
+            if norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, self.clip_norm, norm)
             return
         for param in pl_module.parameters():
             param.grad = None  # the optimizer skips parameters without gradients: no update, no moment change

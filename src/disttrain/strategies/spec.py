@@ -51,6 +51,9 @@ class StrategySpec:
     engine_runs_the_step: ClassVar[bool] = False
     # FSDP and DeepSpeed change the model and optimizer even in one process: use them whenever asked for.
     wraps_one_process: ClassVar[bool] = True
+    # Gradients are clipped by torch's clip_grad_norm_ over the optimizer's parameters (Lightning's own path), so the
+    # non-finite check, which computes the same global norm, clips with it (one pass over the gradients, not two).
+    norm_clipped_by_torch: ClassVar[bool] = True
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -217,6 +220,7 @@ class FSDPSpec(StrategySpec):
 
 class DeepSpeedSpec(StrategySpec):
     name = "deepspeed"
+    norm_clipped_by_torch = False  # the DeepSpeed engine clips (gradient_clipping in its config)
 
     def validate(self, cfg: RunConfig) -> None:
         """ZeRO options that DeepSpeed itself would reject late (after spawning ranks) or that cannot run here."""
@@ -282,6 +286,7 @@ class DeepSpeedSpec(StrategySpec):
 class MegatronSpec(StrategySpec):
     name = "megatron"
     engine_runs_the_step = True
+    norm_clipped_by_torch = False  # the engine clips by the norm over every stage
 
     def data_parallel_size(self, world_size: int) -> int:
         return megatron_degrees(self.config, world_size).dp

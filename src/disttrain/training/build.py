@@ -135,7 +135,10 @@ def build_trainer(
 ) -> TrainerParts:
     t = cfg.trainer
     ckpt_dir = run_dir / "checkpoints"
-    reliability = build_reliability(t, ckpt_dir)
+    spec = spec_of(cfg.strategy)
+    # Where torch clips by the global norm, the non-finite guard does it with the norm it computes anyway.
+    guard_clips = spec.norm_clipped_by_torch and not spec.engine_runs_the_step and bool(t.grad_clip)
+    reliability = build_reliability(t, ckpt_dir, clip_norm=t.grad_clip if guard_clips else None)
     throughput = Throughput(
         plan.global_batch_size * cfg.model.seq_len,
         skip_steps=min(10, t.max_steps // 10),
@@ -152,7 +155,6 @@ def build_trainer(
         callbacks.append(CheckpointOnSignal(reliability.checkpoints))
     else:  # ranks are launch.py's: Lightning's hint to start them with srun (wherever srun exists) does not apply
         warnings.filterwarnings("ignore", message=r".*The `srun` command is available on your system")
-    spec = spec_of(cfg.strategy)
     # A loader batch is a whole step's micro-batches where the strategy's engine splits them; else one micro-batch.
     batches_per_step = 1 if spec.engine_runs_the_step else plan.accumulation
     # One process needs no replica synchronisation: Lightning's single-device strategy (with the universal checkpoint).
@@ -165,8 +167,9 @@ def build_trainer(
         precision=strategy.trainer_precision,
         max_steps=t.max_steps,
         accumulate_grad_batches=batches_per_step,
-        # An engine that runs the step clips by the global norm over all stages itself (manual optimization).
-        gradient_clip_val=None if spec.engine_runs_the_step else t.grad_clip or None,
+        # An engine that runs the step clips by the global norm over all stages itself (manual optimization), and
+        # the guard clips where torch would.
+        gradient_clip_val=None if spec.engine_runs_the_step or guard_clips else t.grad_clip or None,
         # The train loader is endless (step-based), so validation is scheduled in loader batches.
         val_check_interval=t.val_every_n_steps * batches_per_step,
         check_val_every_n_epoch=None,
