@@ -49,6 +49,9 @@ LAYOUTS = {
     "megatron-pp2": ["strategy=megatron", "strategy.pp=2", *GPT],
 }
 RAISED = "RuntimeError: exception in forward of step {step} on rank {rank} (DISTTRAIN_FAULT)"
+# The hang runs' watchdog timeout: each hang run waits it out. A step here takes milliseconds (well under a second
+# at load 5 on 2 cores, the first one included), so 6 s cannot be reached by a step that is only slow.
+HANG_S = 6
 
 
 def checkpoints(run_dir: Path) -> list[str]:
@@ -246,7 +249,7 @@ def test_megatron_rank_1_faults_after_resuming_a_stopped_run(case: str, stop_run
     stopped, _ = stop_runs["megatron-pp2"]
     fault, code, finding = MEGATRON_RANK1[case]
     run_dir = tmp_path / "resumed"
-    args = [f"resume={stopped}", *(["diagnostics.hang_timeout_s=10"] if finding == "hang" else [])]
+    args = [f"resume={stopped}", *([f"diagnostics.hang_timeout_s={HANG_S}"] if finding == "hang" else [])]
     result = launch(args, run_dir, fault=fault, timeout=240)
     assert f"resuming from {stopped / 'checkpoints' / 'step000003.ckpt'}" in result.stdout
     if case == "sigkill":  # stage 0 sees its peer's connection close: the dead rank is named, not stage 0
@@ -263,13 +266,13 @@ def test_megatron_rank_1_faults_after_resuming_a_stopped_run(case: str, stop_run
 
 
 def assert_hung(result: subprocess.CompletedProcess, run_dir: Path, rank: int) -> None:
-    """The watchdog (10 s) named ``rank``, the one outside any collective, on the console, in run.json and the
+    """The watchdog (``HANG_S``) named ``rank``, the one outside any collective, on the console, in run.json and the
     report; every rank was killed."""
     assert result.returncode == 3, result.stderr[-3000:]
     assert f"ranks not in a collective: [{rank}]" in result.stderr
     manifest = read_manifest(run_dir)
     assert manifest["status"] == "failed" and manifest["failed_rank"] == rank
-    hung = f"rank {rank} hung: no step completed in 10 s after step 4, outside any collective"
+    hung = f"rank {rank} hung: no step completed in {HANG_S} s after step 4, outside any collective"
     assert manifest["failure"] == hung
     top = report(run_dir)["findings"][0]
     assert (top["kind"], top["ranks"]) == ("hang", [rank])
@@ -296,7 +299,7 @@ def test_a_fault_that_ends_the_run_names_its_rank_everywhere(case: str, tmp_path
     run_dir = tmp_path / "run"
     args = [*STEPS, *LAYOUTS[layout]]
     if finding == "hang":
-        args.append("diagnostics.hang_timeout_s=10")
+        args.append(f"diagnostics.hang_timeout_s={HANG_S}")
     result = launch(args, run_dir, fault=fault, timeout=240)
     if finding == "hang":
         assert code == 3
