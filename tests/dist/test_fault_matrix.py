@@ -107,10 +107,15 @@ class SkipRuns(dict):
 
     def __missing__(self, layout: str) -> tuple[Path, subprocess.CompletedProcess]:
         run_dir = self.tmp / layout
+        args, fault = self.command(layout)
+        self[layout] = (run_dir, launch(args, run_dir, fault=fault, timeout=240))
+        return self[layout]
+
+    def command(self, layout: str) -> tuple[list[str], str]:
+        """The overrides and the faults of this layout's run."""
         ending, seen, _ = SKIP_RUNS[layout]
         args = [*STEPS, *LAYOUTS[layout], "trainer.nan_policy=skip", f"trainer.max_nan_skips={len(seen)}"]
-        self[layout] = (run_dir, launch(args, run_dir, fault=f"{NAN_FAULTS}; {ending}", timeout=240))
-        return self[layout]
+        return args, f"{NAN_FAULTS}; {ending}"
 
 
 @pytest.fixture(scope="module")
@@ -188,17 +193,11 @@ STOPS = {  # layout -> (the fault, the step the guard names: the steps completed
 }
 
 
-class StopRuns(dict):
+class StopRuns(SkipRuns):
     """Each layout's stopped run, launched on first use; Megatron's is resumed from below."""
 
-    def __init__(self, tmp: Path) -> None:
-        super().__init__()
-        self.tmp = tmp
-
-    def __missing__(self, layout: str) -> tuple[Path, subprocess.CompletedProcess]:
-        run_dir = self.tmp / layout
-        self[layout] = (run_dir, launch([*STEPS, *LAYOUTS[layout]], run_dir, fault=STOPS[layout][0], timeout=240))
-        return self[layout]
+    def command(self, layout: str) -> tuple[list[str], str]:
+        return [*STEPS, *LAYOUTS[layout]], STOPS[layout][0]
 
 
 @pytest.fixture(scope="module")
