@@ -4,10 +4,12 @@ Faults come from ``DISTTRAIN_FAULT`` (``disttrain/reliability/faults.py``). Ever
 are shared: a ``nan_policy=skip`` run per layout takes a non-finite loss and a non-finite gradient on each rank,
 then ends with a fault on rank 0 (DDP: ENOSPC in the last save; FSDP and Megatron: an exception). Its
 checkpoints are then cut short (a file, a shard of rank 0, a shard of rank 1) and resumed from, and the resumed
-run ends with another fault. The other faults that end a run get one run per cell not covered elsewhere (see
-the matrix in README: the other cells, and the non-finite stop, are in test_reliability.py and
-test_diagnostics_runs.py). Every case asserts the exit code, the rank named on the console, in run.json and in
-the report, that no process is left behind and which checkpoints are complete.
+run ends with another fault. The agreed non-finite stop (``nan_policy=stop``) gets a run under DDP (from rank 0)
+and Megatron pp=2 (from rank 1); Megatron's stopped run is then the resume source of its rank-1 cells (SIGKILL,
+hang, ENOSPC). The other faults that end a run get one run per cell not covered elsewhere (see the matrix in
+README: the other cells, and FSDP's stop, are in test_reliability.py and test_diagnostics_runs.py). Every case
+asserts the exit code, the rank named on the console, in run.json and in the report, that no process is left
+behind and which checkpoints are complete.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ LAYOUTS = {
     "megatron-pp2": ["strategy=megatron", "strategy.pp=2", *GPT],
 }
 RAISED = "RuntimeError: exception in forward of step {step} on rank {rank} (DISTTRAIN_FAULT)"
+# The hang runs' watchdog timeout: each hang run waits it out. A step here takes milliseconds (well under a second
+# at load 5 on 2 cores, the first one included), so 6 s cannot be reached by a step that is only slow.
+HANG_S = 6
 
 
 def checkpoints(run_dir: Path) -> list[str]:
@@ -102,10 +107,15 @@ class SkipRuns(dict):
 
     def __missing__(self, layout: str) -> tuple[Path, subprocess.CompletedProcess]:
         run_dir = self.tmp / layout
+        args, fault = self.command(layout)
+        self[layout] = (run_dir, launch(args, run_dir, fault=fault, timeout=240))
+        return self[layout]
+
+    def command(self, layout: str) -> tuple[list[str], str]:
+        """The overrides and the faults of this layout's run."""
         ending, seen, _ = SKIP_RUNS[layout]
         args = [*STEPS, *LAYOUTS[layout], "trainer.nan_policy=skip", f"trainer.max_nan_skips={len(seen)}"]
-        self[layout] = (run_dir, launch(args, run_dir, fault=f"{NAN_FAULTS}; {ending}", timeout=240))
-        return self[layout]
+        return args, f"{NAN_FAULTS}; {ending}"
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +186,104 @@ def test_resume_passes_over_a_corrupt_checkpoint_then_a_fault_ends_the_resumed_r
     assert names == ["step000003.ckpt", "step000006.ckpt"]  # resuming deletes nothing
 
 
+# -- the agreed non-finite stop (nan_policy=stop, the default), starting on rank 0 and on rank 1 -------------------
+STOPS = {  # layout -> (the fault, the step the guard names: the steps completed before it, what turned non-finite)
+    "ddp": ("nan_loss@step=5,rank=0", 4, "loss and gradients"),  # DDP's all-reduce spreads it to rank 1's gradients
+    "megatron-pp2": ("nan_grad@step=5,rank=1", 4, "gradients"),  # the last stage's gradient only: the vote carries it
+}
+
+
+class StopRuns(SkipRuns):
+    """Each layout's stopped run, launched on first use; Megatron's is resumed from below."""
+
+    def command(self, layout: str) -> tuple[list[str], str]:
+        return [*STEPS, *LAYOUTS[layout]], STOPS[layout][0]
+
+
+@pytest.fixture(scope="module")
+def stop_runs(tmp_path_factory: pytest.TempPathFactory) -> StopRuns:
+    return StopRuns(tmp_path_factory.mktemp("stop"))
+
+
+@pytest.mark.parametrize("layout", sorted(STOPS))
+def test_a_nonfinite_stop_from_any_rank_ends_every_rank_with_exit_4(layout: str, stop_runs: StopRuns) -> None:
+    """Every rank votes and stops at the same step; a non-zero rank that exits first (code 4, its marker) is not
+    taken for a dead one; the launcher ends the stop: one line naming the step and the last good checkpoint."""
+    run_dir, result = stop_runs[layout]
+    _, step, what = STOPS[layout]
+    assert result.returncode == 4, result.stderr[-3000:]
+    reason = f"non-finite {what} at step {step} (nan_policy=stop)"
+    last_good = run_dir / "checkpoints" / "step000003.ckpt"
+    assert result.stderr.splitlines() == [  # each line once: no death, no traceback, no rank's echo
+        f"disttrain: {reason}: stopping; the weights were not updated with it",
+        f"disttrain: stopped: {reason}; last good checkpoint: {last_good}",
+    ]
+    manifest = read_manifest(run_dir)
+    assert (manifest["status"], manifest.get("failure"), manifest.get("failed_rank")) == ("stopped", None, None)
+    nonfinite = {"policy": "stop", "skipped_steps": [], "stopped_at_step": step, "stop_reason": reason}
+    assert manifest["nonfinite"] == nonfinite
+    for rank in (0, 1):  # every rank voted and recorded the same verdict
+        records = [json.loads(line) for line in telemetry_path(run_dir, rank).open()]
+        verdicts = [(r["step"], r["what"], r["action"]) for r in records if r["kind"] == "nonfinite"]
+        assert verdicts == [(step, what, "stopped")]
+    assert report(run_dir)["run_dir"] == str(run_dir) and (run_dir / "report" / "report.md").is_file()
+    assert survivors(run_dir) == []
+    # None for the bad step, nothing half-written; the last good one loads whole, at its step, finite.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt", "step000003.ckpt"]
+    state = load_checkpoint(last_good)
+    assert state["global_step"] == 3
+    assert state["state_dict"] and all(torch.isfinite(t).all() for t in state["state_dict"].values())
+
+
+# -- Megatron pp=2's cells on rank 1, each resumed from the stopped run (a stopped run resumes from its last good) ---
+MEGATRON_RANK1 = {  # case -> (the fault, exit code, the report's top finding)
+    "sigkill": ("sigkill@step=5,rank=1", 1, "crash"),
+    "hang": ("hang@step=5,rank=1", 3, "hang"),
+    "enospc": ("enospc@save=6,rank=1", 1, "crash"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEGATRON_RANK1))
+def test_megatron_rank_1_faults_after_resuming_a_stopped_run(case: str, stop_runs: StopRuns, tmp_path: Path) -> None:
+    stopped, _ = stop_runs["megatron-pp2"]
+    fault, code, finding = MEGATRON_RANK1[case]
+    run_dir = tmp_path / "resumed"
+    args = [f"resume={stopped}", *([f"diagnostics.hang_timeout_s={HANG_S}"] if finding == "hang" else [])]
+    result = launch(args, run_dir, fault=fault, timeout=240)
+    assert f"resuming from {stopped / 'checkpoints' / 'step000003.ckpt'}" in result.stdout
+    if case == "sigkill":  # stage 0 sees its peer's connection close: the dead rank is named, not stage 0
+        assert_failed(result, run_dir, 1, "rank 1 died (killed by SIGKILL)", code=code)
+        assert "Traceback" not in result.stderr
+    elif case == "hang":
+        assert_hung(result, run_dir, 1)
+    else:
+        partial = run_dir / "checkpoints" / ".partial-step000006" / "step000006.ckpt"
+        error = f"OSError: [Errno 28] No space left on device: '{partial}'"
+        assert_raised(result, run_dir, 1, "checkpoint of step 6", error)
+    assert checkpoints(run_dir) == []  # the resumed run failed before its first save completed
+    assert checkpoints(stopped) == ["step000003.ckpt"]  # resuming deletes nothing
+
+
+def assert_hung(result: subprocess.CompletedProcess, run_dir: Path, rank: int) -> None:
+    """The watchdog (``HANG_S``) named ``rank``, the one outside any collective, on the console, in run.json and the
+    report; every rank was killed."""
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert f"ranks not in a collective: [{rank}]" in result.stderr
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "failed" and manifest["failed_rank"] == rank
+    hung = f"rank {rank} hung: no step completed in {HANG_S} s after step 4, outside any collective"
+    assert manifest["failure"] == hung
+    top = report(run_dir)["findings"][0]
+    assert (top["kind"], top["ranks"]) == ("hang", [rank])
+    assert survivors(run_dir) == []
+
+
 # -- other faults that end the run: one run per cell ---------------------------------------------------------------
 # (layout, fault, exit code, rank named, report finding)
 ENDING = {
     "ddp-hang-rank0": ("ddp", "hang@step=5,rank=0", 3, 0, "hang"),
     "fsdp-hang-rank0": ("fsdp", "hang@step=5,rank=0", 3, 0, "hang"),
+    "fsdp-hang-rank1": ("fsdp", "hang@step=5,rank=1", 3, 1, "hang"),  # rank 0 waits in a collective meanwhile
     "fsdp-raise-rank1": ("fsdp", "raise@step=5,rank=1", 1, 1, "crash"),
     "fsdp-enospc-rank0": ("fsdp", "enospc@save=6,rank=0", 1, 0, "crash"),
     "fsdp-enospc-rank1": ("fsdp", "enospc@save=6,rank=1", 1, 1, "crash"),
@@ -195,18 +298,11 @@ def test_a_fault_that_ends_the_run_names_its_rank_everywhere(case: str, tmp_path
     run_dir = tmp_path / "run"
     args = [*STEPS, *LAYOUTS[layout]]
     if finding == "hang":
-        args.append("diagnostics.hang_timeout_s=10")
+        args.append(f"diagnostics.hang_timeout_s={HANG_S}")
     result = launch(args, run_dir, fault=fault, timeout=240)
     if finding == "hang":
-        assert result.returncode == code, result.stderr[-3000:]
-        assert f"ranks not in a collective: [{rank}]" in result.stderr
-        manifest = read_manifest(run_dir)
-        assert manifest["status"] == "failed" and manifest["failed_rank"] == rank
-        hung = f"rank {rank} hung: no step completed in 10 s after step 4, outside any collective"
-        assert manifest["failure"] == hung
-        top = report(run_dir)["findings"][0]
-        assert (top["kind"], top["ranks"]) == ("hang", [rank])
-        assert survivors(run_dir) == []
+        assert code == 3
+        assert_hung(result, run_dir, rank)
     elif fault.startswith("raise"):
         assert_raised(result, run_dir, rank, "forward of step 5", RAISED.format(step=5, rank=rank))
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
 import sys
 import threading
 import traceback
@@ -126,6 +127,38 @@ def stop_for_failure(
     if trace:
         say(trace.rstrip("\n"), file=sys.stderr)
     return RunStopped(FAILED, f"disttrain: {failure}; stopping the job{where}")
+
+
+def interrupting_signal(error: BaseException) -> signal.Signals | None:
+    """The signal behind an error that ended fit, if any: Lightning turns SIGTERM into ``SIGTERMException`` (a
+    SystemExit without a code, which would exit 0) and Ctrl-C into ``sys.exit(1)`` while handling the
+    KeyboardInterrupt."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    if isinstance(error, SIGTERMException):
+        return signal.SIGTERM
+    if isinstance(error, KeyboardInterrupt) or (
+        isinstance(error, SystemExit) and isinstance(error.__context__, KeyboardInterrupt)
+    ):
+        return signal.SIGINT
+    return None
+
+
+def stop_for_signal(failure_reporting: FailureReporting, signum: signal.Signals) -> RunStopped:
+    """A 1-process run ended by a signal it could catch: record it as rank 0's failure (run.json, failure.json,
+    the report) and end with 128+N, the status a shell gives a process that signal ended."""
+    from disttrain.job.run import say_report
+
+    run_dir, manifest = failure_reporting.run_dir, failure_reporting.manifest
+    failure = f"rank 0 stopped by {signum.name}"
+    with contextlib.suppress(Exception):  # the job must end whatever happens here
+        manifest.failed(failure, 0).write(run_dir)
+        write_failure(run_dir, {"error": f"stopped by {signum.name}", "source": "rank 0", "rank": 0, "traceback": ""})
+    where = ""
+    if failure_reporting.report:
+        report = say_report(run_dir, quiet=True)
+        where = f"; report: {report.written_to / 'report.md'}" if report and report.written_to else ""
+    return RunStopped(128 + signum, f"disttrain: {failure}; stopping the job{where}")
 
 
 def record_hang(failure_reporting: FailureReporting, hang: dict) -> None:

@@ -12,15 +12,21 @@ rank 0's own: 137 for SIGKILL.
 Nothing of this runs while rank 0 lives: the waiting thread costs nothing. Under the restart supervisor
 (``trainer.max_restarts``) the supervisor sees rank 0 die and restarts the job; the ranks die by
 PR_SET_PDEATHSIG without a word, as before.
+
+A 1-process run has no rank to do this: it starts the same reporter at once, waiting on the run's process
+(``watch_this_process``; ``--watch PID``), and ends it when the job ends by itself (``stop_watching``). One
+sleeping torch-free process per 1-process job; it acts only if the run dies with run.json still ``running``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from diagnostics.manifest import RunManifest, read_manifest
@@ -73,11 +79,48 @@ def wants_report(run_dir: Path) -> bool:
     return bool(diagnostics.get("enabled", True) and diagnostics.get("report", True))
 
 
+def watch_this_process(run_dir: Path) -> subprocess.Popen | None:
+    """A 1-process run: start the reporter now, waiting on this process (None if it cannot be started)."""
+    command = [sys.executable, "-m", "disttrain.job.launcher_death", "--watch", str(os.getpid()), str(run_dir)]
+    try:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    except OSError:
+        return None  # the run goes on; only a death of this process would go unrecorded
+
+
+def stop_watching(watcher: subprocess.Popen | None) -> None:
+    """The job ended by itself (completed, failed or stopped, each recorded by the run): end its reporter."""
+    if watcher is not None and watcher.poll() is None:
+        watcher.kill()
+        watcher.wait()
+
+
+def wait_for_death(pid: int) -> int | None:
+    """Block until process ``pid`` (this one's parent) exits; how it ended, while it is not reaped yet."""
+    try:
+        pidfd = os.pidfd_open(pid)  # type: ignore[attr-defined]
+    except ProcessLookupError:
+        return None
+    except (AttributeError, OSError):  # no pidfd here: poll whether the parent is still ours
+        while os.getppid() == pid:
+            time.sleep(1.0)
+        return exit_status_of_dead_process(pid)
+    select.select([pidfd], [], [])
+    return exit_status_of_dead_process(pid)
+
+
 def main(argv: list[str]) -> int:
-    """``python -m disttrain.job.launcher_death RUN_DIR [EXIT_STATUS]`` (started by a rank, see the module doc)."""
+    """``python -m disttrain.job.launcher_death RUN_DIR [EXIT_STATUS]`` (started by a rank, see the module doc), or
+    ``--watch PID RUN_DIR`` (started by a 1-process run: wait for PID to exit first)."""
+    if argv[:1] == ["--watch"]:
+        # Ctrl-C reaches every process of the terminal's foreground group: this one must outlive the run it records.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        code = wait_for_death(int(argv[1]))
+        run_dir = Path(argv[2])
+    else:
+        run_dir = Path(argv[0])
+        code = int(argv[1]) if len(argv) > 1 and argv[1].lstrip("-").isdigit() else None
     signal.alarm(REPORT_TIME_LIMIT_S)
-    run_dir = Path(argv[0])
-    code = int(argv[1]) if len(argv) > 1 and argv[1].lstrip("-").isdigit() else None
     failure = record_launcher_death(run_dir, code)
     if failure is None:
         return 0

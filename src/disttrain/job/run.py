@@ -32,13 +32,15 @@ from disttrain.job.describe import RunResult, describe_launch, describe_result
 from disttrain.job.early_start import take_started_ranks
 from disttrain.job.failure import (
     FailureReporting,
+    interrupting_signal,
     log_to_own_file,
     rank_died,
     record_crash,
     record_hang,
     stop_for_failure,
+    stop_for_signal,
 )
-from disttrain.job.launcher_death import report_launcher_death
+from disttrain.job.launcher_death import report_launcher_death, stop_watching, watch_this_process
 from disttrain.job.manifest import command_line, git_commit, versions
 from disttrain.job.objective import objective_value
 from disttrain.job.prediction import predict_run, with_measurement
@@ -166,9 +168,15 @@ def train(
     if failures.reports and early is None:  # an early start is a new run dir, whose ranks may be writing already
         retire_crash_records(run_dir)  # a restart runs in the same run dir
         retire_stop_markers(run_dir)
-    ranks = spawn(layout, command_for_rank, failures, early)
-    parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, failures)
-    finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, (layout, plan, calibration))
+    # A 1-process run has no rank to record its death (SIGKILL, the OOM killer): a torch-free process waits on it.
+    alone = failures.reports and layout.world_size == 1 and not role.supervised
+    watcher = watch_this_process(run_dir) if alone else None
+    try:
+        ranks = spawn(layout, command_for_rank, failures, early)
+        parts, datamodule = fit(run_cfg, cfg, layout, plan, facts, run_dir, checkpoint, ranks, failures)
+        finish(run_cfg, parts, datamodule, ranks, run_dir, manifest, started, (layout, plan, calibration))
+    finally:
+        stop_watching(watcher)  # the job ended by itself, and recorded how
 
 
 def spawn(
@@ -271,6 +279,8 @@ def fit(
         if crashed and failures.reports:
             failures.lock.acquire()  # if the rank watcher holds it, it is ending this process
             raise stop_for_failure(failures, ranks, None, err) from None
+        if ranks is None and failures.reports and (signum := interrupting_signal(err)) is not None:
+            raise stop_for_signal(failures, signum) from None  # else SIGTERM would exit 0 with run.json "running"
         if ranks is None:
             raise
         # A rank that died makes rank 0's next collective fail at once ("connection reset"): name the cause.
