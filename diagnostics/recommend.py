@@ -47,6 +47,9 @@ class Recommendation:
     expected_effect: str
     pinned: tuple[str, ...] = ()
     expected_gain: dict[str, Any] = field(default_factory=lambda: dict(NOT_ESTIMATED), compare=False)
+    # ``diagnose --ab`` compares step times; a lever against non-finite values changes whether a run survives,
+    # which two short runs cannot show, so it is not offered for A/B.
+    ab_testable: bool = True
 
     @property
     def override(self) -> str:
@@ -440,8 +443,88 @@ def for_crash(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     return [_no_lever(why, "the run completes")]
 
 
+# Not measured: the usual remedies for a loss or gradients that turn NaN/inf, to try in this order.
+TRIED_NOT_MEASURED = {"fraction": 0.0, "basis": "not measured: whether it avoids the non-finite step shows in a rerun"}
+MIN_WARMUP_STEPS = 100  # a warm-up shorter than this rarely protects Adam's first, noisy moment estimates
+
+
+def for_nonfinite(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    ev = finding.evidence
+    stopped = ev.get("action") == "stopped"
+    recs = [r for r in _stability_levers(ctx, ev) if r is not None]
+    if stopped and ev.get("policy") == "stop":
+        why = (
+            "drop the update of a rare bad step and go on (up to trainer.max_nan_skips of them) instead of stopping; "
+            "it hides nothing: each skip is recorded and reported. Only for rare spikes: a diverging run skips until "
+            "it stops anyway"
+        )
+        recs.append(_rec("trainer.nan_policy", "skip", why, "the run rides over an isolated non-finite step"))
+    last = ev.get("last_good_checkpoint")
+    if stopped and last:
+        path = Path(str(last))
+        # The run dir resumes from its newest complete checkpoint, which is the last good one (none is written for
+        # the bad step); a checkpoint outside a run's checkpoints/ is resumed from directly.
+        target = path.parent.parent if path.parent.name == "checkpoints" else path
+        why = (
+            f"continues from the last good checkpoint ({path.name}) with any of the changes above that a resume takes "
+            "(trainer.grad_clip, trainer.nan_policy, optimizer.warmup_steps); the base lr comes from the "
+            "checkpoint's schedule, so a lower optimizer.lr needs a fresh run"
+        )
+        recs.append(_rec("resume", str(target), why, "the steps before the bad one are kept"))
+    elif stopped:
+        recs.append(_no_lever("no checkpoint was saved before the bad step: rerun with a change above", "-"))
+    return [replace(r, ab_testable=False).gaining(TRIED_NOT_MEASURED) if r.key else r for r in recs]
+
+
+def _stability_levers(ctx: RunContext, ev: dict[str, Any]) -> list[Recommendation | None]:
+    """Lower lr, longer warm-up, clipping, a safer precision: each only where the run's config leaves room."""
+    lr, warmup, clip = ctx.get("optimizer.lr"), ctx.get("optimizer.warmup_steps"), ctx.get("trainer.grad_clip")
+    step = ev.get("stopped_at_step")
+    if step is None and ev.get("skipped_steps"):
+        step = ev["skipped_steps"][0]
+    levers: list[Recommendation | None] = []
+    if isinstance(lr, int | float) and not isinstance(lr, bool) and lr > 0:
+        why = (
+            "a learning rate too high for this model and batch is the most common cause of a loss that diverges to "
+            f"NaN; half of {lr:g}"
+        )
+        levers.append(_rec("optimizer.lr", float(f"{lr / 2:.3g}"), why, "smaller updates, slower early progress"))
+    if isinstance(warmup, int) and not isinstance(warmup, bool):
+        longer = max(2 * warmup, MIN_WARMUP_STEPS)
+        at = (
+            f" (the bad step, {step}, came {'during' if isinstance(step, int) and step < warmup else 'after'} it)"
+            if isinstance(step, int)
+            else ""
+        )
+        why = (
+            f"a longer warm-up, {longer} steps instead of {warmup}{at}, keeps early updates small while Adam's moment "
+            "estimates settle"
+        )
+        levers.append(_rec("optimizer.warmup_steps", longer, why, "a gentler start; the peak lr is reached later"))
+    if isinstance(clip, int | float) and not isinstance(clip, bool) and clip <= 0:
+        why = "gradient clipping is off (trainer.grad_clip=0): one large gradient can push the weights to inf"
+        levers.append(_rec("trainer.grad_clip", 1.0, why, "every update's norm bounded by 1.0"))
+    levers.append(_safer_precision(ctx))
+    return levers
+
+
+def _safer_precision(ctx: RunContext) -> Recommendation | None:
+    precision = ctx.get("precision.name")
+    if precision == "fp16-mixed":
+        why = "fp16 overflows above 65504; bf16 has fp32's exponent range (overflow only above ~3e38)"
+        return _rec("precision", "bf16-mixed", why, "no fp16 overflow; same speed on GPUs with bf16")
+    if precision == "bf16-true":
+        why = "bf16-true keeps the weights and optimizer states in bf16; bf16-mixed keeps fp32 master weights"
+        return _rec("precision", "bf16-mixed", why, "fp32 weight updates; more memory for the fp32 copies")
+    if precision == "bf16-mixed":
+        why = "rules reduced precision out as the cause: fp32 throughout"
+        return _rec("precision", "fp32", why, "slower steps and more activation memory; a diagnosis, not a fix")
+    return None
+
+
 RECOMMENDERS = {
     "crash": for_crash,
+    "nonfinite": for_nonfinite,
     "input_bound": for_input_bound,
     "straggler": for_straggler,
     "comm_bound": for_comm_bound,
@@ -533,7 +616,7 @@ def ab_tests(analysis: Analysis, recommendations: list[list[Recommendation]], to
         for rec in recs:
             if len(tests) >= top_k:
                 return tests
-            if any(t.key == rec.key for t in tests):
+            if any(t.key == rec.key for t in tests) or not rec.ab_testable:
                 continue
             if (test := ab_test(rec, ctx, original, analysis.run.run_dir)) is not None:
                 tests.append(test)

@@ -64,6 +64,14 @@ class Scenario:
     hang_after: int | None = None  # last completed step before every rank stops
     # (rank, step, phase): that rank raises in that step; the others' next collective fails ("closed by peer").
     crash: tuple[int, int, str] | None = None
+    # Steps (the guard's numbering: the steps completed before it) with a non-finite ``nonfinite_what``; under
+    # nan_policy=stop the first one ends the run, under skip each is skipped. Recorded by ``nonfinite_ranks``
+    # (None: every rank, as the vote makes it).
+    nonfinite: tuple[int, ...] = ()
+    nonfinite_what: str = "loss and gradients"
+    nan_policy: str = "stop"
+    nonfinite_ranks: tuple[int, ...] | None = None
+    nonfinite_manifest: bool = True  # run.json's nonfinite record, with the last good checkpoint of a stop
     jitter: float = 0.03
     comm_ops: tuple[str, ...] = ("gloo:all_reduce",)  # profiled communication, split evenly over these ops
     grad_hook: bool = True  # False: as under FSDP2, backward's communication wait is timed as compute
@@ -99,6 +107,8 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "hang": Scenario(hang_after=7),
     "crash": Scenario(crash=(1, 8, "forward")),
+    "nonfinite_stop": Scenario(nonfinite=(12,)),
+    "nonfinite_skip": Scenario(overrides=("trainer.nan_policy=skip",), nonfinite=(3, 9), nan_policy="skip"),
 }
 
 
@@ -133,12 +143,36 @@ def write_run(run_dir: Path, name: str, *, manifest: bool = True, **changes: obj
     man = json.loads(json.dumps(_manifest(sc.overrides)))
     _deep_update(man["config"], sc.config_patch)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if sc.nonfinite:
+        _nonfinite_manifest(man, sc, run_dir)
     if manifest:
         (run_dir / "run.json").write_text(json.dumps(man, indent=2))
         (run_dir / ".hydra").mkdir(exist_ok=True)
         (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in sc.overrides))
     _write_telemetry(run_dir, sc, man)
     return run_dir
+
+
+def _stopped_at(sc: Scenario) -> int | None:
+    return sc.nonfinite[0] if sc.nonfinite and sc.nan_policy == "stop" else None
+
+
+def _nonfinite_manifest(man: dict, sc: Scenario, run_dir: Path) -> None:
+    """run.json of a run with non-finite steps, as job/run.py's finish writes it."""
+    stop = _stopped_at(sc)
+    man["status"] = "stopped" if stop is not None else "completed"
+    man["result"] = {"steps": stop + 1 if stop is not None else sc.steps}
+    if not sc.nonfinite_manifest:
+        return
+    man["nonfinite"] = {
+        "policy": sc.nan_policy,
+        "skipped_steps": [] if stop is not None else list(sc.nonfinite),
+        "stopped_at_step": stop,
+        "stop_reason": None if stop is None else f"non-finite {sc.nonfinite_what} at step {stop} (nan_policy=stop)",
+    }
+    if stop is not None:
+        last = run_dir / "checkpoints" / f"step{stop - stop % 5:06d}.ckpt"  # saved every 5 steps
+        man["nonfinite"]["last_good_checkpoint"] = str(last)
 
 
 @dataclass(frozen=True)
@@ -173,6 +207,8 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
     steps: list[list[RankStep]] = []
     start = [T0] * world
     completed = sc.steps if sc.hang_after is None else sc.hang_after
+    if _stopped_at(sc) is not None:  # the stopping step completes (without its update), then the run ends
+        completed = min(completed, _stopped_at(sc) + 1)
     for index in range(completed if sc.crash is None else sc.crash[1] - 1):
         rows = []
         for rank in range(world):
@@ -310,6 +346,7 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                 data_wait_s=means[2],
             )
             window = []
+    _write_nonfinite(writers, sc, t)
     if sc.hang_after is not None:
         for w in writers:
             w.write(
@@ -327,6 +364,17 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
         _write_end(writers, sc, t, mean_step, tokens_per_s, peak, calibrated)
     for w in writers:
         w.close()
+
+
+def _write_nonfinite(writers: list[TelemetryWriter], sc: Scenario, t: float) -> None:
+    """The guard's records: each bad step's agreed verdict, on every rank that records it."""
+    stop = _stopped_at(sc)
+    ranks = range(len(writers)) if sc.nonfinite_ranks is None else sc.nonfinite_ranks
+    for rank in ranks:
+        for skipped, step in enumerate(sc.nonfinite if stop is None else (stop,), start=1):
+            action = "stopped" if stop is not None else "skipped"
+            total = 0 if stop is not None else skipped
+            writers[rank].write("nonfinite", t=t, step=step, what=sc.nonfinite_what, action=action, skipped_total=total)
 
 
 def _raised(error: Exception) -> Exception:
@@ -400,7 +448,8 @@ def _write_end(
                 peak_rss_bytes=1.5 * GIB,
                 device_memory_bytes=None,
             )
-        w.write("end", t=t, steps=sc.steps, wall_s=t - T0)
+        stop = _stopped_at(sc)
+        w.write("end", t=t, steps=sc.steps if stop is None else stop + 1, wall_s=t - T0)
     key = "mfu" if sc.gpu else "calibrated_mfu"
     writers[0].write(
         "throughput",

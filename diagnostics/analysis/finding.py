@@ -10,6 +10,7 @@ from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING
 KINDS = (
     "crash",
     "hang",
+    "nonfinite",
     "input_bound",
     "straggler",
     "comm_bound",
@@ -19,7 +20,8 @@ KINDS = (
     "low_overlap",
     "host_overhead",
     "low_mfu",
-)  # the tie-break order at equal cost: a crash or a hang explains everything else, low MFU is usually a consequence
+)  # the tie-break order at equal cost: a run's end (crash, hang, non-finite stop) explains everything else, low MFU
+# is usually a consequence
 SEVERITIES = ("critical", "warning", "info")
 PHASES = ("data", "forward", "backward", "optimizer", "other")  # what a slow rank is slow in
 

@@ -10,6 +10,7 @@ from diagnostics.analysis.detect_devices import (
     detect_memory_pressure,
     detect_throttling,
 )
+from diagnostics.analysis.detect_nonfinite import detect_nonfinite
 from diagnostics.analysis.detect_ranks import detect_straggler
 from diagnostics.analysis.detect_steps import (
     detect_comm_bound,
@@ -35,11 +36,15 @@ PHASE_DETECTORS = (
 
 
 def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
-    """All findings, the biggest lever first (cost descending; see ``Finding.sort_key``). A crash comes first,
-    and the other findings of a crashed run are graded on the little the run measured."""
+    """All findings, the biggest lever first (cost descending; see ``Finding.sort_key``). A crash or a non-finite
+    stop comes first, and the other findings of a run that ended early are graded on the little it measured."""
     findings = [f for detect in PHASE_DETECTORS for f in detect(run, phases)]
     findings += detect_low_mfu(run, summary)
-    crash = detect_crash(run)
-    if crash:
-        findings = crash + temper_after_crash(findings, run)
-    return sorted(findings, key=Finding.sort_key)
+    nonfinite = detect_nonfinite(run)
+    stopped = [f for f in nonfinite if f.evidence.get("action") == "stopped"]
+    ended = detect_crash(run) + stopped
+    if ended:
+        findings = temper_after_crash(findings, run)
+    # Skipped steps are counted exactly, not estimated from the few steps measured: never tempered.
+    skipped = [f for f in nonfinite if f not in stopped]
+    return sorted(ended + skipped + findings, key=Finding.sort_key)

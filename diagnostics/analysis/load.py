@@ -104,6 +104,7 @@ class RankTelemetry:
     calibrations: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     hang: dict[str, Any] | None = None
+    nonfinite: list[dict[str, Any]] = field(default_factory=list)  # the non-finite guard's verdicts, in order
     end: dict[str, Any] | None = None
     first_t: float | None = None
 
@@ -212,6 +213,8 @@ def _add(tele: RankTelemetry, rec: dict[str, Any], windows: list[RanksWindow]) -
         tele.calibrations.append(rec)
     elif kind == "error":
         tele.errors.append(rec)
+    elif kind == "nonfinite":
+        tele.nonfinite.append(rec)
     elif kind in ("meta", "memory", "throughput", "hang", "end"):
         setattr(tele, kind, rec)
 

@@ -74,4 +74,6 @@ def cost_text(finding: Any) -> str:
 def gain_text(rec: Any) -> str:
     """``saves ~20% of the step: basis`` of a recommendation (its expected gain)."""
     expected = rec.expected_gain
+    if not getattr(rec, "ab_testable", True):  # a stability lever: its gain is not in step time
+        return str(expected.get("basis"))
     return f"saves ~{pct(expected.get('fraction'), 0)} of the step: {expected.get('basis')}"

@@ -37,6 +37,11 @@ def thresholds() -> dict[str, float | int]:
     return {k: v for k, v in vars(thresholds_module).items() if k.isupper() and isinstance(v, int | float)}
 
 
+def ended_run(finding: Finding) -> bool:
+    """Whether ``finding`` is what ended the run (a crash, a non-finite stop) rather than a cost per step."""
+    return finding.kind == "crash" or (finding.kind == "nonfinite" and finding.evidence.get("action") == "stopped")
+
+
 @dataclass
 class Report:
     run_dir: Path
@@ -158,9 +163,13 @@ class Report:
         finding, rec = top
         if finding.kind == "crash":
             return f"{split}; the run crashed: {finding.message}"
+        if ended_run(finding):
+            return f"{split}; {finding.message}" + (f"; try {rec.override} (not measured)" if rec else "")
         lead = f"{split}; top: {finding.kind} costs {pct(finding.cost_fraction, 0)}"
         if rec is None:
             return f"{lead} (no config lever: see report)"
+        if not rec.ab_testable:
+            return f"{lead}; try {rec.override} (not measured)"
         return f"{lead}, {rec.override} expected to save ~{pct(rec.expected_gain['fraction'], 0)} of the step"
 
     def text_summary(self) -> str:
@@ -168,8 +177,8 @@ class Report:
         lines = [f"diagnostics: {self.verdict()}", f"  {self.headline()}"]
         pairs = list(zip(self.findings, self.recommendations, strict=True))
         for finding, recs in pairs[:TEXT_FINDINGS]:
-            # A crash does not slow steps down: it ends the run.
-            price = "[run stopped]" if finding.kind == "crash" else f"[{pct(finding.cost_fraction, 0)} of step]"
+            # A crash or a non-finite stop does not slow steps down: it ends the run.
+            price = "[run stopped]" if ended_run(finding) else f"[{pct(finding.cost_fraction, 0)} of step]"
             lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{self.next_step(recs)}")
         if len(pairs) > TEXT_FINDINGS:
             lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")

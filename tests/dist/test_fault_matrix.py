@@ -221,12 +221,16 @@ def test_a_nonfinite_stop_from_any_rank_ends_every_rank_with_exit_4(layout: str,
     manifest = read_manifest(run_dir)
     assert (manifest["status"], manifest.get("failure"), manifest.get("failed_rank")) == ("stopped", None, None)
     nonfinite = {"policy": "stop", "skipped_steps": [], "stopped_at_step": step, "stop_reason": reason}
-    assert manifest["nonfinite"] == nonfinite
+    assert manifest["nonfinite"] == {**nonfinite, "last_good_checkpoint": str(last_good)}
     for rank in (0, 1):  # every rank voted and recorded the same verdict
         records = [json.loads(line) for line in telemetry_path(run_dir, rank).open()]
         verdicts = [(r["step"], r["what"], r["action"]) for r in records if r["kind"] == "nonfinite"]
         assert verdicts == [(step, what, "stopped")]
     assert report(run_dir)["run_dir"] == str(run_dir) and (run_dir / "report" / "report.md").is_file()
+    top = report(run_dir)["findings"][0]  # the report explains the stop: every rank agreed, the last good named
+    assert (top["kind"], top["severity"], top["ranks"], top["cost"]["fraction"]) == ("nonfinite", "critical", [0, 1], 1)
+    assert (top["evidence"]["stopped_at_step"], top["evidence"]["what"]) == (step, what)
+    assert top["evidence"]["last_good_checkpoint"] == str(last_good) and top["evidence"]["every_rank_agreed"]
     assert survivors(run_dir) == []
     # None for the bad step, nothing half-written; the last good one loads whole, at its step, finite.
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt", "step000003.ckpt"]

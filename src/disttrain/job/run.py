@@ -348,6 +348,8 @@ def finish(
     manifest.status = "stopped" if stopped else "completed"
     manifest.wall_time_s, manifest.result = result.wall_time_s, result
     manifest.result_gap_to_floor = result.gap_to_floor
+    # No checkpoint is written for the bad step, so the newest complete one is the last good one.
+    last = newest_complete(parts.ckpt_dir) if stopped else None
     if guard is not None:
         manifest.nonfinite = {
             "policy": guard.policy,
@@ -355,6 +357,8 @@ def finish(
             "stopped_at_step": guard.stopped_at,
             "stop_reason": guard.stop_reason,
         }
+        if stopped:  # the report names it (diagnostics/analysis/detect_nonfinite.py)
+            manifest.nonfinite["last_good_checkpoint"] = str(last.checkpoint) if last else None
     exported = maybe_export_hf(run_cfg, parts.ckpt_dir, run_dir) if not stopped else None
     manifest.hf_export = str(exported) if exported is not None else None
     manifest.prediction = prediction
@@ -372,7 +376,6 @@ def finish(
     elif prediction is not None:
         say(f"  {one_line(prediction)}")
     if stopped:
-        last = newest_complete(parts.ckpt_dir)
         kept = f"; last good checkpoint: {last.checkpoint}" if last else "; no checkpoint was saved before it"
         raise RunStopped(NONFINITE, f"disttrain: stopped: {guard.stop_reason}{kept}")
 
