@@ -451,7 +451,7 @@ MIN_WARMUP_STEPS = 100  # a warm-up shorter than this rarely protects Adam's fir
 def for_nonfinite(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     ev = finding.evidence
     stopped = ev.get("action") == "stopped"
-    recs = [r for r in _stability_levers(ctx, ev) if r is not None]
+    recs = _stability_levers(ctx, ev)
     if stopped and ev.get("policy") == "stop":
         why = (
             "drop the update of a rare bad step and go on (up to trainer.max_nan_skips of them) instead of stopping; "
@@ -476,13 +476,13 @@ def for_nonfinite(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     return [replace(r, ab_testable=False).gaining(TRIED_NOT_MEASURED) if r.key else r for r in recs]
 
 
-def _stability_levers(ctx: RunContext, ev: dict[str, Any]) -> list[Recommendation | None]:
+def _stability_levers(ctx: RunContext, ev: dict[str, Any]) -> list[Recommendation]:
     """Lower lr, longer warm-up, clipping, a safer precision: each only where the run's config leaves room."""
     lr, warmup, clip = ctx.get("optimizer.lr"), ctx.get("optimizer.warmup_steps"), ctx.get("trainer.grad_clip")
     step = ev.get("stopped_at_step")
     if step is None and ev.get("skipped_steps"):
         step = ev["skipped_steps"][0]
-    levers: list[Recommendation | None] = []
+    levers: list[Recommendation] = []
     if isinstance(lr, int | float) and not isinstance(lr, bool) and lr > 0:
         why = (
             "a learning rate too high for this model and batch is the most common cause of a loss that diverges to "
@@ -504,22 +504,21 @@ def _stability_levers(ctx: RunContext, ev: dict[str, Any]) -> list[Recommendatio
     if isinstance(clip, int | float) and not isinstance(clip, bool) and clip <= 0:
         why = "gradient clipping is off (trainer.grad_clip=0): one large gradient can push the weights to inf"
         levers.append(_rec("trainer.grad_clip", 1.0, why, "every update's norm bounded by 1.0"))
-    levers.append(_safer_precision(ctx))
-    return levers
+    return levers + _safer_precision(ctx)
 
 
-def _safer_precision(ctx: RunContext) -> Recommendation | None:
+def _safer_precision(ctx: RunContext) -> list[Recommendation]:
     precision = ctx.get("precision.name")
     if precision == "fp16-mixed":
         why = "fp16 overflows above 65504; bf16 has fp32's exponent range (overflow only above ~3e38)"
-        return _rec("precision", "bf16-mixed", why, "no fp16 overflow; same speed on GPUs with bf16")
+        return [_rec("precision", "bf16-mixed", why, "no fp16 overflow; same speed on GPUs with bf16")]
     if precision == "bf16-true":
         why = "bf16-true keeps the weights and optimizer states in bf16; bf16-mixed keeps fp32 master weights"
-        return _rec("precision", "bf16-mixed", why, "fp32 weight updates; more memory for the fp32 copies")
+        return [_rec("precision", "bf16-mixed", why, "fp32 weight updates; more memory for the fp32 copies")]
     if precision == "bf16-mixed":
         why = "rules reduced precision out as the cause: fp32 throughout"
-        return _rec("precision", "fp32", why, "slower steps and more activation memory; a diagnosis, not a fix")
-    return None
+        return [_rec("precision", "fp32", why, "slower steps and more activation memory; a diagnosis, not a fix")]
+    return []
 
 
 RECOMMENDERS = {

@@ -20,6 +20,7 @@ from diagnostics.analysis.load import RunTelemetry
 
 STOPPED = "the run stopped: every step after it is lost until it is resumed with a change that avoids it"
 SKIPPED = "the share of the run's steps whose update was dropped: their compute was spent for nothing"
+UNKNOWN = "loss or gradients"  # run.json's list of skipped steps does not say which
 SHOWN_EVENTS = 20  # a long run of skips lists its first steps only (the count stays exact)
 # The guard's reason, as it writes it to run.json: "non-finite loss and gradients at step 4 (nan_policy=stop)"
 REASON = re.compile(r"non-finite (?P<what>.+?) at step (?P<step>\d+)")
@@ -30,7 +31,7 @@ class Event:
     """One bad step as the ranks recorded it."""
 
     step: int
-    what: str  # loss | gradients | loss and gradients | unknown
+    what: str  # loss | gradients | loss and gradients | UNKNOWN
     action: str  # skipped | stopped
     ranks: tuple[int, ...]  # the ranks that recorded it (all of them: the verdict is agreed)
 
@@ -101,7 +102,7 @@ def _from_telemetry(run: RunTelemetry) -> list[Event]:
             if not isinstance(step, int) or isinstance(step, bool):
                 continue
             seen = by_step.setdefault(step, {"what": [], "action": [], "ranks": []})
-            seen["what"].append(str(rec.get("what") or "unknown"))
+            seen["what"].append(str(rec.get("what") or UNKNOWN))
             seen["action"].append("stopped" if rec.get("action") == "stopped" else "skipped")
             seen["ranks"].append(rank)
     return [
@@ -125,13 +126,11 @@ def _from_manifest(run: RunTelemetry) -> list[Event]:
     """The events run.json's record holds (no ranks: it is the launcher's summary, written once)."""
     record = _manifest_record(run)
     steps = record.get("skipped_steps")
-    events = (
-        [Event(s, "unknown", "skipped", ()) for s in steps if isinstance(s, int)] if isinstance(steps, list) else []
-    )
+    events = [Event(s, UNKNOWN, "skipped", ()) for s in steps if isinstance(s, int)] if isinstance(steps, list) else []
     stopped_at = record.get("stopped_at_step")
     if isinstance(stopped_at, int) and not isinstance(stopped_at, bool):
         match = REASON.search(str(record.get("stop_reason") or ""))
-        events.append(Event(stopped_at, match["what"] if match else "unknown", "stopped", ()))
+        events.append(Event(stopped_at, match["what"] if match else UNKNOWN, "stopped", ()))
     return events
 
 

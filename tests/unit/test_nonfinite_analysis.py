@@ -8,6 +8,7 @@ from pathlib import Path
 from diagnostics.analysis import analyse
 from diagnostics.recommend import ab_tests, recommend_all
 from diagnostics.report import build_report, diagnose_run
+from diagnostics.telemetry import TelemetryWriter
 from tests.diag_fixtures import write_run
 
 AGREED = "every rank agreed (the ranks vote; which rank's values turned non-finite first is not recorded)"
@@ -150,3 +151,25 @@ def test_every_report_format_renders_the_stop(tmp_path: Path) -> None:
     assert summary[2].startswith("  critical nonfinite [run stopped]: non-finite loss and gradients at step 12")
     rebuilt = build_report(run_dir)  # python -m diagnose reads the same files
     assert rebuilt.kinds() == report.kinds()
+
+
+def test_more_skips_than_allowed_stop_the_run_after_the_skipped_steps(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", "nonfinite_skip", nonfinite=(3, 9))
+    for rank in (0, 1):  # trainer.max_nan_skips=2 reached: the guard stops at the third bad step
+        writer = TelemetryWriter(run_dir, rank)
+        writer.write("nonfinite", step=15, what="loss", action="stopped", skipped_total=2)
+        writer.close()
+    analysis = analyse(run_dir)
+    top = analysis.findings[0]
+    assert (top.kind, top.severity, top.cost["fraction"]) == ("nonfinite", "critical", 1.0)
+    ev = top.evidence
+    assert (ev["policy"], ev["stopped_at_step"], ev["what"], ev["skipped_steps"]) == ("skip", 15, "loss", [3, 9])
+    assert top.message.startswith("non-finite loss at step 15 after 2 skipped step(s): the run stopped; every rank")
+    assert "trainer.nan_policy=skip" not in overrides(recommend_all(analysis)[0])  # it was skipping already
+
+
+def test_run_json_alone_does_not_guess_what_a_skipped_step_had(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", "nonfinite_skip", nonfinite=(3, 9), nonfinite_ranks=())
+    (finding,) = [f for f in analyse(run_dir).findings if f.kind == "nonfinite"]
+    assert finding.evidence["record"] == "run.json nonfinite"
+    assert finding.message.startswith("2 of 20 steps skipped with non-finite loss or gradients (step 3, 9;")
