@@ -11,6 +11,7 @@ processes on a shared machine disturb far less than they disturb wall-clock rati
 rank, in a collective) then shows as less time, not more, so compare phases, not step totals, between clocks.
 
     python benchmarks/overhead_phases.py [--strategy ddp|fsdp] [--repeats 3] [--steps 100] [--clock wall|thread]
+        [--extra strategy.gradient_as_bucket_view=false ...]   # any train overrides, both sides
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clock", default="wall", choices=["wall", "thread"])
+    parser.add_argument("--extra", nargs="*", default=[], help="extra `python -m train` overrides for both sides")
     args = parser.parse_args()
     overrides = [
         f"trainer.max_steps={args.steps}",
@@ -130,6 +132,7 @@ def main() -> None:
         "trainer.val_batches=1",
         f"trainer.ckpt_every_n_steps={args.steps}",
         f"strategy={args.strategy}",
+        *args.extra,
     ]
     world = 2
     with tempfile.TemporaryDirectory() as site:
