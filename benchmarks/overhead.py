@@ -24,7 +24,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,7 +77,19 @@ def sync_gradients(model: torch.nn.Module, on: bool) -> object:
     return contextlib.nullcontext()
 
 
-def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], warmup: int, out: str) -> None:
+@dataclass
+class HandWrittenLoop:
+    """What a hand-written training loop sets up on one rank: config, batch plan, loader, model, optimizer."""
+
+    cfg: Any
+    plan: Any
+    loader: Iterator
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LambdaLR
+
+
+def set_up_hand_written(rank: int, world: int, port: int, overrides: list[str]) -> HandWrittenLoop:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = parse_run_config(compose(config_name="train", overrides=overrides))
@@ -90,6 +105,19 @@ def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], 
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, o.warmup_steps, cfg.trainer.max_steps, o.min_lr_ratio)
+    )
+    return HandWrittenLoop(cfg, plan, loader, model, optimizer, schedule)
+
+
+def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], warmup: int, out: str) -> None:
+    loop = set_up_hand_written(rank, world, port, overrides)
+    cfg, plan, loader, model, optimizer, schedule = (
+        loop.cfg,
+        loop.plan,
+        loop.loader,
+        loop.model,
+        loop.optimizer,
+        loop.schedule,
     )
     start = 0.0
     for step in range(cfg.trainer.max_steps):

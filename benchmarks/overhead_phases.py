@@ -29,20 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import REPO, wrap
+from overhead import set_up_hand_written
 from train_cli import spread, train_manifest
 
-from disttrain.config.parse import parse_run_config
-from disttrain.config.validate import validate_run
-from disttrain.data.datamodule import TokenDataModule
-from disttrain.data.sampling import ResumableShardedSampler
 from disttrain.launch.local import free_port
-from disttrain.models import build_model
-from disttrain.models.module import lr_lambda, param_groups
 
 PHASES = ["step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s"]
 WARMUP_STEPS = 20
@@ -56,22 +48,8 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
     """The loop of overhead.py (accumulation 1), with a clock read between its phases."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = parse_run_config(compose(config_name="train", overrides=overrides))
-    plan = validate_run(cfg)
-    torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    data = TokenDataModule(cfg.data, cfg.model.seq_len, plan.micro_batch_size, plan.global_batch_size, 0)
-    data.setup()
-    sampler = ResumableShardedSampler(len(data.train_set), world, rank, cfg.trainer.seed)
-    loader = iter(DataLoader(data.train_set, batch_size=plan.micro_batch_size, sampler=sampler, drop_last=True))
-    model = wrap(build_model(cfg.model, seed=cfg.trainer.seed), cfg.strategy, world)
-    o = cfg.optimizer
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, o.warmup_steps, cfg.trainer.max_steps, o.min_lr_ratio)
-    )
+    loop = set_up_hand_written(rank, world, port, overrides)
+    cfg, loader, model, optimizer, schedule = loop.cfg, loop.loader, loop.model, loop.optimizer, loop.schedule
     rows = []
     last = time.perf_counter()
     for _ in range(cfg.trainer.max_steps):
