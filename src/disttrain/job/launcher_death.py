@@ -20,7 +20,6 @@ sleeping torch-free process per 1-process job; it acts only if the run dies with
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import signal
@@ -46,8 +45,10 @@ def report_launcher_death(run_dir: Path, parent_pid: int) -> None:
     except OSError:
         return  # the run dir is gone: nothing to record into
     command = [sys.executable, "-m", "disttrain.job.launcher_death", str(run_dir), "" if code is None else str(code)]
-    with contextlib.suppress(OSError):
+    try:
         subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    except OSError as err:  # say so: otherwise the job would end without a word
+        print(f"disttrain: {describe_launcher_death(code)}; could not record it: {err}", file=sys.stderr, flush=True)
 
 
 def describe_launcher_death(code: int | None) -> str:

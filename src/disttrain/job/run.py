@@ -62,6 +62,11 @@ from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, wr
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 from disttrain.strategies.auto import check_fits, describe_memory
 
+# How long a spawned rank whose peer connection broke waits for rank 0's exit to be seen before it gives up: under
+# load a SIGKILLed rank 0 can take seconds to finish exiting. Costs nothing when the lost peer was another rank
+# (rank 0 then ends this rank itself, at once).
+PEER_LOSS_WAIT_S = 15.0
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -273,8 +278,9 @@ def fit(
         if crashed and role.child:
             # The launcher prints the error of the rank that caused the failure, once: this one's goes to its log.
             log_to_own_file(run_dir, "".join(traceback.format_exception(err)))
-            if is_peer_failure(type(err).__name__, str(err)):
-                await_parent_death(timeout_s=3.0)  # the lost peer may be rank 0: its death is recorded first
+            # The lost peer may be rank 0: its death is recorded first. An error not known as a peer's loss still
+            # waits a moment, so that no wording of a lost connection leaves rank 0's death unrecorded.
+            await_parent_death(timeout_s=PEER_LOSS_WAIT_S if is_peer_failure(type(err).__name__, str(err)) else 1.0)
             raise RunStopped(FAILED) from None
         if crashed and failures.reports:
             failures.lock.acquire()  # if the rank watcher holds it, it is ending this process

@@ -36,7 +36,39 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-_parent_watch: dict[str, int | None] = {}  # the pidfd die_with_parent watches (None: the parent is gone)
+@dataclass
+class _ParentWatch:
+    """What ``die_with_parent`` watches: the parent's pidfd (None: it was gone already; -1: no pidfd, poll) and what
+    to do once it has died, done once by whichever thread sees the death first."""
+
+    parent: int
+    pidfd: int | None
+    on_death: Callable[[int], None] | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """Whether the parent died within ``timeout_s`` (None: wait for as long as it lives)."""
+        if self.pidfd is not None and self.pidfd >= 0:
+            return bool(select.select([self.pidfd], [], [], timeout_s)[0])
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while os.getppid() == self.parent:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1 if deadline is not None else 1.0)
+        return True
+
+    def record_death_and_exit(self) -> None:
+        """Run ``on_death`` (once for this process: the other thread waits here until it is done), then exit."""
+        with self.lock:
+            try:
+                if self.on_death is not None:
+                    on_death, self.on_death = self.on_death, None
+                    on_death(self.parent)
+            finally:
+                os._exit(1)
+
+
+_parent_watch: list[_ParentWatch] = []  # set by die_with_parent in a spawned rank that records its parent's death
 
 
 def die_with_parent(on_parent_death: Callable[[int], None] | None = None) -> None:
@@ -64,38 +96,26 @@ def die_with_parent(on_parent_death: Callable[[int], None] | None = None) -> Non
         pidfd = None  # gone already
     except (AttributeError, OSError):
         pidfd = -1  # no pidfd here: poll
+    watch = _ParentWatch(parent, pidfd, on_parent_death)
+    _parent_watch[:] = [watch]
 
-    def watch() -> None:
-        if pidfd is not None and pidfd >= 0:
-            select.select([pidfd], [], [])  # readable once the parent has exited
-        while pidfd == -1 and os.getppid() == parent:
-            time.sleep(1.0)
-        try:
-            if on_parent_death is not None:
-                on_parent_death(parent)
-        finally:
-            os._exit(1)
+    def wait_then_record() -> None:
+        if pidfd is not None:
+            watch.wait(None)
+        watch.record_death_and_exit()
 
-    _parent_watch.update(pidfd=pidfd)
-    threading.Thread(target=watch, name="disttrain-parent-watch", daemon=True).start()
+    threading.Thread(target=wait_then_record, name="disttrain-parent-watch", daemon=True).start()
 
 
 def await_parent_death(timeout_s: float) -> None:
-    """In a spawned rank that lost a peer, before it exits: if the peer was the parent, wait while the watcher of
-    ``die_with_parent`` records its death and ends this process; returns after ``timeout_s`` if the parent lives."""
-    if "pidfd" not in _parent_watch:
+    """In a spawned rank about to exit after an error: if the parent died (or dies within ``timeout_s``: its
+    sockets can close a moment before its exit is visible), record its death here and end this process; returns
+    at once where no death is watched, and after ``timeout_s`` while the parent lives."""
+    if not _parent_watch:
         return
-    pidfd = _parent_watch["pidfd"]
-    if pidfd is not None and pidfd >= 0:
-        if not select.select([pidfd], [], [], timeout_s)[0]:
-            return  # alive: it ends this rank itself
-    elif pidfd == -1:
-        deadline = time.monotonic() + timeout_s
-        while os.getppid() == int(os.environ.get(PARENT_PID_ENV) or 0):
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(0.1)
-    time.sleep(30.0)  # the watcher ends this process once the death is recorded
+    watch = _parent_watch[0]
+    if watch.pidfd is None or watch.wait(timeout_s):
+        watch.record_death_and_exit()  # whichever of this thread and the watcher comes first records it
 
 
 def exit_status_of_dead_process(pid: int, wait_s: float = 0.5) -> int | None:
