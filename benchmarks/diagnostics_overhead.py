@@ -29,9 +29,10 @@ from train_cli import spread, train_manifest
 ARMS = {"off": ["diagnostics=off"], "default": ["diagnostics=default"], "no window": ["diagnostics.profile=false"]}
 
 
-def run(arm: str, steps: int, extra: list[str]) -> tuple[float, tuple[float, float] | None, float | None]:
-    """(tokens/s, (profiler window's extra seconds, all steps' seconds) on rank 0 or None, and the share of rank
-    0's step time its always-on collectors took on the training thread, or None) of one run."""
+def run(arm: str, steps: int, extra: list[str]) -> tuple[float, float, tuple[float, float] | None, float | None]:
+    """(tokens/s over the run, its median step's seconds, (profiler window's extra seconds, all steps' seconds) on
+    rank 0 or None, and the share of rank 0's step time its always-on collectors took on the training thread, or
+    None) of one run."""
     overrides = [
         *ARMS[arm],
         f"trainer.max_steps={steps}",
@@ -48,7 +49,8 @@ def run(arm: str, steps: int, extra: list[str]) -> tuple[float, tuple[float, flo
         collectors[0] = collectors_share(run_dir / "telemetry" / "rank0000.jsonl")
 
     manifest = train_manifest(overrides, inspect=inspect)
-    return manifest["result"]["tokens_per_s"], window[0], collectors[0]
+    result = manifest["result"]
+    return result["tokens_per_s"], result["step_time_p50_s"], window[0], collectors[0]
 
 
 def collectors_share(telemetry: Path) -> float | None:
@@ -90,24 +92,38 @@ def main() -> None:
 
 def measure(steps: int, repeats: int, extra: list[str]) -> None:
     rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    medians: dict[str, list[float]] = {arm: [] for arm in ARMS}  # tokens/s at the median step, relative units
     windows: list[tuple[float, float]] = []
     shares: list[float] = []
     arms = list(ARMS)
     for repeat in range(repeats):
         for arm in arms[repeat % len(arms) :] + arms[: repeat % len(arms)]:
-            rate, window, share = run(arm, steps, extra)
-            print(f"  {steps} steps, repeat {repeat + 1}, diagnostics {arm}: {rate:,.0f} tokens/s", flush=True)
+            rate, step_s, window, share = run(arm, steps, extra)
+            print(
+                f"  {steps} steps, repeat {repeat + 1}, diagnostics {arm}: {rate:,.0f} tokens/s,"
+                f" median step {1e3 * step_s:.1f} ms",
+                flush=True,
+            )
             rates[arm].append(rate)
+            medians[arm].append(1.0 / step_s)
             if arm == "default" and window is not None:
                 windows.append(window)
             if arm != "off" and share is not None:
                 shares.append(share)
-    median = {arm: statistics.median(values) for arm, values in rates.items()}
     for arm, values in rates.items():
-        print(f"diagnostics {arm:<10}: {median[arm]:10,.0f} tokens/s  ({spread(values)}, {len(values)} runs)")
-    whole, steady = median["default"] / median["off"], median["no window"] / median["off"]
-    print(f"ratio default / off   (whole run, {steps} steps; target >= 0.98): {whole:.3f}")
-    print(f"ratio no window / off (always-on collectors; target >= 0.98):  {steady:.3f}")
+        steady = statistics.median(1.0 / v for v in medians[arm])
+        print(
+            f"diagnostics {arm:<10}: {statistics.median(values):10,.0f} tokens/s over the run ({spread(values)}),"
+            f" median step {1e3 * steady:.1f} ms ({spread(medians[arm])} in rate), {len(values)} runs"
+        )
+    for label, series in (("whole run", rates), ("median step", medians)):
+        for arm, what in (("default", f"{steps} steps"), ("no window", "always-on collectors")):
+            of_medians = statistics.median(series[arm]) / statistics.median(series["off"])
+            paired = [a / b for a, b in zip(series[arm], series["off"], strict=True)]
+            print(
+                f"ratio {arm} / off, {label} ({what}; target >= 0.98): {of_medians:.3f} of medians,"
+                f" paired {statistics.median(paired):.3f} ({min(paired):.3f}..{max(paired):.3f})"
+            )
     if windows:
         seconds = statistics.median(extra for extra, _ in windows)
         share = statistics.median(extra / total for extra, total in windows)

@@ -3,8 +3,11 @@
 Both sides train the same model on the same data with the same global batch, optimizer, schedule, gradient
 clipping, process count and threads per process; both time only training steps after the same warm-up. Three
 arms per strategy, interleaved in one invocation (hand-written, ``diagnostics=default``, ``diagnostics=off``,
-rotated every repeat so no arm always runs first) because this machine drifts by several percent; the ratios
-are of medians over the repeats, each printed with its spread (min-max around the median).
+rotated every repeat so no arm always runs first) because this machine drifts by several percent. Two rates
+per run: the median step (tokens per step / the median optimizer step after the warm-up: the steady rate, which
+a burst of other work on a shared machine hardly moves) and the whole run (tokens over the timed steps / their
+seconds: a mean, one-off costs such as the profiler window included). For each, the ratio of the medians over
+the repeats and the median of the ratios paired within a repeat, with their spread (min/max).
 
     python benchmarks/overhead.py                           # ddp and fsdp, default model, 2 gloo processes
     python benchmarks/overhead.py --strategies ddp --repeats 5
@@ -119,10 +122,11 @@ def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], 
         loop.optimizer,
         loop.schedule,
     )
-    start = 0.0
+    start = last = 0.0
+    step_times = []
     for step in range(cfg.trainer.max_steps):
         if step == warmup:
-            start = time.perf_counter()
+            start = last = time.perf_counter()
         for micro in range(plan.accumulation):
             inputs, targets = next(loader)
             with sync_gradients(model, micro == plan.accumulation - 1):
@@ -134,22 +138,36 @@ def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
+        if step >= warmup:
+            now = time.perf_counter()
+            step_times.append(now - last)
+            last = now
     elapsed = time.perf_counter() - start
-    tokens = (cfg.trainer.max_steps - warmup) * plan.global_batch_size * cfg.model.seq_len
+    tokens_per_step = plan.global_batch_size * cfg.model.seq_len
     if rank == 0:
-        Path(out).write_text(json.dumps({"tokens_per_s": tokens / elapsed}))
+        rates = Rates((cfg.trainer.max_steps - warmup) * tokens_per_step / elapsed, statistics.median(step_times))
+        Path(out).write_text(json.dumps(rates.__dict__))
     dist.destroy_process_group()
 
 
-def hand_written(overrides: list[str], world: int, warmup: int) -> float:
+@dataclass
+class Rates:
+    """One run's throughput: over the whole timed run (a mean), and its median step (the steady rate)."""
+
+    tokens_per_s: float
+    step_time_p50_s: float
+
+
+def hand_written(overrides: list[str], world: int, warmup: int) -> Rates:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
         mp.spawn(hand_written_worker, args=(world, free_port(), overrides, warmup, out), nprocs=world, join=True)
-        return json.loads(Path(out).read_text())["tokens_per_s"]
+        return Rates(**json.loads(Path(out).read_text()))
 
 
-def disttrain_cli(overrides: list[str]) -> float:
-    return train_manifest(overrides)["result"]["tokens_per_s"]
+def disttrain_cli(overrides: list[str]) -> Rates:
+    result = train_manifest(overrides)["result"]
+    return Rates(result["tokens_per_s"], result["step_time_p50_s"])
 
 
 def main() -> None:
@@ -169,28 +187,53 @@ def main() -> None:
         *args.extra,
     ]
     arms = ["hand-written", *TARGETS]
-    rates: dict[tuple[str, str], list[float]] = {(s, a): [] for s in args.strategies for a in arms}
+    runs: dict[tuple[str, str], list[Rates]] = {(s, a): [] for s in args.strategies for a in arms}
+    tokens_per_step: dict[str, int] = {}
     for repeat in range(args.repeats):
         for strategy in args.strategies:
             overrides = [*common, f"strategy={strategy}"]
             with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
                 cfg = parse_run_config(compose(config_name="train", overrides=overrides))
             world = world_layout(cfg).world_size
+            tokens_per_step[strategy] = validate_run(cfg).global_batch_size * cfg.model.seq_len
             for arm in arms[repeat % len(arms) :] + arms[: repeat % len(arms)]:
                 if arm == "hand-written":
-                    rate = hand_written(overrides, world, warmup)
+                    rates = hand_written(overrides, world, warmup)
                 else:
-                    rate = disttrain_cli([*overrides, arm])
-                rates[strategy, arm].append(rate)
-                print(f"  repeat {repeat + 1} {strategy} {arm}: {rate:,.0f} tokens/s", flush=True)
-    print(f"{args.steps} steps, {args.repeats} interleaved repeats; median tokens/s (min/max off the median)")
-    for strategy in args.strategies:
-        base = statistics.median(rates[strategy, "hand-written"])
-        for arm in arms:
-            values = rates[strategy, arm]
-            line = f"{strategy:<5} {arm:<20}: {statistics.median(values):10,.0f}  ({spread(values)})"
+                    rates = disttrain_cli([*overrides, arm])
+                runs[strategy, arm].append(rates)
+                print(
+                    f"  repeat {repeat + 1} {strategy} {arm}: {rates.tokens_per_s:,.0f} tokens/s over the run, "
+                    f"median step {1e3 * rates.step_time_p50_s:.1f} ms",
+                    flush=True,
+                )
+    print(f"{args.steps} steps, {args.repeats} interleaved repeats; tokens/s, median over repeats (min/max off it)")
+    print_ratios("median step (steady rate: tokens per step / median step time)", runs, tokens_per_step, "median")
+    print_ratios("whole run (tokens over the timed steps / their seconds)", runs, tokens_per_step, "whole")
+
+
+def print_ratios(
+    title: str, runs: dict[tuple[str, str], list[Rates]], tokens_per_step: dict[str, int], how: str
+) -> None:
+    """Each arm's median rate and spread; for the train arms the ratio of medians to the hand-written loop and the
+    median (with spread) of the ratios paired within a repeat, which cancel drift slower than one repeat."""
+    print(title)
+    for strategy, step_tokens in tokens_per_step.items():
+
+        def rate(r: Rates, step_tokens: int = step_tokens) -> float:
+            return step_tokens / r.step_time_p50_s if how == "median" else r.tokens_per_s
+
+        base_runs = [rate(r) for r in runs[strategy, "hand-written"]]
+        base = statistics.median(base_runs)
+        for arm in ["hand-written", *TARGETS]:
+            values = [rate(r) for r in runs[strategy, arm]]
+            line = f"  {strategy:<5} {arm:<20}: {statistics.median(values):10,.0f}  ({spread(values)})"
             if arm in TARGETS:
-                line += f"  ratio {statistics.median(values) / base:.3f} (target >= {TARGETS[arm]})"
+                paired = [v / b for v, b in zip(values, base_runs, strict=True)]
+                line += (
+                    f"  ratio of medians {statistics.median(values) / base:.3f}, paired {statistics.median(paired):.3f}"
+                    f" ({min(paired):.3f}..{max(paired):.3f}; target >= {TARGETS[arm]})"
+                )
             print(line)
 
 

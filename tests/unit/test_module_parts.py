@@ -86,3 +86,34 @@ def test_throughput_leaves_out_checkpoint_writes_and_validation(monkeypatch: pyt
             throughput.on_validation_end()
     assert throughput.train_time_s == pytest.approx(4.0)
     assert throughput.tokens_per_s == pytest.approx(4 * 100 / 4.0)
+
+
+def test_throughput_median_step_leaves_out_warm_up_saves_validation_and_counts_optimizer_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from disttrain.training import callbacks
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: clock["now"])
+    saving = {"s": 0.0}
+    throughput = callbacks.Throughput(tokens_per_step=100, skip_steps=2, saving_s=lambda: saving["s"])
+    trainer = SimpleNamespace(global_step=0)
+    durations = {1: 9.0, 2: 9.0, 3: 1.0, 4: 1.5, 5: 1.0, 6: 2.0, 7: 1.0, 8: 1.2}  # steps 1-2: warm-up
+    assert throughput.step_time_p50_s is None
+    for step, seconds in durations.items():
+        for micro in range(2):  # accumulation 2: the hook runs per micro-batch, the step advances on the last
+            clock["now"] += seconds / 2
+            if step == 5 and micro == 1:  # a save inside step 5's end hooks
+                clock["now"] += 30.0
+                saving["s"] += 30.0
+            trainer.global_step = step if micro == 1 else step - 1
+            throughput.on_train_batch_end(trainer)  # type: ignore[arg-type]
+        if step == 6:  # validation after step 6: step 7's interval holds it
+            throughput.on_validation_start()
+            clock["now"] += 50.0
+            throughput.on_validation_end()
+    # Timed: steps 3, 4, 6, 8 (5 held a save, 7 a validation; 1-2 are the warm-up).
+    assert list(throughput.step_times_s) == pytest.approx([1.0, 1.5, 2.0, 1.2])
+    assert throughput.step_time_p50_s == pytest.approx(1.35)

@@ -55,6 +55,7 @@ class RunResult:
     entropy_rate: float | None
     tokens_per_s: float | None
     run_dir: str
+    step_time_p50_s: float | None = None  # the median optimizer step after the warm-up (Throughput)
     predicted_memory_bytes: int | None = None
     measured_memory_bytes: int | None = None
     memory_kind: str = "peak RSS"
@@ -80,7 +81,8 @@ def describe_result(result: RunResult) -> str:
             f"  loss floor  {_fmt(result.loss_floor)} for these windows (entropy rate {_fmt(result.entropy_rate)});"
             f" val gap to floor {_fmt(result.gap_to_floor, '+.4f')}"
         )
-    lines.append(f"  throughput  {_fmt(result.tokens_per_s, ',.0f')} tokens/s (training steps only)")
+    median = f"; median step {1e3 * result.step_time_p50_s:.1f} ms" if result.step_time_p50_s else ""
+    lines.append(f"  throughput  {_fmt(result.tokens_per_s, ',.0f')} tokens/s (training steps only{median})")
     if result.measured_memory_bytes:
         measured = f"{result.memory_kind} {result.measured_memory_bytes / 2**30:.2f} GiB (rank 0)"
         if result.predicted_memory_bytes:

@@ -347,6 +347,7 @@ def finish(
         entropy_rate=floor.entropy_rate if floor else None,
         tokens_per_s=parts.throughput.tokens_per_s,
         run_dir=str(run_dir),
+        step_time_p50_s=parts.throughput.step_time_p50_s,
         predicted_memory_bytes=predicted_memory_bytes,
         measured_memory_bytes=measured_peak_memory(),
         memory_kind="peak RSS" if run_cfg.hw.accelerator == "cpu" else "peak allocated",
