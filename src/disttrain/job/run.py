@@ -436,11 +436,15 @@ def predict_and_measure(
     if record is None:
         return None
     measured: dict = {}
-    tokens_per_s = parts.throughput.tokens_per_s
-    if tokens_per_s:
-        measured.update(
-            tokens_per_s=tokens_per_s, step_time_s=plan.global_batch_size * run_cfg.model.seq_len / tokens_per_s
-        )
+    tokens_per_step = plan.global_batch_size * run_cfg.model.seq_len
+    # The median step, as the telemetry's figure is (the report replaces this one): a whole-run mean carries
+    # every burst of other work on a shared machine.
+    step_time_s = parts.throughput.step_time_p50_s
+    if step_time_s is None and parts.throughput.tokens_per_s:
+        step_time_s = tokens_per_step / parts.throughput.tokens_per_s
+    if step_time_s:
+        tokens_per_s = tokens_per_step / step_time_s
+        measured.update(tokens_per_s=tokens_per_s, step_time_s=step_time_s)
         predicted = record["predicted"]
         if predicted.get("mfu") and predicted.get("tokens_per_s"):
             measured["mfu"] = predicted["mfu"] * tokens_per_s / predicted["tokens_per_s"]
