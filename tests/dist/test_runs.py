@@ -35,6 +35,11 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     # The promise: the default run ends within 0.10 nats/token of the data's entropy floor.
     assert 0.0 < manifest["result_gap_to_floor"] < 0.10, result
     assert result["tokens_per_s"] > 0
+    # The run's own step timer (diagnostics off keeps it) agrees with the telemetry's median step on rank 0.
+    steps = [json.loads(line) for line in telemetry_path(run_dir, 0).read_text().splitlines()]
+    telemetry_p50 = sorted(r["step_s"] for r in steps if r["kind"] == "step" and r["step"] > 22)
+    assert result["step_time_p50_s"] == pytest.approx(telemetry_p50[len(telemetry_p50) // 2], rel=0.1)
+    assert f"median step {1e3 * result['step_time_p50_s']:.1f} ms" in out
     assert f"val gap to floor {manifest['result_gap_to_floor']:+.4f}" in out
     assert f"run dir     {run_dir}" in out
     assert "step 220/220" in out
