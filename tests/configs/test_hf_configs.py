@@ -104,15 +104,6 @@ def test_plan_cli_reads_the_hf_config(local: dict[str, Path]) -> None:
             ["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=3", "hw.devices_per_node=3"],
             "strategy.pp",
         ),  # 4 layers in 3 stages
-        (
-            [
-                "model=hf-tiny-llama",
-                "strategy=megatron",
-                "strategy.tp=2",
-                "strategy.activation_checkpointing=selective",
-            ],
-            "strategy.activation_checkpointing",
-        ),
         # Vocab-parallel embedding and head: tp must divide the vocabulary.
         (["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "model.config.vocab_size=511"], "strategy.tp"),
         # Sequence parallel needs a whole sequence slice per tp rank.
@@ -175,6 +166,10 @@ def test_megatron_tp_for_a_llama_family_model_validates() -> None:
     }
     # Stage 0 of 1F1B holds 2 micro-batches of its 2 layers.
     assert first_stage[False] - first_stage[True] == pytest.approx(2 * 2 * (per_layer[False] - per_layer[True]))
+    # Selective recomputation of the attention kernel, with SP or without.
+    for extra in ([], ["strategy.sequence_parallel=true"]):
+        run_cfg, _ = validated([*sp, *extra, "strategy.activation_checkpointing=selective"])
+        assert run_cfg.strategy.activation_checkpointing == "selective"
     # Without it, Gemma-2 (extra norms in its layers) is still tensor parallel.
     gemma2 = ["model.config.model_type=gemma2"]
     run_cfg, _ = validated(["model=hf-tiny-llama", *gemma2, "strategy=megatron", "strategy.tp=2"])

@@ -155,7 +155,8 @@ def validate_megatron(
 def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelConfig:
     """What the HF path supports: the architecture's own plain column/row-wise plan over its decoder ``layers``
     (Llama-family), pipeline stages of whole decoder layers with one stage per pipeline rank, sequence parallelism
-    over the Llama layer layout, no selective recomputation; returns the model's shape for the common checks."""
+    over the Llama layer layout, selective recomputation of the attention kernel; returns the model's shape for the
+    common checks."""
     from disttrain.config.hf import hf_shape, load_hf_config
 
     config = load_hf_config(model)
@@ -187,11 +188,6 @@ def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelCon
             "schedule",
             cfg.pp > 1 and cfg.schedule == "zero_bubble",
             "strategy.schedule=1f1b or gpipe (zero_bubble places two stages on a rank)",
-        ),
-        (
-            "activation_checkpointing",
-            cfg.activation_checkpointing == "selective",
-            "strategy.activation_checkpointing=full",
         ),
     ):
         if bad:

@@ -157,6 +157,8 @@ class MegatronEngine:
         model = build_hf_model(cfg, self.settings.seed, self.device)
         if s.activation_checkpointing == "full":
             model.apply_activation_checkpointing()
+        elif s.activation_checkpointing == "selective":
+            model.apply_selective_recompute()
         if d.pp > 1:
             model = build_hf_stage(model, stage, num_stages)
         if d.tp > 1:
