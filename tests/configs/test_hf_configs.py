@@ -17,6 +17,9 @@ from disttrain.config.validate import validate_run
 from disttrain.data.hf import LocalTokenizer, prepare_corpus
 from disttrain.models.accounting import count_parameters
 from disttrain.models.factory import model_facts
+from disttrain.planner import Workload, model_shape
+from disttrain.planner.memory import activation_bytes, layer_activation_bytes
+from disttrain.strategies.spec import spec_of
 from pipelines.plan import plan_from_config
 from tests.configs.test_plan_cli import compose_plan
 from tests.conftest import compose_train
@@ -101,8 +104,28 @@ def test_plan_cli_reads_the_hf_config(local: dict[str, Path]) -> None:
             ["model=hf-tiny-llama", "strategy=megatron", "strategy.pp=3", "hw.devices_per_node=3"],
             "strategy.pp",
         ),  # 4 layers in 3 stages
+        # Vocab-parallel embedding and head: tp must divide the vocabulary.
+        (["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "model.config.vocab_size=511"], "strategy.tp"),
+        # Sequence parallel needs a whole sequence slice per tp rank.
         (
-            ["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "strategy.sequence_parallel=true"],
+            [
+                "model=hf-tiny-llama",
+                "strategy=megatron",
+                "strategy.tp=2",
+                "strategy.sequence_parallel=true",
+                "model.seq_len=33",
+            ],
+            "strategy.sequence_parallel",
+        ),
+        # Gemma-2's layers hold two more norms than the Llama layout: they would train wrong on sequence slices.
+        (
+            [
+                "model=hf-tiny-llama",
+                "model.config.model_type=gemma2",
+                "strategy=megatron",
+                "strategy.tp=2",
+                "strategy.sequence_parallel=true",
+            ],
             "strategy.sequence_parallel",
         ),
         (["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=4", "hw.devices_per_node=4"], "strategy.tp"),
@@ -122,6 +145,35 @@ def test_megatron_tp_for_a_llama_family_model_validates() -> None:
         ["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "strategy.pp=2", "hw.devices_per_node=4"]
     )
     assert (run_cfg.strategy.tp, run_cfg.strategy.pp, plan.data_parallel_size) == (2, 2, 1)
+    # With sequence parallelism, which the planner then counts: the norms' and projections' inputs (the
+    # replicated part of a layer's activations) on half the sequence per tp rank.
+    sp = ["model=hf-tiny-llama", "strategy=megatron", "strategy.tp=2", "strategy.pp=2", "hw.devices_per_node=4"]
+    on, _ = validated([*sp, "strategy.sequence_parallel=true"])
+    off, _ = validated(sp)
+    layout_on, layout_off = (spec_of(c.strategy).planner_layout(1, 2) for c in (on, off))
+    assert layout_on.sequence_parallel and not layout_off.sequence_parallel
+    shape, workload = model_shape(hf_shape(on.model)), Workload(4, 8, 128, "fp32")
+    per_layer = {
+        sp: layer_activation_bytes(shape, 4, 128, act_bytes=4, res_bytes=4, tp=2, sequence_parallel=sp)
+        for sp in (True, False)
+    }
+    # fp32: two residual-stream inputs, two projection inputs (4 x 4 bytes), two RMSNorm statistics (2 x 4 bytes)
+    # per token of 128 hidden; SP keeps half of them.
+    tokens, hidden = 4 * 128, 128
+    assert per_layer[False] - per_layer[True] == pytest.approx((16 * hidden + 8) * tokens / 2)
+    first_stage = {
+        lay.sequence_parallel: activation_bytes(shape, lay, workload, 0, True) for lay in (layout_on, layout_off)
+    }
+    # Stage 0 of 1F1B holds 2 micro-batches of its 2 layers.
+    assert first_stage[False] - first_stage[True] == pytest.approx(2 * 2 * (per_layer[False] - per_layer[True]))
+    # Selective recomputation of the attention kernel, with SP or without.
+    for extra in ([], ["strategy.sequence_parallel=true"]):
+        run_cfg, _ = validated([*sp, *extra, "strategy.activation_checkpointing=selective"])
+        assert run_cfg.strategy.activation_checkpointing == "selective"
+    # Without it, Gemma-2 (extra norms in its layers) is still tensor parallel.
+    gemma2 = ["model.config.model_type=gemma2"]
+    run_cfg, _ = validated(["model=hf-tiny-llama", *gemma2, "strategy=megatron", "strategy.tp=2"])
+    assert run_cfg.strategy.tp == 2
 
 
 def test_corpus_is_tokenized_once_and_joined_with_eos(local: dict[str, Path], tmp_path: Path) -> None:

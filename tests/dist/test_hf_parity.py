@@ -1,6 +1,8 @@
 """model=hf + data=hf through the real CLI: a tiny HF Llama on a locally tokenized corpus under DDP, FSDP2 (with
-activation checkpointing), Megatron TP=2 x PP=2 on 4 ranks (the model's own base_model_tp_plan inside pipeline
-stages cut by decoder layer, its tied embedding split between the first and last stage) and ZeRO-3 matches one
+activation checkpointing), Megatron TP=2 x PP=2 on 4 ranks with sequence parallelism (the model's own
+base_model_tp_plan inside pipeline stages cut by decoder layer, the RMSNorms on sequence slices, RoPE and the causal
+mask over the whole sequence, a vocab-parallel tied embedding split between the first and last stage, the loss on
+vocab-sharded logits, the attention kernel recomputed in backward) and ZeRO-3 matches one
 process to 1e-4; every run ends with an HF export that ``from_pretrained`` reloads to the trained weights and logits.
 
 The runs are spawned once per module and shared by the tests; one more resumes the single-process run from its
@@ -31,8 +33,11 @@ LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.micro_batch_size=4"],
     "fsdp": ["strategy=fsdp", "strategy.activation_checkpointing=true", "trainer.micro_batch_size=4"],
     # micro 4 x 2 pipeline micro-batches = the reference's global batch of 8
-    "megatron-tp2-pp2": ["strategy=megatron", "strategy.tp=2", "strategy.pp=2", "hw.devices_per_node=4",
-                         "trainer.micro_batch_size=4"],
+    # Sequence parallel (the RMSNorms on sequence slices, vocab-parallel embedding and head, loss_parallel) and
+    # selective recomputation of the attention kernel.
+    "megatron-tp2-pp2-sp": ["strategy=megatron", "strategy.tp=2", "strategy.pp=2", "strategy.sequence_parallel=true",
+                            "strategy.activation_checkpointing=selective", "hw.devices_per_node=4",
+                            "trainer.micro_batch_size=4"],
     "zero3": ["strategy=deepspeed", "strategy.stage=3", "strategy.param_persistence_threshold=0",
               "trainer.micro_batch_size=4"],
 }  # fmt: skip
@@ -68,7 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: run(tmp, name, [*common, *extra]) for name, extra in LAYOUTS.items()}
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "megatron-tp2-pp2", "zero3"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "megatron-tp2-pp2-sp", "zero3"])
 def test_two_ranks_match_one_process(layout: str, runs: dict[str, Path]) -> None:
     reference, losses = train_losses(runs["single"]), train_losses(runs[layout])
     assert sorted(losses) == sorted(reference) == list(range(STEPS))

@@ -62,6 +62,44 @@ def test_activation_checkpointing_keeps_names_and_gradients() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
 
 
+def _saved_elements(model: HFCausalLM) -> tuple[int, torch.Tensor]:
+    """Elements autograd keeps for backward during one forward, and the loss."""
+    kept: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+        loss = model(tokens()).float().logsumexp(-1).mean()
+    return sum(kept), loss
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_selective_recompute_keeps_gradients_and_drops_the_attention_core(kernel: str) -> None:
+    from disttrain.config.hf import load_hf_config
+
+    config = HFModelConfig(name="tiny", config=TINY_LLAMA, seq_len=32, attn_implementation=kernel)
+    plain, selective = build_hf_model(config, seed=4), build_hf_model(config, seed=4)
+    selective.apply_selective_recompute()
+    selective.apply_selective_recompute()  # twice is harmless
+    assert selective.hf.config._attn_implementation == f"disttrain_recompute_{kernel}"
+    # Only this model switched kernels: not the cached config, not another model built from it.
+    assert plain.hf.config._attn_implementation == kernel
+    assert load_hf_config(config)._attn_implementation in (None, kernel)
+    (kept_plain, loss_plain), (kept_selective, loss_selective) = _saved_elements(plain), _saved_elements(selective)
+    for loss in (loss_plain, loss_selective):
+        loss.backward()
+    assert torch.equal(loss_plain, loss_selective)
+    for (name, p), q in zip(plain.named_parameters(), selective.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    # Kept by the kernel beyond its q, k, v inputs (which the recomputation keeps instead): with eager, the s x s
+    # probabilities (twice: softmax's output, the second matmul's input) and k, v expanded to every query head
+    # (GQA) in place of the kv heads; with sdpa (CPU flash kernel), at least its output.
+    layers, heads, kv = (TINY_LLAMA[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads"))
+    batch, seq, head_dim = 2, 32, TINY_LLAMA["hidden_size"] // heads
+    if kernel == "eager":
+        per_layer = 2 * batch * heads * seq * seq + 2 * batch * seq * head_dim * (heads - kv)
+        assert kept_plain - kept_selective == layers * per_layer
+    else:
+        assert kept_plain - kept_selective >= layers * batch * heads * seq * head_dim
+
+
 @pytest.mark.parametrize("config", [TINY_LLAMA, {**TINY_LLAMA, "tie_word_embeddings": True}])
 def test_export_reloads_with_from_pretrained_to_the_same_logits(config: dict, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM

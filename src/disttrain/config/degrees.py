@@ -135,11 +135,12 @@ def validate_megatron(
                 f"tp={cfg.tp} does not divide model.{key}={heads} (each rank must hold whole heads)",
                 f"use strategy.tp in {ok}",
             )
-    if cfg.tp > 1 and model.vocab_size % cfg.tp and not hf:  # HF embeddings and head stay replicated over tp
+    if cfg.tp > 1 and model.vocab_size % cfg.tp:
+        ok = [t for t in _divisors(world_size) if not (model.vocab_size % t or model.n_heads % t or model.kv_heads % t)]
         raise ConfigError(
             "strategy.tp",
             f"tp={cfg.tp} does not divide model.vocab_size={model.vocab_size} (vocab-parallel embedding and head)",
-            f"pad model.vocab_size to a multiple of {cfg.tp}",
+            f"use strategy.tp in {ok}" if hf else f"pad model.vocab_size to a multiple of {cfg.tp}",
         )
     if cfg.sequence_parallel and cfg.tp > 1 and model.seq_len % cfg.tp:
         raise ConfigError(
@@ -153,8 +154,9 @@ def validate_megatron(
 
 def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelConfig:
     """What the HF path supports: the architecture's own plain column/row-wise plan over its decoder ``layers``
-    (Llama-family), pipeline stages of whole decoder layers with one stage per pipeline rank, no sequence
-    parallelism, no selective recomputation; returns the model's shape for the common checks."""
+    (Llama-family), pipeline stages of whole decoder layers with one stage per pipeline rank, sequence parallelism
+    over the Llama layer layout, selective recomputation of the attention kernel; returns the model's shape for the
+    common checks."""
     from disttrain.config.hf import hf_shape, load_hf_config
 
     config = load_hf_config(model)
@@ -187,17 +189,21 @@ def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelCon
             cfg.pp > 1 and cfg.schedule == "zero_bubble",
             "strategy.schedule=1f1b or gpipe (zero_bubble places two stages on a rank)",
         ),
-        ("sequence_parallel", cfg.sequence_parallel, "strategy.sequence_parallel=false (norms stay replicated)"),
-        (
-            "activation_checkpointing",
-            cfg.activation_checkpointing == "selective",
-            "strategy.activation_checkpointing=full",
-        ),
     ):
         if bad:
             value = getattr(cfg, key)
             raise ConfigError(
                 f"strategy.{key}", f"{value} is not supported with model=hf under strategy=megatron", f"use {fix}"
+            )
+    if cfg.sequence_parallel and cfg.tp > 1:
+        from disttrain.config.hf import hf_sequence_parallel_problem
+
+        problem = hf_sequence_parallel_problem(model)
+        if problem is not None:
+            raise ConfigError(
+                "strategy.sequence_parallel",
+                f"model_type '{config.model_type}' cannot shard its layers along the sequence: {problem}",
+                "use strategy.sequence_parallel=false",
             )
     return hf_shape(model)
 

@@ -126,3 +126,48 @@ def reference_shape(model: object) -> ModelConfig | None:
     if isinstance(model, HFModelConfig):
         return hf_shape(model)
     return None
+
+
+# A decoder layer sequence parallelism can plan: two RMSNorms around attention and MLP (the Llama layout). A layer
+# with any other module holding weights (Gemma-2's extra norms, say) would run it on sequence slices with
+# replicated weights whose gradients then differ between tp ranks: refused instead.
+SP_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def sequence_parallel_problem(hf: Any) -> str | None:
+    """Why sequence parallelism cannot be planned on this ``PreTrainedModel`` (whole or a pipeline stage), or None."""
+    from torch import nn
+
+    base = getattr(hf, getattr(hf, "base_model_prefix", ""), None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return f"{type(hf).__name__} has no decoder `layers`"
+    first = next(iter(layers))
+    layer = getattr(first, "_checkpoint_wrapped_module", first)
+    missing = [part for part in SP_LAYER_PARTS if not isinstance(getattr(layer, part, None), nn.Module)]
+    extra = [
+        name
+        for name, child in layer.named_children()
+        if name not in SP_LAYER_PARTS and any(True for _ in child.parameters())
+    ]
+    if missing or extra:
+        what = f"no {', '.join(missing)}" if missing else f"weights outside them in {', '.join(extra)}"
+        return f"its decoder layer {type(layer).__name__} has {what} (the Llama layout {list(SP_LAYER_PARTS)})"
+    if not isinstance(getattr(base, "norm", None), nn.Module):
+        return f"{type(base).__name__} has no final `norm`"
+    return None
+
+
+def hf_sequence_parallel_problem(model: HFModelConfig) -> str | None:
+    """``sequence_parallel_problem`` for the model of a run, read from a one-layer copy on the meta device (no
+    memory, no weights read)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(load_hf_config(model))
+    config.num_hidden_layers = 1
+    with torch.device("meta"):  # the modules do not depend on the attention kernel; eager is always there
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return sequence_parallel_problem(hf)

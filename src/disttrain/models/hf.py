@@ -11,6 +11,9 @@ From ``model.path`` the weights are the directory's safetensors, loaded without 
 
 from __future__ import annotations
 
+import copy
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +25,32 @@ from disttrain.models.transformer import _param_seed
 
 # What HF's own checkpoint_wrapper-free code path would add to names; stripped so init seeds ignore wrappers.
 _WRAPPED = "_checkpoint_wrapped_module."
+
+
+SELECTIVE_PREFIX = "disttrain_recompute_"
+
+
+def _recomputed_attention(inner: str) -> Callable:
+    """An attention kernel that runs transformers' ``inner`` kernel and recomputes it in backward."""
+
+    def attention(
+        module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: object, **kwargs: object
+    ) -> tuple[torch.Tensor, object]:
+        from torch.utils.checkpoint import checkpoint
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        # "eager" is not registered: each modeling file has its own, which its attention passes as the default.
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(inner, eager)
+        if kernel is None:
+            raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to recompute")
+
+        def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, object]:
+            return kernel(module, q, k, v, mask, **kwargs)
+
+        return checkpoint(core, query, key, value, use_reentrant=False)
+
+    return attention
 
 
 class HFCausalLM(nn.Module):
@@ -61,6 +90,24 @@ class HFCausalLM(nn.Module):
             if not isinstance(child, CheckpointWrapper):
                 container[index] = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
+    def apply_selective_recompute(self) -> None:
+        """Megatron's selective recomputation: keep the projections' activations, recompute only the attention
+        core (the kernel ``softmax(q k^T) v`` behind ``model.attn_implementation``) in backward.
+
+        transformers looks the kernel up by the config's ``_attn_implementation`` name in ``AttentionInterface`` (and
+        its causal mask's format in ``AttentionMaskInterface``): the model is switched to a registered name whose
+        kernel is the original one under non-reentrant checkpointing and whose mask is the original one's."""
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        inner = self.hf.config._attn_implementation
+        if inner.startswith(SELECTIVE_PREFIX):
+            return
+        name = SELECTIVE_PREFIX + inner
+        AttentionInterface.register(name, _recomputed_attention(inner))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+        self.hf.config._attn_implementation = name
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=tokens, use_cache=False).logits
 
@@ -88,7 +135,8 @@ def build_hf_model(model: HFModelConfig, seed: int, device: str | torch.device =
     init; on ``"meta"`` only its structure (for parameter counts and shape checks)."""
     from transformers import AutoModelForCausalLM
 
-    config = load_hf_config(model)
+    # A copy: transformers keeps (and sets attributes on) the config it is given, and load_hf_config's is cached.
+    config = copy.deepcopy(load_hf_config(model))
     kind = model.attn_implementation
     if torch.device(device).type == "meta":
         with torch.device("meta"):

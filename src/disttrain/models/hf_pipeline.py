@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from disttrain.models.hf import HFCausalLM
+from disttrain.models.hf_tensor_parallel import gather_sequence
 from disttrain.models.pipeline import stage_layers
 
 STAGE_PARTS = ("embed_tokens", "layers", "norm")
@@ -97,6 +98,11 @@ class HFStage(HFCausalLM):
     def forward(self, inputs):  # type: ignore[override]
         if self.first:
             return self.hf(input_ids=inputs, use_cache=False).logits
+        mesh = getattr(self, "sequence_mesh", None)
+        if mesh is not None:
+            # Sequence parallel: the previous stage sent this tp rank's slice of the sequence. The model's forward
+            # derives positions, RoPE and the causal mask from the length of what it gets: give it all of it.
+            inputs = gather_sequence(inputs, mesh)
         return self.hf(inputs_embeds=inputs, use_cache=False).logits
 
 

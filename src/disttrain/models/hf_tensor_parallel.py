@@ -2,16 +2,31 @@
 
 Llama-family configs (Llama, Mistral, Qwen2, ...) state which projections are column-wise (q/k/v, gate/up) and
 which row-wise (o, down): each rank keeps whole heads and one slice of the MLP, one all-reduce per sub-layer in
-forward and one in backward. Embeddings, norms and the LM head stay replicated over ``tp`` (their gradients are
-identical on every tp rank), which is why sequence parallelism and vocab-parallel loss are not offered here.
-Only the plain ``colwise`` / ``rowwise`` styles are applied; a plan with any other style is refused before launch.
+forward and one in backward. Only the plain ``colwise`` / ``rowwise`` styles are applied; a plan with any other
+style is refused before launch. Around that plan, the rest follows the reference transformer's plan
+(``tensor_parallel.py``) on the Llama module names: the token embedding is vocab-parallel (row-wise over the
+vocabulary) and the LM head column-wise over it, its logits left sharded for ``loss_parallel``; a tied head is
+the embedding's DTensor again.
+
+Sequence parallelism shards the hidden states between the sub-layers along the sequence: the RMSNorms
+(``input_layernorm``, ``post_attention_layernorm``, the final ``norm``) run on a ``1/tp`` slice, ``self_attn``
+and ``mlp`` all-gather it at their input and their row-wise output projections reduce-scatter back to it. What
+transformers computes outside the layers stays whole: the embedding output is replicated, so the model's forward
+derives the positions, the causal mask and RoPE's ``(cos, sin)`` from the full sequence and passes them into
+every layer unchanged; each stage's first layer takes its own slice of the hidden states (no communication), and
+attention, which gets the gathered sequence, applies RoPE to it with its local heads. A later pipeline stage
+receives the ``1/tp`` slices and all-gathers them before the model's forward (``gather_sequence``), for the same
+reason.
 """
 
 from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
+
+from disttrain.config.hf import sequence_parallel_problem
 
 SUPPORTED_STYLES = ("colwise", "rowwise")
 
@@ -26,20 +41,106 @@ def unsupported_styles(plan: dict[str, str]) -> list[str]:
     return sorted({style for style in plan.values() if style not in SUPPORTED_STYLES})
 
 
-def apply_hf_tensor_parallel(wrapper: nn.Module, tp_mesh: object, plan: dict[str, str]) -> int:
-    """Shard the matching projections of ``wrapper.hf``'s base model over ``tp_mesh`` in place; returns how many."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _inner(module: nn.Module) -> nn.Module:
+    """A decoder layer without its activation-checkpointing wrapper (hooks go on the layer that runs)."""
+    return getattr(module, "_checkpoint_wrapped_module", module)
+
+
+def _layer_plan(sequence_parallel: bool) -> dict[str, object]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    if not sequence_parallel:
+        return {}
+    return {
+        "input_layernorm": SequenceParallel(),
+        "post_attention_layernorm": SequenceParallel(),
+        # The layer calls self_attn(hidden_states=..., position_embeddings=(cos, sin), ...): gather only the
+        # hidden states; RoPE's tables already cover the whole sequence.
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        ),
+        "mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+    }
+
+
+def apply_hf_tensor_parallel(
+    wrapper: nn.Module, tp_mesh: object, plan: dict[str, str], sequence_parallel: bool, loss_parallel: bool
+) -> int:
+    """Shard ``wrapper.hf`` (a whole model or one pipeline stage of it) over ``tp_mesh`` in place; returns how many
+    projections of ``plan`` matched. ``loss_parallel`` leaves the logits sharded over the vocabulary (a DTensor)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     hf = wrapper.hf  # type: ignore[attr-defined]
     base = getattr(hf, hf.base_model_prefix)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if sequence_parallel and (problem := sequence_parallel_problem(hf)) is not None:
+        raise ValueError(f"sequence parallelism needs the Llama layer layout: {problem}")
+    between = Shard(1) if sequence_parallel else Replicate()
+    styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=between)}
     # Concrete module paths: checkpoint wrappers add a segment that the plan's patterns do not know about.
     names = {name.replace("._checkpoint_wrapped_module", ""): name for name, _ in base.named_modules()}
-    layout = {}
+    layout: dict[str, object] = {}
     for pattern, style in plan.items():
         for clean, real in names.items():
             if fnmatch.fnmatchcase(clean, pattern) and "." in clean:
                 layout[real] = styles[style]()
+    matched = len(layout)
+    embedding = base.embed_tokens if isinstance(base.embed_tokens, nn.Embedding) else None
+    head = hf.lm_head if isinstance(getattr(hf, "lm_head", None), nn.Linear) else None
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    for key, layer in base.layers.named_children():
+        prefix = f"layers.{key}" + ("._checkpoint_wrapped_module" if layer is not _inner(layer) else "")
+        for part, style in _layer_plan(sequence_parallel).items():
+            layout[f"{prefix}.{part}"] = style
+    if embedding is not None:
+        layout["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if sequence_parallel and not isinstance(base.norm, nn.Identity):
+        # A local slice out: the causal LM slices the hidden states (logits_to_keep) before its head.
+        layout["norm"] = SequenceParallel(use_local_output=True)
     if layout:
         parallelize_module(base, tp_mesh, layout)
-    return len(layout)
+    if sequence_parallel and len(base.layers):
+        # The stage's first layer takes its slice of the whole-sequence hidden states (backward: all-gather).
+        parallelize_module(
+            _inner(next(iter(base.layers))),
+            tp_mesh,
+            PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+        )
+    if head is not None:
+        parallelize_module(
+            hf,
+            tp_mesh,
+            {
+                "lm_head": ColwiseParallel(
+                    input_layouts=between,
+                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                    use_local_output=not loss_parallel,
+                )
+            },
+        )
+        if tied:
+            # Both layers shard the (vocab, hidden) weight on dim 0: share the embedding's DTensor again.
+            hf.lm_head.weight = embedding.weight
+    if sequence_parallel:
+        wrapper.sequence_mesh = tp_mesh  # type: ignore[attr-defined]
+    return matched
+
+
+def gather_sequence(hidden: torch.Tensor, tp_mesh: object) -> torch.Tensor:
+    """The whole sequence from this rank's ``1/tp`` slice along dim 1 (all-gather; backward: this rank's slice of
+    the gradient, which the next layer's slice-taking makes identical on every tp rank)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sharded = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
+    return sharded.redistribute(tp_mesh, [Replicate()]).to_local()

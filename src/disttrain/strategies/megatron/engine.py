@@ -128,8 +128,7 @@ class MegatronEngine:
         self.pp_rank = mesh.get_local_rank("pp")
         self.pp_group = mesh.get_group("pp") if d.pp > 1 else None
         self.hf = isinstance(settings.model, HFModelConfig)
-        # An HF model's LM head stays replicated over tp (see hf_tensor_parallel): its logits are whole.
-        self.loss_parallel = s.loss_parallel and d.tp > 1 and not self.hf
+        self.loss_parallel = s.loss_parallel and d.tp > 1
         num_stages = d.pp * s.virtual_stages
         self.stage_ids = stages_of_rank(self.pp_rank, d.pp, s.virtual_stages, s.schedule) if d.pp > 1 else [0]
         self.chunks: list[Transformer] = [self._build_chunk(stage, max(num_stages, 1)) for stage in self.stage_ids]
@@ -158,10 +157,14 @@ class MegatronEngine:
         model = build_hf_model(cfg, self.settings.seed, self.device)
         if s.activation_checkpointing == "full":
             model.apply_activation_checkpointing()
+        elif s.activation_checkpointing == "selective":
+            model.apply_selective_recompute()
         if d.pp > 1:
             model = build_hf_stage(model, stage, num_stages)
-        if d.tp > 1 and not apply_hf_tensor_parallel(model, self.mesh["tp"], hf_tp_plan(load_hf_config(cfg)) or {}):
-            raise RuntimeError(f"the tensor-parallel plan of {cfg.name} matched none of its modules")
+        if d.tp > 1:
+            plan = hf_tp_plan(load_hf_config(cfg)) or {}
+            if not apply_hf_tensor_parallel(model, self.mesh["tp"], plan, s.sequence_parallel, self.loss_parallel):
+                raise RuntimeError(f"the tensor-parallel plan of {cfg.name} matched none of its modules")
         policy = MixedPrecisionPolicy(param_dtype=self.settings.param_dtype, reduce_dtype=torch.float32)
         # Under pipelining every micro-batch runs forward then (later) backward: keep the gathered weights.
         for block in model.blocks:
