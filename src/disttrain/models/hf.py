@@ -40,7 +40,8 @@ SAFETENSORS_FILE = "model.safetensors"
 
 class SafetensorsWeights:
     """The tensors of a ``save_pretrained`` directory (one ``model.safetensors`` or shards listed in its index),
-    read one at a time from the memory-mapped files."""
+    read one at a time: each read maps its file only while it copies the tensor out, so the reader never keeps
+    more than that tensor (``from_pretrained`` keeps the whole mapping, one page-cache copy per node)."""
 
     def __init__(self, directory: str | Path) -> None:
         directory = Path(directory).expanduser()
@@ -54,15 +55,12 @@ class SafetensorsWeights:
             single = directory / SAFETENSORS_FILE
             with safe_open(str(single), framework="pt") as handle:
                 self.files = {name: single for name in handle.keys()}  # noqa: SIM118 (not a dict)
-        self._open: dict[Path, object] = {}
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        file = self.files[name]
-        if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt")
-        return self._open[file].get_tensor(name)  # type: ignore[attr-defined]
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
 
 
 class HFCausalLM(nn.Module):
@@ -179,7 +177,6 @@ class HFCausalLM(nn.Module):
             peak = max(peak, sum(p.numel() for p in fresh))
             if fresh and partition is not None:
                 partition(fresh)
-        self._weights = None  # close the memory-mapped files
         return peak
 
     def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
