@@ -22,7 +22,7 @@ from disttrain.models.factory import build_model_factory
 from disttrain.models.hf import SafetensorsWeights
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-PLACEMENTS = {"zero3": "deferred", "fsdp": "deferred", "ddp": "rank0"}  # as strategies/spec.py asks for 2 ranks
+PLACEMENTS = {"zero3": "deferred", "fsdp": "deferred", "ddp": "rank0", "zero2": "rank0"}  # spec.py's, for 2 ranks
 
 
 def _observe_reads() -> tuple[list[str], list[str]]:
@@ -76,6 +76,18 @@ def _ddp(model: nn.Module) -> dict[str, Any]:
     return {"params": {name: p.detach().clone() for name, p in wrapped.module.named_parameters()}}
 
 
+def _zero2(model: nn.Module) -> dict[str, Any]:
+    import argparse
+
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    optimizer = torch.optim.AdamW(model.parameters())
+    args = argparse.Namespace(device_rank=torch.distributed.get_rank())  # as CPUCapableDeepSpeedStrategy passes
+    engine, *_ = deepspeed.initialize(args=args, model=model, optimizer=optimizer, config=config)
+    return {"params": {name: p.detach().clone() for name, p in engine.module.named_parameters()}}
+
+
 def worker(rank: int, world: int, port: int, cases_json: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
@@ -90,7 +102,7 @@ def worker(rank: int, world: int, port: int, cases_json: str, out: str) -> None:
     for case, spec in json.loads(cases_json).items():
         del reads[:], loads[:]
         factory = build_model_factory(HFModelConfig(seq_len=32, **spec["model"]), 5, PLACEMENTS[spec["strategy"]])
-        record = {"zero3": _zero3, "fsdp": _fsdp, "ddp": _ddp}[spec["strategy"]](factory())
+        record = {"zero3": _zero3, "fsdp": _fsdp, "ddp": _ddp, "zero2": _zero2}[spec["strategy"]](factory())
         record.update(reads=list(reads), loads=list(loads))
         torch.save(record, Path(out) / f"rank{rank}-{case}.pt")
     torch.distributed.barrier()

@@ -3,7 +3,8 @@
 ZeRO-3 builds the model partitioned: one module at a time gets storage, rank 0's values, and is partitioned before
 the next (no rank ever holds more than one module's parameters whole); FSDP2 materializes only each rank's
 shards after ``fully_shard``; with ``model.path`` only rank 0 reads the file (ZeRO-3 and FSDP2 broadcast tensor by
-tensor, DDP broadcasts when it wraps the model). The CLI runs (test_hf_parity.py) cannot see who read what or the
+tensor; DDP and ZeRO-1/2 broadcast rank 0's parameters when they wrap the model, so the other ranks build only
+the structure). The CLI runs (test_hf_parity.py) cannot see who read what or the
 weights before the first step, so this one spawn builds every case as ``configure_model`` does (a few seconds).
 """
 
@@ -46,6 +47,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict], di
         "fsdp-init": {"strategy": "fsdp", "model": {"config": TIED}},
         "fsdp-path": {"strategy": "fsdp", "model": {"path": str(untied)}},
         "ddp-path": {"strategy": "ddp", "model": {"path": str(untied)}},
+        "zero2-init": {"strategy": "zero2", "model": {"config": TIED}},
     }
     mp.spawn(worker, args=(WORLD, _free_port(), json.dumps(cases), str(tmp)), nprocs=WORLD, join=True)
     records = {
@@ -65,7 +67,7 @@ def clean(name: str) -> str:
     return name
 
 
-@pytest.mark.parametrize("case", ["zero3-init", "zero3-path", "fsdp-init", "fsdp-path", "ddp-path"])
+@pytest.mark.parametrize("case", ["zero3-init", "zero3-path", "fsdp-init", "fsdp-path", "ddp-path", "zero2-init"])
 def test_every_rank_starts_from_the_one_process_weights(case: str, built: tuple) -> None:
     cases, records = built
     expected = one_process(cases[case])
