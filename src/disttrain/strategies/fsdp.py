@@ -74,8 +74,7 @@ def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from disttrain.models.hf import _WRAPPED as WRAPPED
-    from disttrain.models.transformer import _assign
+    from disttrain.models.transformer import _assign, canonical_name
 
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     # The buffers are real (RoPE tables, built with the structure) and to_empty would discard them.
@@ -84,7 +83,7 @@ def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
-        buffers = {name.replace(WRAPPED, ""): buffer for name, buffer in buffers.items()}
+        buffers = {canonical_name(name): buffer for name, buffer in buffers.items()}  # state_dict's names
         if model.path is None:  # type: ignore[attr-defined]
             for names, param in model.parameter_aliases():  # type: ignore[operator]
                 _assign(param, model.init_value(names[0], param.shape))  # type: ignore[operator]
@@ -93,11 +92,11 @@ def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:
         if torch.distributed.get_rank() == 0:
             aliases = {name: names for names, _ in model.parameter_aliases() for name in names}  # type: ignore[operator]
             for key, value in model.state_dict().items():
-                name = key.removeprefix("hf.")
+                name = canonical_name(key).removeprefix("hf.")
                 if name in aliases:
                     full[key] = model.initial_value(aliases[name], value.shape)  # type: ignore[operator]
                 else:  # a persistent buffer: as constructed (today's models keep none in their files)
-                    full[key] = buffers[key]
+                    full[key] = buffers[canonical_name(key)]
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, full, options=options)
 
