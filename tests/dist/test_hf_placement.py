@@ -5,7 +5,8 @@ the next (no rank ever holds more than one module's parameters whole); FSDP2 mat
 shards after ``fully_shard``; with ``model.path`` only rank 0 reads the file (ZeRO-3 and FSDP2 broadcast tensor by
 tensor; DDP and ZeRO-1/2 broadcast rank 0's parameters when they wrap the model, so the other ranks build only
 the structure). The CLI runs (test_hf_parity.py) cannot see who read what or the
-weights before the first step, so this one spawn builds every case as ``configure_model`` does (a few seconds).
+weights before the first step, so this one spawn builds every case as ``configure_model`` does: the cases take a
+few seconds, the ranks' imports (deepspeed, transformers) most of the ~18 s the module takes on a quiet box.
 """
 
 from __future__ import annotations
