@@ -23,7 +23,7 @@ from disttrain.strategies.spec import spec_of
 from pipelines.plan import plan_from_config
 from tests.configs.test_plan_cli import compose_plan
 from tests.conftest import compose_train
-from tests.hf_fixtures import save_tiny_model, sentences, train_tokenizer, write_jsonl
+from tests.hf_fixtures import TINY_LLAMA, save_tiny_model, sentences, train_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +265,21 @@ def test_gpt2_learned_positions_are_counted_at_the_models_own_rows(seq_len: int)
 def test_a_position_table_size_is_refused_for_the_reference_model() -> None:
     err = error_of(["model.position_rows=1024"])
     assert err.key == "model.position_rows" and "\n" not in str(err)
+
+
+def test_model_path_weights_are_checked_before_launch(local: dict[str, Path], tmp_path: Path) -> None:
+    """Ranks that receive the weights tensor by tensor cannot fall back on random values: a directory without
+    safetensors, or with weights for another shape, is one error naming model.path."""
+    import shutil
+
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    shutil.copy(local["model"] / "config.json", bare / "config.json")
+    err = error_of(["model=hf", f"model.path={bare}"])
+    assert err.key == "model.path" and "no model.safetensors" in str(err) and "\n" not in str(err)
+    # The saved weights of a wider model under this config.json: every matrix has another shape.
+    wider = save_tiny_model(tmp_path / "wider", {**TINY_LLAMA, "hidden_size": 128, "intermediate_size": 256})
+    shutil.copy(local["model"] / "config.json", wider / "config.json")
+    err = error_of(["model=hf", f"model.path={wider}"])
+    assert err.key == "model.path" and "lacks 21 of the 21 weights" in str(err), str(err)
+    assert "model.embed_tokens.weight: shape [320, 128], expected [320, 64]" in str(err) and "\n" not in str(err)

@@ -4,6 +4,9 @@ base_model_tp_plan inside pipeline stages cut by decoder layer, the RMSNorms on 
 mask over the whole sequence, a vocab-parallel tied embedding split between the first and last stage, the loss on
 vocab-sharded logits, the attention kernel recomputed in backward) and ZeRO-3 matches one
 process to 1e-4; every run ends with an HF export that ``from_pretrained`` reloads to the trained weights and logits.
+The FSDP2 run loads ``model.path``, a directory holding the inline config's initial weights (rank 0 reads it and
+broadcasts tensor by tensor), so it starts exactly where the others start; ZeRO-3 builds the inline model
+partitioned, one module at a time.
 
 The runs are spawned once per module and shared by the tests; one more resumes the single-process run from its
 step-10 checkpoint and must continue exactly (data=hf's loader position included).
@@ -41,10 +44,17 @@ LAYOUTS = {
     "zero3": ["strategy=deepspeed", "strategy.stage=3", "strategy.param_persistence_threshold=0",
               "trainer.micro_batch_size=4"],
 }  # fmt: skip
+FROM_PATH = {"fsdp"}  # model.path: the inline config's initial weights, saved
 
 
 # The preset's shape, made smaller for CI: 2 layers of hidden 64 (its other keys stay).
 OVERRIDES = {k: TINY_LLAMA[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")}
+SEED = 1337  # trainer.seed's default, set explicitly: the saved model.path weights are this seed's init
+
+
+def preset_config() -> dict:
+    preset = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "hf-tiny-llama.yaml"))["config"]
+    return {**preset, **OVERRIDES}
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +63,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     texts = sentences(1500)
     tokenizer = train_tokenizer(tmp / "tokenizer.json", texts)
     corpus = write_jsonl(tmp / "corpus.jsonl", texts)
+    inline = ["model=hf-tiny-llama", *(f"model.config.{k}={v}" for k, v in OVERRIDES.items())]
+    saved = tmp / "initial-weights"
+    build_hf_model(HFModelConfig(config=preset_config(), seq_len=32), seed=SEED).save_pretrained(saved)
     common = [
-        "model=hf-tiny-llama",
         "model.seq_len=32",
-        *(f"model.config.{k}={v}" for k, v in OVERRIDES.items()),
+        f"trainer.seed={SEED}",
         "data=hf",
         f"data.train_files=[{corpus}]",
         f"data.tokenizer={tokenizer}",
@@ -70,7 +82,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "optimizer.lr=1e-3",
         "diagnostics=off",
     ]
-    return {name: run(tmp, name, [*common, *extra]) for name, extra in LAYOUTS.items()}
+    model = {True: ["model=hf", f"model.path={saved}"], False: inline}
+    return {name: run(tmp, name, [*model[name in FROM_PATH], *common, *extra]) for name, extra in LAYOUTS.items()}
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "megatron-tp2-pp2-sp", "zero3"])
@@ -80,6 +93,12 @@ def test_two_ranks_match_one_process(layout: str, runs: dict[str, Path]) -> None
     worst = max(abs(losses[s] - reference[s]) for s in range(STEPS))
     assert worst <= 1e-4, f"{layout}: max |loss - reference| = {worst:.2e}"
     assert losses[STEPS - 1] < losses[0] - 0.5  # it learned: parity is not two flat lines
+
+
+def test_model_path_run_starts_from_exactly_the_saved_weights(runs: dict[str, Path]) -> None:
+    """FSDP2 from model.path (read by rank 0, broadcast tensor by tensor) and DDP from the inline init compute the
+    first forward on the same micro-batches per rank: the same first loss, bitwise, only if the weights are."""
+    assert train_losses(runs["fsdp"])[0] == train_losses(runs["ddp"])[0]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -95,8 +114,7 @@ def test_export_reloads_with_from_pretrained(layout: str, runs: dict[str, Path])
     for name, tensor in trained.items():
         assert torch.equal(state[name], tensor), name
     # The same logits as the trained weights in the training wrapper.
-    preset = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "hf-tiny-llama.yaml"))["config"]
-    wrapper = build_hf_model(HFModelConfig(config={**preset, **OVERRIDES}, seq_len=32), seed=0).eval()
+    wrapper = build_hf_model(HFModelConfig(config=preset_config(), seq_len=32), seed=0).eval()
     wrapper.hf.load_state_dict(trained, strict=False)
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -152,3 +152,70 @@ def test_an_architecture_without_llama_stages_is_refused_by_name() -> None:
     assert problem is not None and "embed_tokens" in problem and "layers" in problem
     with pytest.raises(ValueError, match="pipeline stages"):
         build_hf_stage(wrapper, 0, 2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("source", ["config", "path"])
+def test_a_deferred_build_materialized_module_by_module_is_the_whole_build(
+    tied: bool, source: str, tmp_path: Path
+) -> None:
+    """What ZeRO-3 does on rank 0 (partitioning aside): the structure on meta with real buffers, then storage and
+    values one module at a time, each module handed on before the next is allocated."""
+    config = {**TINY_LLAMA, "tie_word_embeddings": tied}
+    model = HFModelConfig(config=config, seq_len=32)
+    if source == "path":
+        model = HFModelConfig(path=str(save_tiny_model(tmp_path / "m", config)), seq_len=32)
+    whole = build_hf_model(model, seed=6)
+    deferred = build_hf_model(model, seed=6, placement="deferred")
+    assert deferred.deferred and all(p.is_meta for p in deferred.parameters())
+    assert not any(b.is_meta for b in deferred.buffers())  # RoPE tables: in no checkpoint, built with the structure
+    handed: list[list[torch.Tensor]] = []
+
+    def partition(params: list[torch.nn.Parameter]) -> None:
+        # Until now every later module is still on meta: never more than this module is real.
+        assert sum(not p.is_meta for p in deferred.parameters()) == sum(map(len, handed)) + len(params)
+        handed.append(params)
+
+    peak = deferred.materialize_by_module(fill=True, partition=partition)
+    assert not deferred.deferred
+    seen: set[int] = set()  # a tied head is the embedding's parameter: allocated (and handed on) once
+    per_module = []
+    for module in whole.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        per_module.append(sum(p.numel() for p in own))
+    assert peak == max(per_module) and len(handed) == sum(n > 0 for n in per_module)
+    assert sum(p.numel() for params in handed for p in params) == sum(per_module)
+    assert (deferred.hf.lm_head.weight is deferred.hf.model.embed_tokens.weight) == tied
+    for (name, expected), actual in zip(whole.state_dict().items(), deferred.state_dict().values(), strict=True):
+        assert torch.equal(expected, actual), name  # parameters and buffers
+    with torch.no_grad():
+        assert torch.equal(deferred(tokens()), whole(tokens()))
+
+
+def test_ranks_that_get_broadcast_values_read_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from disttrain.models import hf
+
+    directory = save_tiny_model(tmp_path / "m")
+    monkeypatch.setattr(hf.SafetensorsWeights, "get", lambda *_: pytest.fail("read the file"))
+    deferred = build_hf_model(HFModelConfig(path=str(directory), seq_len=32), seed=0, placement="deferred")
+    deferred.materialize_by_module(fill=False, partition=None)
+    assert not deferred.deferred
+    # DDP's other ranks: the structure with unset values, for the wrap-time broadcast to overwrite.
+    monkeypatch.setattr(hf, "_rank", lambda: 1)
+    other = build_hf_model(HFModelConfig(path=str(directory), seq_len=32), seed=0, placement="rank0")
+    assert not other.deferred and {k: v.shape for k, v in other.state_dict().items()} == {
+        k: v.shape for k, v in deferred.state_dict().items()
+    }
+
+
+def test_sharded_safetensors_are_read_tensor_by_tensor(tmp_path: Path) -> None:
+    from disttrain.models.hf import SafetensorsWeights
+
+    whole = build_hf_model(INLINE, seed=2)
+    whole.hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="50KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    weights = SafetensorsWeights(tmp_path / "sharded")
+    assert len(set(weights.files.values())) > 1
+    for name, param in whole.hf.named_parameters():
+        assert torch.equal(weights.get(name), param), name

@@ -42,6 +42,46 @@ def check_hf_source(model: HFModelConfig) -> None:
         raise ConfigError("model.config.model_type", "is required", "add e.g. model.config.model_type=llama")
 
 
+def check_hf_weights(model: HFModelConfig) -> None:
+    """``model.path`` holds safetensors weights for every parameter of the model its config.json describes, each at
+    its shape. FSDP2 and ZeRO-3 ranks receive them tensor by tensor from rank 0's read, which has no fallback: a
+    missing or misshapen tensor is refused here, before launch, not by a rank that has already started."""
+    if model.path is None:
+        return
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(model.path).expanduser()
+    index, single = directory / "model.safetensors.index.json", directory / "model.safetensors"
+    if not index.is_file() and not single.is_file():
+        raise ConfigError(
+            "model.path",
+            f"'{model.path}' has no model.safetensors (nor a model.safetensors.index.json of shards)",
+            "write the model with save_pretrained (safetensors is its default format)",
+        )
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [single.name]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(directory / file), framework="pt") as handle:  # reads the header only
+            shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})  # noqa: SIM118
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(load_hf_config(model))
+    params: dict[int, tuple[tuple[int, ...], list[str]]] = {}
+    for name, param in meta.named_parameters(remove_duplicate=False):  # a tied head: one parameter, two names
+        params.setdefault(id(param), (tuple(param.shape), []))[1].append(name)
+    missing = [names[0] for shape, names in params.values() if not any(shapes.get(n) == shape for n in names)]
+    if missing:
+        first = missing[0]
+        found = f"shape {list(shapes[first])}" if first in shapes else "absent"
+        raise ConfigError(
+            "model.path",
+            f"'{model.path}' lacks {len(missing)} of the {len(params)} weights its config.json describes "
+            f"({first}: {found}, expected {list(params[id(meta.get_parameter(first))][0])})",
+            "point model.path at the directory save_pretrained wrote for this config.json",
+        )
+
+
 def _config_key(model: HFModelConfig) -> str:
     # The cache key: a frozen dataclass holding a dict is not hashable itself.
     return json.dumps({"path": model.path, "config": model.config}, sort_keys=True)

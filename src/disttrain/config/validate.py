@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain.config.errors import ConfigError, require_one_of, require_positive
-from disttrain.config.hf import hf_shape, max_positions
+from disttrain.config.hf import check_hf_weights, hf_shape, max_positions
 from disttrain.config.schema import (
     MLPS,
     NORMS,
@@ -84,6 +84,7 @@ def validate_hf_model(m: HFModelConfig) -> None:
     if m.init_std is not None:
         require_positive("model.init_std", m.init_std)
     hf_shape(m)  # reads the config: a bad path, model_type or field fails here, before launch
+    check_hf_weights(m)  # and the weights' names and shapes (headers only)
     longest = max_positions(m)
     if longest is not None and m.seq_len > longest:
         raise ConfigError(

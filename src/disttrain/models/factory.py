@@ -36,9 +36,12 @@ def resolve_target(target: str, key: str) -> object:
         ) from None
 
 
-def build_model_factory(model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int) -> partial[nn.Module]:
+def build_model_factory(
+    model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int, placement: str = "whole"
+) -> partial[nn.Module]:
+    """``placement`` (``model=hf`` only, see models/hf.py): where the strategy wants the starting weights."""
     if isinstance(model, HFModelConfig):
-        return partial(_build_hf_model, model, seed)
+        return partial(_build_hf_model, model, seed, placement=placement)
     if isinstance(model, CustomModelConfig):
         return partial(_build_custom_model, model, resolve_target(model.target, "model._target_"))
     return partial(_build_reference_model, model, seed)
@@ -53,10 +56,10 @@ def _build_reference_model(model: ModelConfig, seed: int, device: str = "cpu") -
     return module
 
 
-def _build_hf_model(model: HFModelConfig, seed: int, device: str = "cpu") -> nn.Module:
+def _build_hf_model(model: HFModelConfig, seed: int, device: str = "cpu", placement: str = "whole") -> nn.Module:
     from disttrain.models.hf import build_hf_model  # imports transformers: only HF runs pay for it
 
-    module = build_hf_model(model, seed, device)
+    module = build_hf_model(model, seed, device, placement)
     return torch.compile(module) if model.compile and device != "meta" else module
 
 

@@ -7,13 +7,23 @@ the reference transformer: ``forward(tokens) -> logits``, ``blocks`` (the decode
 Built from a config, the weights get the project's deterministic init: every tensor drawn from a generator seeded
 by (seed, parameter name), so every rank and a single-process reference hold bitwise the same values.
 From ``model.path`` the weights are the directory's safetensors, loaded without any hub access.
+
+Where a rank's starting weights come from is the strategy's choice (``placement``): ``whole`` builds or loads the
+whole model on every rank; ``rank0`` does so on rank 0 only and gives the other ranks the structure with
+unset values (DDP broadcasts rank 0's parameters when it wraps the model); ``deferred`` leaves the parameters on
+the meta device (buffers, such as RoPE tables, are real) for the strategy to materialize already sharded: FSDP2
+after ``fully_shard`` (``strategies/fsdp.py``), ZeRO-3 one module at a time (``materialize_by_module``). The
+values are then read tensor by tensor (``initial_value``): drawn from the seeded generators, or read from the
+safetensors file by rank 0 alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +35,34 @@ from disttrain.models.transformer import _param_seed
 
 # What HF's own checkpoint_wrapper-free code path would add to names; stripped so init seeds ignore wrappers.
 _WRAPPED = "_checkpoint_wrapped_module."
+PLACEMENTS = ("whole", "rank0", "deferred")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+
+
+class SafetensorsWeights:
+    """The tensors of a ``save_pretrained`` directory (one ``model.safetensors`` or shards listed in its index),
+    read one at a time: each read maps its file only while it copies the tensor out, so the reader never keeps
+    more than that tensor (``from_pretrained`` keeps the whole mapping, one page-cache copy per node)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        directory = Path(directory).expanduser()
+        index = directory / SAFETENSORS_INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: directory / file for name, file in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            single = directory / SAFETENSORS_FILE
+            with safe_open(str(single), framework="pt") as handle:
+                self.files = {name: single for name in handle.keys()}  # noqa: SIM118 (not a dict)
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
 
 
 SELECTIVE_PREFIX = "disttrain_recompute_"
@@ -54,9 +92,12 @@ def _recomputed_attention(inner: str) -> Callable:
 
 
 class HFCausalLM(nn.Module):
-    def __init__(self, hf: nn.Module) -> None:
+    def __init__(self, hf: nn.Module, seed: int = 0, init_std: float = 0.02, path: str | None = None) -> None:
         super().__init__()
         self.hf = hf
+        # Where deferred parameters get their values (see the module docstring).
+        self.seed, self.init_std, self.path = seed, init_std, path
+        self._weights: SafetensorsWeights | None = None
 
     @property
     def block_classes(self) -> tuple[str, ...]:
@@ -111,45 +152,146 @@ class HFCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=tokens, use_cache=False).logits
 
+    def parameter_aliases(self) -> list[tuple[list[str], nn.Parameter]]:
+        """Each parameter of the HF model once, with every name it has (a tied LM head has two), the one
+        ``named_parameters`` lists first, wrapper segments removed."""
+        found: dict[int, tuple[list[str], nn.Parameter]] = {}
+        for name, param in self.hf.named_parameters(remove_duplicate=False):
+            found.setdefault(id(param), ([], param))[0].append(name.replace(_WRAPPED, ""))
+        return list(found.values())
+
+    def init_value(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """The deterministic init of one tensor: matrices ~ N(0, std), biases 0, other vectors (norm weights) 1,
+        each from its own generator seeded by (seed, name)."""
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        if len(shape) == 1:
+            return torch.ones(shape)
+        gen = torch.Generator().manual_seed(_param_seed(self.seed, name))
+        return torch.empty(shape).normal_(0.0, self.init_std, generator=gen)
+
+    def initial_value(self, names: list[str], shape: torch.Size) -> torch.Tensor:
+        """A parameter's starting value (fp32, full size): read from ``model.path`` under the first of its names the
+        file has, else drawn by the deterministic init under its first name."""
+        if self.path is None:
+            return self.init_value(names[0], shape)
+        if self._weights is None:
+            self._weights = SafetensorsWeights(self.path)
+        stored = next((n for n in names if n in self._weights.files), None)
+        if stored is None:
+            raise KeyError(f"{self.path} holds no tensor for {names[0]}")
+        value = self._weights.get(stored)
+        if value.shape != shape:
+            raise ValueError(f"{self.path}: {stored} has shape {tuple(value.shape)}, the model {tuple(shape)}")
+        return value.float()
+
     @torch.no_grad()
     def init_weights(self, seed: int, std: float) -> None:
-        """Matrices ~ N(0, std), biases 0, other vectors (norm weights) 1, each from its own seeded generator."""
+        """Every parameter set to its deterministic init (``init_value``) for ``seed`` and ``std``."""
+        self.seed, self.init_std = seed, std
         for name, param in self.hf.named_parameters():  # a tied LM head is the embedding: listed once
-            name = name.replace(_WRAPPED, "")
-            if name.endswith("bias"):
-                value = torch.zeros(param.shape)
-            elif param.ndim == 1:
-                value = torch.ones(param.shape)
-            else:
-                gen = torch.Generator().manual_seed(_param_seed(seed, name))
-                value = torch.empty(param.shape).normal_(0.0, std, generator=gen)
-            param.copy_(value.to(param.dtype))
+            param.copy_(self.init_value(name.replace(_WRAPPED, ""), param.shape).to(param.dtype))
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the parameters still wait on the meta device for their values."""
+        return any(p.is_meta for p in self.parameters())
+
+    @torch.no_grad()
+    def materialize_by_module(self, fill: bool, partition: Callable[[list[nn.Parameter]], None] | None) -> int:
+        """Give the deferred parameters real storage one module at a time, each then handed to ``partition`` (ZeRO-3
+        keeps this rank's slice and frees the rest) before the next is allocated. With ``fill`` this rank writes the
+        starting values (``initial_value``); else the storage is left unset for ``partition`` to overwrite.
+
+        Returns the largest number of elements held unpartitioned at once (one module's parameters)."""
+        names = {id(param): aliases for aliases, param in self.parameter_aliases()}
+        deferred: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+        for module in self.hf.modules():  # every place a parameter sits: a tied one sits in two
+            for attr, param in module._parameters.items():
+                if param is not None and param.is_meta:
+                    deferred.setdefault(id(param), (param, []))[1].append((module, attr))
+        peak = 0
+        for module in self.hf.modules():
+            fresh = []
+            for param in [p for p in module._parameters.values() if p is not None and p.is_meta]:
+                # The value becomes the storage itself (no second full-size copy of the module).
+                data = self.initial_value(names[id(param)], param.shape) if fill else torch.empty(param.shape)
+                real = nn.Parameter(data.to(param.dtype), requires_grad=param.requires_grad)
+                for owner, attr in deferred[id(param)][1]:
+                    owner._parameters[attr] = real
+                fresh.append(real)
+            peak = max(peak, sum(p.numel() for p in fresh))
+            if fresh and partition is not None:
+                partition(fresh)
+        return peak
 
     def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the model in HF format (config.json + model.safetensors), loadable with ``from_pretrained``."""
         self.hf.save_pretrained(str(directory), state_dict=state_dict)
 
 
-def build_hf_model(model: HFModelConfig, seed: int, device: str | torch.device = "cpu") -> HFCausalLM:
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules constructed inside register their parameters on the meta device, their buffers where they are made.
+
+    ``torch.device("meta")`` would put the buffers there too, and the non-persistent ones (RoPE tables) are in no
+    checkpoint: they could not be restored. Each parameter is moved as it is registered, before the module's own
+    init runs on it (a no-op on meta), so no rank allocates the model's weights while building it."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def build_hf_model(
+    model: HFModelConfig, seed: int, device: str | torch.device = "cpu", placement: str = "whole"
+) -> HFCausalLM:
     """The HF model on ``device``: loaded from ``model.path``, or built from the config with the deterministic
-    init; on ``"meta"`` only its structure (for parameter counts and shape checks)."""
+    init; on ``"meta"`` only its structure (for parameter counts and shape checks). ``placement``: see the module
+    docstring."""
     from transformers import AutoModelForCausalLM
 
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     # A copy: transformers keeps (and sets attributes on) the config it is given, and load_hf_config's is cached.
     config = copy.deepcopy(load_hf_config(model))
     kind = model.attn_implementation
+    std = hf_shape(model).init_std
+    path = None if model.path is None else str(Path(model.path).expanduser())
     if torch.device(device).type == "meta":
         with torch.device("meta"):
-            return HFCausalLM(AutoModelForCausalLM.from_config(config, attn_implementation=kind))
-    if model.path is not None:
+            return HFCausalLM(AutoModelForCausalLM.from_config(config, attn_implementation=kind), seed, std, path)
+    if placement == "deferred" or (placement == "rank0" and _rank() != 0):
+        # The structure with real buffers; under fork_rng as HF's constructors may draw (on meta: nothing).
+        with torch.random.fork_rng(devices=[]), parameters_on_meta():
+            hf = AutoModelForCausalLM.from_config(config, attn_implementation=kind, dtype=torch.float32)
+        wrapped = HFCausalLM(hf, seed, std, path)
+        if placement == "rank0":  # DDP overwrites these with rank 0's values when it wraps the model
+            wrapped.materialize_by_module(fill=False, partition=None)
+            return wrapped.to(device)
+        return wrapped
+    if path is not None:
         hf = AutoModelForCausalLM.from_pretrained(
-            str(Path(model.path).expanduser()), local_files_only=True, dtype=torch.float32, attn_implementation=kind
+            path, local_files_only=True, dtype=torch.float32, attn_implementation=kind
         )
-        return HFCausalLM(hf.to(device))
+        return HFCausalLM(hf.to(device), seed, std, path)
     # Built on the CPU for its buffers (RoPE tables) under a private RNG, then every weight is overwritten.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_config(config, attn_implementation=kind, dtype=torch.float32)
-    wrapped = HFCausalLM(hf)
-    wrapped.init_weights(seed, hf_shape(model).init_std)
+    wrapped = HFCausalLM(hf, seed, std, path)
+    wrapped.init_weights(seed, std)
     return wrapped.to(device)

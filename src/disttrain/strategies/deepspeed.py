@@ -7,9 +7,11 @@ DeepSpeed would also JIT-compile its shared-memory all-reduce (about a minute of
 incompatible keeps plain gloo. The optimizer is the LightningModule's torch AdamW (DeepSpeed's fused Adam would be
 compiled too), except under optimizer offload on GPUs, where DeepSpeed steps the host partition with its CPU Adam.
 
-ZeRO-3 partitions parameters as soon as the model exists: the model is built from the meta device with its
-deterministic init (so every rank computes the same values a single process would), then ``zero.Init(module=...)``
-keeps each rank's slice and frees the rest, before the optimizer ever sees the parameters.
+ZeRO-3 partitions parameters as soon as they exist, before the optimizer ever sees them. The reference model is
+built whole from the meta device with its deterministic init (so every rank computes the same values a single
+process would), then ``zero.Init(module=...)`` keeps each rank's slice and frees the rest. A ``model=hf`` model is
+built partitioned: its parameters stay on the meta device until ``partition_parameters`` gives them storage one
+module at a time, rank 0's values broadcast and partitioned before the next module is allocated.
 """
 
 from __future__ import annotations
@@ -155,11 +157,8 @@ class CPUCapableDeepSpeedStrategy(UniversalCheckpointing, DeepSpeedStrategy):
 
     def partition_parameters(self, model: nn.Module) -> None:
         """ZeRO-3: keep only this rank's slice of every parameter (a no-op for stages 1 and 2)."""
-        if not self.zero_stage_3:
-            return
-        import deepspeed
-
-        deepspeed.zero.Init(module=model, config_dict_or_path=self.config, remote_device=self.remote_device)
+        if self.zero_stage_3:
+            partition_model(model, self.config, self.remote_device, self.global_rank)
 
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
@@ -183,6 +182,26 @@ class CPUCapableDeepSpeedStrategy(UniversalCheckpointing, DeepSpeedStrategy):
             dist_init_required=False,
         )
         return engine, ds_optimizer
+
+
+def partition_model(model: nn.Module, config: dict[str, Any], remote_device: str | None, rank: int) -> int | None:
+    """ZeRO-3 partitioning of ``model`` on this rank; returns the most elements held unpartitioned at once when the
+    model was built deferred, else None.
+
+    A model built with deferred parameters (``model=hf``: on the meta device) is materialized one module at a time,
+    each partitioned before the next is allocated, so no rank ever holds the whole model: rank 0 writes the values
+    (its deterministic init or its read of ``model.path``) and zero.Init broadcasts each module's from rank 0 as it
+    partitions them. Any other model is partitioned whole, after its build."""
+    import deepspeed
+
+    def partition(module: nn.Module) -> None:
+        deepspeed.zero.Init(module=module, config_dict_or_path=config, remote_device=remote_device)
+
+    materialize = getattr(model, "materialize_by_module", None)
+    if callable(materialize) and getattr(model, "deferred", False):
+        return materialize(fill=rank == 0, partition=lambda params: partition(nn.ParameterList(params)))
+    partition(model)
+    return None
 
 
 def swap_optimizer(optimizer: torch.optim.Optimizer, lr_scheduler: Any, cls: type) -> torch.optim.Optimizer:

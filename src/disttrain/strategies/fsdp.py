@@ -62,6 +62,43 @@ def apply_fsdp(
     # The root's parameters (embeddings, final norm, head) are needed right after the last block in backward,
     # so resharding them after forward would only add an all-gather.
     fully_shard(model, reshard_after_forward=False, **options)
+    maybe_materialize_shards(model, dp_mesh)
+
+
+def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:
+    """A model sharded with deferred parameters (``model=hf``, built on the meta device) gets storage for this rank's
+    shards only, then its starting values: the deterministic init drawn tensor by tensor on every rank (each keeps
+    its shard, no communication), or ``model.path`` read by rank 0 alone and broadcast tensor by tensor
+    (``set_model_state_dict(broadcast_from_rank0=True)``), so no rank but 0 reads the file or holds a full copy."""
+    if not getattr(model, "deferred", False):
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from disttrain.models.transformer import _assign, canonical_name
+
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    # The buffers are real (RoPE tables, built with the structure) and to_empty would discard them.
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+        buffers = {canonical_name(name): buffer for name, buffer in buffers.items()}  # state_dict's names
+        if model.path is None:  # type: ignore[attr-defined]
+            for names, param in model.parameter_aliases():  # type: ignore[operator]
+                _assign(param, model.init_value(names[0], param.shape))  # type: ignore[operator]
+            return
+        full: dict[str, torch.Tensor] = {}
+        if torch.distributed.get_rank() == 0:
+            aliases = {name: names for names, _ in model.parameter_aliases() for name in names}  # type: ignore[operator]
+            for key, value in model.state_dict().items():
+                name = canonical_name(key).removeprefix("hf.")
+                if name in aliases:
+                    full[key] = model.initial_value(aliases[name], value.shape)  # type: ignore[operator]
+                else:  # a persistent buffer: as constructed (today's models keep none in their files)
+                    full[key] = buffers[canonical_name(key)]
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
 
 
 class FSDPStrategy(UniversalCheckpointing, ModelParallelStrategy):

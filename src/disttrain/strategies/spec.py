@@ -84,6 +84,12 @@ class StrategySpec:
     def build(self, cfg: RunConfig, world_size: int, apply_checkpointing: object) -> StrategyBuild:
         raise NotImplementedError
 
+    def model_placement(self, world_size: int) -> str:
+        """Where a ``model=hf`` model's starting weights are made (models/hf.py): ``whole`` on every rank; ``rank0``
+        where the strategy broadcasts rank 0's parameters when it wraps the model; ``deferred`` where its plan
+        materializes them sharded."""
+        return "whole"
+
     def build_module(
         self, cfg: RunConfig, accumulation: int, built: StrategyBuild, facts: ModelFacts
     ) -> LanguageModelModule:
@@ -91,7 +97,7 @@ class StrategySpec:
         from disttrain.models.module import LanguageModelModule
 
         return LanguageModelModule(
-            build_model_factory(cfg.model, cfg.trainer.seed),
+            build_model_factory(cfg.model, cfg.trainer.seed, self.model_placement(cfg.hw.world_size)),
             cfg.optimizer,
             max_steps=cfg.trainer.max_steps,
             parallelize=built.parallelize,
@@ -160,6 +166,10 @@ class DDPSpec(StrategySpec):
     def planner_layout(self, dp: int, accumulation: int) -> Layout:
         return Layout("ddp", dp=dp, microbatches=accumulation)
 
+    def model_placement(self, world_size: int) -> str:
+        # DistributedDataParallel broadcasts rank 0's parameters and buffers when it wraps the model.
+        return "rank0" if world_size > 1 else "whole"
+
     def build(self, cfg: RunConfig, world_size: int, apply_checkpointing: object) -> StrategyBuild:
         from disttrain.strategies.ddp import build_ddp
 
@@ -216,6 +226,9 @@ class FSDPSpec(StrategySpec):
         backend = process_group_backend(cfg.hw.accelerator)
         strategy, plan = build_fsdp(self.config, cfg.precision, world_size, backend, apply_checkpointing)
         return StrategyBuild(strategy, plan, trainer_precision(cfg.precision))
+
+    def model_placement(self, world_size: int) -> str:
+        return "deferred"  # apply_fsdp materializes this rank's shards after fully_shard
 
 
 class DeepSpeedSpec(StrategySpec):
@@ -281,6 +294,13 @@ class DeepSpeedSpec(StrategySpec):
         strategy, plan = build_deepspeed(self.config, cfg.trainer.micro_batch_size, backend, apply_checkpointing)  # type: ignore[arg-type]
         # Lightning turns the precision into DeepSpeed's bf16/fp16 config sections itself.
         return StrategyBuild(strategy, plan, cfg.precision.lightning)
+
+    def model_placement(self, world_size: int) -> str:
+        # ZeRO-3 materializes the model partitioned (partition_parameters); at stages 1 and 2 deepspeed.initialize
+        # broadcasts rank 0's parameters, as DDP does.
+        if self.config.stage == 3:
+            return "deferred"
+        return "rank0" if world_size > 1 else "whole"
 
 
 class MegatronSpec(StrategySpec):
