@@ -15,6 +15,7 @@ hw=cpu has no datasheet numbers: without calibration nothing but memory can be p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -35,6 +36,20 @@ QUANTITIES = ("step_time_s", "comm_s", "state_bytes", "tokens_per_s")
 TARGET = 0.15
 
 
+def cpu_share(run_dir: Path) -> float | None:
+    """Median over the ranks' telemetry samples of each rank's CPU use (its threads' CPU time over wall time, in
+    cores): what the host left the run. Near 1 per rank on a quiet box (a rank per core, less its waits); far below
+    on a loaded one, where every wall-clock figure stretches by about its inverse."""
+    shares = []
+    for path in (run_dir / "telemetry").glob("rank*.jsonl"):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"sample"' in line:
+                record = json.loads(line)
+                if isinstance(record.get("cpu_util_pct"), int | float):
+                    shares.append(record["cpu_util_pct"] / 100)
+    return statistics.median(shares) if shares else None
+
+
 def one_run(layout: str, steps: int, extra: list[str], keep: Path | None = None) -> dict:
     overrides = [
         *LAYOUTS[layout],
@@ -45,13 +60,15 @@ def one_run(layout: str, steps: int, extra: list[str], keep: Path | None = None)
         "trainer.global_batch_size=32",  # the same global batch for every layout (Megatron tp2 has dp=1)
         *extra,
     ]
-    inspect = None
-    if keep is not None:  # the run dirs, for python -m diagnose and the profiler traces
+    share: list[float | None] = []
 
-        def inspect(run_dir: Path) -> None:
+    def inspect(run_dir: Path) -> None:
+        share.append(cpu_share(run_dir))
+        if keep is not None:  # the run dirs, for python -m diagnose and the profiler traces
             shutil.copytree(run_dir, keep / f"{layout}-{len(list(keep.glob(layout + '-*')))}")
 
-    return train_manifest(overrides, inspect).get("prediction") or {}
+    prediction = train_manifest(overrides, inspect).get("prediction") or {}
+    return {**prediction, "cpu_share": share[0] if share else None}
 
 
 def median_and_spread(values: list[float]) -> str:
@@ -72,6 +89,7 @@ def main() -> None:
     errors: dict[str, dict[str, list[float]]] = {name: {q: [] for q in QUANTITIES} for name in args.layouts}
     examples: dict[str, dict] = {}
     loads: list[float] = []
+    shares: list[float | None] = []
     for repeat in range(args.repeats):
         order = args.layouts[repeat % len(args.layouts) :] + args.layouts[: repeat % len(args.layouts)]
         for name in order:
@@ -83,7 +101,14 @@ def main() -> None:
             step = (record.get("error") or {}).get("step_time_s")
             shown = "n/a" if step is None else f"{step:+.1%}"
             loads.append(os.getloadavg()[0])  # timing figures are only as good as the host is quiet
-            print(f"  repeat {repeat + 1} {name}: step-time error {shown} (load {loads[-1]:.1f})", flush=True)
+            share = record.get("cpu_share")
+            shares.append(share)
+            share_text = "n/a" if share is None else f"{share:.2f}"
+            print(
+                f"  repeat {repeat + 1} {name}: step-time error {shown} (load {loads[-1]:.1f}, CPU per rank "
+                f"{share_text} cores)",
+                flush=True,
+            )
     header = f"{'layout':<14}" + "".join(f"{q:>26}" for q in QUANTITIES) + "  predicted / measured step (last run)"
     print("\nmedian error (min..max) over repeats, predicted / measured - 1:")
     print(header)
@@ -99,6 +124,9 @@ def main() -> None:
     basis = next(iter(examples.values()), {}).get("basis")
     print(f"\nhw numbers: {basis}")
     print(f"host load (1-minute average) as each run ended: {min(loads):.1f}..{max(loads):.1f}, {os.cpu_count()} cores")
+    known = [s for s in shares if s is not None]
+    if known:
+        print(f"CPU per rank (median of its samples, cores): {min(known):.2f}..{max(known):.2f}")
     print(f"step time within +-{TARGET:.0%}: {met} of {len(args.layouts)} layouts")
 
 

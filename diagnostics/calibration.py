@@ -37,6 +37,13 @@ class Calibration:
     # (the others' extra wait); ``sync_overhead_us`` and ``compute_jitter`` of the hw profile
     sync_overhead_us: float | None = None
     compute_jitter: float | None = None
+    # Share of an overlappable collective compute hides here (start-up probe: a matmul segment and an all-reduce,
+    # alone and together; median over ranks): ~0 where the collective's threads need the compute's cores (gloo, a
+    # rank per core), near 1 where a DMA engine moves the bytes. The hw profile's ``comm_overlap``.
+    comm_overlap: float | None = None
+    # Host microseconds a DTensor tensor-parallel linear adds to forward + backward beyond its math (dispatch,
+    # sharding propagation, collective wrapping; median over ranks). The hw profile's ``tp_linear_overhead_us``.
+    tp_linear_overhead_us: float | None = None
     ranks: int = 0
     source: str = ""  # the run dir it was measured in
 
@@ -63,6 +70,8 @@ def _records(run_dir: Path) -> list[dict]:
                 "link_calibration",
                 "memory_calibration",
                 "sync_calibration",
+                "overlap_calibration",
+                "tp_calibration",
             ):
                 records.append(record)
     return records
@@ -70,6 +79,13 @@ def _records(run_dir: Path) -> list[dict]:
 
 def _positive(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
+
+
+def _fraction(value: object, upper: float = 1.0) -> float | None:
+    """``value`` when it is a number in [0, ``upper``], else None (0 is a valid measurement here)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= upper:
+        return float(value)
+    return None
 
 
 # E[max of n standard normals], exact (Harter 1961) where Blom's approximation is off by more than 1%.
@@ -109,6 +125,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     latencies: dict[str, list[float]] = {}
     op_latencies: dict[tuple[str, str], list[float]] = {}
     syncs: list[tuple[float, float, list[float]]] = []  # per rank: segment, warm latency, wait per round
+    overlaps: list[float] = []
+    tp_overheads: list[float] = []
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
@@ -128,6 +146,10 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             if latency := _positive(r.get("latency_us")):
                 latencies.setdefault(r["link"], []).append(latency)
                 op_latencies.setdefault((r["link"], r["op"]), []).append(latency)
+        elif r["kind"] == "overlap_calibration" and _fraction(r.get("hidden")) is not None:
+            overlaps.append(float(r["hidden"]))
+        elif r["kind"] == "tp_calibration" and _fraction(r.get("overhead_us"), upper=math.inf) is not None:
+            tp_overheads.append(float(r["overhead_us"]))
         elif r["kind"] == "sync_calibration" and (segment := _positive(r.get("segment_s"))):
             waits = r.get("waits_s")
             if isinstance(waits, list) and all(_positive(w) for w in waits) and _positive(r.get("latency_s")):
@@ -154,6 +176,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         op_latency_us=op_latency,
         sync_overhead_us=None if figures is None else figures[0] * 1e6,
         compute_jitter=None if figures is None else figures[1],
+        comm_overlap=statistics.median(overlaps) if overlaps else None,
+        tp_linear_overhead_us=statistics.median(tp_overheads) if tp_overheads else None,
         ranks=len(ranks),
         source=str(run_dir),
     )

@@ -84,6 +84,8 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "link_calibration": ("link", "op", "ranks", "bytes", "seconds", "algbw_gbps", "busbw_gbps", "latency_us"),
     "memory_calibration": ("bandwidth_gbps",),
     "sync_calibration": ("ranks", "rounds", "segment_s", "wait_s", "waits_s", "latency_s"),
+    "overlap_calibration": ("method", "hidden"),  # spare_cores: cores, local_ranks, threads; probe: *_s
+    "tp_calibration": ("ranks", "plain_pair_s", "parallel_pair_s", "overhead_us"),
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
     "nonfinite": ("step", "what", "action", "skipped_total"),

@@ -3,15 +3,31 @@ unknown GPU (datasheet peaks are unreachable upper bounds; this is what the sili
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def compute_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
+    """(name, clock) that times this process's own compute: on a GPU the wall clock (after a sync); on a CPU the
+    CPU seconds of its compute threads (the calling thread's with one torch thread, else the process's over the
+    thread count), which time the silicon's rate rather than the share of the cores other processes leave it: on
+    a shared box the wall-clock rate of the same matmuls varied 3x between runs (load 5-10 on 2 cores)."""
+    if device.type == "cuda":
+        return "wall", time.perf_counter
+    threads = max(1, torch.get_num_threads())
+    if threads == 1:
+        return "thread_cpu", time.thread_time
+    return "process_cpu", lambda: time.process_time() / threads
+
+
 def matmul_flops_per_s(device: torch.device, dtype: str, min_seconds: float = 0.15) -> dict:
-    """Time square matmuls for at least ``min_seconds`` after a warm-up; 2*n^3 FLOPs each."""
+    """Time square matmuls for at least ``min_seconds`` (on ``compute_clock``) after a warm-up; 2*n^3 FLOPs each.
+    The wall time it took is ``wall_s`` (at most a few times ``min_seconds`` on a loaded host)."""
     n = 4096 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
     b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
@@ -19,16 +35,24 @@ def matmul_flops_per_s(device: torch.device, dtype: str, min_seconds: float = 0.
         a @ b
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    iterations, start = 0, time.perf_counter()
+    name, clock = compute_clock(device)
+    iterations, start, wall = 0, clock(), time.perf_counter()
     while True:
         a @ b
         iterations += 1
         if iterations % 4 == 0:
             sync()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if elapsed >= min_seconds:
                 break
-    return {"dtype": dtype, "matrix_size": n, "flops_per_s": 2 * n**3 * iterations / elapsed, "seconds": elapsed}
+    return {
+        "dtype": dtype,
+        "matrix_size": n,
+        "flops_per_s": 2 * n**3 * iterations / elapsed,
+        "seconds": elapsed,
+        "clock": name,
+        "wall_s": time.perf_counter() - wall,
+    }
 
 
 # nccl-tests' bus-bandwidth factors: what each rank moves per byte of the full buffer, so one figure compares
@@ -160,3 +184,121 @@ def memory_bandwidth_gbps(device: torch.device, nbytes: int = 32 * 2**20, repeat
         if i:
             times.append(time.perf_counter() - start)
     return 3 * numel * 4 / sorted(times)[len(times) // 2] / 1e9
+
+
+def comm_overlap(group: object | None, nbytes: int, device: torch.device, local_ranks: int, rounds: int = 3) -> dict:
+    """How much of a collective this machine hides behind compute (the planner's ``hw.comm_overlap``).
+
+    On a CPU host a collective is work for the host's cores (gloo's threads copy and reduce the bytes): compute
+    hides it only where a core is left over beside each rank's compute threads, so the share is the spare cores per
+    rank, clipped to [0, 1] (0 on this box: 2 cores, 2 ranks of 1 thread). Counted, not timed: a wall-clock probe
+    read 0.0-0.08 at load 7 and 0.92-1.0 at load 10 (descheduled compute leaves the collective free cores), while
+    the ranks' CPU time says what FSDP's collectives cost (+7% process over training-thread CPU, the same at any
+    load). On a GPU: a matmul segment alone, an all-reduce of ``nbytes`` alone, then both at once (issued
+    asynchronously), each the median of ``rounds`` after a barrier: hidden = (compute + comm - both) /
+    min(compute, comm). Every rank of ``group`` must call it with the same arguments."""
+    if device.type != "cuda":
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        threads = torch.get_num_threads()
+        spare = cores / max(1, local_ranks) - threads
+        return {
+            "method": "spare_cores",
+            "cores": cores,
+            "local_ranks": local_ranks,
+            "threads": threads,
+            "hidden": min(1.0, max(0.0, spare)),
+        }
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    full = torch.ones(max(n, nbytes // 4 // n * n), device=device)
+    a = torch.randn(1024, 1024, device=device)
+
+    def timed(work: Callable[[], None]) -> float:
+        times = []
+        for i in range(rounds + 1):
+            dist.barrier(group=group)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            work()
+            torch.cuda.synchronize()
+            if i:  # the first round warms up
+                times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    comm = timed(lambda: dist.all_reduce(full, group=group))
+    one = timed(lambda: a @ a)
+    # Every rank must do the same work: the most matmuls any rank needs to last as long as the collective.
+    reps = torch.tensor([max(1, round(comm / max(one, 1e-6)))], device=device)
+    dist.all_reduce(reps, op=dist.ReduceOp.MAX, group=group)
+    reps_n = int(min(reps.item(), 10_000))
+
+    def segment() -> None:
+        for _ in range(reps_n):
+            a @ a
+
+    def both() -> None:
+        work = dist.all_reduce(full, group=group, async_op=True)
+        segment()
+        work.wait()
+
+    compute = timed(segment)
+    together = timed(both)
+    hidden = (compute + comm - together) / max(min(compute, comm), 1e-9)
+    return {
+        "method": "probe",
+        "ranks": n,
+        "bytes": full.numel() * 4,
+        "compute_s": compute,
+        "comm_s": comm,
+        "both_s": together,
+        "hidden": min(1.0, max(0.0, hidden)),
+    }
+
+
+def tp_linear_overhead(device: torch.device, repeats: int = 8) -> dict:
+    """Host seconds one tensor-parallel linear (DTensor ``ColwiseParallel``/``RowwiseParallel`` over all ranks)
+    adds to a forward + backward beyond the same ``nn.Linear``: DTensor dispatch and sharding propagation, the
+    wrapping of its functional collective. A column-parallel then a row-parallel linear (Megatron's pair) on tiny
+    shapes, so the math is negligible; the best of ``repeats`` on ``compute_clock`` (a rank's wait for a peer in
+    the collective is not host work). Per-call, size-independent: the planner charges it per parallel linear of a
+    layer (``hw.tp_linear_overhead_us``). Every rank must call it."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def pair() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)).to(device)
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    plain = pair()
+    parallel = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    x = torch.randn(2, 4, 16, device=device)
+    _, clock = compute_clock(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def best(model: nn.Module) -> float:
+        times = []
+        for i in range(repeats + 2):
+            sync()
+            start = clock()
+            model(x).sum().backward()
+            sync()
+            if i >= 2:  # the first calls build DTensor's sharding-propagation caches
+                times.append(clock() - start)
+        return min(times)
+
+    start = time.perf_counter()
+    plain_s, parallel_s = best(plain), best(parallel)
+    return {
+        "ranks": dist.get_world_size(),
+        "plain_pair_s": plain_s,
+        "parallel_pair_s": parallel_s,
+        "overhead_us": max(0.0, parallel_s - plain_s) / 2 * 1e6,
+        "wall_s": time.perf_counter() - start,
+    }

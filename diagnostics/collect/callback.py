@@ -18,7 +18,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from diagnostics.collect.calibrate import collective_bandwidth, matmul_flops_per_s, memory_bandwidth_gbps, sync_wait
+from diagnostics.collect.calibrate import (
+    collective_bandwidth,
+    comm_overlap,
+    matmul_flops_per_s,
+    memory_bandwidth_gbps,
+    sync_wait,
+    tp_linear_overhead,
+)
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
@@ -58,6 +65,7 @@ class RunFacts:
     seq_len: int
     max_steps: int
     peak_flops: float | None  # datasheet dense peak per device for compute_dtype, None if unknown
+    tp: int = 1  # tensor-parallel degree (strategy=megatron): the DTensor dispatch probe runs only when above 1
 
 
 class DiagnosticsCallback(pl.Callback):
@@ -362,6 +370,9 @@ class DiagnosticsCallback(pl.Callback):
             for op in ("all_reduce", "all_gather", "reduce_scatter"):
                 self.write("link_calibration", link=link, **collective_bandwidth(op, group, nbytes, device))
         self.write("sync_calibration", **sync_wait(None, device))
+        self.write("overlap_calibration", **comm_overlap(None, nbytes, device, trainer.num_devices))
+        if self.facts.tp > 1:  # the only runs with DTensor tensor parallelism (0.2-0.8 s on 2 CPU ranks)
+            self.write("tp_calibration", **tp_linear_overhead(device))
 
     def _throughput(self, world_size: int, tokens_per_s: float) -> None:
         f = self.facts

@@ -185,6 +185,8 @@ def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Pat
         "collective_latency_us": "measured",
         "sync_overhead_us": "measured",
         "compute_jitter": "measured",
+        "comm_overlap": "measured",
+        "tp_linear_overhead_us": "measured",
     }
     assert payload["recommended"] is not None  # hw=cpu has no datasheet peak: only the calibration times steps
     table = run_plan(args[:-1], tmp_path)

@@ -42,6 +42,8 @@ def write_calibration_run(run_dir: Path, *, torn: bool = False) -> None:
             "sync_calibration", ranks=2, rounds=3, segment_s=0.004, wait_s=sum(waits) / 3, waits_s=waits,
             latency_s=0.0005,
         )  # fmt: skip
+        w.write("overlap_calibration", ranks=2, bytes=8 << 20, compute_s=0.01, comm_s=0.01, both_s=0.02, hidden=0.0)
+        w.write("tp_calibration", ranks=2, plain_pair_s=1e-4, parallel_pair_s=1.7e-3, overhead_us=800.0)
         w.write("calibration", when="end", dtype="fp32", matrix_size=512, flops_per_s=end, seconds=0.3)
         w.close()
     if torn:
@@ -95,6 +97,8 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         op_latency_us={"intra_node": {"all_reduce": 6.0, "all_gather": 10.0}},
         sync_overhead_us=3.0,
         compute_jitter=0.01,
+        comm_overlap=0.9,
+        tp_linear_overhead_us=50.0,
         source="RUN",
     )
     a100 = hw_profile("2x8xh100")
@@ -107,6 +111,7 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
     assert profile.hw.collective_busbw_gbps == {"intra_node.all_reduce": 100.0, "inter_node.all_reduce": 20.0}
     assert profile.hw.collective_latency_us == {"intra_node.all_reduce": 6.0, "intra_node.all_gather": 10.0}
     assert (profile.hw.sync_overhead_us, profile.hw.compute_jitter) == (3.0, 0.01)
+    assert (profile.hw.comm_overlap, profile.hw.tp_linear_overhead_us) == (0.9, 50.0)
     assert set(profile.sources.values()) == {"measured"}
     assert assumptions_for(profile).compute_efficiency == DEFAULT_ASSUMPTIONS.calibrated_compute_efficiency
     datasheet = calibrated_profile(a100, Calibration(matmul_flops_per_s={"fp32": 1e13}), "bf16")
@@ -124,6 +129,8 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         "collective_latency_us",
         "sync_overhead_us",
         "compute_jitter",
+        "comm_overlap",
+        "tp_linear_overhead_us",
     }
     assert set(cpu.sources.values()) == {"none"}
 
@@ -179,7 +186,7 @@ def test_the_plan_table_says_which_numbers_are_datasheet_measured_or_missing() -
     assert sources_line(datasheet) == (
         "hw numbers: peak_tflops datasheet, hbm_bandwidth_gbps datasheet, intra_node_bandwidth_gbps datasheet, "
         "inter_node_bandwidth_gbps datasheet; not modelled: intra_node_latency_us, inter_node_latency_us, "
-        "sync_overhead_us, compute_jitter"
+        "sync_overhead_us, compute_jitter, tp_linear_overhead_us"
     )
     measured = calibrated_profile(hw_profile("cpu"), Calibration(matmul_flops_per_s={"fp32": 1e10}), "fp32").sources
     assert sources_line(measured).startswith("hw numbers: peak_tflops measured; not modelled: hbm_bandwidth_gbps")

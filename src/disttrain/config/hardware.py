@@ -44,6 +44,14 @@ class HardwareProfile:
     # (datasheets have neither; calibration measures both: large on a shared CPU box, small on a GPU).
     sync_overhead_us: float | None = None
     compute_jitter: float | None = None
+    # Share of an overlappable collective (prefetched all-gathers, gradient reductions during backward) that compute
+    # hides on this machine; None: ``Assumptions.comm_overlap`` (a GPU's NCCL kernels beside compute). Calibration
+    # measures it: ~0 with gloo on a CPU host, whose collective threads need the cores the compute runs on.
+    comm_overlap: float | None = None
+    # Host microseconds a tensor-parallel linear (DTensor) adds to a forward + backward beyond its math: dispatch,
+    # sharding propagation, the collective's wrapping. None: not modelled (hidden behind GPU kernels when the host
+    # runs ahead); calibration measures it, and on a CPU it is on the critical path.
+    tp_linear_overhead_us: float | None = None
     # Host (CPU) memory per node, shared by its devices' processes: offloaded optimizer states and parameters
     # live there. None: not checked.
     host_memory_gib: float | None = None
@@ -86,7 +94,10 @@ def validate_profile(hw: HardwareProfile) -> None:
                 )  # fmt: skip
             if value <= 0:
                 raise ConfigError(f"hw.{name}", f"'{key}' must be > 0, got {value}", "give the measured figure")
-    for name in ("sync_overhead_us", "compute_jitter", "host_memory_gib"):
+    if hw.comm_overlap is not None and not 0.0 <= hw.comm_overlap <= 1.0:
+        problem = f"must be in [0, 1], got {hw.comm_overlap}"
+        raise ConfigError("hw.comm_overlap", problem, "set hw.comm_overlap=null or a measured share")
+    for name in ("sync_overhead_us", "compute_jitter", "tp_linear_overhead_us", "host_memory_gib"):
         value = getattr(hw, name)
         if value is not None and value < 0:
             raise ConfigError(f"hw.{name}", f"must be >= 0, got {value}", f"set hw.{name}=null or a measured figure")

@@ -3,8 +3,9 @@
 The calibration (``diagnostics.calibration``) replaces, where it measured them: the matmul peak of the run's
 compute dtype, the memory bandwidth (the optimizer step), the bus bandwidth and per-call latency of the intra-node
 and inter-node links and of each collective on them, and what blocking syncs cost (``sync_overhead_us``,
-``compute_jitter``). ``sources`` says for each number the planner reads whether it is ``measured`` or
-``datasheet`` (or ``none``), which ``python -m plan`` prints and run.json records.
+``compute_jitter``), how much of an overlappable collective compute hides (``comm_overlap``) and the host cost of
+a tensor-parallel linear (``tp_linear_overhead_us``). ``sources`` says for each number the planner reads whether
+it is ``measured`` or ``datasheet`` (or ``none``), which ``python -m plan`` prints and run.json records.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "collective_latency_us": _source(hw.collective_latency_us),
         "sync_overhead_us": _source(hw.sync_overhead_us),
         "compute_jitter": _source(hw.compute_jitter),
+        "comm_overlap": "datasheet" if hw.comm_overlap is not None else "none",  # none: Assumptions.comm_overlap
+        "tp_linear_overhead_us": _source(hw.tp_linear_overhead_us),
     }
     if calibration is None:
         return CalibratedProfile(hw, sources)
@@ -93,6 +96,12 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
     if calibration.compute_jitter is not None:
         changes["compute_jitter"] = calibration.compute_jitter
         sources["compute_jitter"] = "measured"
+    if calibration.comm_overlap is not None:
+        changes["comm_overlap"] = calibration.comm_overlap
+        sources["comm_overlap"] = "measured"
+    if calibration.tp_linear_overhead_us is not None:
+        changes["tp_linear_overhead_us"] = calibration.tp_linear_overhead_us
+        sources["tp_linear_overhead_us"] = "measured"
     return CalibratedProfile(dataclasses.replace(hw, **changes), sources, calibration)  # type: ignore[arg-type]
 
 

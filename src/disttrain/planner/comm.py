@@ -31,6 +31,11 @@ DDP_BUCKET_BYTES = 25 * 2**20  # strategy.bucket_cap_mb's default: one all-reduc
 TP_COLLECTIVES_PER_RECOMPUTED_LAYER = 2
 
 
+def tp_parallel_linears_per_layer(swiglu: bool) -> int:
+    """DTensor linears of a block under strategy=megatron's TP plan: q, k, v, the output projection, w1, w2 (, w3)."""
+    return 4 + (3 if swiglu else 2)
+
+
 def tp_collectives_per_layer(swiglu: bool) -> int:
     column_parallel_inputs = 3 + (2 if swiglu else 1)
     return TP_FORWARD_COLLECTIVES_PER_LAYER + column_parallel_inputs
@@ -199,6 +204,9 @@ class CommPlan:
     # non-finite checks before the optimizer step). Prefetched all-gathers are not syncs: their slack absorbs drift.
     mb_syncs: tuple[Sync, ...] = ()
     step_syncs: tuple[Sync, ...] = ()
+    # Tensor-parallel (DTensor) modules the busiest rank runs forward and backward every micro-batch: each costs the
+    # host ``hw.tp_linear_overhead_us`` beyond its math (dispatch, sharding propagation, collective wrapping).
+    mb_tp_modules: float = 0.0
 
     def per_step(self, microbatches: int) -> LinkBytes:
         per_mb = self.mb_fwd + self.mb_bwd + self.mb_exposed
@@ -301,6 +309,9 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
     # The busiest stage also reduces the embedding output (first stage) and the head's input (last stage).
     edge_collectives = 2 if pp == 1 else 1
     tp_count = per_layer * (shape.n_layers // pp) + edge_collectives
+    # The vocab-parallel embedding (first stage) and the column-parallel head (last stage) are DTensor modules too.
+    tp_modules = tp_parallel_linears_per_layer(shape.swiglu) * (shape.n_layers // pp) + edge_collectives
+    tp_modules = tp_modules if tp > 1 else 0
     exposed = collective_bytes("all_reduce", activation, groups["tp"]).scale(tp_count)
     syncs = [Sync(tp, tp_count)] if tp > 1 else []
     if pp > 1:
@@ -347,6 +358,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         step_bwd=grads,
         step_exposed=step_exposed,
         mb_syncs=tuple(syncs),
+        mb_tp_modules=tp_modules,
     )
 
 

@@ -140,9 +140,12 @@ def sources_line(sources: dict[str, str]) -> str:
     """Which hw numbers the predictions rest on: measured (``calibration=``) or the profile's datasheet."""
     named = ", ".join(f"{name} {source}" for name, source in sources.items() if source != "none")
     # What neither gives is left out of the predictions (no latency: calls are free; no jitter: ranks never drift);
-    # without per-collective figures each collective simply uses its link's, so those are not listed.
+    # without per-collective figures each collective simply uses its link's, and without a measured overlap the
+    # assumption (``comm_overlap``) stands in, so those are not listed.
     missing = ", ".join(
-        name for name, source in sources.items() if source == "none" and not name.startswith("collective_")
+        name
+        for name, source in sources.items()
+        if source == "none" and not name.startswith("collective_") and name != "comm_overlap"
     )
     return f"hw numbers: {named or 'none given'}" + (f"; not modelled: {missing}" if missing else "")
 

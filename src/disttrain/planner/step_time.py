@@ -6,7 +6,10 @@ what ``Assumptions.comm_overlap`` of that compute window cannot hide; tensor-par
 sends sit on the critical path and are stretched by the pipeline bubble like compute is. The optimizer step
 is memory-bound and timed at HBM bandwidth (on the host for offloaded states). Ranks doing the same work drift
 apart and a blocking collective right after compute costs more than a warm one (``hw.compute_jitter``,
-``hw.sync_overhead_us``, measured by calibration): every blocking collective pays both.
+``hw.sync_overhead_us``, measured by calibration): every blocking collective pays both. Where calibration measured
+them, how much of an overlappable collective compute really hides (``hw.comm_overlap``: on a CPU host the
+collective's threads need the compute's cores) replaces the assumption, and every tensor-parallel (DTensor) module
+costs the host ``hw.tp_linear_overhead_us`` per micro-batch on top of its FLOPs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class StepEstimate:
     host_optimizer_s: float
     optimizer_step_s: float  # the GPU's own optimizer step over its parameters (HBM-bound)
     sync_wait_s: float  # blocking collectives after compute: waking up, waiting for the group's last rank
+    host_dispatch_s: float  # tensor-parallel (DTensor) modules' host overhead beyond their math, all micro-batches
     bubble_fraction: float
     tokens_per_s: float
     mfu: float
@@ -127,6 +131,12 @@ def sync_wait_seconds(compute_s: float, syncs: list[Sync], jitter: float | None,
     return calls * overhead_s + drift
 
 
+def tp_dispatch_seconds(modules: float, overhead_us: float | None) -> float:
+    """Host seconds per micro-batch that ``modules`` tensor-parallel modules add beyond their math (forward and
+    backward), at ``overhead_us`` each (measured by calibration; None: not modelled)."""
+    return modules * (overhead_us or 0.0) * 1e-6
+
+
 def _exposed(comm_s: float, window_s: float, overlap: float) -> float:
     return max(0.0, comm_s - overlap * window_s)
 
@@ -149,7 +159,9 @@ def estimate_step(
     tokens = workload.micro_batch_size * seq / (layout.tp * layout.pp)
     forward = tokens * model_per_token / 3.0 / rate  # 2N of the 6N; recomputation belongs to backward
     backward = tokens * hardware_per_token / rate - forward
-    overlap = assumptions.comm_overlap
+    # A measured share (``hw.comm_overlap``, calibration) over the assumption: gloo on a CPU hides ~none of it.
+    overlap = assumptions.comm_overlap if hw.comm_overlap is None else hw.comm_overlap
+    dispatch = tp_dispatch_seconds(comm.mb_tp_modules, hw.tp_linear_overhead_us)
 
     def seconds(traffic):
         return link_time(traffic, hw, assumptions.host_link_gbps)
@@ -162,7 +174,7 @@ def estimate_step(
     m = layout.microbatches
     # Each run of the schedule fills and drains the pipeline once: the bubble is per run, as a fraction.
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.per_schedule, layout.virtual_stages)
-    pipeline = m * (forward + backward + per_mb_exposed)
+    pipeline = m * (forward + backward + dispatch + per_mb_exposed)
     step_exposed = (
         _exposed(seconds(comm.step_fwd), forward, overlap)
         + _exposed(seconds(comm.step_bwd), backward, overlap)
@@ -184,6 +196,7 @@ def estimate_step(
         host_optimizer_s=host_optimizer,
         optimizer_step_s=optimizer,
         sync_wait_s=sync_wait,
+        host_dispatch_s=m * dispatch,
         bubble_fraction=bubble,
         tokens_per_s=tokens_per_s,
         mfu=util.mfu,

@@ -111,6 +111,7 @@ def build_diagnostics(
         seq_len=cfg.model.seq_len,
         max_steps=cfg.trainer.max_steps,
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
+        tp=getattr(cfg.strategy, "tp", 1) if cfg.strategy.name == "megatron" else 1,
     )
     return DiagnosticsCallback(
         settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=lambda hang: diagnose_run(run_dir)
