@@ -90,18 +90,12 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
     if per_op:
         changes["collective_latency_us"] = {**hw.collective_latency_us, **per_op}
         sources["collective_latency_us"] = "measured"
-    if calibration.sync_overhead_us is not None:
-        changes["sync_overhead_us"] = calibration.sync_overhead_us
-        sources["sync_overhead_us"] = "measured"
-    if calibration.compute_jitter is not None:
-        changes["compute_jitter"] = calibration.compute_jitter
-        sources["compute_jitter"] = "measured"
-    if calibration.comm_overlap is not None:
-        changes["comm_overlap"] = calibration.comm_overlap
-        sources["comm_overlap"] = "measured"
-    if calibration.tp_linear_overhead_us is not None:
-        changes["tp_linear_overhead_us"] = calibration.tp_linear_overhead_us
-        sources["tp_linear_overhead_us"] = "measured"
+    # Measured scalars that replace the hw profile's field of the same name where calibration took them.
+    for name in ("sync_overhead_us", "compute_jitter", "comm_overlap", "tp_linear_overhead_us"):
+        value = getattr(calibration, name)
+        if value is not None:
+            changes[name] = value
+            sources[name] = "measured"
     return CalibratedProfile(dataclasses.replace(hw, **changes), sources, calibration)  # type: ignore[arg-type]
 
 
