@@ -11,12 +11,16 @@ from tests.conftest import read_manifest, run_cli
 
 pytestmark = pytest.mark.gpu
 
+# 150 steps take seconds on a GPU. 30 (the first version) only reached ~2.63 nats, the data's unigram entropy (2.73):
+# a model that learned the token frequencies alone. LEARNED is well below the 1-token conditional entropy (2.26), so
+# a run under it uses context; the same 150 steps on one CPU process (fp32) reach 0.89 (floor: entropy rate 0.75).
 SHORT = [
-    "trainer.max_steps=30",
-    "trainer.val_every_n_steps=15",
-    "optimizer.warmup_steps=3",
-    "trainer.log_every_n_steps=5",
+    "trainer.max_steps=150",
+    "trainer.val_every_n_steps=75",
+    "optimizer.warmup_steps=10",
+    "trainer.log_every_n_steps=10",
 ]
+LEARNED = 1.5
 
 
 def one_gpu_profile() -> list[str]:
@@ -37,7 +41,7 @@ def test_single_gpu_runs_learn(overrides: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_cli([*one_gpu_profile(), *SHORT, *overrides, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert read_manifest(run_dir)["result"]["val_loss"] < 2.5
+    assert read_manifest(run_dir)["result"]["val_loss"] < LEARNED
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")

@@ -37,6 +37,7 @@ from disttrain.job.redaction import redact, secret_values
 from disttrain.launch.local import LocalRanks, describe_exit, exit_status_of_dead_process
 from disttrain.reliability.faults import Fault, faults_from_env, parse_fault
 from disttrain.reliability.nan_guard import (
+    MAX_SCALER_OVERFLOWS,
     NonFiniteGuard,
     agreed_stop,
     any_nonfinite,
@@ -198,6 +199,42 @@ def test_guard_drops_the_update_skips_then_stops() -> None:
     optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert optimizer.state == {}  # not even Adam's step count moved
+
+
+class EnabledScaler:
+    def is_enabled(self) -> bool:
+        return True
+
+
+def test_fp16_overflows_are_left_to_the_loss_scaler_until_they_persist() -> None:
+    """fp16's loss scaler overflows by design while it searches its scale and skips those updates itself: not a
+    fault, the gradients are left to it. A run of MAX_SCALER_OVERFLOWS in a row is one; a non-finite loss always is."""
+    model = nn.Linear(2, 2)
+    guard = NonFiniteGuard("stop", max_skips=0)
+
+    def step(n: int, loss: float, grad: float) -> Stub:
+        trainer = Stub(
+            strategy=Stub(root_device=torch.device("cpu")),
+            precision_plugin=Stub(scaler=EnabledScaler()),
+            global_step=n,
+            should_stop=False,
+        )
+        for p in model.parameters():
+            p.grad = torch.full_like(p, grad)
+        guard.on_before_backward(trainer, model, torch.tensor(loss))  # type: ignore[arg-type]
+        guard.on_before_optimizer_step(trainer, model, None)  # type: ignore[arg-type]
+        return trainer
+
+    assert not step(0, 1.0, float("inf")).should_stop
+    assert all(p.grad is not None for p in model.parameters())  # the scaler's own found_inf skips the update
+    assert not step(1, 1.0, 0.5).should_stop  # a finite step ends the run of overflows
+    for n in range(2, 2 + MAX_SCALER_OVERFLOWS - 1):
+        assert not step(n, 1.0, float("inf")).should_stop
+    assert guard.scaler_skipped_steps == [0, *range(2, 1 + MAX_SCALER_OVERFLOWS)] and guard.stopped_at is None
+    assert step(1 + MAX_SCALER_OVERFLOWS, 1.0, float("inf")).should_stop  # the 30th in a row
+    assert guard.stopped_at == 1 + MAX_SCALER_OVERFLOWS and all(p.grad is None for p in model.parameters())
+    guard = NonFiniteGuard("stop", max_skips=0)
+    assert step(0, float("nan"), 0.5).should_stop  # a non-finite loss is never the scaler's
 
 
 def test_guard_clips_with_the_norm_it_checked_exactly_as_clip_grad_norm() -> None:

@@ -361,6 +361,7 @@ def finish(
         manifest.nonfinite = {
             "policy": guard.policy,
             "skipped_steps": guard.skipped_steps,
+            "scaler_skipped_steps": guard.scaler_skipped_steps,
             "stopped_at_step": guard.stopped_at,
             "stop_reason": guard.stop_reason,
         }

@@ -10,6 +10,11 @@ gradient, so the weights, the moments and Adam's step count stay exactly as they
 ``nan_policy=stop`` then stops the run (no checkpoint is written for the bad step, so the last one is the last
 good one); ``skip`` carries on, up to ``max_nan_skips`` times.
 
+Under ``fp16-mixed`` a loss scaler is at work: its first steps overflow by design (it starts at 2^16 and halves
+its scale at each overflow, skipping that update itself), so an overflowing gradient with a finite loss is left
+to it and counted (``scaler_skipped_steps``), not called a fault. Only a run of ``MAX_SCALER_OVERFLOWS`` in a
+row, by then a scale no real gradient overflows at, is a non-finite fault under ``nan_policy``.
+
 A stop is agreed by every rank, but a spawned rank may finish its part and exit before the launcher has finished
 its own: it writes ``stopping_rank<N>.json`` before it exits with code 4, and the launcher takes such an exit
 for the agreed stop, not for a death (``agreed_stop``), and completes the stop itself (run.json, the report).
@@ -32,6 +37,8 @@ from disttrain.launch.env import say_once
 from disttrain.launch.exit_codes import NONFINITE
 
 STOP_MARKER = "stopping_rank{rank}.json"
+# 2^16 (GradScaler's start) halved 30 times is 2^-14: an fp16 gradient still overflowing there is not a scale search.
+MAX_SCALER_OVERFLOWS = 30
 
 
 def stop_marker(run_dir: Path, rank: int) -> Path:
@@ -116,6 +123,8 @@ class NonFiniteGuard(pl.Callback):
         self.record = record  # diagnostics telemetry writer of this rank, when diagnostics are on
         self.clip_norm = clip_norm or None
         self.skipped_steps: list[int] = []
+        self.scaler_skipped_steps: list[int] = []  # fp16 overflows the loss scaler skipped (see module doc)
+        self._scaler_overflows_in_a_row = 0
         self.stopped_at: int | None = None
         self.stop_reason: str | None = None
         self._bad_loss: torch.Tensor | None = None
@@ -147,13 +156,28 @@ class NonFiniteGuard(pl.Callback):
             torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
         loss_bad, grad_bad = (bool(v) for v in verdict.tolist())
         if not (loss_bad or grad_bad):
+            self._scaler_overflows_in_a_row = 0
             if norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, self.clip_norm, norm)
+            return
+        if not loss_bad and self._loss_scaler_overflow(trainer):
             return
         for param in pl_module.parameters():
             param.grad = None  # the optimizer skips parameters without gradients: no update, no moment change
         what = " and ".join(name for name, bad in (("loss", loss_bad), ("gradients", grad_bad)) if bad)
         self._handle(trainer, trainer.global_step, what)
+
+    def _loss_scaler_overflow(self, trainer: pl.Trainer) -> bool:
+        """An fp16 overflow the loss scaler skips and recovers from by itself (it saw the same gradients in its
+        ``unscale_``): left to it, unless it has gone on for ``MAX_SCALER_OVERFLOWS`` steps in a row."""
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return False
+        self._scaler_overflows_in_a_row += 1
+        if self._scaler_overflows_in_a_row >= MAX_SCALER_OVERFLOWS:
+            return False
+        self.scaler_skipped_steps.append(trainer.global_step)
+        return True
 
     def _handle(self, trainer: pl.Trainer, step: int, what: str) -> None:
         if self.policy == "skip" and len(self.skipped_steps) < self.max_skips:

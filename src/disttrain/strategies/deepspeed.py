@@ -159,6 +159,7 @@ class CPUCapableDeepSpeedStrategy(UniversalCheckpointing, DeepSpeedStrategy):
         """ZeRO-3: keep only this rank's slice of every parameter (a no-op for stages 1 and 2)."""
         if self.zero_stage_3:
             partition_model(model, self.config, self.remote_device, self.global_rank)
+            move_buffers(model, self.root_device)
 
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None
@@ -202,6 +203,15 @@ def partition_model(model: nn.Module, config: dict[str, Any], remote_device: str
         return materialize(fill=rank == 0, partition=lambda params: partition(nn.ParameterList(params)))
     partition(model)
     return None
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer (RoPE tables) to ``device``. zero.Init places the parameters it partitions, and DeepSpeed's
+    engine then leaves a partitioned model where it is, so nothing else would move the buffers off the host."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def swap_optimizer(optimizer: torch.optim.Optimizer, lr_scheduler: Any, cls: type) -> torch.optim.Optimizer:

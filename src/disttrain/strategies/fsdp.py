@@ -8,6 +8,7 @@ block (so only one block's full parameters are live at a time), then the root fo
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -104,6 +105,16 @@ def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:
 class FSDPStrategy(UniversalCheckpointing, ModelParallelStrategy):
     """ModelParallelStrategy (FSDP2 on a DeviceMesh) writing and reading the universal checkpoint layout."""
 
+    def __init__(self, *args: Any, cpu_offload: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cpu_offload = cpu_offload
+
+    def model_to_device(self) -> None:
+        # fully_shard already placed every state (buffers on the mesh's device); under CPU offload the shards must
+        # stay on the host, and Lightning's blanket ``model.to(gpu)`` would break FSDP2's offload at its lazy init.
+        if not self.cpu_offload:
+            super().model_to_device()
+
 
 def build_fsdp(
     cfg: FSDPConfig, precision: PrecisionConfig, world_size: int, backend: str, apply_checkpointing: object
@@ -113,6 +124,7 @@ def build_fsdp(
         tensor_parallel_size=1,
         save_distributed_checkpoint=True,
         process_group_backend=backend,
+        cpu_offload=cfg.cpu_offload,
     )
     plan = partial(apply_fsdp, cfg=cfg, precision=precision, apply_checkpointing=apply_checkpointing)
     return strategy, plan
