@@ -11,7 +11,7 @@ from disttrain.config.schema import COMM_HOOKS, DDPConfig
 from disttrain.config.validate import validate_run
 from disttrain.models import apply_activation_checkpointing
 from disttrain.strategies.comm_hooks import bf16_hook_for_gloo
-from disttrain.strategies.ddp import HookedDDPStrategy
+from disttrain.strategies.ddp import HookedDDPStrategy, build_ddp
 from disttrain.strategies.powersgd import PowerSGDComm, powersgd_hook
 from disttrain.strategies.spec import build_strategy
 from tests.conftest import compose_train
@@ -19,7 +19,25 @@ from tests.conftest import compose_train
 
 def test_yaml_defaults_match_the_schema() -> None:
     run_cfg = parse_run_config(compose_train(["strategy=ddp"]))
-    assert run_cfg.strategy == DDPConfig()
+    assert run_cfg.strategy == DDPConfig().for_accelerator("cpu")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], False),  # CPU: DDP's own gradient buffers (the bucket views measured slower there)
+        (["hw=8xa100"], True),  # GPUs: the views save a gradient-sized copy
+        (["strategy.gradient_as_bucket_view=true"], True),
+        (["hw=8xa100", "strategy.gradient_as_bucket_view=false"], False),
+    ],
+)
+def test_gradient_as_bucket_view_is_decided_by_the_device_unless_set(overrides: list[str], expected: bool) -> None:
+    run_cfg = parse_run_config(compose_train(["strategy=ddp", *overrides]))
+    assert run_cfg.strategy.gradient_as_bucket_view is expected
+    built = build_strategy(run_cfg, 2, apply_activation_checkpointing).strategy
+    assert built._ddp_kwargs["gradient_as_bucket_view"] is expected
+    backend = "nccl" if run_cfg.hw.accelerator == "gpu" else "gloo"
+    assert build_ddp(DDPConfig(), backend)._ddp_kwargs["gradient_as_bucket_view"] is (backend == "nccl")
 
 
 @pytest.mark.parametrize("hook", COMM_HOOKS)

@@ -37,7 +37,7 @@ def resolved(overrides: list[str]):
 
 def test_auto_on_cpu_is_ddp_and_says_why() -> None:
     cfg, why = resolved(["strategy=auto"])
-    assert cfg.strategy == DDPConfig()
+    assert cfg.strategy == DDPConfig(gradient_as_bucket_view=False)  # decided for the CPU
     assert "hw=cpu" in why
 
 

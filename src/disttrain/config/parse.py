@@ -183,6 +183,11 @@ def parse_data(values: dict[str, Any]):
     return build_dataclass(DATA_KINDS[_choice(values, "data", DATA_KINDS)], values, "data")
 
 
+def device_defaults(strategy: Any, accelerator: str) -> Any:
+    """Options left null to be decided by the device (DDP's ``gradient_as_bucket_view``), decided."""
+    return strategy.for_accelerator(accelerator) if isinstance(strategy, DDPConfig) else strategy
+
+
 def parse_run_config(cfg: DictConfig) -> RunConfig:
     """Typed view of a composed ``conf/train.yaml``; raises ConfigError on the first problem found."""
     for group in GROUPS:
@@ -222,7 +227,7 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
     return RunConfig(
         model=parse_model(groups["model"]),
         data=parse_data(groups["data"]),
-        strategy=build_dataclass(strategy_cls, groups["strategy"], "strategy"),
+        strategy=device_defaults(build_dataclass(strategy_cls, groups["strategy"], "strategy"), hw.accelerator),
         precision=build_dataclass(PrecisionConfig, groups["precision"], "precision"),
         hw=hw,
         optimizer=build_dataclass(OptimizerConfig, groups["optimizer"], "optimizer"),

@@ -7,7 +7,7 @@ a ``RunConfig`` and reports unknown keys and wrong types with the dotted key tha
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from disttrain.config.hardware import HardwareProfile
@@ -190,13 +190,22 @@ class DDPConfig:
 
     name: str = "ddp"
     find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = True
+    # null: on for GPUs, where the views save a gradient-sized copy; off on CPU hosts, where the optimizer and
+    # zero_grad over bucket views measured 3-5% slower per step than over DDP's own gradients
+    # (benchmarks/overhead.py, README "Framework overhead"). true/false force it.
+    gradient_as_bucket_view: bool | None = None
     bucket_cap_mb: int = 25
     static_graph: bool = False
     comm_hook: str = "none"  # none | bf16 | fp16 | powersgd
     powersgd_rank: int = 4  # rank of the P, Q factors: (rows + cols) x rank values per matrix instead of rows x cols
     powersgd_warmup_steps: int = 50  # plain all-reduce for this many optimizer steps first (torch: >= 2)
     powersgd_error_feedback: bool = True  # carry each rank's compression error into the next step's gradient
+
+    def for_accelerator(self, accelerator: str) -> DDPConfig:
+        """This config with a null ``gradient_as_bucket_view`` decided for ``accelerator`` (``gpu`` or ``cpu``)."""
+        if self.gradient_as_bucket_view is not None:
+            return self
+        return replace(self, gradient_as_bucket_view=accelerator == "gpu")
 
 
 @dataclass(frozen=True)

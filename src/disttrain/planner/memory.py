@@ -189,7 +189,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stag
 def _ddp_states(shape: ModelShape, precision: str) -> MemoryBreakdown:
     p = 2 if precision == "bf16-true" else 4  # AdamW keeps its states in the parameters' dtype
     n = shape.num_parameters
-    # gradient_as_bucket_view (the default) makes DDP's buckets the gradients themselves: no extra copy.
+    # gradient_as_bucket_view (the default on GPUs) makes DDP's buckets the gradients themselves: no extra copy.
     autocast_copies = 2 * shape.linear_parameters if precision in ("bf16-mixed", "fp16-mixed") else 0
     # torch's foreach AdamW materializes sqrt(v) for all parameters at once in the step.
     return MemoryBreakdown(p * n, p * n, ADAM_STATES * p * n, 0, autocast_copies, step_temporaries=p * n)

@@ -101,7 +101,7 @@ def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: boo
 
 
 def auto_candidates(cfg: RunConfig) -> list[StrategyConfig]:
-    options = [DDPConfig()]
+    options: list[StrategyConfig] = [DDPConfig().for_accelerator(cfg.hw.accelerator)]
     # HSDP only across nodes: within a node full sharding's all-gathers ride the fast link anyway.
     for replicas in (1, cfg.hw.num_nodes) if cfg.hw.num_nodes > 1 else (1,):
         for reshard in (True, False):
@@ -166,15 +166,16 @@ def resolve_auto(
 
     With a ``calibration`` (``calibration=RUN_DIR``) the predictions use that run's measured matmul rate and link
     bandwidths, which is what lets auto choose on a machine without datasheet numbers (this CPU box)."""
+    ddp = dataclasses.replace(cfg, strategy=DDPConfig().for_accelerator(cfg.hw.accelerator))
     reference = reference_shape(cfg.model)
     if reference is None:
-        return dataclasses.replace(cfg, strategy=DDPConfig()), "a user model: the planner cannot size it, using ddp"
+        return ddp, "a user model: the planner cannot size it, using ddp"
     shape, work = model_shape(reference), workload(cfg, batch)
     profile = calibrated_profile(cfg.hw, calibration, cfg.precision.compute_dtype)
     assumptions = assumptions_for(profile)
     if profile.hw.peak_flops(cfg.precision.compute_dtype) is None:
         # No peak FLOP/s (this CPU box without calibration=): no step time to compare; DDP communicates least.
-        return dataclasses.replace(cfg, strategy=DDPConfig()), (
+        return ddp, (
             f"hw={cfg.hw.name} has no peak FLOP/s (run once with diagnostics on and pass calibration=<that run> to "
             "choose by measured speeds); ddp replicas communicate least"
         )
@@ -187,9 +188,7 @@ def resolve_auto(
             continue  # a link this layout needs has no bandwidth (datasheet or measured): it cannot be timed
         scored.append((not predicted.fits, predicted.estimate.step_time_s, option, predicted))
     if not scored:
-        return dataclasses.replace(cfg, strategy=DDPConfig()), (
-            f"hw={cfg.hw.name} gives no link bandwidth to time any layout; ddp replicas communicate least"
-        )
+        return ddp, (f"hw={cfg.hw.name} gives no link bandwidth to time any layout; ddp replicas communicate least")
     # Candidates come simplest first (DDP, FSDP2, DeepSpeed, Megatron); the sort is stable, step times are estimates:
     # within AUTO_TIE of the fastest, the earliest candidate wins, so a rounding-level difference never picks
     # the more complex stack.

@@ -86,7 +86,7 @@ def build_ddp(cfg: DDPConfig, backend: str) -> DDPStrategy:
     return HookedDDPStrategy(
         process_group_backend=backend,
         find_unused_parameters=cfg.find_unused_parameters,
-        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        gradient_as_bucket_view=cfg.for_accelerator("gpu" if backend == "nccl" else "cpu").gradient_as_bucket_view,
         bucket_cap_mb=cfg.bucket_cap_mb,
         static_graph=cfg.static_graph,
         ddp_comm_state=state,
