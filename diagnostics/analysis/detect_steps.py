@@ -157,7 +157,12 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     move as the backward takes to compute, so overlap has no headroom left and communication paces the step
     even when the profiler sees it overlapped (on a CPU host whose cores the compute threads fill, the
     overlapped communication also takes cores from the compute: then it costs its whole time).
+
+    A world of one rank moves nothing between ranks: what its profile calls collectives (FSDP2 over one rank) are
+    local copies, host work that host_overhead weighs, and no layout or batch change would make them cheaper.
     """
+    if run.world_size <= 1:
+        return []
     steps, profile, exposed = exposed_comm(run, phases)
     comm_s = collective_comm_s(phases)
     saturation = {p.rank: s for p in phases if (s := _saturation(p, comm_s)) is not None}

@@ -1,7 +1,7 @@
 """strategy=deepspeed on CUDA (NCCL, DeepSpeed's bf16 path, its CPU Adam under offload); skipped without a GPU.
 
-Not yet run on a GPU machine: the sessions so far had none. The CPU (gloo) paths are proven in
-tests/dist/test_deepspeed.py.
+The one-GPU cases ran on an H200 (README "What runs where"); the NCCL case needs two GPUs and has not run. The
+CPU (gloo) paths are proven in tests/dist/test_deepspeed.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from diagnostics.analysis.detect_devices import slowdown_reasons
 from diagnostics.analysis.finding import severity_of
 from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING, INPUT_BOUND_FRACTION
 from diagnostics.telemetry import TelemetryWriter, telemetry_path
-from tests.diag_fixtures import write_run
+from tests.diag_fixtures import SCENARIOS, write_run
 
 
 def findings_of(tmp_path: Path, scenario: str, **changes: object) -> dict[str, Finding]:
@@ -222,6 +222,13 @@ def test_saturated_comm_is_comm_bound_even_when_overlapped(tmp_path: Path) -> No
     assert evidence["min_over_ranks"] < 0.25
     assert evidence["comm_over_backward_compute"][0] == pytest.approx(0.22 / 0.202, rel=0.05)
     assert "no headroom" in found["comm_bound"].message
+
+
+def test_one_rank_is_never_comm_bound(tmp_path: Path) -> None:
+    """FSDP2 over one GPU profiles its local copies as collectives (13% "comm_bound" on an H200): nothing moves."""
+    overrides = (*SCENARIOS["comm_saturated"].overrides, "hw.devices_per_node=1")
+    assert "comm_bound" in findings_of(tmp_path / "two", "comm_saturated")
+    assert "comm_bound" not in findings_of(tmp_path / "one", "comm_saturated", overrides=overrides)
 
 
 def test_torn_last_line_and_missing_rank_are_tolerated(tmp_path: Path) -> None:

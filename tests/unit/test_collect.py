@@ -8,10 +8,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
 from diagnostics.collect.intervals import intersection_total, split_window, total, union
-from diagnostics.collect.profile_window import Event, is_comm, split_events
+from diagnostics.collect.profile_window import Event, ProfilerWindow, is_comm, split_events
 from diagnostics.collect.sampler import CpuReader, make_reader
 from diagnostics.collect.steps import PhaseTimer
 from diagnostics.collect.watchdog import in_collective, main_thread_stack, node_ranks
@@ -342,3 +343,20 @@ def test_collector_reads_a_schedules_timing_from_the_module_once(tmp_path: Path)
     assert current.pipeline_wait_s == pytest.approx(0.3)
     callback.on_train_batch_end(trainer, SimpleNamespace(), None, None, 0)  # a module without an engine
     assert callback.timer.current.forward_s == 0.25
+
+
+def test_profiler_window_stops_when_it_completes_and_writes_its_record_at_close(tmp_path: Path) -> None:
+    """A profiler left entered after its window slowed every later step (~3%): it must stop at once."""
+    records: list[tuple[str, dict]] = []
+    window = ProfilerWindow(2, 2, tmp_path, 0, lambda kind, **f: records.append((kind, f)), use_cuda=False)
+    x = torch.randn(16, 16, requires_grad=True)
+    states = []
+    for _ in range(8):
+        (x @ x).sum().backward()
+        window.step()
+        states.append((window.done, window.stopped))
+    assert states == [(False, False)] * 4 + [(True, True)] * 4  # exited in the step its window completed
+    assert records == []  # the export and parse wait for close, outside the timed steps
+    window.close()
+    (kind, record), *_ = records
+    assert kind == "profile" and record["steps"] == [4, 5] and (tmp_path / record["trace_file"]).is_file()
