@@ -145,9 +145,10 @@ class ProfilerWindow:
             return
         self.profiler.step()
         if self.done:
-            # Stopped the moment the window completes, not at the end of training: a profiler left entered kept
-            # every later step ~3% slower (median step, diagnostics default vs without the window, 120 steps), where
-            # the window itself costs 0.5% once. The export and parse wait for close(), outside the timed steps.
+            # Stopped the moment the window completes, not left entered to the end of training (with
+            # profile_all_threads it instruments gloo's threads too). The training thread's CPU per step after
+            # the window was the same either way (thread clock, 2 runs each); the wall-clock medians that first
+            # suggested a ~3% residue were this box's drift. The export and parse wait for close().
             self._stop()
 
     def _stop(self) -> None:

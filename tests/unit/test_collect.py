@@ -346,7 +346,8 @@ def test_collector_reads_a_schedules_timing_from_the_module_once(tmp_path: Path)
 
 
 def test_profiler_window_stops_when_it_completes_and_writes_its_record_at_close(tmp_path: Path) -> None:
-    """A profiler left entered after its window slowed every later step (~3%): it must stop at once."""
+    """The profiler stops in the step its window completes (nothing of it stays active for the rest of training);
+    the trace is exported and parsed at close, outside the timed steps."""
     records: list[tuple[str, dict]] = []
     window = ProfilerWindow(2, 2, tmp_path, 0, lambda kind, **f: records.append((kind, f)), use_cuda=False)
     x = torch.randn(16, 16, requires_grad=True)
