@@ -66,6 +66,9 @@ class RunFacts:
     max_steps: int
     peak_flops: float | None  # datasheet dense peak per device for compute_dtype, None if unknown
     tp: int = 1  # tensor-parallel degree (strategy=megatron): the DTensor dispatch probe runs only when above 1
+    # Collectives issued off the training and autograd threads (DDP's PowerSGD hook, from gloo's future callbacks):
+    # only then does the profiler window profile every thread.
+    collectives_off_thread: bool = False
 
 
 class DiagnosticsCallback(pl.Callback):
@@ -174,6 +177,7 @@ class DiagnosticsCallback(pl.Callback):
                     trainer.global_rank,
                     self.write,
                     use_cuda=pl_module.device.type == "cuda",
+                    all_threads=self.facts.collectives_off_thread,
                 ),
             )
         self.watchdog = Watchdog(

@@ -96,7 +96,16 @@ def events_from_trace(trace: dict) -> tuple[list[Event], Interval]:
 class ProfilerWindow:
     """Profiles ``active`` optimizer steps after ``wait`` steps; ``close`` writes the ``profile`` record."""
 
-    def __init__(self, wait: int, active: int, trace_dir: Path, rank: int, write: object, use_cuda: bool) -> None:
+    def __init__(
+        self,
+        wait: int,
+        active: int,
+        trace_dir: Path,
+        rank: int,
+        write: object,
+        use_cuda: bool,
+        all_threads: bool = True,
+    ) -> None:
         import torch
 
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -114,7 +123,7 @@ class ProfilerWindow:
             activities=activities,
             schedule=torch.profiler.schedule(wait=wait, warmup=1, active=active, repeat=1),
             on_trace_ready=self._ready,
-            **profiler_options(),  # tensor shapes on every collective, on every thread: the bytes they carry
+            **profiler_options(all_threads),  # tensor shapes on every collective: the bytes they carry
         )
         trace_dir.mkdir(parents=True, exist_ok=True)
         self.profiler.__enter__()

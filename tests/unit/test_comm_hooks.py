@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from diagnostics.collect.comm_bytes import collective_bytes, profiler_options
+from disttrain.config.parse import parse_run_config
 from disttrain.strategies.powersgd import PowerSGDComm, state_path
+from disttrain.training.build import collectives_off_thread
+from tests.conftest import compose_train
 
 
 def _gloo(op: str, dims: list, types: list) -> dict:
@@ -45,6 +49,14 @@ def test_profiler_records_shapes_on_all_threads() -> None:
     options = profiler_options()
     assert options["record_shapes"] is True
     assert "experimental_config" in options  # torch 2.13 has profile_all_threads
+    assert profiler_options(all_threads=False) == {"record_shapes": True}
+
+
+@pytest.mark.parametrize(("hook", "off_thread"), [("none", False), ("bf16", False), ("powersgd", True)])
+def test_only_powersgd_runs_profile_every_thread(hook: str, off_thread: bool) -> None:
+    """PowerSGD issues all-reduces from gloo's future callbacks: only its runs need the all-thread profiler."""
+    cfg = parse_run_config(compose_train(["strategy=ddp", f"strategy.comm_hook={hook}"]))
+    assert collectives_off_thread(cfg) is off_thread
 
 
 def _comm_with_state() -> PowerSGDComm:

@@ -74,6 +74,12 @@ class TrainerParts:
     diagnostics: DiagnosticsCallback | None = None
 
 
+def collectives_off_thread(cfg: RunConfig) -> bool:
+    """Whether the run issues collectives off its training and autograd threads: DDP's PowerSGD hook, from gloo's
+    future callbacks (the profiler window profiles every thread only then)."""
+    return getattr(cfg.strategy, "comm_hook", "none") == "powersgd"
+
+
 def build_diagnostics(
     cfg: RunConfig, plan: BatchPlan, facts: ModelFacts, run_dir: Path, throughput: Throughput
 ) -> DiagnosticsCallback:
@@ -112,6 +118,7 @@ def build_diagnostics(
         max_steps=cfg.trainer.max_steps,
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
         tp=getattr(cfg.strategy, "tp", 1) if cfg.strategy.name == "megatron" else 1,
+        collectives_off_thread=collectives_off_thread(cfg),
     )
     return DiagnosticsCallback(
         settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=lambda hang: diagnose_run(run_dir)
