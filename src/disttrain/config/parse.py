@@ -183,11 +183,6 @@ def parse_data(values: dict[str, Any]):
     return build_dataclass(DATA_KINDS[_choice(values, "data", DATA_KINDS)], values, "data")
 
 
-def device_defaults(strategy: Any, accelerator: str) -> Any:
-    """Options left null to be decided by the device (DDP's ``gradient_as_bucket_view``), decided."""
-    return strategy.for_accelerator(accelerator) if isinstance(strategy, DDPConfig) else strategy
-
-
 def parse_run_config(cfg: DictConfig) -> RunConfig:
     """Typed view of a composed ``conf/train.yaml``; raises ConfigError on the first problem found."""
     for group in GROUPS:
@@ -224,10 +219,13 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
             f"unknown objective {top['objective']!r}{did_you_mean(str(top['objective']), OBJECTIVES)}",
             f"use one of {list(OBJECTIVES)} (what the job returns to hydra/sweeper=optuna)",
         )
+    strategy = build_dataclass(strategy_cls, groups["strategy"], "strategy")
+    if isinstance(strategy, DDPConfig):  # gradient_as_bucket_view: null is decided by the device
+        strategy = strategy.for_accelerator(hw.accelerator)
     return RunConfig(
         model=parse_model(groups["model"]),
         data=parse_data(groups["data"]),
-        strategy=device_defaults(build_dataclass(strategy_cls, groups["strategy"], "strategy"), hw.accelerator),
+        strategy=strategy,
         precision=build_dataclass(PrecisionConfig, groups["precision"], "precision"),
         hw=hw,
         optimizer=build_dataclass(OptimizerConfig, groups["optimizer"], "optimizer"),

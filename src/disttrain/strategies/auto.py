@@ -188,7 +188,7 @@ def resolve_auto(
             continue  # a link this layout needs has no bandwidth (datasheet or measured): it cannot be timed
         scored.append((not predicted.fits, predicted.estimate.step_time_s, option, predicted))
     if not scored:
-        return ddp, (f"hw={cfg.hw.name} gives no link bandwidth to time any layout; ddp replicas communicate least")
+        return ddp, f"hw={cfg.hw.name} gives no link bandwidth to time any layout; ddp replicas communicate least"
     # Candidates come simplest first (DDP, FSDP2, DeepSpeed, Megatron); the sort is stable, step times are estimates:
     # within AUTO_TIE of the fastest, the earliest candidate wins, so a rounding-level difference never picks
     # the more complex stack.
