@@ -8,6 +8,11 @@ each error (predicted / measured - 1) with its spread. Target (issue: close the 
     python benchmarks/plan_accuracy.py                      # ddp, fsdp, deepspeed-2, megatron tp2, megatron pp2
     python benchmarks/plan_accuracy.py --repeats 3 --steps 80
     python benchmarks/plan_accuracy.py --layouts ddp fsdp --extra model=gpt-micro
+    python benchmarks/plan_accuracy.py --keep DIR           # keep every run dir (DIR/<layout>-<n>/)
+    python benchmarks/plan_accuracy.py --from DIR           # re-predict kept runs with today's planner, no training
+
+``--from`` re-reads each kept run's config and start-up calibration records and predicts its layout again, against
+the measurement the run recorded: a change to the planner's model is judged on the very same measurements.
 
 hw=cpu has no datasheet numbers: without calibration nothing but memory can be predicted here (run.json says so).
 """
@@ -71,6 +76,32 @@ def one_run(layout: str, steps: int, extra: list[str], keep: Path | None = None)
     return {**prediction, "cpu_share": share[0] if share else None}
 
 
+def repredicted(run_dir: Path) -> dict:
+    """A kept run's prediction made again by today's planner from its config and calibration records, against the
+    measurement it recorded (run.json), with the CPU share it got."""
+    from omegaconf import OmegaConf
+
+    from diagnostics.calibration import calibration_from_telemetry
+    from disttrain.config.parse import parse_run_config
+    from disttrain.config.validate import batch_plan, world_layout
+    from disttrain.job.prediction import predict_run, with_measurement
+
+    cfg = parse_run_config(OmegaConf.load(run_dir / "config.yaml"))
+    recorded = json.loads((run_dir / "run.json").read_text()).get("prediction") or {}
+    record = predict_run(cfg, world_layout(cfg), batch_plan(cfg), calibration_from_telemetry(run_dir)) or {}
+    return {**with_measurement(record, recorded.get("measured") or {}), "cpu_share": cpu_share(run_dir)}
+
+
+def kept_runs(directory: Path, layouts: list[str]) -> list[tuple[str, Path]]:
+    """(layout, run dir) of every ``--keep`` copy under ``directory``, in the order they ran."""
+    runs = []
+    for name in layouts:
+        for path in directory.glob(f"{name}-*"):
+            if path.name[len(name) + 1 :].isdigit() and (path / "run.json").is_file():
+                runs.append((int(path.name[len(name) + 1 :]), name, path))
+    return [(name, path) for _, name, path in sorted(runs)]
+
+
 def median_and_spread(values: list[float]) -> str:
     mid = statistics.median(values)
     return f"{mid:+.0%} ({min(values):+.0%}..{max(values):+.0%})"
@@ -83,30 +114,42 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--extra", nargs="*", default=[], help="extra `python -m train` overrides for every run")
     parser.add_argument("--keep", type=Path, help="copy every run dir here (layout-N/)")
+    parser.add_argument("--from", dest="source", type=Path, help="re-predict the runs kept in this directory")
     args = parser.parse_args()
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
+    if args.source is not None:
+        runs = kept_runs(args.source, args.layouts)
+        if not runs:
+            sys.exit(f"plan_accuracy: no kept runs (<layout>-<n>/run.json) under {args.source}")
+        # Every run stands on its own: one "repeat" per kept run, in the order they ran.
+        schedule = [[(name, path)] for name, path in runs]
+    else:
+        schedule = [
+            [(name, None) for name in args.layouts[r % len(args.layouts) :] + args.layouts[: r % len(args.layouts)]]
+            for r in range(args.repeats)
+        ]
     errors: dict[str, dict[str, list[float]]] = {name: {q: [] for q in QUANTITIES} for name in args.layouts}
     examples: dict[str, dict] = {}
     loads: list[float] = []
     shares: list[float | None] = []
-    for repeat in range(args.repeats):
-        order = args.layouts[repeat % len(args.layouts) :] + args.layouts[: repeat % len(args.layouts)]
-        for name in order:
-            record = one_run(name, args.steps, args.extra, args.keep)
+    for repeat, order in enumerate(schedule):
+        for name, kept in order:
+            record = repredicted(kept) if kept is not None else one_run(name, args.steps, args.extra, args.keep)
             examples[name] = record
             for q, e in (record.get("error") or {}).items():
                 if q in errors[name]:
                     errors[name][q].append(e)
             step = (record.get("error") or {}).get("step_time_s")
             shown = "n/a" if step is None else f"{step:+.1%}"
-            loads.append(os.getloadavg()[0])  # timing figures are only as good as the host is quiet
+            if kept is None:
+                loads.append(os.getloadavg()[0])  # timing figures are only as good as the host is quiet
             share = record.get("cpu_share")
             shares.append(share)
             share_text = "n/a" if share is None else f"{share:.2f}"
+            where = f"load {loads[-1]:.1f}, " if kept is None else f"{kept.name}, "
             print(
-                f"  repeat {repeat + 1} {name}: step-time error {shown} (load {loads[-1]:.1f}, CPU per rank "
-                f"{share_text} cores)",
+                f"  repeat {repeat + 1} {name}: step-time error {shown} ({where}CPU per rank {share_text} cores)",
                 flush=True,
             )
     header = f"{'layout':<14}" + "".join(f"{q:>26}" for q in QUANTITIES) + "  predicted / measured step (last run)"
@@ -123,7 +166,9 @@ def main() -> None:
         met += bool(step) and abs(statistics.median(step)) <= TARGET
     basis = next(iter(examples.values()), {}).get("basis")
     print(f"\nhw numbers: {basis}")
-    print(f"host load (1-minute average) as each run ended: {min(loads):.1f}..{max(loads):.1f}, {os.cpu_count()} cores")
+    if loads:
+        span = f"{min(loads):.1f}..{max(loads):.1f}"
+        print(f"host load (1-minute average) as each run ended: {span}, {os.cpu_count()} cores")
     known = [s for s in shares if s is not None]
     if known:
         print(f"CPU per rank (median of its samples, cores): {min(known):.2f}..{max(known):.2f}")

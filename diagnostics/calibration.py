@@ -18,6 +18,9 @@ from diagnostics.telemetry import TELEMETRY_DIR
 
 CALIBRATION_FILE = "calibration.json"
 LINKS = ("intra_node", "inter_node")
+# Collectives measured for one use only (DTensor's functional all-reduce, in TP runs): priced per op, kept out of
+# the link's one figure, which stands for every collective not measured on its own.
+LINK_EXCLUDED_OPS = ("functional_all_reduce",)
 
 
 @dataclass(frozen=True)
@@ -44,13 +47,19 @@ class Calibration:
     # Host microseconds a DTensor tensor-parallel linear adds to forward + backward beyond its math (dispatch,
     # sharding propagation, collective wrapping; median over ranks). The hw profile's ``tp_linear_overhead_us``.
     tp_linear_overhead_us: float | None = None
+    # Host cost of FSDP2 beyond the math (median over ranks): microseconds per unit and forward + backward (its hooks),
+    # and nanoseconds per byte of each copy into or out of its collective buffers. The hw profile's
+    # ``fsdp_unit_overhead_us`` and ``fsdp_copy_ns_per_byte``.
+    fsdp_unit_overhead_us: float | None = None
+    fsdp_copy_ns_per_byte: float | None = None
     ranks: int = 0
     source: str = ""  # the run dir it was measured in
 
     def bus_bandwidth_gbps(self, link: str) -> float | None:
-        """One figure per link for the planner's link model: the median over the collectives measured on it."""
-        ops = self.links.get(link)
-        return statistics.median(ops.values()) if ops else None
+        """One figure per link for the planner's link model: the median over the collectives measured on it (the
+        torch.distributed ones; a TP run's functional all-reduce is priced on its own, ``links[link][op]``)."""
+        ops = [gbps for op, gbps in self.links.get(link, {}).items() if op not in LINK_EXCLUDED_OPS]
+        return statistics.median(ops) if ops else None
 
     @property
     def empty(self) -> bool:
@@ -72,6 +81,7 @@ def _records(run_dir: Path) -> list[dict]:
                 "sync_calibration",
                 "overlap_calibration",
                 "tp_calibration",
+                "fsdp_calibration",
             ):
                 records.append(record)
     return records
@@ -127,6 +137,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     syncs: list[tuple[float, float, list[float]]] = []  # per rank: segment, warm latency, wait per round
     overlaps: list[float] = []
     tp_overheads: list[float] = []
+    fsdp_fixed: list[float] = []
+    fsdp_per_byte: list[float] = []
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
@@ -144,12 +156,17 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         ):
             links.setdefault((r["link"], r["op"]), []).append(gbps)
             if latency := _positive(r.get("latency_us")):
-                latencies.setdefault(r["link"], []).append(latency)
+                if r["op"] not in LINK_EXCLUDED_OPS:
+                    latencies.setdefault(r["link"], []).append(latency)
                 op_latencies.setdefault((r["link"], r["op"]), []).append(latency)
         elif r["kind"] == "overlap_calibration" and _fraction(r.get("hidden")) is not None:
             overlaps.append(float(r["hidden"]))
         elif r["kind"] == "tp_calibration" and _fraction(r.get("overhead_us"), upper=math.inf) is not None:
             tp_overheads.append(float(r["overhead_us"]))
+        elif r["kind"] == "fsdp_calibration":
+            for key, values in (("fixed_us", fsdp_fixed), ("ns_per_byte", fsdp_per_byte)):
+                if (value := _fraction(r.get(key), upper=math.inf)) is not None:
+                    values.append(value)
         elif r["kind"] == "sync_calibration" and (segment := _positive(r.get("segment_s"))):
             waits = r.get("waits_s")
             if isinstance(waits, list) and all(_positive(w) for w in waits) and _positive(r.get("latency_s")):
@@ -178,6 +195,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         compute_jitter=None if figures is None else figures[1],
         comm_overlap=statistics.median(overlaps) if overlaps else None,
         tp_linear_overhead_us=statistics.median(tp_overheads) if tp_overheads else None,
+        fsdp_unit_overhead_us=statistics.median(fsdp_fixed) if fsdp_fixed else None,
+        fsdp_copy_ns_per_byte=statistics.median(fsdp_per_byte) if fsdp_per_byte else None,
         ranks=len(ranks),
         source=str(run_dir),
     )

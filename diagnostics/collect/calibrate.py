@@ -59,6 +59,10 @@ def matmul_flops_per_s(device: torch.device, dtype: str, min_seconds: float = 0.
 # collectives and group sizes (and is the bandwidth the planner's link model divides by).
 BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
 BUS_FACTORS["reduce_scatter"] = BUS_FACTORS["all_gather"]
+# The all-reduce as DTensor's tensor parallelism issues it: a functional collective (out of place, then a wait).
+# On gloo it costs 1.5-2x the in-place all-reduce of the same bytes (2 CPU ranks: 3.5 vs 1.8 ms at 1.5 MiB, 12.2
+# vs 7.9 ms at 8 MiB, interleaved), so TP runs measure it as its own op.
+BUS_FACTORS["functional_all_reduce"] = BUS_FACTORS["all_reduce"]
 
 
 def collective_bandwidth(op: str, group: object | None, nbytes: int, device: torch.device, repeats: int = 3) -> dict:
@@ -100,6 +104,7 @@ def _median_call(
 def _call_times(op: str, group: object | None, numel: int, n: int, device: torch.device, repeats: int) -> list[float]:
     """Seconds of ``repeats`` ``op`` calls over ``numel`` fp32 elements, each after a barrier, after one warm-up."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as functional
 
     full = torch.ones(numel, device=device, dtype=torch.float32)
     shard = torch.ones(numel // n, device=device, dtype=torch.float32)
@@ -107,6 +112,9 @@ def _call_times(op: str, group: object | None, numel: int, n: int, device: torch
         "all_reduce": lambda: dist.all_reduce(full, group=group),
         "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+        "functional_all_reduce": lambda: functional.wait_tensor(
+            functional.all_reduce(full, "sum", group if group is not None else dist.group.WORLD)
+        ),
     }[op]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
@@ -259,46 +267,119 @@ def comm_overlap(group: object | None, nbytes: int, device: torch.device, local_
     }
 
 
-def tp_linear_overhead(device: torch.device, repeats: int = 8) -> dict:
-    """Host seconds one tensor-parallel linear (DTensor ``ColwiseParallel``/``RowwiseParallel`` over all ranks)
-    adds to a forward + backward beyond the same ``nn.Linear``: DTensor dispatch and sharding propagation, the
-    wrapping of its functional collective. A column-parallel then a row-parallel linear (Megatron's pair) on tiny
-    shapes, so the math is negligible; the best of ``repeats`` on ``compute_clock`` (a rank's wait for a peer in
-    the collective is not host work). Per-call, size-independent: the planner charges it per parallel linear of a
-    layer (``hw.tp_linear_overhead_us``). Every rank must call it."""
+def tp_linear_overhead(device: torch.device, tp: int, tokens: int = 8, width: int = 16, repeats: int = 8) -> dict:
+    """Host seconds one tensor-parallel linear (DTensor ``ColwiseParallel``/``RowwiseParallel`` over groups of
+    ``tp`` ranks) adds to a forward + backward beyond its share of the same ``nn.Linear``'s math: DTensor dispatch
+    and sharding propagation, the wrapping of its functional collective, and the split GEMMs running below the whole
+    ones' rate. A column-parallel then a row-parallel linear (Megatron's pair, ``width -> 2 width -> width``) over
+    ``tokens`` tokens, the run's own shapes where it gives them; the best of ``repeats`` on ``compute_clock`` (a
+    rank's wait for a peer in the collective is not host work) against 1/tp of the unsplit pair's. The two
+    functional all-reduces' own time on that clock is taken out: the planner prices the collectives themselves at
+    their measured bandwidth (``functional_all_reduce``). The planner charges the rest per parallel linear of a layer
+    (``hw.tp_linear_overhead_us``). Every rank must call it."""
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as functional
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     def pair() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)).to(device)
+        return nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width)).to(device)
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("replica", "tp"))["tp"]
     plain = pair()
     parallel = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    x = torch.randn(2, 4, 16, device=device)
-    _, clock = compute_clock(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def best(model: nn.Module) -> float:
-        times = []
-        for i in range(repeats + 2):
-            sync()
-            start = clock()
-            model(x).sum().backward()
-            sync()
-            if i >= 2:  # the first calls build DTensor's sharding-propagation caches
-                times.append(clock() - start)
-        return min(times)
-
+    x = torch.randn(1, tokens, width, device=device)
     start = time.perf_counter()
-    plain_s, parallel_s = best(plain), best(parallel)
+    plain_s = _best_forward_backward(plain, x, device, repeats)
+    parallel_s = _best_forward_backward(parallel, x, device, repeats)
+    _, clock = compute_clock(device)
+    activation = torch.ones(tokens * width, device=device)
+    collective = []
+    for _ in range(repeats):
+        begin = clock()
+        functional.wait_tensor(functional.all_reduce(activation, "sum", mesh.get_group()))
+        collective.append(clock() - begin)
+    overhead = parallel_s - plain_s / tp - 2 * min(collective)
     return {
-        "ranks": dist.get_world_size(),
+        "ranks": tp,
+        "tokens": tokens,
+        "width": width,
         "plain_pair_s": plain_s,
         "parallel_pair_s": parallel_s,
-        "overhead_us": max(0.0, parallel_s - plain_s) / 2 * 1e6,
+        "collective_s": min(collective),
+        "overhead_us": max(0.0, overhead) / 2 * 1e6,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def _best_forward_backward(model: torch.nn.Module, x: torch.Tensor, device: torch.device, repeats: int) -> float:
+    """Fastest forward + backward of ``model`` on ``x`` over ``repeats`` (after two warm-up calls, which build
+    DTensor's sharding-propagation caches and FSDP2's lazy state), on ``compute_clock``."""
+    _, clock = compute_clock(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(repeats + 2):
+        sync()
+        start = clock()
+        model(x).sum().backward()
+        sync()
+        if i >= 2:
+            times.append(clock() - start)
+    return min(times)
+
+
+# Widths of the FSDP probe's unit (a Linear pair width -> 2 width -> width): the small one's copies are negligible
+# (its overhead is the per-unit hooks), the large one's ~1 MiB of fp32 parameters adds the copies' per-byte cost.
+FSDP_PROBE_WIDTHS = (16, 256)
+# FSDP2 copies a resharded unit's parameters out of its all-gather buffer in forward and again in backward, and its
+# gradients into the reduce-scatter buffer: three copies of the unit's bytes per forward + backward.
+FSDP_PROBE_COPIES = 3
+
+
+def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6) -> dict:
+    """Host cost of FSDP2 (``fully_shard``) beyond a unit's math, over all ranks: per unit and forward + backward a
+    fixed part (pre/post-forward and backward hooks, the collectives' wrapping) and a part per byte it copies
+    (copy-in to and copy-out of the all-gather and reduce-scatter buffers). A unit resharded after forward under a
+    parameterless root, sharded over groups of ``shard_ranks`` ranks (the run's FSDP2 degree: its collectives' host
+    work depends on it), at two widths, against the same modules unwrapped; the best of ``repeats`` on
+    ``compute_clock``. ``fixed_us`` per FSDP module (the unit's and the root's hooks: half the small probe's
+    overhead), ``ns_per_byte`` per byte of one copy (``hw.fsdp_unit_overhead_us``, ``hw.fsdp_copy_ns_per_byte``).
+    Every rank must call it."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replica", "shard"))
+    mesh = mesh["shard"]
+
+    def unit(width: int) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width))).to(device)
+
+    start = time.perf_counter()
+    overhead: dict[int, float] = {}
+    numel: dict[int, int] = {}
+    for width in FSDP_PROBE_WIDTHS:
+        plain, wrapped = unit(width), unit(width)
+        fully_shard(wrapped[0], mesh=mesh, reshard_after_forward=True)
+        fully_shard(wrapped, mesh=mesh)
+        x = torch.randn(8, width, device=device)  # 2-D: a 3-D input makes Linear return a view, which FSDP2 warns of
+        plain_s = _best_forward_backward(plain, x, device, repeats)
+        overhead[width] = max(0.0, _best_forward_backward(wrapped, x, device, repeats) - plain_s)
+        numel[width] = sum(p.numel() for p in plain.parameters())
+    small, large = FSDP_PROBE_WIDTHS
+    element = torch.empty((), dtype=torch.float32).element_size()
+    copied = FSDP_PROBE_COPIES * (numel[large] - numel[small]) * element
+    return {
+        "ranks": shard_ranks,
+        "overhead_s": {str(width): seconds for width, seconds in overhead.items()},
+        "unit_numel": {str(width): n for width, n in numel.items()},
+        "fixed_us": overhead[small] / 2 * 1e6,
+        "ns_per_byte": max(0.0, overhead[large] - overhead[small]) / copied * 1e9,
         "wall_s": time.perf_counter() - start,
     }

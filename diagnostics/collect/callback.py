@@ -21,6 +21,7 @@ import torch
 from diagnostics.collect.calibrate import (
     collective_bandwidth,
     comm_overlap,
+    fsdp_unit_overhead,
     matmul_flops_per_s,
     memory_bandwidth_gbps,
     sync_wait,
@@ -66,6 +67,10 @@ class RunFacts:
     max_steps: int
     peak_flops: float | None  # datasheet dense peak per device for compute_dtype, None if unknown
     tp: int = 1  # tensor-parallel degree (strategy=megatron): the DTensor dispatch probe runs only when above 1
+    d_model: int = 0  # the model's width where the planner knows its shape: the TP probe runs at the run's shapes
+    # Ranks each FSDP2 unit shards over (strategy=fsdp; strategy=megatron's data parallelism, which wraps its chunks
+    # even over one rank); 0: no FSDP2. The FSDP host-cost probe runs over groups of that size, only then.
+    fsdp_shard_ranks: int = 0
     # Collectives issued off the training and autograd threads (DDP's PowerSGD hook, from gloo's future callbacks):
     # only then does the profiler window profile every thread.
     collectives_off_thread: bool = False
@@ -370,13 +375,20 @@ class DiagnosticsCallback(pl.Callback):
         if trainer.num_nodes > 1 and trainer.num_devices > 1:
             local, _ = dist.new_subgroups(group_size=trainer.num_devices)
             groups.append(("intra_node", local))
+        ops = ["all_reduce", "all_gather", "reduce_scatter"]
+        if self.facts.tp > 1:  # DTensor's activation collectives: the functional all-reduce (see calibrate)
+            ops.append("functional_all_reduce")
         for link, group in groups:
-            for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            for op in ops:
                 self.write("link_calibration", link=link, **collective_bandwidth(op, group, nbytes, device))
         self.write("sync_calibration", **sync_wait(None, device))
         self.write("overlap_calibration", **comm_overlap(None, nbytes, device, trainer.num_devices))
         if self.facts.tp > 1:  # the only runs with DTensor tensor parallelism (0.2-0.8 s on 2 CPU ranks)
-            self.write("tp_calibration", **tp_linear_overhead(device))
+            f = self.facts
+            shapes = {"tokens": f.micro_batch_size * f.seq_len, "width": f.d_model} if f.d_model else {}
+            self.write("tp_calibration", **tp_linear_overhead(device, f.tp, **shapes))
+        if self.facts.fsdp_shard_ranks:  # 0.1-0.3 s on 2 CPU ranks
+            self.write("fsdp_calibration", **fsdp_unit_overhead(device, self.facts.fsdp_shard_ranks))
 
     def _throughput(self, world_size: int, tokens_per_s: float) -> None:
         f = self.facts

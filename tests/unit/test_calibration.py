@@ -20,6 +20,7 @@ from diagnostics.prediction import compare, comparison_rows, one_line
 from diagnostics.telemetry import TelemetryWriter, telemetry_path
 from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
+from disttrain.config.hardware import validate_profile
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from tests.conftest import hw_profile
@@ -71,6 +72,26 @@ def test_each_rank_keeps_its_best_matmul_rate_and_the_run_takes_the_median(tmp_p
     assert cal.ranks == 2
 
 
+def test_a_tp_runs_functional_all_reduce_is_priced_on_its_own_not_in_the_links_figure(tmp_path: Path) -> None:
+    write_calibration_run(tmp_path)
+    before = calibration_from_telemetry(tmp_path)
+    for rank in (0, 1):
+        w = TelemetryWriter(tmp_path, rank)
+        w.write(
+            "link_calibration", link="intra_node", op="functional_all_reduce", ranks=2, bytes=8 << 20,
+            seconds=0.02, algbw_gbps=0.5, busbw_gbps=0.5, latency_us=900.0,
+        )  # fmt: skip
+        w.close()
+    cal = calibration_from_telemetry(tmp_path)
+    assert cal.links["intra_node"]["functional_all_reduce"] == pytest.approx(0.5)
+    assert cal.op_latency_us["intra_node"]["functional_all_reduce"] == pytest.approx(900.0)
+    assert cal.bus_bandwidth_gbps("intra_node") == before.bus_bandwidth_gbps("intra_node")
+    assert cal.latency_us == before.latency_us
+    profile = calibrated_profile(hw_profile("cpu"), cal, "fp32")
+    assert profile.hw.collective_busbw_gbps["intra_node.functional_all_reduce"] == pytest.approx(0.5)
+    validate_profile(profile.hw)  # a known op name
+
+
 def test_calibration_file_round_trips_and_bad_paths_name_the_key(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_calibration_run(run)
@@ -99,6 +120,8 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         compute_jitter=0.01,
         comm_overlap=0.9,
         tp_linear_overhead_us=50.0,
+        fsdp_unit_overhead_us=700.0,
+        fsdp_copy_ns_per_byte=0.5,
         source="RUN",
     )
     a100 = hw_profile("2x8xh100")
@@ -112,6 +135,7 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
     assert profile.hw.collective_latency_us == {"intra_node.all_reduce": 6.0, "intra_node.all_gather": 10.0}
     assert (profile.hw.sync_overhead_us, profile.hw.compute_jitter) == (3.0, 0.01)
     assert (profile.hw.comm_overlap, profile.hw.tp_linear_overhead_us) == (0.9, 50.0)
+    assert (profile.hw.fsdp_unit_overhead_us, profile.hw.fsdp_copy_ns_per_byte) == (700.0, 0.5)
     assert set(profile.sources.values()) == {"measured"}
     assert assumptions_for(profile).compute_efficiency == DEFAULT_ASSUMPTIONS.calibrated_compute_efficiency
     datasheet = calibrated_profile(a100, Calibration(matmul_flops_per_s={"fp32": 1e13}), "bf16")
@@ -131,6 +155,8 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         "compute_jitter",
         "comm_overlap",
         "tp_linear_overhead_us",
+        "fsdp_unit_overhead_us",
+        "fsdp_copy_ns_per_byte",
     }
     assert set(cpu.sources.values()) == {"none"}
 
@@ -186,7 +212,7 @@ def test_the_plan_table_says_which_numbers_are_datasheet_measured_or_missing() -
     assert sources_line(datasheet) == (
         "hw numbers: peak_tflops datasheet, hbm_bandwidth_gbps datasheet, intra_node_bandwidth_gbps datasheet, "
         "inter_node_bandwidth_gbps datasheet; not modelled: intra_node_latency_us, inter_node_latency_us, "
-        "sync_overhead_us, compute_jitter, tp_linear_overhead_us"
+        "sync_overhead_us, compute_jitter, tp_linear_overhead_us, fsdp_unit_overhead_us, fsdp_copy_ns_per_byte"
     )
     measured = calibrated_profile(hw_profile("cpu"), Calibration(matmul_flops_per_s={"fp32": 1e10}), "fp32").sources
     assert sources_line(measured).startswith("hw numbers: peak_tflops measured; not modelled: hbm_bandwidth_gbps")

@@ -179,8 +179,28 @@ def test_tensor_parallel_activation_collectives_as_the_engine_issues_them(preset
     layout = Layout("megatron", dp=1, tp=2, microbatches=2)
     activation = 2 * shape.seq_len * shape.d_model * 4
     group = process_groups(layout, hw("8xa100"))["tp"]
-    expected = collective_bytes("all_reduce", activation, group).scale(per_layer * shape.n_layers + 2)
+    # DTensor issues them as functional collectives, which a calibration prices on their own
+    expected = collective_bytes("functional_all_reduce", activation, group).scale(per_layer * shape.n_layers + 2)
     assert comm_plan(shape, layout, workload, hw("8xa100")).mb_exposed == expected
+
+
+def test_tp_collectives_take_the_functional_all_reduce_figures_else_the_all_reduce_ones() -> None:
+    cpu = dataclasses.replace(hw("cpu"), intra_node_bandwidth_gbps=4.0, intra_node_latency_us=100.0)
+    tp = collective_bytes("functional_all_reduce", 1e6, Group(2, 2), calls=10)
+    assert tp.intra == collective_bytes("all_reduce", 1e6, Group(2, 2)).intra  # an all-reduce's volume
+    assert link_time(tp, cpu, 25.0) == pytest.approx(1e6 / 4e9 + 10 * 100e-6)  # the link's figures
+    measured_ar = dataclasses.replace(
+        cpu,
+        collective_busbw_gbps={"intra_node.all_reduce": 2.0},
+        collective_latency_us={"intra_node.all_reduce": 200.0},
+    )
+    assert link_time(tp, measured_ar, 25.0) == pytest.approx(1e6 / 2e9 + 10 * 200e-6)  # the all-reduce's own
+    measured_f = dataclasses.replace(
+        measured_ar,
+        collective_busbw_gbps={**measured_ar.collective_busbw_gbps, "intra_node.functional_all_reduce": 1.0},
+        collective_latency_us={**measured_ar.collective_latency_us, "intra_node.functional_all_reduce": 400.0},
+    )
+    assert link_time(tp, measured_f, 25.0) == pytest.approx(1e6 / 1e9 + 10 * 400e-6)  # its own, once measured
 
 
 def test_every_collective_call_pays_its_links_latency_once() -> None:

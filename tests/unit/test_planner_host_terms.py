@@ -1,26 +1,30 @@
 """Host-side terms calibration measures: how much of an overlappable collective compute hides (``comm_overlap``),
-the host cost of each tensor-parallel (DTensor) module (``tp_linear_overhead_us``), and a matmul rate on the CPU
-clock of the compute (what the cores do, not the share other processes leave them)."""
+the host cost of each tensor-parallel (DTensor) module (``tp_linear_overhead_us``), of each FSDP2 unit and the bytes
+it copies (``fsdp_unit_overhead_us``, ``fsdp_copy_ns_per_byte``), and a matmul rate on the CPU clock of the compute
+(what the cores do, not the share other processes leave them)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from diagnostics.calibration import calibration_from_telemetry
-from diagnostics.collect.calibrate import compute_clock
+from diagnostics.collect.calibrate import compute_clock, fsdp_unit_overhead, tp_linear_overhead
 from diagnostics.telemetry import TelemetryWriter
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import validate_profile
 from disttrain.planner import Layout, Workload, comm_plan, model_shape, plan_layout
 from disttrain.planner.calibrated import calibrated_profile
 from disttrain.planner.comm import link_time, tp_parallel_linears_per_layer
+from disttrain.planner.memory import rank_parameters
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
-from disttrain.planner.step_time import tp_dispatch_seconds
+from disttrain.planner.step_time import fsdp_host_seconds, tp_dispatch_seconds
 from tests.conftest import hw_profile as hw
 from tests.conftest import model_preset as model
 
@@ -64,6 +68,96 @@ def test_the_measured_tp_overhead_lengthens_each_micro_batch_of_a_tp_layout_only
     assert plan_layout(nano, ddp, WORK, measured).estimate == plan_layout(nano, ddp, WORK, CPU).estimate
 
 
+def test_fsdp_units_and_the_bytes_they_copy_per_micro_batch() -> None:
+    nano = model_shape(model("gpt-nano"))
+    fp32 = 4
+    # strategy=fsdp over 2 ranks: a unit per block and the root; every micro-batch gathers all weights for forward,
+    # the blocks' again for backward (resharded after forward), and fills the reduce-scatter buffers.
+    fsdp = comm_plan(nano, Layout("fsdp", dp=2, microbatches=2), WORK, CPU)
+    padded = 2 * nano.fsdp_shard_parameters(2)
+    blocks = 2 * nano.n_layers * nano.fsdp_block_shard_parameters(2)
+    assert fsdp.mb_fsdp_units == nano.n_layers + 1
+    assert fsdp.mb_fsdp_copy_bytes == fp32 * (2 * padded + blocks)
+    kept = comm_plan(nano, Layout("fsdp", dp=2, reshard_after_forward=False), WORK, CPU)
+    assert kept.mb_fsdp_copy_bytes == fp32 * 2 * padded
+    # strategy=megatron wraps its chunks in FSDP2 even over one data-parallel rank: tp=2, dp=1 still copies. Without
+    # pipelining the weights gather every micro-batch (blocks twice), the gradients reduce once per step.
+    tp2 = Layout("megatron", tp=2, microbatches=2)
+    stage = rank_parameters(nano, tp2, 0)
+    blocks = nano.n_layers * nano.block_tp_numel(2)
+    plan = comm_plan(nano, tp2, WORK, CPU)
+    assert plan.mb_fsdp_units == nano.n_layers + 1
+    assert plan.mb_fsdp_copy_bytes == pytest.approx(fp32 * (stage + blocks) + fp32 * stage / 2)
+    # Pipelined stages keep their gathered weights: one gather and one reduction per step, over its micro-batches.
+    pp2 = Layout("megatron", pp=2, microbatches=2, schedule="1f1b")
+    stage = max(rank_parameters(nano, pp2, 0), rank_parameters(nano, pp2, 1))
+    plan = comm_plan(nano, pp2, WORK, CPU)
+    assert plan.mb_fsdp_units == nano.n_layers // 2 + 1
+    assert plan.mb_fsdp_copy_bytes == pytest.approx(2 * fp32 * stage / 2)
+    v = comm_plan(nano, Layout("megatron", pp=2, virtual_stages=2, microbatches=2, schedule="zero_bubble"), WORK, CPU)
+    assert v.mb_fsdp_units == nano.n_layers // 2 + 2  # two chunks per rank, each its own root
+    for other in (Layout("ddp", dp=2), Layout("deepspeed", dp=2, zero_stage=2)):
+        plan = comm_plan(nano, other, WORK, CPU)
+        assert (plan.mb_fsdp_units, plan.mb_fsdp_copy_bytes) == (0.0, 0.0)
+
+
+def test_the_measured_fsdp_costs_lengthen_each_micro_batch_of_fsdp_layouts_only() -> None:
+    nano = model_shape(model("gpt-nano"))
+    assert fsdp_host_seconds(5, 1e6, CPU) == 0.0  # not measured: not modelled
+    measured = dataclasses.replace(CPU, fsdp_unit_overhead_us=1000.0, fsdp_copy_ns_per_byte=0.5)
+    assert fsdp_host_seconds(5, 1e6, measured) == pytest.approx(5e-3 + 0.5e-3)
+    for layout in (Layout("fsdp", dp=2, microbatches=2), Layout("megatron", tp=2, microbatches=2)):
+        comm = comm_plan(nano, layout, WORK, CPU)
+        before = plan_layout(nano, layout, WORK, CPU).estimate
+        after = plan_layout(nano, layout, WORK, measured).estimate
+        expected = 2 * (comm.mb_fsdp_units * 1e-3 + comm.mb_fsdp_copy_bytes * 0.5e-9)
+        assert before.fsdp_host_s == 0.0 and after.fsdp_host_s == pytest.approx(expected) and expected > 0
+        assert after.step_time_s - before.step_time_s == pytest.approx(expected)
+    ddp = Layout("ddp", dp=2)
+    assert plan_layout(nano, ddp, WORK, measured).estimate == plan_layout(nano, ddp, WORK, CPU).estimate
+    with pytest.raises(ConfigError, match=r"hw.fsdp_copy_ns_per_byte: must be >= 0"):
+        validate_profile(dataclasses.replace(CPU, fsdp_copy_ns_per_byte=-0.1))
+
+
+@contextlib.contextmanager
+def one_rank_group(store: Path) -> Iterator[None]:
+    """A one-process gloo group with one torch thread, as every rank of a CPU run has: the probes then time the
+    training thread's CPU clock."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def test_the_fsdp_probe_measures_hooks_and_copies_of_a_real_fully_shard_unit(tmp_path: Path) -> None:
+    with one_rank_group(tmp_path / "store"):
+        result = fsdp_unit_overhead(torch.device("cpu"), shard_ranks=1, repeats=4)
+    assert result["ranks"] == 1
+    assert result["unit_numel"] == {"16": 16 * 32 + 32 + 32 * 16 + 16, "256": 256 * 512 + 512 + 512 * 256 + 256}
+    # Even over one rank FSDP2 runs its hooks and copies through its buffers: both cost time on the host.
+    assert result["fixed_us"] > 0 and result["ns_per_byte"] >= 0
+    assert result["fixed_us"] == pytest.approx(result["overhead_s"]["16"] / 2 * 1e6)
+
+
+def test_the_tp_probe_times_a_real_dtensor_pair_at_the_runs_shapes_net_of_its_collectives(tmp_path: Path) -> None:
+    with one_rank_group(tmp_path / "store"):
+        result = tp_linear_overhead(torch.device("cpu"), tp=1, tokens=64, width=32, repeats=3)
+    assert (result["ranks"], result["tokens"], result["width"]) == (1, 64, 32)
+    assert result["collective_s"] > 0  # a functional all-reduce costs the host even over one rank
+    # DTensor dispatch makes the parallel pair dearer than the plain one; what the probe charges per linear is
+    # that difference less the two collectives the planner prices on their own
+    assert result["parallel_pair_s"] > result["plain_pair_s"]
+    net = result["parallel_pair_s"] - result["plain_pair_s"] - 2 * result["collective_s"]
+    assert result["overhead_us"] == pytest.approx(max(0.0, net) / 2 * 1e6)
+
+
 def test_a_measured_overlap_replaces_the_assumed_one_for_hidden_collectives() -> None:
     nano = model_shape(model("gpt-nano"))
     fsdp = Layout("fsdp", dp=2)
@@ -99,6 +193,7 @@ def test_overlap_and_tp_overhead_are_read_back_and_substituted(tmp_path: Path) -
         w.write("calibration", when="start", dtype="fp32", matrix_size=512, flops_per_s=9e10, seconds=0.15)
         w.write("overlap_calibration", ranks=2, bytes=8 << 20, compute_s=0.01, comm_s=0.01, both_s=0.02, hidden=hidden)
         w.write("tp_calibration", ranks=2, plain_pair_s=1e-4, parallel_pair_s=1.6e-3, overhead_us=overhead)
+        w.write("fsdp_calibration", ranks=2, fixed_us=overhead, ns_per_byte=hidden + 0.3)
         w.write("overlap_calibration", ranks=2, hidden=1.7)  # out of range: ignored
         w.close()
     cal = calibration_from_telemetry(tmp_path)
@@ -106,6 +201,9 @@ def test_overlap_and_tp_overhead_are_read_back_and_substituted(tmp_path: Path) -
     profile = calibrated_profile(hw("cpu"), cal, "fp32")
     assert (profile.hw.comm_overlap, profile.hw.tp_linear_overhead_us) == (pytest.approx(0.05), pytest.approx(800.0))
     assert profile.sources["comm_overlap"] == profile.sources["tp_linear_overhead_us"] == "measured"
+    assert (cal.fsdp_unit_overhead_us, cal.fsdp_copy_ns_per_byte) == (pytest.approx(800.0), pytest.approx(0.35))
+    assert profile.hw.fsdp_copy_ns_per_byte == pytest.approx(0.35)
+    assert profile.sources["fsdp_unit_overhead_us"] == profile.sources["fsdp_copy_ns_per_byte"] == "measured"
     bare = calibrated_profile(hw("cpu"), None, "fp32")
     assert bare.sources["comm_overlap"] == bare.sources["tp_linear_overhead_us"] == "none"
 

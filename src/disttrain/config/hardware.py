@@ -12,7 +12,8 @@ from disttrain.config.errors import ConfigError
 
 ACCELERATORS = ("cpu", "gpu")
 LINK_NAMES = ("intra_node", "inter_node")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+# functional_all_reduce: the out-of-place all-reduce DTensor's tensor parallelism issues (its own cost on gloo).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "functional_all_reduce")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -52,6 +53,11 @@ class HardwareProfile:
     # sharding propagation, the collective's wrapping. None: not modelled (hidden behind GPU kernels when the host
     # runs ahead); calibration measures it, and on a CPU it is on the critical path.
     tp_linear_overhead_us: float | None = None
+    # Host cost of FSDP2 beyond the math, per unit and forward + backward (its hooks: microseconds) and per byte of
+    # each copy into or out of its collective buffers (nanoseconds). None: not modelled (behind GPU kernels when the
+    # host runs ahead); calibration measures both, and on a CPU they are on the critical path.
+    fsdp_unit_overhead_us: float | None = None
+    fsdp_copy_ns_per_byte: float | None = None
     # Host (CPU) memory per node, shared by its devices' processes: offloaded optimizer states and parameters
     # live there. None: not checked.
     host_memory_gib: float | None = None
@@ -97,7 +103,14 @@ def validate_profile(hw: HardwareProfile) -> None:
     if hw.comm_overlap is not None and not 0.0 <= hw.comm_overlap <= 1.0:
         problem = f"must be in [0, 1], got {hw.comm_overlap}"
         raise ConfigError("hw.comm_overlap", problem, "set hw.comm_overlap=null or a measured share")
-    for name in ("sync_overhead_us", "compute_jitter", "tp_linear_overhead_us", "host_memory_gib"):
+    for name in (
+        "sync_overhead_us",
+        "compute_jitter",
+        "tp_linear_overhead_us",
+        "fsdp_unit_overhead_us",
+        "fsdp_copy_ns_per_byte",
+        "host_memory_gib",
+    ):
         value = getattr(hw, name)
         if value is not None and value < 0:
             raise ConfigError(f"hw.{name}", f"must be >= 0, got {value}", f"set hw.{name}=null or a measured figure")

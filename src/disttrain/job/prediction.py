@@ -55,6 +55,8 @@ def predict_run(
             exposed_comm_s=estimate.exposed_comm_s,
             bubble_s=estimate.bubble_s,
             optimizer_step_s=estimate.optimizer_step_s,
+            tp_dispatch_s=estimate.host_dispatch_s,
+            fsdp_host_s=estimate.fsdp_host_s,
             tokens_per_s=estimate.tokens_per_s,
             mfu=estimate.mfu,
             peak_flops=profile.hw.peak_flops(cfg.precision.compute_dtype),

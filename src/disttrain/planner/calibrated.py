@@ -4,7 +4,8 @@ The calibration (``diagnostics.calibration``) replaces, where it measured them: 
 compute dtype, the memory bandwidth (the optimizer step), the bus bandwidth and per-call latency of the intra-node
 and inter-node links and of each collective on them, and what blocking syncs cost (``sync_overhead_us``,
 ``compute_jitter``), how much of an overlappable collective compute hides (``comm_overlap``) and the host cost of
-a tensor-parallel linear (``tp_linear_overhead_us``). ``sources`` says for each number the planner reads whether
+a tensor-parallel linear (``tp_linear_overhead_us``) and of FSDP2's units and copies (``fsdp_unit_overhead_us``,
+``fsdp_copy_ns_per_byte``). ``sources`` says for each number the planner reads whether
 it is ``measured`` or ``datasheet`` (or ``none``), which ``python -m plan`` prints and run.json records.
 """
 
@@ -58,6 +59,8 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "compute_jitter": _source(hw.compute_jitter),
         "comm_overlap": "datasheet" if hw.comm_overlap is not None else "none",  # none: Assumptions.comm_overlap
         "tp_linear_overhead_us": _source(hw.tp_linear_overhead_us),
+        "fsdp_unit_overhead_us": _source(hw.fsdp_unit_overhead_us),
+        "fsdp_copy_ns_per_byte": _source(hw.fsdp_copy_ns_per_byte),
     }
     if calibration is None:
         return CalibratedProfile(hw, sources)
@@ -91,7 +94,14 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         changes["collective_latency_us"] = {**hw.collective_latency_us, **per_op}
         sources["collective_latency_us"] = "measured"
     # Measured scalars that replace the hw profile's field of the same name where calibration took them.
-    for name in ("sync_overhead_us", "compute_jitter", "comm_overlap", "tp_linear_overhead_us"):
+    for name in (
+        "sync_overhead_us",
+        "compute_jitter",
+        "comm_overlap",
+        "tp_linear_overhead_us",
+        "fsdp_unit_overhead_us",
+        "fsdp_copy_ns_per_byte",
+    ):
         value = getattr(calibration, name)
         if value is not None:
             changes[name] = value

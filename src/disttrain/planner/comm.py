@@ -20,7 +20,11 @@ from disttrain.planner.memory import compute_bytes, rank_parameters
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import MEGATRON_DP_TYPES, Layout, Workload
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "p2p")
+# functional_all_reduce: TP's activation all-reduces as DTensor issues them (out of place, then a wait); priced as
+# an all-reduce where a profile does not give it its own figures.
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "p2p", "functional_all_reduce")
+# An op a profile has no figure for falls back to this op's, then to the link's.
+FALLBACK_OP = {"functional_all_reduce": "all_reduce"}
 # Activation collectives per transformer layer and micro-batch under TP (in all-reduce equivalents), as
 # strategy=megatron runs them: two in forward (the row-parallel attention output and MLP output projections),
 # and in backward one per column-parallel input projection (q, k and v are separate modules, then w1, and w3
@@ -121,7 +125,7 @@ ZERO = LinkBytes()
 
 def collective_factor(op: str, n: int) -> float:
     """Bytes each rank sends per byte of the full buffer."""
-    if op == "all_reduce":
+    if op in ("all_reduce", "functional_all_reduce"):
         return 2.0 * (n - 1) / n
     if op in ("reduce_scatter", "all_gather"):
         return (n - 1) / n
@@ -164,9 +168,11 @@ def link_time(traffic: LinkBytes, hw: HardwareProfile, host_gbps: float) -> floa
 
 def _op_seconds(op: str, link: str, nbytes: float, calls: float, hw: HardwareProfile, sharing: int) -> float:
     """``nbytes`` (each of ``sharing`` GPUs sending as many at once) and ``calls`` latencies of ``op`` on ``link``."""
-    key = f"{link}.{op}"
-    gbps = hw.collective_busbw_gbps.get(key) or getattr(hw, f"{link}_bandwidth_gbps")
-    latency = hw.collective_latency_us.get(key) or getattr(hw, f"{link}_latency_us") or 0.0
+    keys = [f"{link}.{op}"] + ([f"{link}.{FALLBACK_OP[op]}"] if op in FALLBACK_OP else [])
+    gbps = next((hw.collective_busbw_gbps[k] for k in keys if hw.collective_busbw_gbps.get(k)), None)
+    gbps = gbps or getattr(hw, f"{link}_bandwidth_gbps")
+    latency = next((hw.collective_latency_us[k] for k in keys if hw.collective_latency_us.get(k)), None)
+    latency = latency or getattr(hw, f"{link}_latency_us") or 0.0
     # Rounding in the untagged remainder can leave -1e-9 bytes: no time, and no "bandwidth not set" error.
     seconds = _seconds(nbytes * sharing, gbps, f"hw.{link}_bandwidth_gbps") if nbytes > 1e-6 else 0.0
     return seconds + max(0.0, calls) * latency * 1e-6
@@ -207,6 +213,12 @@ class CommPlan:
     # Tensor-parallel (DTensor) modules the busiest rank runs forward and backward every micro-batch: each costs the
     # host ``hw.tp_linear_overhead_us`` beyond its math (dispatch, sharding propagation, collective wrapping).
     mb_tp_modules: float = 0.0
+    # FSDP2 units the busiest rank's forward and backward pass through every micro-batch (each costs the host
+    # ``hw.fsdp_unit_overhead_us``: its hooks), and the bytes FSDP2 copies on the host per micro-batch (parameters out
+    # of each all-gather buffer, gradients into each reduce-scatter buffer; a step's once-only copies spread over its
+    # micro-batches), each at ``hw.fsdp_copy_ns_per_byte``. Over a one-rank mesh too: the copies remain.
+    mb_fsdp_units: float = 0.0
+    mb_fsdp_copy_bytes: float = 0.0
 
     def per_step(self, microbatches: int) -> LinkBytes:
         per_mb = self.mb_fwd + self.mb_bwd + self.mb_exposed
@@ -253,13 +265,18 @@ def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[st
     if layout.dp_replicate > 1:  # HSDP: reduced shards are then all-reduced across replicas
         backward += collective_bytes("all_reduce", shard * reduce, groups["dp_replicate"], units)
     syncs = (Sync(n, 1),) if n > 1 else ()  # backward ends waiting for the last reduce-scatter
+    # Lightning's ModelParallelStrategy does not pause gradient sync while accumulating: every micro-batch gathers
+    # and reduces, and copies what it gathers and reduces.
+    regathered = n * block_shards * gather if layout.reshard_after_forward else 0
+    host_work = {"mb_fsdp_units": units, "mb_fsdp_copy_bytes": n * shard * (gather + reduce) + regathered}
     if not layout.offload_optimizer:
-        # Lightning's ModelParallelStrategy does not pause gradient sync while accumulating: every micro-batch.
-        return CommPlan(mb_fwd=forward, mb_bwd=backward, mb_syncs=syncs)
+        return CommPlan(mb_fwd=forward, mb_bwd=backward, mb_syncs=syncs, **host_work)
     p = 2 if precision == "bf16-true" else 4
     gathers = 2 if layout.reshard_after_forward else 1
     host = LinkBytes(host=p * shard * (gathers + 1))  # shards up for each all-gather, gradients down
-    return CommPlan(mb_fwd=forward, mb_bwd=backward, mb_exposed=host, host_optimizer_parameters=shard, mb_syncs=syncs)
+    return CommPlan(
+        mb_fwd=forward, mb_bwd=backward, mb_exposed=host, host_optimizer_parameters=shard, mb_syncs=syncs, **host_work
+    )
 
 
 def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
@@ -312,16 +329,17 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
     # The vocab-parallel embedding (first stage) and the column-parallel head (last stage) are DTensor modules too.
     tp_modules = tp_parallel_linears_per_layer(shape.swiglu) * (shape.n_layers // pp) + edge_collectives
     tp_modules = tp_modules if tp > 1 else 0
-    exposed = collective_bytes("all_reduce", activation, groups["tp"]).scale(tp_count)
+    exposed = collective_bytes("functional_all_reduce", activation, groups["tp"]).scale(tp_count)
     syncs = [Sync(tp, tp_count)] if tp > 1 else []
+    chunks = layout.virtual_stages if layout.schedule in ("interleaved_1f1b", "zero_bubble") else 1
     if pp > 1:
-        chunks = layout.virtual_stages if layout.schedule in ("interleaved_1f1b", "zero_bubble") else 1
         message = activation / tp if layout.sequence_parallel else activation
         exposed += collective_bytes("p2p", message, groups["pp"]).scale(2 * chunks)  # forward and backward
         syncs.append(Sync(2, 2 * chunks))  # a receive waits for its neighbour's send
     stage_params = max(rank_parameters(shape, layout, 0), rank_parameters(shape, layout, pp - 1))
     param_bytes = compute_bytes(precision)
     mb_fwd = mb_bwd = ZERO
+    fsdp_units, fsdp_copies = 0.0, 0.0
     if layout.dp_type == "replicated_optimizer":  # Megatron-LM DDP without its distributed optimizer
         grads, params = collective_bytes("all_reduce", 4 * stage_params, groups["dp"]), ZERO
     elif layout.dp_type == "distributed_optimizer":
@@ -334,6 +352,10 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         grads = collective_bytes("reduce_scatter", 4 * stage_params, shard_group, units)
         grads += collective_bytes("all_reduce", 4 * math.ceil(stage_params / n), groups["dp_replicate"], units)
         params = collective_bytes("all_gather", param_bytes * stage_params, shard_group, units)
+        # The engine wraps every chunk's blocks and the chunk itself, whatever dp_shard is: one root per chunk.
+        fsdp_units = layers + chunks if shape.known else chunks
+        # Gradients reduce (and their buffers fill) once per step; under pipelining the weights gather once too.
+        fsdp_copies = (param_bytes + 4) * stage_params / layout.microbatches
         if pp == 1:
             # Without pipelining the engine reshards blocks after forward (as strategy=fsdp does): every micro-batch
             # gathers all weights for its forward and the blocks' again for its backward; gradients reduce once.
@@ -341,6 +363,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
             block_gathers = collective_bytes("all_gather", param_bytes * blocks, shard_group, max(1, layers))
             mb_fwd, mb_bwd = params, block_gathers
             params = ZERO
+            fsdp_copies = param_bytes * (stage_params + blocks) + 4 * stage_params / layout.microbatches
     step_exposed = ZERO
     # The two copies of a tied embedding all-reduce their gradients, except under the V schedule, whose rank 0
     # holds both copies and sums them locally (``TiedEmbeddingSync``).
@@ -359,6 +382,8 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         step_exposed=step_exposed,
         mb_syncs=tuple(syncs),
         mb_tp_modules=tp_modules,
+        mb_fsdp_units=fsdp_units,
+        mb_fsdp_copy_bytes=fsdp_copies,
     )
 
 

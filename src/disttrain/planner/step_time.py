@@ -8,8 +8,10 @@ is memory-bound and timed at HBM bandwidth (on the host for offloaded states). R
 apart and a blocking collective right after compute costs more than a warm one (``hw.compute_jitter``,
 ``hw.sync_overhead_us``, measured by calibration): every blocking collective pays both. Where calibration measured
 them, how much of an overlappable collective compute really hides (``hw.comm_overlap``: on a CPU host the
-collective's threads need the compute's cores) replaces the assumption, and every tensor-parallel (DTensor) module
-costs the host ``hw.tp_linear_overhead_us`` per micro-batch on top of its FLOPs.
+collective's threads need the compute's cores) replaces the assumption, every tensor-parallel (DTensor) module
+costs the host ``hw.tp_linear_overhead_us`` per micro-batch on top of its FLOPs, and every FSDP2 unit
+``hw.fsdp_unit_overhead_us`` plus ``hw.fsdp_copy_ns_per_byte`` for each byte it copies into or out of its
+collective buffers.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class StepEstimate:
     optimizer_step_s: float  # the GPU's own optimizer step over its parameters (HBM-bound)
     sync_wait_s: float  # blocking collectives after compute: waking up, waiting for the group's last rank
     host_dispatch_s: float  # tensor-parallel (DTensor) modules' host overhead beyond their math, all micro-batches
+    fsdp_host_s: float  # FSDP2's hooks and buffer copies on the host, all micro-batches
     bubble_fraction: float
     tokens_per_s: float
     mfu: float
@@ -137,6 +140,12 @@ def tp_dispatch_seconds(modules: float, overhead_us: float | None) -> float:
     return modules * (overhead_us or 0.0) * 1e-6
 
 
+def fsdp_host_seconds(units: float, copy_bytes: float, hw: HardwareProfile) -> float:
+    """Host seconds per micro-batch FSDP2 adds beyond the math: ``units`` units' hooks and ``copy_bytes`` bytes of
+    buffer copies, at the measured per-unit and per-byte costs (None: not modelled)."""
+    return units * (hw.fsdp_unit_overhead_us or 0.0) * 1e-6 + copy_bytes * (hw.fsdp_copy_ns_per_byte or 0.0) * 1e-9
+
+
 def _exposed(comm_s: float, window_s: float, overlap: float) -> float:
     return max(0.0, comm_s - overlap * window_s)
 
@@ -162,6 +171,7 @@ def estimate_step(
     # A measured share (``hw.comm_overlap``, calibration) over the assumption: gloo on a CPU hides ~none of it.
     overlap = assumptions.comm_overlap if hw.comm_overlap is None else hw.comm_overlap
     dispatch = tp_dispatch_seconds(comm.mb_tp_modules, hw.tp_linear_overhead_us)
+    fsdp_host = fsdp_host_seconds(comm.mb_fsdp_units, comm.mb_fsdp_copy_bytes, hw)
 
     def seconds(traffic):
         return link_time(traffic, hw, assumptions.host_link_gbps)
@@ -174,7 +184,7 @@ def estimate_step(
     m = layout.microbatches
     # Each run of the schedule fills and drains the pipeline once: the bubble is per run, as a fraction.
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.per_schedule, layout.virtual_stages)
-    pipeline = m * (forward + backward + dispatch + per_mb_exposed)
+    pipeline = m * (forward + backward + dispatch + fsdp_host + per_mb_exposed)
     step_exposed = (
         _exposed(seconds(comm.step_fwd), forward, overlap)
         + _exposed(seconds(comm.step_bwd), backward, overlap)
@@ -197,6 +207,7 @@ def estimate_step(
         optimizer_step_s=optimizer,
         sync_wait_s=sync_wait,
         host_dispatch_s=m * dispatch,
+        fsdp_host_s=m * fsdp_host,
         bubble_fraction=bubble,
         tokens_per_s=tokens_per_s,
         mfu=util.mfu,

@@ -23,7 +23,7 @@ from disttrain.config.schema import (
     LoggerConfig,
     RunConfig,
 )
-from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.config.validate import BatchPlan, WorldLayout, world_layout
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
@@ -32,6 +32,7 @@ from disttrain.models.module import LanguageModelModule
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.reliability.preemption import CheckpointOnSignal
+from disttrain.strategies.auto import layout_of
 from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.spec import StrategyBuild, spec_of
 from disttrain.training.callbacks import FinalValidation, Throughput
@@ -80,6 +81,14 @@ def collectives_off_thread(cfg: RunConfig) -> bool:
     return getattr(cfg.strategy, "comm_hook", "none") == "powersgd"
 
 
+def fsdp_shard_ranks(cfg: RunConfig, plan: BatchPlan) -> int:
+    """Ranks the run's FSDP2 units shard over: strategy=fsdp's, and strategy=megatron's data parallelism, which
+    wraps its chunks in FSDP2 whatever its degree (1 under tp- or pp-only layouts); 0 for runs without FSDP2."""
+    if cfg.strategy.name not in ("fsdp", "megatron"):
+        return 0
+    return layout_of(cfg.strategy, world_layout(cfg), plan).dp_shard
+
+
 def build_diagnostics(
     cfg: RunConfig, plan: BatchPlan, facts: ModelFacts, run_dir: Path, throughput: Throughput
 ) -> DiagnosticsCallback:
@@ -118,7 +127,9 @@ def build_diagnostics(
         max_steps=cfg.trainer.max_steps,
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
         tp=getattr(cfg.strategy, "tp", 1) if cfg.strategy.name == "megatron" else 1,
+        d_model=shape.d_model if shape is not None else 0,
         collectives_off_thread=collectives_off_thread(cfg),
+        fsdp_shard_ranks=fsdp_shard_ranks(cfg, plan),
     )
     return DiagnosticsCallback(
         settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=lambda hang: diagnose_run(run_dir)
