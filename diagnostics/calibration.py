@@ -47,6 +47,9 @@ class Calibration:
     # Host microseconds a DTensor tensor-parallel linear adds to forward + backward beyond its math (dispatch,
     # sharding propagation, collective wrapping; median over ranks). The hw profile's ``tp_linear_overhead_us``.
     tp_linear_overhead_us: float | None = None
+    # The same for the model's parallel edges (embedding, final norm, LM head, loss), once per model, where the probe
+    # ran on the run's own layers. The hw profile's ``tp_edge_overhead_us``.
+    tp_edge_overhead_us: float | None = None
     # Host cost of FSDP2 beyond the math (median over ranks): microseconds per unit and forward + backward (its hooks),
     # and nanoseconds per byte of each copy into or out of its collective buffers. The hw profile's
     # ``fsdp_unit_overhead_us`` and ``fsdp_copy_ns_per_byte``.
@@ -137,6 +140,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     syncs: list[tuple[float, float, list[float]]] = []  # per rank: segment, warm latency, wait per round
     overlaps: list[float] = []
     tp_overheads: list[float] = []
+    tp_edges: list[float] = []
     fsdp_fixed: list[float] = []
     fsdp_per_byte: list[float] = []
     ranks: set[int] = set()
@@ -163,6 +167,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             overlaps.append(float(r["hidden"]))
         elif r["kind"] == "tp_calibration" and _fraction(r.get("overhead_us"), upper=math.inf) is not None:
             tp_overheads.append(float(r["overhead_us"]))
+            if (edges := _fraction(r.get("edge_overhead_us"), upper=math.inf)) is not None:
+                tp_edges.append(edges)
         elif r["kind"] == "fsdp_calibration":
             for key, values in (("fixed_us", fsdp_fixed), ("ns_per_byte", fsdp_per_byte)):
                 if (value := _fraction(r.get(key), upper=math.inf)) is not None:
@@ -195,6 +201,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         compute_jitter=None if figures is None else figures[1],
         comm_overlap=statistics.median(overlaps) if overlaps else None,
         tp_linear_overhead_us=statistics.median(tp_overheads) if tp_overheads else None,
+        tp_edge_overhead_us=statistics.median(tp_edges) if tp_edges else None,
         fsdp_unit_overhead_us=statistics.median(fsdp_fixed) if fsdp_fixed else None,
         fsdp_copy_ns_per_byte=statistics.median(fsdp_per_byte) if fsdp_per_byte else None,
         ranks=len(ranks),

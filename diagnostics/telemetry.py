@@ -85,7 +85,8 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "memory_calibration": ("bandwidth_gbps",),
     "sync_calibration": ("ranks", "rounds", "segment_s", "wait_s", "waits_s", "latency_s"),
     "overlap_calibration": ("method", "hidden"),  # spare_cores: cores, local_ranks, threads; probe: *_s
-    "tp_calibration": ("ranks", "tokens", "width", "plain_pair_s", "parallel_pair_s", "collective_s", "overhead_us"),
+    # probe "pair": *_pair_s; probe "model": *_block_s, *_edges_s, modules_per_block, edge_overhead_us
+    "tp_calibration": ("probe", "ranks", "tokens", "width", "collective_s", "overhead_us"),
     "fsdp_calibration": ("ranks", "overhead_s", "unit_numel", "fixed_us", "ns_per_byte"),
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),

@@ -3,6 +3,7 @@ unknown GPU (datasheet peaks are unreachable upper bounds; this is what the sili
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -278,7 +279,6 @@ def tp_linear_overhead(device: torch.device, tp: int, tokens: int = 8, width: in
     their measured bandwidth (``functional_all_reduce``). The planner charges the rest per parallel linear of a layer
     (``hw.tp_linear_overhead_us``). Every rank must call it."""
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as functional
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -295,40 +295,121 @@ def tp_linear_overhead(device: torch.device, tp: int, tokens: int = 8, width: in
     start = time.perf_counter()
     plain_s = _best_forward_backward(plain, x, device, repeats)
     parallel_s = _best_forward_backward(parallel, x, device, repeats)
-    _, clock = compute_clock(device)
-    activation = torch.ones(tokens * width, device=device)
-    collective = []
-    for _ in range(repeats):
-        begin = clock()
-        functional.wait_tensor(functional.all_reduce(activation, "sum", mesh.get_group()))
-        collective.append(clock() - begin)
-    overhead = parallel_s - plain_s / tp - 2 * min(collective)
+    collective = _functional_all_reduce_seconds(tokens * width, mesh.get_group(), device, repeats)
+    overhead = parallel_s - plain_s / tp - 2 * collective
     return {
+        "probe": "pair",
         "ranks": tp,
         "tokens": tokens,
         "width": width,
         "plain_pair_s": plain_s,
         "parallel_pair_s": parallel_s,
-        "collective_s": min(collective),
+        "collective_s": collective,
         "overhead_us": max(0.0, overhead) / 2 * 1e6,
         "wall_s": time.perf_counter() - start,
     }
 
 
-def _best_forward_backward(model: torch.nn.Module, x: torch.Tensor, device: torch.device, repeats: int) -> float:
-    """Fastest forward + backward of ``model`` on ``x`` over ``repeats`` (after two warm-up calls, which build
-    DTensor's sharding-propagation caches and FSDP2's lazy state), on ``compute_clock``."""
+def tp_model_overhead(
+    device: torch.device, tp: int, parts: Callable[[object], dict], micro_batch: int, repeats: int = 4
+) -> dict:
+    """Host seconds tensor parallelism adds to one forward + backward of the run's own layers beyond their share of
+    the math (``tp_linear_overhead``'s measure, on the model itself): ``parts(tp_mesh)`` gives one transformer
+    block and the model without blocks (embedding, final norm, LM head and the loss), plain and parallelized over
+    groups of ``tp`` ranks (``disttrain.models.tensor_parallel.tp_probe_parts``), timed at ``micro_batch`` x
+    seq_len tokens on ``compute_clock`` against 1/tp of the plain ones. The activation-sized functional all-reduces
+    the planner prices itself (per block ``collectives``, two for the edges: the embedding's output and the head's
+    input gradient) are taken out at their own measured time; what remains is per block (the planner charges it
+    over the block's parallel linears, ``hw.tp_linear_overhead_us``) and once for the edges
+    (``hw.tp_edge_overhead_us``): DTensor dispatch, the split GEMMs' lower rate, norms every TP rank repeats, the
+    vocab-parallel lookup and loss. Every rank must call it."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("replica", "tp"))["tp"]
+    start = time.perf_counter()
+    p = parts(mesh)
+    seq, d = p["seq_len"], p["d_model"]
+    rope = p["rope"] or (None, None)
+    hidden = torch.randn(micro_batch, seq, d, device=device)
+    tokens = torch.randint(0, p["vocab_size"], (micro_batch, seq), device=device)
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    targets = torch.randint(0, p["vocab_size"], (micro_batch * seq,), generator=generator).to(device)
+
+    def block_pass(model: torch.nn.Module) -> torch.Tensor:
+        return model(hidden, *rope).sum()
+
+    def edge_pass(model: torch.nn.Module) -> torch.Tensor:
+        logits = model(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets)
+
+    context = loss_parallel if p["loss_parallel"] else contextlib.nullcontext
+    plain_block, parallel_block = p["block"]
+    plain_edges, parallel_edges = p["edges"]
+    with context():
+        times = {
+            "plain_block_s": _best_pass(plain_block, block_pass, device, repeats),
+            "parallel_block_s": _best_pass(parallel_block, block_pass, device, repeats),
+            "plain_edges_s": _best_pass(plain_edges, edge_pass, device, repeats),
+            "parallel_edges_s": _best_pass(parallel_edges, edge_pass, device, repeats),
+        }
+    collective = _functional_all_reduce_seconds(micro_batch * seq * d, mesh.get_group(), device, repeats)
+    block = times["parallel_block_s"] - times["plain_block_s"] / tp - p["collectives_per_block"] * collective
+    edges = times["parallel_edges_s"] - times["plain_edges_s"] / tp - 2 * collective
+    return {
+        "probe": "model",
+        "ranks": tp,
+        "tokens": micro_batch * seq,
+        "width": d,
+        **times,
+        "collective_s": collective,
+        "modules_per_block": p["modules_per_block"],
+        "overhead_us": max(0.0, block) / p["modules_per_block"] * 1e6,
+        "edge_overhead_us": max(0.0, edges) * 1e6,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def _functional_all_reduce_seconds(numel: int, group: object, device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` functional all-reduces of ``numel`` fp32 elements over ``group``, on
+    ``compute_clock``: the share of a TP collective's time the probe's clock saw."""
+    import torch.distributed._functional_collectives as functional
+
+    _, clock = compute_clock(device)
+    activation = torch.ones(numel, device=device)
+    times = []
+    for _ in range(repeats):
+        begin = clock()
+        functional.wait_tensor(functional.all_reduce(activation, "sum", group))
+        times.append(clock() - begin)
+    return min(times)
+
+
+def _best_pass(
+    model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], device: torch.device, repeats: int
+) -> float:
+    """Fastest ``loss(model).backward()`` over ``repeats`` after two warm-up calls, on ``compute_clock``."""
     _, clock = compute_clock(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(repeats + 2):
         sync()
-        start = clock()
-        model(x).sum().backward()
+        begin = clock()
+        loss(model).backward()
         sync()
         if i >= 2:
-            times.append(clock() - start)
+            times.append(clock() - begin)
+        model.zero_grad(set_to_none=True)
     return min(times)
+
+
+def _best_forward_backward(model: torch.nn.Module, x: torch.Tensor, device: torch.device, repeats: int) -> float:
+    """Fastest forward + backward of ``model`` on ``x`` over ``repeats`` (after two warm-up calls, which build
+    DTensor's sharding-propagation caches and FSDP2's lazy state), on ``compute_clock``."""
+    return _best_pass(model, lambda m: m(x).sum(), device, repeats)
 
 
 # Widths of the FSDP probe's unit (a Linear pair width -> 2 width -> width): the small one's copies are negligible

@@ -7,6 +7,7 @@ rank, so it cannot deadlock a healthy run.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -26,6 +27,7 @@ from diagnostics.collect.calibrate import (
     memory_bandwidth_gbps,
     sync_wait,
     tp_linear_overhead,
+    tp_model_overhead,
 )
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.profile_window import ProfilerWindow
@@ -68,6 +70,9 @@ class RunFacts:
     peak_flops: float | None  # datasheet dense peak per device for compute_dtype, None if unknown
     tp: int = 1  # tensor-parallel degree (strategy=megatron): the DTensor dispatch probe runs only when above 1
     d_model: int = 0  # the model's width where the planner knows its shape: the TP probe runs at the run's shapes
+    # The run's own layers, plain and tensor-parallel, for the TP probe (``parts(tp_mesh, device=...)``, see
+    # ``tp_model_overhead``): the reference transformer's; None (a user or HF model): a linear pair stands in.
+    tp_probe: Callable[..., dict] | None = None
     # Ranks each FSDP2 unit shards over (strategy=fsdp; strategy=megatron's data parallelism, which wraps its chunks
     # even over one rank); 0: no FSDP2. The FSDP host-cost probe runs over groups of that size, only then.
     fsdp_shard_ranks: int = 0
@@ -385,8 +390,12 @@ class DiagnosticsCallback(pl.Callback):
         self.write("overlap_calibration", **comm_overlap(None, nbytes, device, trainer.num_devices))
         if self.facts.tp > 1:  # the only runs with DTensor tensor parallelism (0.2-0.8 s on 2 CPU ranks)
             f = self.facts
-            shapes = {"tokens": f.micro_batch_size * f.seq_len, "width": f.d_model} if f.d_model else {}
-            self.write("tp_calibration", **tp_linear_overhead(device, f.tp, **shapes))
+            if f.tp_probe is not None:
+                parts = functools.partial(f.tp_probe, device=device)
+                self.write("tp_calibration", **tp_model_overhead(device, f.tp, parts, f.micro_batch_size))
+            else:
+                shapes = {"tokens": f.micro_batch_size * f.seq_len, "width": f.d_model} if f.d_model else {}
+                self.write("tp_calibration", **tp_linear_overhead(device, f.tp, **shapes))
         if self.facts.fsdp_shard_ranks:  # 0.1-0.3 s on 2 CPU ranks
             self.write("fsdp_calibration", **fsdp_unit_overhead(device, self.facts.fsdp_shard_ranks))
 

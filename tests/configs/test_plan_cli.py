@@ -187,6 +187,7 @@ def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Pat
         "compute_jitter": "measured",
         "comm_overlap": "measured",
         "tp_linear_overhead_us": "measured",
+        "tp_edge_overhead_us": "none",  # a pair probe's record: no edges measured
         "fsdp_unit_overhead_us": "none",  # the calibration records hold no FSDP probe
         "fsdp_copy_ns_per_byte": "none",
     }

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diagnostics.calibration import calibration_from_telemetry
-from diagnostics.collect.calibrate import compute_clock, fsdp_unit_overhead, tp_linear_overhead
+from diagnostics.collect.calibrate import compute_clock, fsdp_unit_overhead, tp_linear_overhead, tp_model_overhead
 from diagnostics.telemetry import TelemetryWriter
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import validate_profile
@@ -54,6 +54,20 @@ def test_tp_modules_per_layer_and_their_host_seconds() -> None:
     assert comm_plan(nano, Layout("megatron", dp=2), WORK, CPU).mb_tp_modules == 0
     assert comm_plan(nano, Layout("fsdp", dp=2), WORK, CPU).mb_tp_modules == 0
     assert comm_plan(llama, Layout("megatron", tp=8), WORK, hw("8xa100")).mb_tp_modules == 32 * 7 + 2
+
+
+def test_measured_tp_edges_replace_the_two_edge_modules_on_the_stages_that_hold_them() -> None:
+    assert tp_dispatch_seconds(26, 800.0, edges=1.0, edge_overhead_us=9000.0) == pytest.approx(24 * 0.8e-3 + 9e-3)
+    assert tp_dispatch_seconds(13, 800.0, edges=0.5, edge_overhead_us=9000.0) == pytest.approx(12 * 0.8e-3 + 4.5e-3)
+    assert tp_dispatch_seconds(26, 800.0, edges=1.0) == pytest.approx(26 * 0.8e-3)  # edges unmeasured: two modules
+    nano = model_shape(model("gpt-nano"))
+    assert comm_plan(nano, Layout("megatron", tp=2), WORK, CPU).mb_tp_edges == 1.0
+    pp2 = Layout("megatron", tp=2, pp=2, microbatches=2, schedule="1f1b")
+    assert comm_plan(nano, pp2, WORK, CPU).mb_tp_edges == 0.5  # the busiest stage holds one of the two edges
+    assert comm_plan(nano, Layout("megatron", pp=2, microbatches=2), WORK, CPU).mb_tp_edges == 0.0
+    measured = dataclasses.replace(CPU, tp_linear_overhead_us=800.0, tp_edge_overhead_us=9000.0)
+    tp2 = Layout("megatron", tp=2, microbatches=2)
+    assert plan_layout(nano, tp2, WORK, measured).estimate.host_dispatch_s == pytest.approx(2 * (24 * 0.8e-3 + 9e-3))
 
 
 def test_the_measured_tp_overhead_lengthens_each_micro_batch_of_a_tp_layout_only() -> None:
@@ -158,6 +172,25 @@ def test_the_tp_probe_times_a_real_dtensor_pair_at_the_runs_shapes_net_of_its_co
     assert result["overhead_us"] == pytest.approx(max(0.0, net) / 2 * 1e6)
 
 
+def test_the_tp_probe_on_the_runs_own_block_and_edges(tmp_path: Path) -> None:
+    import functools
+
+    from disttrain.models.tensor_parallel import tp_probe_parts
+
+    tiny = dataclasses.replace(model("gpt-nano"), d_model=32, n_heads=2, ffn_hidden=64, vocab_size=64, seq_len=16)
+    parts = functools.partial(tp_probe_parts, tiny, loss_parallel=True, device=torch.device("cpu"))
+    with one_rank_group(tmp_path / "store"):
+        result = tp_model_overhead(torch.device("cpu"), 1, parts, micro_batch=2, repeats=2)
+    assert (result["probe"], result["ranks"], result["tokens"], result["width"]) == ("model", 1, 32, 32)
+    assert result["modules_per_block"] == 6  # q, k, v, o, w1, w2
+    # DTensor makes both parts dearer than their plain twins; the charged overhead is that, net of the collectives
+    block = result["parallel_block_s"] - result["plain_block_s"] - 6 * result["collective_s"]
+    edges = result["parallel_edges_s"] - result["plain_edges_s"] - 2 * result["collective_s"]
+    assert result["parallel_block_s"] > result["plain_block_s"] and result["parallel_edges_s"] > result["plain_edges_s"]
+    assert result["overhead_us"] == pytest.approx(max(0.0, block) / 6 * 1e6)
+    assert result["edge_overhead_us"] == pytest.approx(max(0.0, edges) * 1e6)
+
+
 def test_a_measured_overlap_replaces_the_assumed_one_for_hidden_collectives() -> None:
     nano = model_shape(model("gpt-nano"))
     fsdp = Layout("fsdp", dp=2)
@@ -192,7 +225,7 @@ def test_overlap_and_tp_overhead_are_read_back_and_substituted(tmp_path: Path) -
         w = TelemetryWriter(tmp_path, rank)
         w.write("calibration", when="start", dtype="fp32", matrix_size=512, flops_per_s=9e10, seconds=0.15)
         w.write("overlap_calibration", ranks=2, bytes=8 << 20, compute_s=0.01, comm_s=0.01, both_s=0.02, hidden=hidden)
-        w.write("tp_calibration", ranks=2, plain_pair_s=1e-4, parallel_pair_s=1.6e-3, overhead_us=overhead)
+        w.write("tp_calibration", probe="model", ranks=2, overhead_us=overhead, edge_overhead_us=10 * overhead)
         w.write("fsdp_calibration", ranks=2, fixed_us=overhead, ns_per_byte=hidden + 0.3)
         w.write("overlap_calibration", ranks=2, hidden=1.7)  # out of range: ignored
         w.close()
@@ -202,6 +235,7 @@ def test_overlap_and_tp_overhead_are_read_back_and_substituted(tmp_path: Path) -
     assert (profile.hw.comm_overlap, profile.hw.tp_linear_overhead_us) == (pytest.approx(0.05), pytest.approx(800.0))
     assert profile.sources["comm_overlap"] == profile.sources["tp_linear_overhead_us"] == "measured"
     assert (cal.fsdp_unit_overhead_us, cal.fsdp_copy_ns_per_byte) == (pytest.approx(800.0), pytest.approx(0.35))
+    assert cal.tp_edge_overhead_us == pytest.approx(8000.0)
     assert profile.hw.fsdp_copy_ns_per_byte == pytest.approx(0.35)
     assert profile.sources["fsdp_unit_overhead_us"] == profile.sources["fsdp_copy_ns_per_byte"] == "measured"
     bare = calibrated_profile(hw("cpu"), None, "fp32")

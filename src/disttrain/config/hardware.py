@@ -53,6 +53,10 @@ class HardwareProfile:
     # sharding propagation, the collective's wrapping. None: not modelled (hidden behind GPU kernels when the host
     # runs ahead); calibration measures it, and on a CPU it is on the critical path.
     tp_linear_overhead_us: float | None = None
+    # Host microseconds the tensor-parallel edges of a model (vocab-parallel embedding, final norm, LM head and the
+    # loss) add to a forward + backward beyond their share of the math, charged once per model (split between the
+    # first and last pipeline stage). None: the edges count as two parallel linears.
+    tp_edge_overhead_us: float | None = None
     # Host cost of FSDP2 beyond the math, per unit and forward + backward (its hooks: microseconds) and per byte of
     # each copy into or out of its collective buffers (nanoseconds). None: not modelled (behind GPU kernels when the
     # host runs ahead); calibration measures both, and on a CPU they are on the critical path.
@@ -107,6 +111,7 @@ def validate_profile(hw: HardwareProfile) -> None:
         "sync_overhead_us",
         "compute_jitter",
         "tp_linear_overhead_us",
+        "tp_edge_overhead_us",
         "fsdp_unit_overhead_us",
         "fsdp_copy_ns_per_byte",
         "host_memory_gib",

@@ -13,6 +13,10 @@ position embedding can be added to it; the first block then takes its own slice 
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -23,7 +27,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from disttrain.models.transformer import Transformer
+from disttrain.config.schema import ModelConfig
+from disttrain.models.transformer import Block, Transformer, rope_cache
 
 
 def block_plan(has_w3: bool, sequence_parallel: bool) -> dict[str, object]:
@@ -89,3 +94,40 @@ def apply_tensor_parallel(
         model.lm_head.weight = model.tok_emb.weight
     if sequence_parallel:
         model.sequence_shards = tp_mesh.size()
+
+
+def tp_probe_parts(cfg: ModelConfig, tp_mesh: DeviceMesh, loss_parallel: bool, device: torch.device) -> dict:
+    """The run's own layers, plain and under this plan, for the start-up probe of tensor parallelism's host cost
+    (``diagnostics.collect.calibrate.tp_model_overhead``): one transformer block, and the model without blocks (the
+    vocab-parallel embedding, the final norm, the LM head; the loss runs under ``loss_parallel`` as the engine's).
+    Without sequence parallelism: the probe times its plan only (an SP run is timed on it too)."""
+
+    def block() -> nn.Module:
+        torch.manual_seed(0)
+        return Block(cfg, 0).to(device)
+
+    def edges() -> Transformer:
+        torch.manual_seed(0)
+        model = Transformer(dataclasses.replace(cfg, n_layers=1)).to(device)
+        model.blocks = nn.ModuleList()
+        return model
+
+    plan = block_plan(cfg.mlp == "swiglu", sequence_parallel=False)
+    parallel_block = parallelize_module(block(), tp_mesh, plan)
+    parallel_edges = edges()
+    apply_tensor_parallel(parallel_edges, tp_mesh, sequence_parallel=False, loss_parallel=loss_parallel)
+    modules = sum(isinstance(p, ColwiseParallel | RowwiseParallel) for p in plan.values())
+    rope = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device) if cfg.pos_emb == "rope" else None
+    return {
+        "block": (block(), parallel_block),
+        "edges": (edges(), parallel_edges),
+        "rope": rope,
+        "modules_per_block": modules,
+        # Without SP each row-parallel linear all-reduces its output in forward, each column-parallel one its
+        # input gradient in backward: one activation-sized collective per parallel linear.
+        "collectives_per_block": modules,
+        "d_model": cfg.d_model,
+        "vocab_size": cfg.vocab_size,
+        "seq_len": cfg.seq_len,
+        "loss_parallel": loss_parallel,
+    }

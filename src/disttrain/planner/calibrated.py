@@ -3,10 +3,11 @@
 The calibration (``diagnostics.calibration``) replaces, where it measured them: the matmul peak of the run's
 compute dtype, the memory bandwidth (the optimizer step), the bus bandwidth and per-call latency of the intra-node
 and inter-node links and of each collective on them, and what blocking syncs cost (``sync_overhead_us``,
-``compute_jitter``), how much of an overlappable collective compute hides (``comm_overlap``) and the host cost of
-a tensor-parallel linear (``tp_linear_overhead_us``) and of FSDP2's units and copies (``fsdp_unit_overhead_us``,
-``fsdp_copy_ns_per_byte``). ``sources`` says for each number the planner reads whether
-it is ``measured`` or ``datasheet`` (or ``none``), which ``python -m plan`` prints and run.json records.
+``compute_jitter``), how much of an overlappable collective compute hides (``comm_overlap``), the host cost of a
+tensor-parallel linear and of the model's parallel edges (``tp_linear_overhead_us``, ``tp_edge_overhead_us``) and
+of FSDP2's units and copies (``fsdp_unit_overhead_us``, ``fsdp_copy_ns_per_byte``). ``sources`` says for each
+number the planner reads whether it is ``measured`` or ``datasheet`` (or ``none``), which ``python -m plan`` prints
+and run.json records.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "compute_jitter": _source(hw.compute_jitter),
         "comm_overlap": "datasheet" if hw.comm_overlap is not None else "none",  # none: Assumptions.comm_overlap
         "tp_linear_overhead_us": _source(hw.tp_linear_overhead_us),
+        "tp_edge_overhead_us": _source(hw.tp_edge_overhead_us),
         "fsdp_unit_overhead_us": _source(hw.fsdp_unit_overhead_us),
         "fsdp_copy_ns_per_byte": _source(hw.fsdp_copy_ns_per_byte),
     }
@@ -99,6 +101,7 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "compute_jitter",
         "comm_overlap",
         "tp_linear_overhead_us",
+        "tp_edge_overhead_us",
         "fsdp_unit_overhead_us",
         "fsdp_copy_ns_per_byte",
     ):

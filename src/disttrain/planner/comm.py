@@ -213,6 +213,9 @@ class CommPlan:
     # Tensor-parallel (DTensor) modules the busiest rank runs forward and backward every micro-batch: each costs the
     # host ``hw.tp_linear_overhead_us`` beyond its math (dispatch, sharding propagation, collective wrapping).
     mb_tp_modules: float = 0.0
+    # Of those, the model's parallel edges (embedding; final norm, head and loss) as a share of the whole model's:
+    # 1 without pipelining, 1/2 on a first or last stage. Charged ``hw.tp_edge_overhead_us`` where it was measured.
+    mb_tp_edges: float = 0.0
     # FSDP2 units the busiest rank's forward and backward pass through every micro-batch (each costs the host
     # ``hw.fsdp_unit_overhead_us``: its hooks), and the bytes FSDP2 copies on the host per micro-batch (parameters out
     # of each all-gather buffer, gradients into each reduce-scatter buffer; a step's once-only copies spread over its
@@ -382,6 +385,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         step_exposed=step_exposed,
         mb_syncs=tuple(syncs),
         mb_tp_modules=tp_modules,
+        mb_tp_edges=edge_collectives / 2 if tp > 1 else 0.0,
         mb_fsdp_units=fsdp_units,
         mb_fsdp_copy_bytes=fsdp_copies,
     )

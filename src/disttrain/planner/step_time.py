@@ -134,10 +134,16 @@ def sync_wait_seconds(compute_s: float, syncs: list[Sync], jitter: float | None,
     return calls * overhead_s + drift
 
 
-def tp_dispatch_seconds(modules: float, overhead_us: float | None) -> float:
+def tp_dispatch_seconds(
+    modules: float, overhead_us: float | None, edges: float = 0.0, edge_overhead_us: float | None = None
+) -> float:
     """Host seconds per micro-batch that ``modules`` tensor-parallel modules add beyond their math (forward and
-    backward), at ``overhead_us`` each (measured by calibration; None: not modelled)."""
-    return modules * (overhead_us or 0.0) * 1e-6
+    backward), at ``overhead_us`` each (measured by calibration; None: not modelled). Where the model's parallel
+    edges were measured as a whole (``edge_overhead_us``), its two edge modules (``edges`` of the model's: 1, or
+    1/2 on a pipeline's first or last stage) cost that instead."""
+    if edge_overhead_us is None:
+        return modules * (overhead_us or 0.0) * 1e-6
+    return ((modules - 2 * edges) * (overhead_us or 0.0) + edges * edge_overhead_us) * 1e-6
 
 
 def fsdp_host_seconds(units: float, copy_bytes: float, hw: HardwareProfile) -> float:
@@ -170,7 +176,9 @@ def estimate_step(
     backward = tokens * hardware_per_token / rate - forward
     # A measured share (``hw.comm_overlap``, calibration) over the assumption: gloo on a CPU hides ~none of it.
     overlap = assumptions.comm_overlap if hw.comm_overlap is None else hw.comm_overlap
-    dispatch = tp_dispatch_seconds(comm.mb_tp_modules, hw.tp_linear_overhead_us)
+    dispatch = tp_dispatch_seconds(
+        comm.mb_tp_modules, hw.tp_linear_overhead_us, comm.mb_tp_edges, hw.tp_edge_overhead_us
+    )
     fsdp_host = fsdp_host_seconds(comm.mb_fsdp_units, comm.mb_fsdp_copy_bytes, hw)
 
     def seconds(traffic):

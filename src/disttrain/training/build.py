@@ -6,8 +6,10 @@ typed arguments.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
     LoggerConfig,
+    ModelConfig,
     RunConfig,
 )
 from disttrain.config.validate import BatchPlan, WorldLayout, world_layout
@@ -81,6 +84,16 @@ def collectives_off_thread(cfg: RunConfig) -> bool:
     return getattr(cfg.strategy, "comm_hook", "none") == "powersgd"
 
 
+def tp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
+    """The TP probe's layers for a tensor-parallel run of the reference transformer (its own block and edges, under
+    the run's loss_parallel); None otherwise (no TP, or a model whose layers the probe cannot build)."""
+    if cfg.strategy.name != "megatron" or getattr(cfg.strategy, "tp", 1) < 2 or type(cfg.model) is not ModelConfig:
+        return None
+    from disttrain.models.tensor_parallel import tp_probe_parts
+
+    return functools.partial(tp_probe_parts, cfg.model, loss_parallel=cfg.strategy.loss_parallel)
+
+
 def fsdp_shard_ranks(cfg: RunConfig, plan: BatchPlan) -> int:
     """Ranks the run's FSDP2 units shard over: strategy=fsdp's, and strategy=megatron's data parallelism, which
     wraps its chunks in FSDP2 whatever its degree (1 under tp- or pp-only layouts); 0 for runs without FSDP2."""
@@ -128,6 +141,7 @@ def build_diagnostics(
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
         tp=getattr(cfg.strategy, "tp", 1) if cfg.strategy.name == "megatron" else 1,
         d_model=shape.d_model if shape is not None else 0,
+        tp_probe=tp_probe(cfg),
         collectives_off_thread=collectives_off_thread(cfg),
         fsdp_shard_ranks=fsdp_shard_ranks(cfg, plan),
     )
