@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -273,8 +274,9 @@ def tp_linear_overhead(device: torch.device, tp: int, tokens: int = 8, width: in
     ``tp`` ranks) adds to a forward + backward beyond its share of the same ``nn.Linear``'s math: DTensor dispatch
     and sharding propagation, the wrapping of its functional collective, and the split GEMMs running below the whole
     ones' rate. A column-parallel then a row-parallel linear (Megatron's pair, ``width -> 2 width -> width``) over
-    ``tokens`` tokens, the run's own shapes where it gives them; the best of ``repeats`` on ``compute_clock`` (a
-    rank's wait for a peer in the collective is not host work) against 1/tp of the unsplit pair's. The two
+    ``tokens`` tokens, the run's own shapes where it gives them, in alternation with the unsplit pair: the median of
+    ``repeats`` paired differences against 1/tp of it on ``compute_clock`` (a rank's wait for a peer in the
+    collective is not host work). The two
     functional all-reduces' own time on that clock is taken out: the planner prices the collectives themselves at
     their measured bandwidth (``functional_all_reduce``). The planner charges the rest per parallel linear of a layer
     (``hw.tp_linear_overhead_us``). Every rank must call it."""
@@ -293,17 +295,17 @@ def tp_linear_overhead(device: torch.device, tp: int, tokens: int = 8, width: in
     parallel = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = torch.randn(1, tokens, width, device=device)
     start = time.perf_counter()
-    plain_s = _best_forward_backward(plain, x, device, repeats)
-    parallel_s = _best_forward_backward(parallel, x, device, repeats)
+    pair_s = _paired_passes(plain, parallel, lambda m: m(x).sum(), device, repeats, share=1 / tp)
     collective = _functional_all_reduce_seconds(tokens * width, mesh.get_group(), device, repeats)
-    overhead = parallel_s - plain_s / tp - 2 * collective
+    overhead = pair_s["extra_s"] - 2 * collective
     return {
         "probe": "pair",
         "ranks": tp,
         "tokens": tokens,
         "width": width,
-        "plain_pair_s": plain_s,
-        "parallel_pair_s": parallel_s,
+        "plain_pair_s": pair_s["plain_s"],
+        "parallel_pair_s": pair_s["other_s"],
+        "pair_extra_s": pair_s["extra_s"],
         "collective_s": collective,
         "overhead_us": max(0.0, overhead) / 2 * 1e6,
         "wall_s": time.perf_counter() - start,
@@ -317,7 +319,8 @@ def tp_model_overhead(
     the math (``tp_linear_overhead``'s measure, on the model itself): ``parts(tp_mesh)`` gives one transformer
     block and the model without blocks (embedding, final norm, LM head and the loss), plain and parallelized over
     groups of ``tp`` ranks (``disttrain.models.tensor_parallel.tp_probe_parts``), timed at ``micro_batch`` x
-    seq_len tokens on ``compute_clock`` against 1/tp of the plain ones. The activation-sized functional all-reduces
+    seq_len tokens on ``compute_clock``, each in alternation with its plain twin (the median of ``repeats`` paired
+    differences against 1/tp of it). The activation-sized functional all-reduces
     the planner prices itself (per block ``collectives``, two for the edges: the embedding's output and the head's
     input gradient) are taken out at their own measured time; what remains is per block (the planner charges it
     over the block's parallel linears, ``hw.tp_linear_overhead_us``) and once for the edges
@@ -350,21 +353,22 @@ def tp_model_overhead(
     plain_block, parallel_block = p["block"]
     plain_edges, parallel_edges = p["edges"]
     with context():
-        times = {
-            "plain_block_s": _best_pass(plain_block, block_pass, device, repeats),
-            "parallel_block_s": _best_pass(parallel_block, block_pass, device, repeats),
-            "plain_edges_s": _best_pass(plain_edges, edge_pass, device, repeats),
-            "parallel_edges_s": _best_pass(parallel_edges, edge_pass, device, repeats),
-        }
+        block_s = _paired_passes(plain_block, parallel_block, block_pass, device, repeats, share=1 / tp)
+        edges_s = _paired_passes(plain_edges, parallel_edges, edge_pass, device, repeats, share=1 / tp)
     collective = _functional_all_reduce_seconds(micro_batch * seq * d, mesh.get_group(), device, repeats)
-    block = times["parallel_block_s"] - times["plain_block_s"] / tp - p["collectives_per_block"] * collective
-    edges = times["parallel_edges_s"] - times["plain_edges_s"] / tp - 2 * collective
+    block = block_s["extra_s"] - p["collectives_per_block"] * collective
+    edges = edges_s["extra_s"] - 2 * collective
     return {
         "probe": "model",
         "ranks": tp,
         "tokens": micro_batch * seq,
         "width": d,
-        **times,
+        "plain_block_s": block_s["plain_s"],
+        "parallel_block_s": block_s["other_s"],
+        "block_extra_s": block_s["extra_s"],
+        "plain_edges_s": edges_s["plain_s"],
+        "parallel_edges_s": edges_s["other_s"],
+        "edges_extra_s": edges_s["extra_s"],
         "collective_s": collective,
         "modules_per_block": p["modules_per_block"],
         "overhead_us": max(0.0, block) / p["modules_per_block"] * 1e6,
@@ -388,33 +392,38 @@ def _functional_all_reduce_seconds(numel: int, group: object, device: torch.devi
     return min(times)
 
 
-def _best_pass(
-    model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], device: torch.device, repeats: int
-) -> float:
-    """Fastest ``loss(model).backward()`` over ``repeats`` after two warm-up calls, on ``compute_clock``."""
+def _paired_passes(
+    plain: torch.nn.Module,
+    other: torch.nn.Module,
+    loss: Callable[[torch.nn.Module], torch.Tensor],
+    device: torch.device,
+    repeats: int,
+    share: float = 1.0,
+) -> dict:
+    """``loss(model).backward()`` of ``plain`` and ``other`` in alternation, ``repeats`` rounds after two warm-up
+    rounds (which build DTensor's sharding-propagation caches and FSDP2's lazy state), on ``compute_clock``: the
+    fastest of each, and ``extra_s``, the median over rounds of other - share x plain. Pairing within a round
+    cancels the drift between rounds that separate best-ofs carried (a per-byte FSDP figure moved 3x between runs).
+    """
     _, clock = compute_clock(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
+    times: dict[int, list[float]] = {0: [], 1: []}
     for i in range(repeats + 2):
-        sync()
-        begin = clock()
-        loss(model).backward()
-        sync()
-        if i >= 2:
-            times.append(clock() - begin)
-        model.zero_grad(set_to_none=True)
-    return min(times)
-
-
-def _best_forward_backward(model: torch.nn.Module, x: torch.Tensor, device: torch.device, repeats: int) -> float:
-    """Fastest forward + backward of ``model`` on ``x`` over ``repeats`` (after two warm-up calls, which build
-    DTensor's sharding-propagation caches and FSDP2's lazy state), on ``compute_clock``."""
-    return _best_pass(model, lambda m: m(x).sum(), device, repeats)
+        for which, model in enumerate((plain, other)):
+            sync()
+            begin = clock()
+            loss(model).backward()
+            sync()
+            if i >= 2:
+                times[which].append(clock() - begin)
+            model.zero_grad(set_to_none=True)
+    extra = statistics.median(o - share * p for p, o in zip(times[0], times[1], strict=True))
+    return {"plain_s": min(times[0]), "other_s": min(times[1]), "extra_s": extra}
 
 
 # Widths of the FSDP probe's unit (a Linear pair width -> 2 width -> width): the small one's copies are negligible
-# (its overhead is the per-unit hooks), the large one's ~1 MiB of fp32 parameters adds the copies' per-byte cost.
-FSDP_PROBE_WIDTHS = (16, 256)
+# (its overhead is the per-unit hooks), the large one's 4 MiB of fp32 parameters adds the copies' per-byte cost.
+FSDP_PROBE_WIDTHS = (16, 512)
 # FSDP2 copies a resharded unit's parameters out of its all-gather buffer in forward and again in backward, and its
 # gradients into the reduce-scatter buffer: three copies of the unit's bytes per forward + backward.
 FSDP_PROBE_COPIES = 3
@@ -425,10 +434,10 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
     fixed part (pre/post-forward and backward hooks, the collectives' wrapping) and a part per byte it copies
     (copy-in to and copy-out of the all-gather and reduce-scatter buffers). A unit resharded after forward under a
     parameterless root, sharded over groups of ``shard_ranks`` ranks (the run's FSDP2 degree: its collectives' host
-    work depends on it), at two widths, against the same modules unwrapped; the best of ``repeats`` on
-    ``compute_clock``. ``fixed_us`` per FSDP module (the unit's and the root's hooks: half the small probe's
-    overhead), ``ns_per_byte`` per byte of one copy (``hw.fsdp_unit_overhead_us``, ``hw.fsdp_copy_ns_per_byte``).
-    Every rank must call it."""
+    work depends on it), at two widths, against the same modules unwrapped, in alternation (the median of
+    ``repeats`` paired differences on ``compute_clock``). ``fixed_us`` per FSDP module (the unit's and the root's
+    hooks: half the small probe's overhead), ``ns_per_byte`` per byte of one copy (``hw.fsdp_unit_overhead_us``,
+    ``hw.fsdp_copy_ns_per_byte``). Every rank must call it."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -450,8 +459,8 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
         fully_shard(wrapped[0], mesh=mesh, reshard_after_forward=True)
         fully_shard(wrapped, mesh=mesh)
         x = torch.randn(8, width, device=device)  # 2-D: a 3-D input makes Linear return a view, which FSDP2 warns of
-        plain_s = _best_forward_backward(plain, x, device, repeats)
-        overhead[width] = max(0.0, _best_forward_backward(wrapped, x, device, repeats) - plain_s)
+        passes = _paired_passes(plain, wrapped, lambda m, x=x: m(x).sum(), device, repeats)
+        overhead[width] = max(0.0, passes["extra_s"])
         numel[width] = sum(p.numel() for p in plain.parameters())
     small, large = FSDP_PROBE_WIDTHS
     element = torch.empty((), dtype=torch.float32).element_size()
