@@ -390,7 +390,9 @@ class DiagnosticsCallback(pl.Callback):
         self.write("overlap_calibration", **comm_overlap(None, nbytes, device, trainer.num_devices))
         if self.facts.tp > 1:  # the only runs with DTensor tensor parallelism (0.2-0.8 s on 2 CPU ranks)
             f = self.facts
-            if f.tp_probe is not None:
+            # The model probe builds a block and the embedding/head at the run's shapes beside the model: on a GPU
+            # that memory may be what the run needs, and the host cost it measures hides behind the kernels there.
+            if f.tp_probe is not None and device.type == "cpu":
                 parts = functools.partial(f.tp_probe, device=device)
                 self.write("tp_calibration", **tp_model_overhead(device, f.tp, parts, f.micro_batch_size))
             else:
