@@ -390,13 +390,14 @@ class DiagnosticsCallback(pl.Callback):
         self.write("overlap_calibration", **comm_overlap(None, nbytes, device, trainer.num_devices))
         if self.facts.tp > 1:  # the only runs with DTensor tensor parallelism (0.2-0.8 s on 2 CPU ranks)
             f = self.facts
-            # The model probe builds a block and the embedding/head at the run's shapes beside the model: on a GPU
-            # that memory may be what the run needs, and the host cost it measures hides behind the kernels there.
-            if f.tp_probe is not None and device.type == "cpu":
+            # Probes at the run's shapes build layers and activations beside the model: on a GPU that memory may be
+            # what the run needs, and the host cost they measure hides behind the kernels there (tiny pair only).
+            on_cpu = device.type == "cpu"
+            if f.tp_probe is not None and on_cpu:
                 parts = functools.partial(f.tp_probe, device=device)
                 self.write("tp_calibration", **tp_model_overhead(device, f.tp, parts, f.micro_batch_size))
             else:
-                shapes = {"tokens": f.micro_batch_size * f.seq_len, "width": f.d_model} if f.d_model else {}
+                shapes = {"tokens": f.micro_batch_size * f.seq_len, "width": f.d_model} if f.d_model and on_cpu else {}
                 self.write("tp_calibration", **tp_linear_overhead(device, f.tp, **shapes))
         if self.facts.fsdp_shard_ranks:  # 0.1-0.3 s on 2 CPU ranks
             self.write("fsdp_calibration", **fsdp_unit_overhead(device, self.facts.fsdp_shard_ranks))
