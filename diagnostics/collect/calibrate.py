@@ -276,21 +276,17 @@ def tp_linear_overhead(device: torch.device, tp: int, tokens: int = 8, width: in
     ones' rate. A column-parallel then a row-parallel linear (Megatron's pair, ``width -> 2 width -> width``) over
     ``tokens`` tokens, the run's own shapes where it gives them, in alternation with the unsplit pair: the median of
     ``repeats`` paired differences against 1/tp of it on ``compute_clock`` (a rank's wait for a peer in the
-    collective is not host work). The two
-    functional all-reduces' own time on that clock is taken out: the planner prices the collectives themselves at
-    their measured bandwidth (``functional_all_reduce``). The planner charges the rest per parallel linear of a layer
-    (``hw.tp_linear_overhead_us``). Every rank must call it."""
-    import torch.distributed as dist
+    collective is not host work). The two functional all-reduces' own time on that clock is taken out: the planner
+    prices the collectives themselves at their measured bandwidth (``functional_all_reduce``). The planner charges
+    the rest per parallel linear of a layer (``hw.tp_linear_overhead_us``). Every rank must call it."""
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     def pair() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width)).to(device)
 
-    world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("replica", "tp"))["tp"]
+    mesh = _group_mesh(device, tp)
     plain = pair()
     parallel = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = torch.randn(1, tokens, width, device=device)
@@ -326,13 +322,10 @@ def tp_model_overhead(
     over the block's parallel linears, ``hw.tp_linear_overhead_us``) and once for the edges
     (``hw.tp_edge_overhead_us``): DTensor dispatch, the split GEMMs' lower rate, norms every TP rank repeats, the
     vocab-parallel lookup and loss. Every rank must call it."""
-    import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("replica", "tp"))["tp"]
+    mesh = _group_mesh(device, tp)
     start = time.perf_counter()
     p = parts(mesh)
     seq, d = p["seq_len"], p["d_model"]
@@ -375,6 +368,16 @@ def tp_model_overhead(
         "edge_overhead_us": max(0.0, edges) * 1e6,
         "wall_s": time.perf_counter() - start,
     }
+
+
+def _group_mesh(device: torch.device, size: int) -> object:
+    """A one-dimensional mesh over groups of ``size`` consecutive ranks (the run's TP or FSDP2 group shape); every
+    rank must call it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("replica", "group"))["group"]
 
 
 def _functional_all_reduce_seconds(numel: int, group: object, device: torch.device, repeats: int) -> float:
@@ -438,14 +441,10 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
     ``repeats`` paired differences on ``compute_clock``). ``fixed_us`` per FSDP module (the unit's and the root's
     hooks: half the small probe's overhead), ``ns_per_byte`` per byte of one copy (``hw.fsdp_unit_overhead_us``,
     ``hw.fsdp_copy_ns_per_byte``). Every rank must call it."""
-    import torch.distributed as dist
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replica", "shard"))
-    mesh = mesh["shard"]
+    mesh = _group_mesh(device, shard_ranks)
 
     def unit(width: int) -> nn.Module:
         torch.manual_seed(0)
