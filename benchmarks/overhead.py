@@ -12,6 +12,10 @@ the repeats and the median of the ratios paired within a repeat, with their spre
     python benchmarks/overhead.py                           # ddp and fsdp, default model, 2 gloo processes
     python benchmarks/overhead.py --strategies ddp --repeats 5
     python benchmarks/overhead.py --steps 120 --extra model=gpt2-124m   # any train overrides, both sides
+    python benchmarks/overhead.py --extra hw=8xh200 hw.devices_per_node=1 precision=bf16-mixed   # one GPU
+
+On a GPU profile (``hw.accelerator: gpu``) the hand-written side runs NCCL, one device per process, under the
+run's autocast dtype, and synchronises the device where its clock starts and stops.
 
 The hand-written loops are what a user would write without the framework: ``DistributedDataParallel`` with
 ``no_sync`` over accumulated micro-batches, or FSDP2 ``fully_shard`` on each transformer block and then the
@@ -56,14 +60,15 @@ REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"diagnostics=default": 0.97, "diagnostics=off": 0.99}
 
 
-def wrap(model: torch.nn.Module, strategy: object, world: int) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, strategy: object, world: int, device: torch.device) -> torch.nn.Module:
     """DDP, or FSDP2 on one data-parallel mesh: a unit per transformer block, then the root."""
+    model = model.to(device)
     if not isinstance(strategy, FSDPConfig):
-        return DistributedDataParallel(model)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
@@ -86,6 +91,7 @@ class HandWrittenLoop:
 
     cfg: Any
     plan: Any
+    device: torch.device
     loader: Iterator
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -98,38 +104,52 @@ def set_up_hand_written(rank: int, world: int, port: int, overrides: list[str]) 
         cfg = parse_run_config(compose(config_name="train", overrides=overrides))
     plan = validate_run(cfg)
     torch.set_num_threads(cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    on_gpu = cfg.hw.accelerator == "gpu"
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world)
     data = TokenDataModule(cfg.data, cfg.model.seq_len, plan.micro_batch_size, plan.global_batch_size, 0)
     data.setup()
     sampler = ResumableShardedSampler(len(data.train_set), world, rank, cfg.trainer.seed)
     loader = iter(DataLoader(data.train_set, batch_size=plan.micro_batch_size, sampler=sampler, drop_last=True))
-    model = wrap(build_model(cfg.model, seed=cfg.trainer.seed), cfg.strategy, world)
+    model = wrap(build_model(cfg.model, seed=cfg.trainer.seed), cfg.strategy, world, device)
     o = cfg.optimizer
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, o.warmup_steps, cfg.trainer.max_steps, o.min_lr_ratio)
     )
-    return HandWrittenLoop(cfg, plan, loader, model, optimizer, schedule)
+    return HandWrittenLoop(cfg, plan, device, loader, model, optimizer, schedule)
 
 
 def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], warmup: int, out: str) -> None:
     loop = set_up_hand_written(rank, world, port, overrides)
-    cfg, plan, loader, model, optimizer, schedule = (
+    cfg, plan, device, loader, model, optimizer, schedule = (
         loop.cfg,
         loop.plan,
+        loop.device,
         loop.loader,
         loop.model,
         loop.optimizer,
         loop.schedule,
     )
+    on_gpu = device.type == "cuda"
+    if cfg.precision.name not in ("fp32", "bf16-mixed"):
+        raise SystemExit(f"overhead.py: precision={cfg.precision.name} has no hand-written side (fp32, bf16-mixed)")
+    dtype = torch.bfloat16 if cfg.precision.name == "bf16-mixed" else None
     start = last = 0.0
     step_times = []
     for step in range(cfg.trainer.max_steps):
         if step == warmup:
+            if on_gpu:
+                torch.cuda.synchronize()
             start = last = time.perf_counter()
         for micro in range(plan.accumulation):
-            inputs, targets = next(loader)
-            with sync_gradients(model, micro == plan.accumulation - 1):
+            inputs, targets = (t.to(device, non_blocking=True) for t in next(loader))
+            with (
+                sync_gradients(model, micro == plan.accumulation - 1),
+                torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
+            ):
                 logits = model(inputs)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
                 (loss / plan.accumulation).backward()
@@ -142,6 +162,8 @@ def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], 
             now = time.perf_counter()
             step_times.append(now - last)
             last = now
+    if on_gpu:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens_per_step = plan.global_batch_size * cfg.model.seq_len
     if rank == 0:

@@ -4,6 +4,7 @@ event classification, hang stack classification, the CPU sampler."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +13,13 @@ import torch
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
 from diagnostics.collect.intervals import intersection_total, split_window, total, union
-from diagnostics.collect.profile_window import Event, ProfilerWindow, is_comm, split_events
+from diagnostics.collect.profile_window import (
+    Event,
+    ProfilerWindow,
+    is_comm,
+    release_cupti_after_window,
+    split_events,
+)
 from diagnostics.collect.sampler import CpuReader, make_reader
 from diagnostics.collect.steps import PhaseTimer
 from diagnostics.collect.watchdog import in_collective, main_thread_stack, node_ranks
@@ -361,3 +368,18 @@ def test_profiler_window_stops_when_it_completes_and_writes_its_record_at_close(
     window.close()
     (kind, record), *_ = records
     assert kind == "profile" and record["steps"] == [4, 5] and (tmp_path / record["trace_file"]).is_file()
+
+
+def test_profiler_window_asks_kineto_to_detach_cupti_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kineto keeps CUPTI attached after a session unless TEARDOWN_CUPTI=1; a value already set (a user's, or
+    torch.compile's 0 under CUDA graphs) is left as it is."""
+    monkeypatch.setenv("TEARDOWN_CUPTI", "")  # records the variable's state for undo, which delenv alone does not
+    monkeypatch.delenv("TEARDOWN_CUPTI")
+    window = ProfilerWindow(1, 1, tmp_path, 0, lambda kind, **f: None, use_cuda=False)
+    window.close()
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    release_cupti_after_window()
+    assert os.environ["TEARDOWN_CUPTI"] == "0"

@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.calibration import Calibration, write_calibration
+from diagnostics.collect.profile_window import release_cupti_after_window
 from diagnostics.crash import is_peer_failure, retire_crash_records
 from diagnostics.manifest import RunManifest, read_manifest
 from diagnostics.prediction import one_line
@@ -87,6 +88,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     role = process_role()
     die_with_parent(partial(report_launcher_death, run_dir) if role.child and not role.supervised else None)
     route_library_output_to_log_file()
+    release_cupti_after_window()  # before anything in this process can initialise Kineto
     if prepared is None:  # a process preflight did not see: a local rank, a restart attempt, a multirun job
         prepared = prepare(cfg, run_dir, task_overrides)
         check_launchable(prepared)
