@@ -40,7 +40,6 @@ from disttrain.reliability.nan_guard import (
     MAX_SCALER_OVERFLOWS,
     NonFiniteGuard,
     agreed_stop,
-    any_nonfinite,
     retire_stop_markers,
     write_stop_marker,
 )
@@ -164,19 +163,43 @@ def guard_step(guard: NonFiniteGuard, model: nn.Module, step: int, loss: float, 
     return trainer
 
 
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gradient_check_is_exact_for_every_dtype(dtype: torch.dtype) -> None:
-    def grads(bad: float, at: int) -> list[torch.Tensor]:
-        tensors = [torch.ones(300, dtype=dtype), torch.ones(4, 5, dtype=dtype)]
-        tensors[at].view(-1)[3] = bad
-        return tensors
+def test_gradient_check_is_exact_for_every_dtype(dtype: torch.dtype, clip_norm: float | None) -> None:
+    """A NaN/inf anywhere is a bad step; finite gradients whose 2-norm overflows the dtype (the fused norm says
+    inf) are not. Clipping or not, the guard takes the same decision."""
+    model = nn.Sequential(nn.Linear(20, 15), nn.Linear(15, 4)).to(dtype)
+    optimizer = torch.optim.SGD(model.parameters())
+    trainer = Stub(strategy=Stub(root_device=torch.device("cpu")), global_step=0, is_global_zero=True)
 
-    assert not any_nonfinite([]) and not any_nonfinite(grads(2.0, 1))
+    def bad_step(fill: float, bad: float | None = None, at: int = 0) -> bool:
+        guard = NonFiniteGuard("skip", max_skips=10, clip_norm=clip_norm)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, fill)
+        if bad is not None:
+            list(model.parameters())[at].grad.view(-1)[3] = bad
+        guard.on_before_backward(trainer, model, torch.tensor(1.0))  # type: ignore[arg-type]
+        guard.on_before_optimizer_step(trainer, model, optimizer)  # type: ignore[arg-type]
+        return guard.skipped_steps == [0]
+
+    assert not bad_step(2.0)
     for bad in (float("nan"), float("inf"), -float("inf")):
-        assert any_nonfinite(grads(bad, 0)) and any_nonfinite(grads(bad, 1))
-    # Finite values whose 2-norm overflows the dtype (the fused fast path says inf): still finite gradients.
-    big = torch.finfo(dtype).max / 2
-    assert not any_nonfinite([torch.full((64,), big, dtype=dtype)])
+        assert bad_step(1.0, bad, 0) and bad_step(1.0, bad, 3)
+    assert not bad_step(torch.finfo(dtype).max / 2)
+
+
+def test_guard_votes_once_per_finite_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One all-reduce (and one host read) per step for the loss and the gradients together; the exact per-element
+    vote only follows a non-finite norm."""
+    votes: list[list[float]] = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: votes.append(t.tolist()))
+    model = nn.Linear(2, 2)
+    guard = NonFiniteGuard("skip", max_skips=5)
+    guard_step(guard, model, 0, 1.0, 0.5)
+    assert votes == [[0.0, 0.0]]
+    guard_step(guard, model, 1, 1.0, float("nan"))
+    assert votes[1:] == [[0.0, 1.0], [1.0]] and guard.skipped_steps == [1]
 
 
 def test_guard_drops_the_update_skips_then_stops() -> None:
