@@ -196,6 +196,14 @@ def main() -> None:
         print(f"  {group:<36}" + "".join(f"{v:>{width}.3f}" for v in row))
     steps = [statistics.median(steps_ms[arm]) for arm in arms]
     print(f"  {'median step (ms)':<36}" + "".join(f"{v:>{width}.1f}" for v in steps))
+    # Cores x step time: the CPU each rank's training thread spends on a step. Equal in every arm means the same
+    # work; on a quiet machine equal CPU per step and equal cores give equal step times.
+    train = "training threads (all ranks)"
+    per_step = [
+        statistics.median(run.get(train, 0.0) * ms / world for run, ms in zip(cores[arm], steps_ms[arm], strict=True))
+        for arm in arms
+    ]
+    print(f"  {'training CPU per step and rank (ms)':<36}" + "".join(f"{v:>{width}.1f}" for v in per_step))
 
 
 if __name__ == "__main__":
