@@ -56,10 +56,12 @@ def main(cfg: DictConfig) -> float | None:
 def cli(argv: list[str] | None = None) -> None:
     """Check the command before Hydra creates a run dir (see disttrain.job.preflight), then run it."""
     from disttrain.job.export import export_arguments, run_export
-    from disttrain.job.preflight import preflight
+    from disttrain.job.preflight import cluster_rank_job, preflight
 
     global preflighted
     argv = sys.argv[1:] if argv is None else argv
+    if joining := cluster_rank_job(argv):  # Hydra's main reads sys.argv
+        sys.argv[1:] = argv = [*argv, *joining]
     try:
         if (export := export_arguments(argv)) is not None:  # export=<run or checkpoint>: no training, no ranks
             for path in run_export(export, CONF_DIR):

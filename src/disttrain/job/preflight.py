@@ -23,8 +23,23 @@ from disttrain.checkpoint.resume import original_overrides
 from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.job.prepare import Prepared, check_launchable, existing_run, prepare, refuse_existing_run
 from disttrain.launch.env import process_role
+from disttrain.launch.local import secondary_job
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def cluster_rank_job(argv: list[str]) -> list[str]:
+    """What a non-zero rank that a cluster launcher started with the user's own command (``torchrun -m train``,
+    ``srun python -m train``) adds to it: the overrides our local ranks get (its own ``train_rank<N>.log``, rank
+    0's ``.hydra/`` record). Without them every rank writes ``.hydra/`` into the shared run dir, and rank 0, which
+    checks that the dir holds no earlier run, can find a sibling's record there and refuse the launch."""
+    role = process_role()
+    if role.child or not role.cluster or role.global_rank == 0 or any(a in MULTIRUN_FLAGS for a in argv):
+        return []
+    given = {a.lstrip("+~").split("=", 1)[0] for a in argv}
+    return [o for o in secondary_job(f"train_rank{role.global_rank}") if o.split("=", 1)[0] not in given]
+
+
 # Config values that become names of files or dirs inside the run dir (Hydra's log file, its record dir).
 PATH_NAME_KEYS = ("hydra.job.name", "hydra.output_subdir")
 
