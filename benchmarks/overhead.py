@@ -187,6 +187,18 @@ def hand_written(overrides: list[str], world: int, warmup: int) -> Rates:
         return Rates(**json.loads(Path(out).read_text()))
 
 
+def run_overrides(steps: int, extra: list[str]) -> list[str]:
+    """What both sides of a comparison run: ``steps`` steps, one validation and one checkpoint at the end."""
+    return [
+        f"trainer.max_steps={steps}",
+        f"trainer.val_every_n_steps={steps}",  # one validation at the end, excluded from timing
+        "trainer.val_batches=1",
+        f"trainer.ckpt_every_n_steps={steps}",
+        f"trainer.log_every_n_steps={max(1, steps // 10)}",
+        *extra,
+    ]
+
+
 def disttrain_cli(overrides: list[str]) -> Rates:
     result = train_manifest(overrides)["result"]
     return Rates(result["tokens_per_s"], result["step_time_p50_s"])
@@ -200,14 +212,7 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=[], help="extra `python -m train` overrides for both sides")
     args = parser.parse_args()
     warmup = min(10, args.steps // 10)  # the same warm-up the Throughput callback skips
-    common = [
-        f"trainer.max_steps={args.steps}",
-        f"trainer.val_every_n_steps={args.steps}",  # one validation at the end, excluded from timing
-        "trainer.val_batches=1",
-        f"trainer.ckpt_every_n_steps={args.steps}",
-        f"trainer.log_every_n_steps={max(1, args.steps // 10)}",
-        *args.extra,
-    ]
+    common = run_overrides(args.steps, args.extra)
     arms = ["hand-written", *TARGETS]
     runs: dict[tuple[str, str], list[Rates]] = {(s, a): [] for s in args.strategies for a in arms}
     tokens_per_step: dict[str, int] = {}

@@ -33,7 +33,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import REPO, Rates, disttrain_cli, hand_written
+from overhead import REPO, Rates, disttrain_cli, hand_written, run_overrides
 
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import world_layout
@@ -162,15 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     if not Path("/proc/self/task").is_dir():
         raise SystemExit("thread_cpu.py reads /proc: Linux only")
-    overrides = [
-        f"trainer.max_steps={args.steps}",
-        f"trainer.val_every_n_steps={args.steps}",
-        "trainer.val_batches=1",
-        f"trainer.ckpt_every_n_steps={args.steps}",
-        f"trainer.log_every_n_steps={max(1, args.steps // 10)}",
-        f"strategy={args.strategy}",
-        *args.extra,
-    ]
+    overrides = run_overrides(args.steps, [f"strategy={args.strategy}", *args.extra])
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         world = world_layout(parse_run_config(compose(config_name="train", overrides=overrides))).world_size
     arms = args.arms

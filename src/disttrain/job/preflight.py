@@ -27,6 +27,9 @@ from disttrain.launch.local import secondary_job
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
+# Config values that become names of files or dirs inside the run dir (Hydra's log file, its record dir).
+PATH_NAME_KEYS = ("hydra.job.name", "hydra.output_subdir")
+
 
 def cluster_rank_job(argv: list[str]) -> list[str]:
     """What a non-zero rank that a cluster launcher started with the user's own command (``torchrun -m train``,
@@ -38,10 +41,6 @@ def cluster_rank_job(argv: list[str]) -> list[str]:
         return []
     given = {a.lstrip("+~").split("=", 1)[0] for a in argv}
     return [o for o in secondary_job(f"train_rank{role.global_rank}") if o.split("=", 1)[0] not in given]
-
-
-# Config values that become names of files or dirs inside the run dir (Hydra's log file, its record dir).
-PATH_NAME_KEYS = ("hydra.job.name", "hydra.output_subdir")
 
 
 # -- the command line, before Hydra ---------------------------------------------------------------------------
