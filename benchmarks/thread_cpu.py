@@ -10,7 +10,11 @@ each group's CPU in cores (CPU seconds per second): the ranks' training (main) t
 by name (gloo's, torch's, Python's), the run's other processes (launcher side, resource tracker), this
 benchmark's own process (the sampler), the rest of the machine (``/proc/stat`` busy time beyond the run's) and
 steal (time the hypervisor gave to other guests).
-Equal groups with unequal step times mean the difference is not work of ours that this clock can see.
+Equal groups with unequal step times mean the difference is not work of ours that this clock can see. So the
+ranks' training threads also get their wall time split three ways per step (``/proc/<pid>/schedstat`` and the
+voluntary context switches in ``status``): on a CPU, runnable but waiting for one (CPU contention), and blocked
+(waiting in a collective, on a lock, in a sleep), with the number of blocking waits per step: an extra sync
+point of ours shows as one more wait per step, contention as queued time.
 
     python benchmarks/thread_cpu.py                                   # ddp, 100 steps, 2 repeats
     python benchmarks/thread_cpu.py --strategy fsdp --repeats 3 --extra diagnostics.profile=false
@@ -50,6 +54,9 @@ class Sample:
     threads: dict[tuple[int, int], tuple[str, float]]
     machine_busy_s: float
     steal_s: float
+    # Main threads only (schedstat, in ns): seconds on a CPU, seconds runnable but waiting for one, and voluntary
+    # context switches (each a blocking wait: a collective, a lock, a sleep). They split wall time three ways.
+    waits: dict[tuple[int, int], tuple[float, float, int]] = field(default_factory=dict)
 
 
 def descendants(root: int) -> list[int]:
@@ -82,6 +89,17 @@ def thread_times(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
     return times
 
 
+def main_thread_waits(pid: int) -> tuple[float, float, int] | None:
+    """A process's main thread: seconds on a CPU and runnable but not running (schedstat), voluntary switches."""
+    try:
+        running_ns, queued_ns = (int(v) for v in Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[:2])
+        status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+    except (OSError, ValueError):  # gone, or a kernel without schedstats
+        return None
+    switches = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("voluntary_ctxt"))
+    return running_ns * 1e-9, queued_ns * 1e-9, switches
+
+
 def machine_times() -> tuple[float, float]:
     """All CPUs' busy seconds (user, nice, system, irq, softirq) and steal seconds since boot."""
     user, nice, system, _idle, _iowait, irq, softirq, steal = (
@@ -110,16 +128,28 @@ class TreeSampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             threads: dict[tuple[int, int], tuple[str, float]] = {}
+            waits: dict[tuple[int, int], tuple[float, float, int]] = {}
             for pid in descendants(os.getpid()):
                 threads.update(thread_times(pid))
-            self.samples.append(Sample(time.perf_counter(), threads, *machine_times()))
+                if (main := main_thread_waits(pid)) is not None:
+                    waits[pid, pid] = main
+            self.samples.append(Sample(time.perf_counter(), threads, *machine_times(), waits=waits))
             self._stop.wait(self.period_s)
+
+
+TRAIN = "training threads (all ranks)"
+QUEUED = "training threads: runnable, waiting for a CPU"
+BLOCKED = "training threads: blocked (collectives, locks)"
+SWITCHES = "training threads: blocking waits per second"
 
 
 def steady_cores(samples: list[Sample], world: int) -> dict[str, float]:
     """Each group's CPU in cores over the steady intervals: at least ``world`` processes (the ranks) each had its
     main thread busy for more than half of the interval and another of its threads running (communication),
-    which start-up (imports, building, one process after the other) does not have."""
+    which start-up (imports, building, one process after the other) does not have.
+
+    The ranks' main threads also get their wall time's other two parts, in cores: runnable but waiting for a CPU
+    (``QUEUED``), and blocked (``BLOCKED``: the rest of the interval), with their blocking waits per second."""
     own = os.getpid()
     seconds: dict[str, float] = defaultdict(float)
     span = 0.0
@@ -142,10 +172,17 @@ def steady_cores(samples: list[Sample], world: int) -> dict[str, float]:
             elif pid not in ranks:
                 group = "the run's other processes"
             elif pid == tid:
-                group = "training threads (all ranks)"
+                group = TRAIN
             else:
                 group = f"rank threads: {name}"
             seconds[group] += d
+        for pid in ranks:
+            if (pid, pid) in after.waits and (pid, pid) in before.waits:
+                now, then = after.waits[pid, pid], before.waits[pid, pid]
+                running, queued, switches = (a - b for a, b in zip(now, then, strict=True))
+                seconds[QUEUED] += queued
+                seconds[BLOCKED] += max(0.0, dt - running - queued)
+                seconds[SWITCHES] += switches
         run_total = sum(d for _, d in used.values())
         seconds["rest of the machine"] += max(0.0, after.machine_busy_s - before.machine_busy_s - run_total)
         seconds["steal (other guests)"] += after.steal_s - before.steal_s
@@ -182,20 +219,27 @@ def main() -> None:
     groups = sorted({g for runs in cores.values() for run in runs for g in run})
     print(f"{args.strategy}, {world} ranks, {args.steps} steps, {args.repeats} repeats: cores over steady intervals")
     width = max(12, *(len(arm) + 2 for arm in arms))
-    print(f"  {'group':<36}" + "".join(f"{arm:>{width}}" for arm in arms))
+    label = max(36, *(len(g) + 1 for g in groups))
+    print(f"  {'group':<{label}}" + "".join(f"{arm:>{width}}" for arm in arms))
     for group in groups:
         row = [statistics.median(run.get(group, 0.0) for run in cores[arm]) for arm in arms]
-        print(f"  {group:<36}" + "".join(f"{v:>{width}.3f}" for v in row))
+        print(f"  {group:<{label}}" + "".join(f"{v:>{width}.3f}" for v in row))
     steps = [statistics.median(steps_ms[arm]) for arm in arms]
-    print(f"  {'median step (ms)':<36}" + "".join(f"{v:>{width}.1f}" for v in steps))
-    # Cores x step time: the CPU each rank's training thread spends on a step. Equal in every arm means the same
-    # work; on a quiet machine equal CPU per step and equal cores give equal step times.
-    train = "training threads (all ranks)"
-    per_step = [
-        statistics.median(run.get(train, 0.0) * ms / world for run, ms in zip(cores[arm], steps_ms[arm], strict=True))
-        for arm in arms
-    ]
-    print(f"  {'training CPU per step and rank (ms)':<36}" + "".join(f"{v:>{width}.1f}" for v in per_step))
+    print(f"  {'median step (ms)':<{label}}" + "".join(f"{v:>{width}.1f}" for v in steps))
+    # Cores x step time: the time each rank's training thread spends per step on a CPU, queued for one, and blocked;
+    # on CPU equal in every arm means the same work, and the other two say where a longer step waits.
+    for row_name, group in [
+        ("training CPU per step and rank (ms)", TRAIN),
+        ("  waiting for a CPU (ms)", QUEUED),
+        ("  blocked (ms)", BLOCKED),
+        ("blocking waits per step and rank", SWITCHES),
+    ]:
+        per_step = [
+            statistics.median(run.get(group, 0.0) * ms / world for run, ms in zip(cores[a], steps_ms[a], strict=True))
+            for a in arms
+        ]
+        scale = 1e-3 if group == SWITCHES else 1.0  # a rate per second x ms per step
+        print(f"  {row_name:<{label}}" + "".join(f"{v * scale:>{width}.1f}" for v in per_step))
 
 
 if __name__ == "__main__":

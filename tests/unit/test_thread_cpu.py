@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from benchmarks.thread_cpu import Sample, steady_cores
+from benchmarks.thread_cpu import BLOCKED, QUEUED, SWITCHES, TRAIN, Sample, steady_cores
 
 OWN = os.getpid()
 
@@ -53,3 +53,22 @@ def test_busy_ranks_that_do_not_communicate_are_start_up_not_training() -> None:
     importing = [sample(0.0, (0.0, 0.0), 0.0, 0.0, 0.0, 0.0), sample(0.5, (0.45, 0.45), 0.0, 0.0, 0.0, 0.0)]
     assert steady_cores(importing, world=2) == {}
     assert steady_cores(importing[:1], world=2) == {}
+
+
+def test_a_main_threads_wall_time_splits_into_running_queued_and_blocked() -> None:
+    first = sample(0.0, (0.0, 0.0), 0.0, 0.0, 0.0, 0.0)
+    second = sample(1.0, (0.9, 0.8), 0.02, 0.0, 0.0, 0.0)
+    # schedstat's own clock (ns): rank 101 ran 0.9 s and queued 0.05, rank 102 ran 0.8 s and queued 0.02 of the
+    # second; 12 and 30 blocking waits. The rest of each second (0.05, 0.18) the thread was blocked.
+    first.waits = {(101, 101): (0.0, 0.0, 100), (102, 102): (0.0, 0.0, 200)}
+    second.waits = {(101, 101): (0.9, 0.05, 112), (102, 102): (0.8, 0.02, 230)}
+    cores = steady_cores([first, second], world=2)
+    assert cores[QUEUED] == pytest.approx(0.07)
+    assert cores[BLOCKED] == pytest.approx(0.23)
+    assert cores[SWITCHES] == pytest.approx(42)
+    assert cores[TRAIN] == pytest.approx(1.7)
+
+
+def test_a_rank_without_schedstats_adds_no_wait_figures() -> None:
+    samples = [sample(0.0, (0.0, 0.0), 0.0, 0.0, 0.0, 0.0), sample(1.0, (0.9, 0.8), 0.02, 0.0, 0.0, 0.0)]
+    assert not {QUEUED, BLOCKED, SWITCHES} & set(steady_cores(samples, world=2))
