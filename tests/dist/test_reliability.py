@@ -273,26 +273,26 @@ ONE_PROCESS = [
 ]
 
 
-def assert_one_process_end_recorded(result: subprocess.CompletedProcess, run_dir: Path, code: int, how: str) -> None:
-    """A 1-process run ended by a signal: the shell sees ``code``; one line, run.json, failure.json and the report
-    name rank 0 and ``how`` it ended."""
+def assert_signal_end_recorded(
+    result: subprocess.CompletedProcess, run_dir: Path, code: int, how: str, rank: int = 0
+) -> None:
+    """A run ended by a signal: the shell sees ``code``; one line, run.json, failure.json and the report name
+    ``rank`` and ``how`` it ended."""
     assert result.returncode == code, result.stderr[-3000:]
     report_md = run_dir / "report" / "report.md"
-    assert result.stderr.rstrip().splitlines()[-1] == f"disttrain: rank 0 {how}; stopping the job; report: {report_md}"
+    last = f"disttrain: rank {rank} {how}; stopping the job; report: {report_md}"
+    assert result.stderr.rstrip().splitlines()[-1] == last
     assert "Traceback" not in result.stderr
     manifest = read_manifest(run_dir)
-    assert (manifest["status"], manifest["failed_rank"], manifest["failure"]) == ("failed", 0, f"rank 0 {how}")
-    assert json.loads((run_dir / "failure.json").read_text())["rank"] == 0
+    assert (manifest["status"], manifest["failed_rank"], manifest["failure"]) == ("failed", rank, f"rank {rank} {how}")
+    assert json.loads((run_dir / "failure.json").read_text())["rank"] == rank
     top = json.loads((run_dir / "report" / "report.json").read_text())["findings"][0]
-    assert (top["kind"], top["ranks"]) == ("crash", [0])
+    assert (top["kind"], top["ranks"]) == ("crash", [rank])
     assert survivors(run_dir) == []
 
 
-def test_a_one_process_run_stopped_by_sigterm_records_it(tmp_path: Path) -> None:
-    """Lightning turns SIGTERM into a SystemExit without a code: without disttrain's handling the run exited 0
-    with run.json still ``running``. Signalled mid-run (after the third step's console line), it ends with 143."""
-    run_dir = tmp_path / "run"
-    args = [*ONE_PROCESS, "trainer.max_steps=30", "~data", "+data._target_=tests.plugins.SlowCountingData"]
+def sigterm_after_step_3(args: list[str], run_dir: Path, rank: int) -> subprocess.CompletedProcess:
+    """Launch ``python -m train`` and send SIGTERM to local rank ``rank`` once step 3's console line is out."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
     env.pop("LOCAL_RANK", None)
     env.pop("DISTTRAIN_FAULT", None)
@@ -302,17 +302,42 @@ def test_a_one_process_run_stopped_by_sigterm_records_it(tmp_path: Path) -> None
         seen = []
         for line in proc.stdout:  # type: ignore[union-attr]
             seen.append(line)
-            if line.startswith("step 3/30"):
-                proc.send_signal(signal.SIGTERM)
+            if line.startswith("step 3/"):
+                (pid,) = [proc.pid] if rank == 0 else [p for p in survivors(run_dir) if p != proc.pid]
+                os.kill(pid, signal.SIGTERM)
                 break
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    result = subprocess.CompletedProcess(command, proc.returncode, "".join(seen) + stdout, stderr)
-    assert_one_process_end_recorded(result, run_dir, 128 + signal.SIGTERM, "stopped by SIGTERM")
+    return subprocess.CompletedProcess(command, proc.returncode, "".join(seen) + stdout, stderr)
+
+
+def test_a_one_process_run_stopped_by_sigterm_records_it(tmp_path: Path) -> None:
+    """Lightning turns SIGTERM into a SystemExit without a code: without disttrain's handling the run exited 0
+    with run.json still ``running``. Signalled mid-run (after the third step's console line), it ends with 143."""
+    run_dir = tmp_path / "run"
+    args = [*ONE_PROCESS, "trainer.max_steps=30", "~data", "+data._target_=tests.plugins.SlowCountingData"]
+    result = sigterm_after_step_3(args, run_dir, rank=0)
+    assert_signal_end_recorded(result, run_dir, 128 + signal.SIGTERM, "stopped by SIGTERM")
     assert "done:" not in result.stdout  # it did not run on to the end
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_names_it(tmp_path: Path) -> None:
+    """The signalled rank's flag rides in the per-step vote (reliability/sigterm.py): Lightning's own broadcast
+    from inside its handler hung this 2-rank run when rank 1 alone was signalled."""
+    run_dir = tmp_path / "run"
+    two_ranks = [a for a in ONE_PROCESS if a != "hw.devices_per_node=1"]
+    args = [*two_ranks, "trainer.max_steps=30", "~data", "+data._target_=tests.plugins.SlowCountingData"]
+    result = sigterm_after_step_3(args, run_dir, rank=1)
+    assert_signal_end_recorded(result, run_dir, 128 + signal.SIGTERM, "stopped by SIGTERM", rank=1)
+    assert "done:" not in result.stdout
+    last_steps = set()
+    for rank in (0, 1):
+        records = [json.loads(line) for line in telemetry_path(run_dir, rank).read_text().splitlines()]
+        last_steps.add(max(r["step"] for r in records if r["kind"] == "step"))
+    assert len(last_steps) == 1 and 3 <= last_steps.pop() < 30, "the ranks stopped after different steps"
 
 
 def test_saved_files_hold_no_secret_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -338,7 +363,7 @@ def test_saved_files_hold_no_secret_from_the_environment(tmp_path: Path, monkeyp
         f"+model.api_token={literal_secret}",
     ]
     result = launch(args, run_dir, fault="sigkill@step=3,rank=0")
-    assert_one_process_end_recorded(result, run_dir, -signal.SIGKILL, "died (killed by SIGKILL)")
+    assert_signal_end_recorded(result, run_dir, -signal.SIGKILL, "died (killed by SIGKILL)")
     written = [p for p in run_dir.rglob("*") if p.is_file()]
     names = {str(p.relative_to(run_dir)) for p in written}
     assert {"config.yaml", "run.json", ".hydra/overrides.yaml", "train.log", "report/report.html"} <= names

@@ -144,16 +144,18 @@ def interrupting_signal(error: BaseException) -> signal.Signals | None:
     return None
 
 
-def stop_for_signal(failure_reporting: FailureReporting, signum: signal.Signals) -> RunStopped:
-    """A 1-process run ended by a signal it could catch: record it as rank 0's failure (run.json, failure.json,
-    the report) and end with 128+N, the status a shell gives a process that signal ended."""
+def stop_for_signal(failure_reporting: FailureReporting, signum: signal.Signals, rank: int = 0) -> RunStopped:
+    """A run ended by a signal it could catch (a 1-process run's, or the one ``rank`` of a local launch received
+    and every rank agreed to stop for): record it as that rank's failure (run.json, failure.json, the report) and
+    end with 128+N, the status a shell gives a process that signal ended."""
     from disttrain.job.run import say_report
 
     run_dir, manifest = failure_reporting.run_dir, failure_reporting.manifest
-    failure = f"rank 0 stopped by {signum.name}"
+    failure = f"rank {rank} stopped by {signum.name}"
+    record = {"error": f"stopped by {signum.name}", "source": f"rank {rank}", "rank": rank, "traceback": ""}
     with contextlib.suppress(Exception):  # the job must end whatever happens here
-        manifest.failed(failure, 0).write(run_dir)
-        write_failure(run_dir, {"error": f"stopped by {signum.name}", "source": "rank 0", "rank": 0, "traceback": ""})
+        manifest.failed(failure, rank).write(run_dir)
+        write_failure(run_dir, record)
     where = ""
     if failure_reporting.report:
         report = say_report(run_dir, quiet=True)

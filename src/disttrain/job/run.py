@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import sys
 import time
 import traceback
@@ -61,6 +62,7 @@ from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
 from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
+from disttrain.reliability.sigterm import signalled_rank
 from disttrain.strategies.auto import check_fits, describe_memory
 
 # How long a spawned rank whose peer connection broke waits for rank 0's exit to be seen before it gives up: under
@@ -289,6 +291,15 @@ def fit(
             raise stop_for_failure(failures, ranks, None, err) from None
         if ranks is None and failures.reports and (signum := interrupting_signal(err)) is not None:
             raise stop_for_signal(failures, signum) from None  # else SIGTERM would exit 0 with run.json "running"
+        signalled = signalled_rank(parts.nonfinite.riders) if parts is not None and parts.nonfinite else None
+        if (
+            ranks is not None
+            and failures.reports
+            and signalled is not None
+            and interrupting_signal(err) == signal.SIGTERM
+        ):
+            ranks.wait()  # every rank agreed in the same vote and stops after the same batch
+            raise stop_for_signal(failures, signal.SIGTERM, signalled) from None
         if ranks is None:
             raise
         # A rank that died makes rank 0's next collective fail at once ("connection reset"): name the cause.

@@ -17,6 +17,7 @@ from disttrain.config.schema import TrainerConfig
 from disttrain.launch.env import process_role
 from disttrain.reliability.faults import FaultInjection, faults_from_env
 from disttrain.reliability.nan_guard import NonFiniteGuard
+from disttrain.reliability.sigterm import SigtermInVote
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Reliability:
 def build_reliability(t: TrainerConfig, ckpt_dir: Path, clip_norm: float | None = None) -> Reliability:
     """``clip_norm``: the guard clips the gradients by this norm (the Trainer must then not clip them itself)."""
     guard = NonFiniteGuard(t.nan_policy, t.max_nan_skips, clip_norm=clip_norm)
+    sigterm = SigtermInVote()  # Lightning's per-batch SIGTERM broadcast, carried by the guard's vote instead
+    guard.riders.append(sigterm)
     faults = faults_from_env(process_role().attempt)
     injector = FaultInjection(faults) if faults else None
     checkpoints = StepCheckpoint(
@@ -40,7 +43,7 @@ def build_reliability(t: TrainerConfig, ckpt_dir: Path, clip_norm: float | None 
         before_write=injector.before_write if injector is not None else None,
     )
     # The injector runs after StepCheckpoint, so a kill "after step N" comes after step N's checkpoint.
-    callbacks: list[pl.Callback] = [guard, checkpoints, RankRngState(t.seed)]
+    callbacks: list[pl.Callback] = [guard, sigterm, checkpoints, RankRngState(t.seed)]
     if injector is not None:
         callbacks.append(injector)
     return Reliability(checkpoints, guard, callbacks)

@@ -28,7 +28,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -98,12 +98,20 @@ def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return DTensor.from_local(full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def vote(flags: list[torch.Tensor]) -> list[bool]:
-    """Each flag true if it is true on any rank: one all-reduce (max) and one host read for all of them."""
+def vote(flags: list[torch.Tensor]) -> list[float]:
+    """Each flag's maximum over the ranks (true on any rank, for booleans): one all-reduce and one host read."""
     verdict = torch.stack([flag.reshape(()) for flag in flags]).to(torch.float32)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
-    return [bool(v) for v in verdict.tolist()]
+    return verdict.tolist()
+
+
+class VoteRider(Protocol):
+    """A per-step flag that rides in the guard's vote instead of a collective of its own (reliability/sigterm.py)."""
+
+    def flag(self, trainer: pl.Trainer) -> float: ...
+
+    def agreed(self, trainer: pl.Trainer, highest: float) -> None: ...
 
 
 class NonFiniteGuard(pl.Callback):
@@ -127,6 +135,7 @@ class NonFiniteGuard(pl.Callback):
         self.stopped_at: int | None = None
         self.stop_reason: str | None = None
         self._bad_loss: torch.Tensor | None = None
+        self.riders: list[VoteRider] = []  # the same on every rank: the vote's length must agree
 
     @property
     def stopped(self) -> bool:
@@ -152,10 +161,14 @@ class NonFiniteGuard(pl.Callback):
         norm_bad = (~torch.isfinite(local_tensor(check))).any() if check is not None else torch.tensor(False)
         bad_loss = self._bad_loss if self._bad_loss is not None else torch.tensor(False)
         self._bad_loss = None
-        loss_bad, norm_nonfinite = vote([bad_loss.to(device), norm_bad.to(device)])
+        riders = [torch.tensor(rider.flag(trainer), device=device) for rider in self.riders]
+        loss_vote, norm_vote, *verdicts = vote([bad_loss.to(device), norm_bad.to(device), *riders])
+        for rider, highest in zip(self.riders, verdicts, strict=True):
+            rider.agreed(trainer, highest)
+        loss_bad, norm_nonfinite = bool(loss_vote), bool(norm_vote)
         # Every rank saw the same vote, so all of them take this second (exact, rare) vote together: a non-finite
         # norm with finite elements is a sum of squares that overflowed the gradients' dtype, not a fault.
-        grad_bad = norm_nonfinite and vote([torch.tensor(exactly_nonfinite(grads), device=device)])[0]
+        grad_bad = norm_nonfinite and bool(vote([torch.tensor(exactly_nonfinite(grads), device=device)])[0])
         if not (loss_bad or grad_bad):
             self._scaler_overflows_in_a_row = 0
             if norm is not None:
