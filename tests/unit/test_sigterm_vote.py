@@ -25,14 +25,15 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, signal_at: int | None = None) -> None:
+    def __init__(self, signal_at: int | None = None, signum: int = signal.SIGTERM) -> None:
         super().__init__()
         self.layer = nn.Linear(4, 1)
         self.signal_at = signal_at
+        self.signum = signum
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         if batch_idx == self.signal_at:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step, as a scheduler's would
+            os.kill(os.getpid(), self.signum)  # arrives mid-step, as a scheduler's would
         x, y = batch
         return nn.functional.mse_loss(self.layer(x), y)
 

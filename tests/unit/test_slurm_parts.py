@@ -156,6 +156,30 @@ def test_signal_saves_once_at_the_step_boundary_and_stops_at_the_next_batch(tmp_
     assert stop.value.checkpoint == tmp_path / "step000006.ckpt"
 
 
+def test_once_the_guard_votes_the_signal_rides_in_its_vote_and_no_collective_of_its_own_runs(tmp_path: Path) -> None:
+    checkpoints = FakeCheckpoints(tmp_path)
+    callback = CheckpointOnSignal(checkpoints)  # type: ignore[arg-type]
+    decisions: list[bool] = []
+    trainer = fake_trainer(1, decisions)
+    callback.agreed(trainer, 0.0)  # step 1's vote: nobody signalled
+    callback.on_train_batch_end(trainer)
+    assert decisions == [] and checkpoints.saved == []
+    assert callback.flag(trainer) == 0.0
+    callback.agreed(trainer, float(signal.SIGUSR1))  # step 2's vote: another rank got USR1, this one nothing
+    callback.on_train_batch_end(fake_trainer(2, decisions))
+    assert decisions == [] and checkpoints.saved == [2]
+    with pytest.raises(Preempted) as stop:
+        callback.on_train_batch_start()
+    assert (stop.value.step, stop.value.signal_name) == (2, "SIGUSR1")
+
+
+def test_this_ranks_signal_is_its_part_of_the_vote(tmp_path: Path) -> None:
+    callback = CheckpointOnSignal(FakeCheckpoints(tmp_path))  # type: ignore[arg-type]
+    callback._flag(signal.SIGUSR2, None)
+    callback._flag(signal.SIGUSR1, None)  # the first signal is the one it reports
+    assert callback.flag(fake_trainer(3, [])) == float(signal.SIGUSR2)
+
+
 def test_failure_record_keeps_the_first_error(tmp_path: Path) -> None:
     try:
         raise RuntimeError("first\nsecond line")

@@ -17,6 +17,7 @@ from disttrain.config.schema import TrainerConfig
 from disttrain.launch.env import process_role
 from disttrain.reliability.faults import FaultInjection, faults_from_env
 from disttrain.reliability.nan_guard import NonFiniteGuard
+from disttrain.reliability.preemption import CheckpointOnSignal
 from disttrain.reliability.sigterm import SigtermInVote
 
 
@@ -25,10 +26,16 @@ class Reliability:
     checkpoints: StepCheckpoint
     guard: NonFiniteGuard
     callbacks: list[pl.Callback]  # in the order the Trainer must run them
+    # Under SLURM: the preemption checkpoint, to run after every other callback (the step it stops at has been seen
+    # by all of them); its flag already rides in the guard's vote.
+    preemption: CheckpointOnSignal | None = None
 
 
-def build_reliability(t: TrainerConfig, ckpt_dir: Path, clip_norm: float | None = None) -> Reliability:
-    """``clip_norm``: the guard clips the gradients by this norm (the Trainer must then not clip them itself)."""
+def build_reliability(
+    t: TrainerConfig, ckpt_dir: Path, clip_norm: float | None = None, preemptible: bool = False
+) -> Reliability:
+    """``clip_norm``: the guard clips the gradients by this norm (the Trainer must then not clip them itself).
+    ``preemptible``: the job's scheduler warns with a signal before it ends it (SLURM): checkpoint and stop then."""
     guard = NonFiniteGuard(t.nan_policy, t.max_nan_skips, clip_norm=clip_norm)
     sigterm = SigtermInVote()  # Lightning's per-batch SIGTERM broadcast, carried by the guard's vote instead
     guard.riders.append(sigterm)
@@ -46,4 +53,7 @@ def build_reliability(t: TrainerConfig, ckpt_dir: Path, clip_norm: float | None 
     callbacks: list[pl.Callback] = [guard, sigterm, checkpoints, RankRngState(t.seed)]
     if injector is not None:
         callbacks.append(injector)
-    return Reliability(checkpoints, guard, callbacks)
+    preemption = CheckpointOnSignal(checkpoints) if preemptible else None
+    if preemption is not None:
+        guard.riders.append(preemption)  # the same on every rank of a job
+    return Reliability(checkpoints, guard, callbacks, preemption)

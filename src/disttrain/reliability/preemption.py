@@ -2,14 +2,16 @@
 
 SLURM signals every task of the job ``signal_delay_s`` before its time limit (``--signal=USR2@<s>``, written by
 ``hydra/launcher=slurm``); a preemption or ``scancel --signal=USR2`` looks the same. The handler only sets a flag:
-saving inside a signal handler would start a collective at a different point of each rank's step. At the end
-of every optimizer step the ranks agree (one flagged rank is enough), save ``step<N>.ckpt`` together through
-the run's ``StepCheckpoint`` and leave ``fit`` by raising ``Preempted`` as the next batch starts (once this
-step's metrics are logged). ``slurm_attempt`` (around training in ``run.py``) then requeues the job from rank 0
-and waits for SLURM to end this attempt. The next attempt runs the same Hydra job in the same run dir with
-``SLURM_RESTART_COUNT`` > 0, which ``prepare`` treats as a restart: it resumes from that dir's newest complete
-checkpoint. Lightning's own SLURM auto-requeue is switched off (``SLURMEnvironment(auto_requeue=False)`` in
-``build.py``): it saves from inside the signal handler.
+saving inside a signal handler would start a collective at a different point of each rank's step. The flag
+rides in the non-finite guard's vote (one all-reduce per optimizer step that runs anyway; a collective of its
+own would be a second host read per step, a device sync on a GPU); before the first vote, or where a strategy's
+engine skips the guard's hook, a collective of its own decides. One flagged rank is enough: at the end of that
+optimizer step the ranks save ``step<N>.ckpt`` together through the run's ``StepCheckpoint`` and leave ``fit`` by
+raising ``Preempted`` as the next batch starts (once this step's metrics are logged). ``slurm_attempt`` (around
+training in ``run.py``) then requeues the job from rank 0 and waits for SLURM to end this attempt. The next
+attempt runs the same Hydra job in the same run dir with ``SLURM_RESTART_COUNT`` > 0, which ``prepare`` treats as
+a restart: it resumes from that dir's newest complete checkpoint. Lightning's own SLURM auto-requeue is switched
+off (``SLURMEnvironment(auto_requeue=False)`` in ``build.py``): it saves from inside the signal handler.
 """
 
 from __future__ import annotations
@@ -46,15 +48,28 @@ class Preempted(Exception):
 
 
 class CheckpointOnSignal(pl.Callback):
-    """Every rank: flag the warning signal, and at the next optimizer step boundary save and stop together."""
+    """Every rank: flag the warning signal, and at the next optimizer step boundary save and stop together.
+
+    Install it in ``NonFiniteGuard.riders`` too, so the flag rides in the guard's vote (see the module doc)."""
 
     def __init__(self, checkpoints: StepCheckpoint, signals: tuple[signal.Signals, ...] = PREEMPT_SIGNALS) -> None:
         self.checkpoints = checkpoints
         self.signals = signals
-        self.received: int | None = None
+        self.received: int | None = None  # this rank's signal
+        self.votes = 0
+        self.voted: int | None = None  # the signal the vote agreed on (the highest number, if ranks got different ones)
         self.last_step = -1
         self.pending: Preempted | None = None
         self._previous: dict[int, object] = {}
+
+    def flag(self, trainer: pl.Trainer) -> float:
+        """This rank's part of the guard's vote: the signal's number, or 0."""
+        return float(self.received or 0)
+
+    def agreed(self, trainer: pl.Trainer, highest: float) -> None:
+        self.votes += 1
+        if highest > 0 and self.voted is None:
+            self.voted = int(highest)
 
     def _flag(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -74,10 +89,15 @@ class CheckpointOnSignal(pl.Callback):
         if step == self.last_step or self.pending is not None:  # decide once per optimizer step
             return
         self.last_step = step
-        # A collective on every step: the signal reaches ranks at different moments, and all must stop together.
-        if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+        # The signal reaches ranks at different moments, and all must stop together: the guard's vote decides once
+        # it has run (every rank has seen as many votes at any batch end); until then a collective of our own.
+        if self.votes:
+            if self.voted is None:
+                return
+        elif not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
             return
-        name = signal.Signals(self.received).name if self.received is not None else "signal (on another rank)"
+        received = self.received or self.voted
+        name = signal.Signals(received).name if received is not None else "signal (on another rank)"
         skip = step == 0 or (self.checkpoints.skip_save is not None and self.checkpoints.skip_save())
         if self.checkpoints.last_saved_step != step and not skip:
             self.checkpoints.last_saved_step = step

@@ -34,7 +34,6 @@ from disttrain.models.factory import ModelFacts, resolve_target
 from disttrain.models.module import LanguageModelModule
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
-from disttrain.reliability.preemption import CheckpointOnSignal
 from disttrain.strategies.auto import layout_of
 from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.spec import StrategyBuild, spec_of
@@ -171,7 +170,9 @@ def build_trainer(
     spec = spec_of(cfg.strategy)
     # Where torch clips by the global norm, the non-finite guard does it with the norm it computes anyway.
     guard_clips = spec.norm_clipped_by_torch and not spec.engine_runs_the_step and bool(t.grad_clip)
-    reliability = build_reliability(t, ckpt_dir, clip_norm=t.grad_clip if guard_clips else None)
+    slurm = current_task()
+    clip_norm = t.grad_clip if guard_clips else None
+    reliability = build_reliability(t, ckpt_dir, clip_norm=clip_norm, preemptible=slurm is not None)
     throughput = Throughput(
         plan.global_batch_size * cfg.model.seq_len,
         skip_steps=min(10, t.max_steps // 10),
@@ -183,9 +184,8 @@ def build_trainer(
     if diagnostics is not None:
         callbacks.append(diagnostics)
         reliability.guard.record = diagnostics.write  # a non-finite step shows in this rank's telemetry
-    slurm = current_task()
-    if slurm is not None:  # last: the step it stops at has been seen by every callback above
-        callbacks.append(CheckpointOnSignal(reliability.checkpoints))
+    if reliability.preemption is not None:  # last: the step it stops at has been seen by every callback above
+        callbacks.append(reliability.preemption)
     else:  # ranks are launch.py's: Lightning's hint to start them with srun (wherever srun exists) does not apply
         warnings.filterwarnings("ignore", message=r".*The `srun` command is available on your system")
     # A loader batch is a whole step's micro-batches where the strategy's engine splits them; else one micro-batch.
