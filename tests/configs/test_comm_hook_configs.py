@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import pytest
+import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import COMM_HOOKS, DDPConfig
 from disttrain.config.validate import validate_run
-from disttrain.models import apply_activation_checkpointing
+from disttrain.models import apply_activation_checkpointing, build_model
 from disttrain.strategies.comm_hooks import bf16_hook_for_gloo
 from disttrain.strategies.ddp import HookedDDPStrategy, build_ddp
 from disttrain.strategies.powersgd import PowerSGDComm, powersgd_hook
@@ -38,6 +43,24 @@ def test_gradient_as_bucket_view_is_decided_by_the_device_unless_set(overrides: 
     assert built._ddp_kwargs["gradient_as_bucket_view"] is expected
     backend = "nccl" if run_cfg.hw.accelerator == "gpu" else "gloo"
     assert build_ddp(DDPConfig(), backend)._ddp_kwargs["gradient_as_bucket_view"] is (backend == "nccl")
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [([], True), (["strategy.forward_sync_buffers=false"], False)])
+def test_forward_buffer_sync_reaches_ddp_without_torchs_deprecation_warning(
+    overrides: list[str], expected: bool, tmp_path: Path
+) -> None:
+    run_cfg = parse_run_config(compose_train(overrides))
+    strategy = build_strategy(run_cfg, 2, apply_activation_checkpointing).strategy
+    strategy.parallel_devices = [torch.device("cpu")]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            warnings.filterwarnings("error", message=".*broadcast_buffers.*")
+            model = strategy._setup_model(build_model(run_cfg.model, seed=0))
+        assert model.broadcast_buffers is expected  # forward_sync_buffers on torch >= 2.13 (the old name a property)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("hook", COMM_HOOKS)

@@ -3,10 +3,16 @@
 ``strategy.comm_hook`` registers one of torch's DDP communication hooks. Lightning's DDPStrategy registers hooks
 only on CUDA (a torch 1.8 restriction that no longer holds: gloo runs them), so ``HookedDDPStrategy`` registers
 them on every device, and keeps a stateful hook's state (PowerSGD) in each checkpoint.
+
+``strategy.forward_sync_buffers`` is DDP's broadcast of rank 0's buffers before every forward (torch's default,
+true). A model whose buffers never change (rotary caches, masks) does not need it, yet on 2 CPU ranks turning it
+off made steps 24% slower (README, "Tests and benchmarks"): the broadcast also lines the ranks up at every
+forward. Left to an A/B on the user's hardware.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,14 @@ def register_comm_hook(model: DistributedDataParallel, state: object | None, hoo
     if isinstance(state, PowerSGDComm):
         state.bind(model)
     model.register_comm_hook(state=state, hook=hook)
+
+
+# torch 2.13 renamed DDP's ``broadcast_buffers`` (deprecated; false also skipped the sync when DDP wraps the model).
+FORWARD_SYNC_KWARG = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 class HookedDDPStrategy(UniversalCheckpointing, DDPStrategy):
@@ -89,6 +103,7 @@ def build_ddp(cfg: DDPConfig, backend: str) -> DDPStrategy:
         gradient_as_bucket_view=cfg.for_accelerator("gpu" if backend == "nccl" else "cpu").gradient_as_bucket_view,
         bucket_cap_mb=cfg.bucket_cap_mb,
         static_graph=cfg.static_graph,
+        **({} if cfg.forward_sync_buffers else {FORWARD_SYNC_KWARG: False}),  # true: DDP's default, no warning
         ddp_comm_state=state,
         ddp_comm_hook=hook,
     )
