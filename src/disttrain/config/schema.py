@@ -197,7 +197,7 @@ class DDPConfig:
     bucket_cap_mb: int = 25
     static_graph: bool = False
     # DDP broadcasts rank 0's buffers before every forward (torch's default). Constant buffers (rotary caches) do
-    # not need it, but false measured 24% slower per step on 2 CPU ranks (README): A/B it on your hardware.
+    # not need it; two A/Bs of false on 2 CPU ranks disagreed (24% slower, 2-6% faster; README): A/B it where you run.
     forward_sync_buffers: bool = True
     comm_hook: str = "none"  # none | bf16 | fp16 | powersgd
     powersgd_rank: int = 4  # rank of the P, Q factors: (rows + cols) x rank values per matrix instead of rows x cols

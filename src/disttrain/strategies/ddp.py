@@ -5,9 +5,9 @@ only on CUDA (a torch 1.8 restriction that no longer holds: gloo runs them), so 
 them on every device, and keeps a stateful hook's state (PowerSGD) in each checkpoint.
 
 ``strategy.forward_sync_buffers`` is DDP's broadcast of rank 0's buffers before every forward (torch's default,
-true). A model whose buffers never change (rotary caches, masks) does not need it, yet on 2 CPU ranks turning it
-off made steps 24% slower (README, "Tests and benchmarks"): the broadcast also lines the ranks up at every
-forward. Left to an A/B on the user's hardware.
+true). A model whose buffers never change (rotary caches, masks) does not need it, but turning it off is not a
+sure gain: on 2 CPU ranks one A/B read it 24% slower, another 2-6% faster (README, "Tests and benchmarks"). Left
+at torch's default, for an A/B on the user's hardware.
 """
 
 from __future__ import annotations
