@@ -97,7 +97,6 @@ class Watchdog(threading.Thread):
         local_rank: int,
         write: Callable[..., None],
         on_fire: Callable[[dict], None] | None = None,  # gets the hang: last_step, timeout_s, outside_collectives
-        check_every_s: float = 1.0,
     ) -> None:
         super().__init__(name="disttrain-watchdog", daemon=True)
         self.timeout_s = timeout_s
@@ -106,7 +105,6 @@ class Watchdog(threading.Thread):
         self.local_rank = local_rank
         self.write = write
         self.on_fire = on_fire
-        self.check_every_s = check_every_s
         self.last_step = 0
         self._last_beat = time.monotonic()
         self._stop_event = threading.Event()
@@ -119,9 +117,14 @@ class Watchdog(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
-        while not self._stop_event.wait(self.check_every_s):
-            if time.monotonic() - self._last_beat > self.timeout_s:
+        # Sleep until the deadline the last beat set, not on a fixed tick: a 600 s timeout then wakes this thread
+        # about once per 600 s instead of every second, and fires on time rather than up to a tick late.
+        while True:
+            left = self._last_beat + self.timeout_s - time.monotonic()
+            if left <= 0:
                 self.fire()
+                return
+            if self._stop_event.wait(left):
                 return
 
     def fire(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +24,7 @@ from diagnostics.collect.profile_window import (
 )
 from diagnostics.collect.sampler import CpuReader, make_reader
 from diagnostics.collect.steps import PhaseTimer
-from diagnostics.collect.watchdog import in_collective, main_thread_stack, node_ranks
+from diagnostics.collect.watchdog import Watchdog, in_collective, main_thread_stack, node_ranks
 
 
 class FakeClock:
@@ -278,6 +280,59 @@ def test_node_ranks_come_from_meta_records(tmp_path: Path) -> None:
         record = {"kind": "meta", "rank": rank, "pid": 1000 + rank, "hostname": host}
         (telemetry / f"rank{rank:04d}.jsonl").write_text(json.dumps(record) + "\n{torn")
     assert node_ranks(telemetry) == {0: 1000, 1: 1001}
+
+
+class RecordingWatchdog(Watchdog):
+    """Records when it would dump stacks and end the ranks, instead of doing it."""
+
+    def __init__(self, timeout_s: float, tmp_path: Path) -> None:
+        super().__init__(timeout_s, tmp_path, rank=0, local_rank=0, write=lambda *a, **k: None)
+        self.fired_at: float | None = None
+        self.fired = threading.Event()
+
+    def fire(self) -> None:
+        self.fired_at = time.monotonic()
+        self.fired.set()
+
+
+def test_watchdog_fires_a_timeout_after_the_last_beat_and_not_while_steps_beat(tmp_path: Path) -> None:
+    dog = RecordingWatchdog(1.0, tmp_path)
+    dog.start()
+    beating_until = time.monotonic() + 2.0  # two timeouts of steady beats: a fixed-deadline watchdog would fire
+    while time.monotonic() < beating_until:
+        dog.beat(7)
+        time.sleep(0.05)
+    last_beat = time.monotonic()
+    dog.beat(8)
+    assert not dog.fired.is_set()
+    assert dog.fired.wait(10)
+    assert dog.fired_at is not None and dog.fired_at - last_beat >= 1.0
+    assert dog.last_step == 8
+    dog.join(5)
+    assert not dog.is_alive()
+
+
+class CountingEvent(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_watchdog_sleeps_until_its_deadline_and_stops_at_once(tmp_path: Path) -> None:
+    dog = RecordingWatchdog(600, tmp_path)
+    dog._stop_event = CountingEvent()
+    dog.start()
+    for step in range(15):  # 1.5 s of steps: a watchdog polling every second would have woken already
+        dog.beat(step)
+        time.sleep(0.1)
+    dog.stop()
+    dog.join(2)
+    assert not dog.is_alive() and not dog.fired.is_set()
+    assert dog._stop_event.waits == 1
 
 
 def test_cpu_reader_is_labelled_and_reports_rss() -> None:
