@@ -161,7 +161,8 @@ class NonFiniteGuard(pl.Callback):
         norm_bad = (~torch.isfinite(local_tensor(check))).any() if check is not None else torch.tensor(False)
         bad_loss = self._bad_loss if self._bad_loss is not None else torch.tensor(False)
         self._bad_loss = None
-        riders = [torch.tensor(rider.flag(trainer), device=device) for rider in self.riders]
+        # The riders' host flags cross to the device as one tensor: one copy per step, not one per rider.
+        riders = torch.tensor([rider.flag(trainer) for rider in self.riders], device=device).unbind()
         loss_vote, norm_vote, *verdicts = vote([bad_loss.to(device), norm_bad.to(device), *riders])
         for rider, highest in zip(self.riders, verdicts, strict=True):
             rider.agreed(trainer, highest)

@@ -92,9 +92,10 @@ class CheckpointOnSignal(pl.Callback):
         # The signal reaches ranks at different moments, and all must stop together: the guard's vote decides once
         # it has run (every rank has seen as many votes at any batch end); until then a collective of our own.
         if self.votes:
-            if self.voted is None:
-                return
-        elif not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            stop = self.voted is not None
+        else:
+            stop = trainer.strategy.reduce_boolean_decision(self.received is not None, all=False)
+        if not stop:
             return
         received = self.received or self.voted
         name = signal.Signals(received).name if received is not None else "signal (on another rank)"
