@@ -53,7 +53,8 @@ def build_reliability(
     callbacks: list[pl.Callback] = [guard, sigterm, checkpoints, RankRngState(t.seed)]
     if injector is not None:
         callbacks.append(injector)
-    preemption = CheckpointOnSignal(checkpoints) if preemptible else None
-    if preemption is not None:
+    preemption = None
+    if preemptible:
+        preemption = CheckpointOnSignal(checkpoints)
         guard.riders.append(preemption)  # the same on every rank of a job
     return Reliability(checkpoints, guard, callbacks, preemption)
