@@ -35,7 +35,7 @@ def plan_request(request: PlanRequest) -> Plan:
         return plan(
             request.target,
             request.hw,
-            precision=request.precision.name,
+            precision=request.precision.planner,
             micro_batch_size=request.trainer.micro_batch_size,
             global_batch_size=request.trainer.global_batch_size,
             seq_len=request.seq_len,

@@ -60,6 +60,9 @@ class Scenario:
     mfu: float = 0.35  # against the datasheet (GPU) or calibrated (CPU) peak
     mem_fraction: float = 0.45  # GPU reserved / device memory
     throttle_rank: int | None = None
+    # The throttled device's reasons, and its power limits as NVML reports them (None: older telemetry without them).
+    throttle_reasons: tuple[str, ...] = ("sw_thermal_slowdown", "hw_thermal_slowdown")
+    power_limits_w: tuple[float, float] | None = None  # (enforced, default)
     bubble: float | None = None
     hang_after: int | None = None  # last completed step before every rank stops
     # (rank, step, phase): that rank raises in that step; the others' next collective fails ("closed by peer").
@@ -403,6 +406,12 @@ def _write_profile(writers: list[TelemetryWriter], sc: Scenario, t: float, mean_
         slow = sc.slow_factor if rank == sc.slow_rank else 1.0
         compute = (sc.forward + sc.backward + sc.optimizer) * slow
         comm, overlap = sc.profile_comm, sc.profile_comm * sc.overlap
+        idle = max(0.0, mean_step - (compute + comm - overlap))
+        if sc.gpu:
+            # The device runs queued kernels while the host waits for them (at a sync, or between steps): it idles
+            # only where the host launched nothing (host_gap), and its kernels fill the rest of the step.
+            idle = min(sc.host_gap, mean_step)
+            compute = mean_step - idle - (comm - overlap)
         w.write(
             "profile",
             t=t,
@@ -411,7 +420,7 @@ def _write_profile(writers: list[TelemetryWriter], sc: Scenario, t: float, mean_
             compute_s=3 * compute,
             comm_s=3 * comm,
             overlap_s=3 * overlap,
-            idle_s=3 * max(0.0, mean_step - (compute + comm - overlap)),
+            idle_s=3 * idle,
             comm_by_op={op: 3 * sc.profile_comm / len(sc.comm_ops) for op in sc.comm_ops},
             trace_file=None,
             backend="gloo",
@@ -486,7 +495,12 @@ def _sample(w: TelemetryWriter, sc: Scenario, rank: int, step: int, t: float) ->
         power_w=690.0,
         sm_clock_mhz=1350.0 if throttled else 1980.0,
         temp_c=89.0 if throttled else 62.0,
-        throttle_reasons=["sw_thermal_slowdown", "hw_thermal_slowdown"] if throttled else [],
+        throttle_reasons=list(sc.throttle_reasons) if throttled else [],
+        **(
+            {"power_limit_w": sc.power_limits_w[0], "default_power_limit_w": sc.power_limits_w[1]}
+            if sc.power_limits_w
+            else {}
+        ),
     )
 
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from diagnostics.analysis.context import RunContext
-from diagnostics.analysis.detect_steps import collective_comm_s, exposed_comm, step_transfer_lower_bound
+from diagnostics.analysis.detect_steps import (
+    collective_comm_s,
+    exposed_comm,
+    step_transfer_lower_bound,
+    training_samples,
+)
 from diagnostics.analysis.finding import Finding, cost, costed, ranks_text, ranks_verb
-from diagnostics.analysis.load import RunTelemetry, num
+from diagnostics.analysis.load import RunTelemetry, Sample, num
 from diagnostics.analysis.stats import mean, median, present, ratio, rounded
 from diagnostics.analysis.summary import RankPhases, Summary
 from diagnostics.analysis.thresholds import (
@@ -156,7 +161,7 @@ def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     reasons: dict[int, list[str]] = {}
     clocks: dict[int, dict[str, float | None]] = {}
     for rank, tele in run.ranks.items():
-        nvml = [s for s in tele.samples if s.source == "nvml"]
+        nvml = [s for s in training_samples(tele) if s.source == "nvml"]  # not the idle clocks of start-up
         hits = [slowdown_reasons(s.throttle_reasons) for s in nvml]
         if not nvml or not any(hits):
             continue
@@ -176,6 +181,16 @@ def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     worst = max(shares[r] for r in flagged)
     # A synchronous job runs at its slowest device: the worst device's clock loss is the job's.
     lost = {r: shares[r] * (clocks[r]["clock_lost"] if clocks[r]["clock_lost"] is not None else 1.0) for r in flagged}
+    rated = {r: limit for r in flagged if (limit := at_rated_power(training_samples(run.ranks[r]), reasons[r]))}
+    if len(rated) == len(flagged):
+        # The cap the board ships with, reached under full load: how every such GPU runs, not a fault to fix.
+        message = (
+            f"{ranks_text(flagged)}: GPU clocks held at the rated power limit ({max(rated.values()):.0f} W) in "
+            f"{100 * worst:.0f}% of samples: a fully loaded GPU's normal state"
+        )
+        evidence = {"throttled_sample_fraction": {r: rounded(shares[r]) for r in flagged}, "power_limit_w": rated}
+        basis = "throttled share of NVML samples x SM clock lost in them; the default power limit, not lowered"
+        return [costed("throttling", flagged, evidence, message, max(lost.values()), basis, corroborated=False)]
     evidence = {
         "throttled_sample_fraction": {r: rounded(shares[r]) for r in flagged},
         "reasons": {r: reasons[r] for r in flagged},
@@ -188,6 +203,18 @@ def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     )
     basis = "throttled share of NVML samples x SM clock lost in them (unknown clocks: the share), worst device"
     return [costed("throttling", flagged, evidence, message, max(lost.values()), basis, metric=worst)]
+
+
+def at_rated_power(samples: list[Sample], reasons: list[str]) -> float | None:
+    """The enforced power limit when the only slowdown is the power cap and that cap is the board's default one
+    (not lowered by an administrator or a job); None otherwise, or where the telemetry lacks the limits."""
+    if reasons != ["sw_power_cap"]:
+        return None
+    limits = [(s.power_limit_w, s.default_power_limit_w) for s in samples if s.source == "nvml"]
+    known = [(enforced, default) for enforced, default in limits if enforced and default]
+    if not known or any(enforced < 0.99 * default for enforced, default in known):
+        return None
+    return max(enforced for enforced, _ in known)
 
 
 def detect_low_mfu(run: RunTelemetry, summary: Summary) -> list[Finding]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
 from diagnostics.analysis.finding import pct as _pct
-from diagnostics.analysis.load import RunTelemetry
-from diagnostics.analysis.stats import mean, mean_lower_bound, median, ratio, rounded, steady
-from diagnostics.analysis.summary import RankPhases, unattributed_s
+from diagnostics.analysis.load import RankTelemetry, RunTelemetry, Sample
+from diagnostics.analysis.stats import mean, mean_lower_bound, median, present, ratio, rounded, steady
+from diagnostics.analysis.summary import RankPhases, run_device, unattributed_s
 from diagnostics.analysis.thresholds import (
     BUBBLE_FRACTION,
     COMM_BOUND_FRACTION,
@@ -206,14 +206,29 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
 
 
 def _low_util(run: RunTelemetry, phases: list[RankPhases]) -> dict[int, float]:
-    """Mean NVML utilization of ranks whose idle device neither data wait nor communication explains."""
+    """Mean NVML utilization over the training steps of ranks whose idle device neither data wait nor communication
+    explains. Only without a profile window: the window times the kernels themselves, and NVML's mean over a short
+    run is mostly start-up (an H200 compiling llama-1b for 40 s then training for 15 s read 44% busy while its
+    profiled steps were 99% busy)."""
     out = {}
     for p in phases:
-        util = mean(s.util_pct for s in run.ranks[p.rank].samples if s.source == "nvml")
+        if p.profile_total_s is not None:
+            continue
+        util = mean(s.util_pct for s in training_samples(run.ranks[p.rank]) if s.source == "nvml")
         waits = (ratio(p.data_wait_s, p.step_s) or 0.0) + (ratio(p.comm_wait_s, p.step_s) or 0.0)
         if util is not None and util < LOW_DEVICE_UTIL_PCT and waits < EXPLAINED_WAIT_FRACTION:
             out[p.rank] = util
     return out
+
+
+def training_samples(tele: RankTelemetry) -> list[Sample]:
+    """The rank's samples taken while it ran its steady steps (all of them where steps carry no start time)."""
+    steps = [s for s in steady(tele.steps) if s.start_t and s.step_s is not None]
+    if not steps:
+        return tele.samples
+    first, last = steps[0].start_t, max(s.start_t + s.step_s for s in steps)  # type: ignore[operator]
+    inside = [s for s in tele.samples if first <= s.t <= last]
+    return inside or tele.samples
 
 
 def _unexplained_idle(p: RankPhases) -> float | None:
@@ -225,6 +240,17 @@ def _unexplained_idle(p: RankPhases) -> float | None:
     if p.profile_idle_s is None or p.profile_total_s is None:
         return None
     return ratio(max(0.0, p.profile_idle_s - (p.data_wait_s or 0.0) - (p.comm_wait_s or 0.0)), p.profile_total_s)
+
+
+def host_unattributed(run: RunTelemetry, phases: list[RankPhases]) -> dict[int, float]:
+    """``shared_unattributed`` where host clocks time the work (CPU); nothing on a GPU (see ``run_device``)."""
+    return {} if run_device(run) == "gpu" else shared_unattributed(run, phases)
+
+
+def device_idle(phases: list[RankPhases]) -> float | None:
+    """The smallest share of a profiled step any rank's device spent with no kernel running, beyond its data and
+    communication waits: what every rank pays for a host that does not keep its device fed (None: no profile)."""
+    return min(present(_unexplained_idle(p) for p in phases), default=None)
 
 
 def shared_unattributed(run: RunTelemetry, phases: list[RankPhases]) -> dict[int, float]:
@@ -250,7 +276,9 @@ def shared_unattributed(run: RunTelemetry, phases: list[RankPhases]) -> dict[int
 
 
 def detect_host_overhead(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
-    unattributed = shared_unattributed(run, phases)
+    # On a GPU the time outside the host-timed phases is the host waiting for queued kernels, not overhead: there only
+    # the device's own idle time (the profile's kernels, NVML's utilization) says the host failed to keep it busy.
+    unattributed = host_unattributed(run, phases)
     idle = {p.rank: f for p in phases if (f := _unexplained_idle(p)) is not None}
     if len(idle) > 1:  # the same for the profile: a rank idles while it waits for a slow one
         idle = dict.fromkeys(idle, min(idle.values()))

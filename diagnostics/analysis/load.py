@@ -20,6 +20,7 @@ from diagnostics.telemetry import TELEMETRY_DIR
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl$")
 SAMPLE_NUMBERS = (
     "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "sm_clock_mhz", "temp_c", "cpu_util_pct", "rss_bytes",
+    "power_limit_w", "default_power_limit_w",
 )  # fmt: skip
 
 
@@ -75,6 +76,8 @@ class Sample:
     throttle_reasons: Any
     cpu_util_pct: float | None
     rss_bytes: float | None
+    power_limit_w: float | None = None  # the enforced power limit (NVML), absent from older telemetry
+    default_power_limit_w: float | None = None  # the board's default limit: an enforced one below it was lowered
 
 
 @dataclass(frozen=True)

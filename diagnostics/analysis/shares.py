@@ -5,19 +5,22 @@ every rank pays (per step the minimum over ranks, see detect_steps.step_transfer
 rest of the ranks' comm wait, and of their time between steps beyond what every rank pays (a preemption
 vote or logging sync holds the ranks that reach it first): time a rank waited for a slower one. Compute is
 what remains, so a wait the collectors cannot separate (inside FSDP's per-block backward) counts as compute.
+On a GPU ``host`` is the profiled device's idle time that no data or communication wait explains (host clocks
+time kernel launches there, not kernels).
 """
 
 from __future__ import annotations
 
 from diagnostics.analysis.detect_steps import (
     collective_comm_s,
+    device_idle,
     profile_exposed,
     shared_unattributed,
     step_transfer_fraction,
 )
 from diagnostics.analysis.load import RunTelemetry
 from diagnostics.analysis.stats import mean, present, ratio, rounded, steady
-from diagnostics.analysis.summary import RankPhases
+from diagnostics.analysis.summary import RankPhases, run_device
 
 SHARES = ("compute", "data", "communication", "waiting", "bubble", "host")
 
@@ -30,6 +33,9 @@ def step_shares(run: RunTelemetry, phases: list[RankPhases]) -> dict[str, float]
     data = mean(ratio(p.data_wait_s or 0.0, p.step_s) for p in timed) or 0.0
     own_host = mean(ratio(p.other_median_s or 0.0, p.step_s) for p in timed) or 0.0
     host = min(shared_unattributed(run, phases).values(), default=0.0)  # what every rank pays between phases
+    if run_device(run) == "gpu":
+        # Host clocks time kernel launches there: the host's share is the device's unexplained idle time.
+        host = own_host = device_idle(phases) or 0.0
     waits = present(ratio(p.comm_wait_s, p.step_s) for p in timed if p.comm_wait_s is not None)
     transfer = step_transfer_fraction(run)
     if transfer is None:  # no comm wait records (FSDP, one rank): the profile's exposed share, if any

@@ -151,7 +151,9 @@ def job_step_times(run: RunTelemetry) -> list[float]:
     return list(by_step.values())
 
 
-def _device(run: RunTelemetry) -> str:
+def run_device(run: RunTelemetry) -> str:
+    """gpu | cpu | unknown. On a GPU the host's clocks time the launching of work, not the work: the rank's phases
+    end when their kernels are queued, and the host waits for the device wherever it next synchronises."""
     sources = {s.source for tele in run.ranks.values() for s in tele.samples}
     if "nvml" in sources:
         return "gpu"
@@ -229,7 +231,7 @@ def summarize(run: RunTelemetry) -> tuple[Summary, list[RankPhases]]:
     step_times = job_step_times(run)
     summary = Summary(
         world_size=run.world_size,
-        device=_device(run),
+        device=run_device(run),
         steps_recorded=max((len(t.steps) for t in run.ranks.values()), default=0),
     )
     summary.tokens_per_s, summary.tokens_per_s_source = _tokens_per_s(run, step_times)

@@ -66,6 +66,8 @@ class NvmlReader:
             "mem_used_bytes": memory.used,
             "mem_total_bytes": memory.total,
             "power_w": self._optional(lambda: n.nvmlDeviceGetPowerUsage(h) / 1000.0),
+            "power_limit_w": self._optional(lambda: n.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0),
+            "default_power_limit_w": self._optional(lambda: n.nvmlDeviceGetPowerManagementDefaultLimit(h) / 1000.0),
             "sm_clock_mhz": self._optional(lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
             "temp_c": self._optional(lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
             "throttle_reasons": [name for bit, name in THROTTLE_REASONS.items() if reasons & bit],

@@ -47,6 +47,8 @@ def needs_for(group: str, option: str, tmp_path: Path) -> list[str]:
         return ["model=hf-tiny-llama", *files]
     if group == "precision" and option == "fp16-mixed":
         return ["hw=1xa100"]
+    if group == "precision" and option == "fp8":
+        return ["hw=8xh100", "dry_run=true"]  # fp8 tensor cores: refused on CPU and A100s (test_fp8.py)
     if group == "hw" and option != "cpu":
         # Big enough global batches for 8-16 GPUs; dry runs only on this GPU-less machine.
         return ["dry_run=true"]
@@ -80,7 +82,7 @@ def test_every_group_has_options() -> None:
         "hf-tiny-gpt2",
     }  # fmt: skip
     assert set(group_options("hw")) >= {"cpu", "1xa100", "8xa100", "8xh100", "2x8xh100", "8xh200", "1xl4"}
-    assert set(group_options("precision")) == {"fp32", "bf16-mixed", "bf16-true", "fp16-mixed"}
+    assert set(group_options("precision")) == {"fp32", "bf16-mixed", "bf16-true", "fp16-mixed", "fp8"}
     assert set(group_options("strategy")) >= {"ddp", "fsdp", "deepspeed", "megatron", "auto"}
     assert set(group_options("data")) == {"synthetic", "text", "tokens", "hf"}
     assert set(group_options("logger")) == {"csv", "wandb", "tensorboard"}

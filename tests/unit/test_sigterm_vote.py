@@ -66,17 +66,17 @@ def test_another_ranks_sigterm_in_the_vote_ends_fit_after_the_same_batch(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """This rank got no signal; the vote at step 3 carries another rank's: fit ends after that batch, here too."""
-    real_vote = nan_guard.vote
+    real_vote = nan_guard.cast_vote
     calls: list[int] = []
 
-    def vote_with_another_rank(flags: list[torch.Tensor]) -> list[float]:
+    def vote_with_another_rank(flags: list[torch.Tensor]) -> torch.Tensor:
         calls.append(len(flags))
         verdict = real_vote(flags)
         if len(calls) == 3:
             verdict[2] = 4.0  # the max over ranks: rank 3 received SIGTERM
         return verdict
 
-    monkeypatch.setattr(nan_guard, "vote", vote_with_another_rank)
+    monkeypatch.setattr(nan_guard, "cast_vote", vote_with_another_rank)
     trainer, sigterm, steps_ended = fit(Regression(), tmp_path)
     assert sigterm.installed and sigterm.votes == 3 and sigterm.signalled_rank == 3
     assert calls == [3, 3, 3]  # loss, norm and the SIGTERM flag in one vote per step

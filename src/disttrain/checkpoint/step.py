@@ -54,7 +54,8 @@ class StepCheckpoint(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         step = trainer.global_step
         # Under gradient accumulation this hook runs on every micro-batch; save once per optimizer step.
-        if step == self.last_saved_step or step == 0:
+        # every_n_steps=0: no step checkpoints (a signal's checkpoint, preemption.py, calls save() itself).
+        if step == self.last_saved_step or step == 0 or not self.every_n_steps:
             return
         if step % self.every_n_steps and step < trainer.max_steps:
             return

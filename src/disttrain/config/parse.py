@@ -39,6 +39,7 @@ from disttrain.config.schema import (
     TextDataConfig,
     TokensDataConfig,
     TrainerConfig,
+    with_compile_decided,
 )
 
 T = TypeVar("T")
@@ -57,7 +58,7 @@ STRATEGY_KINDS: dict[str, type] = {
     "megatron": MegatronConfig,
     "auto": AutoStrategyConfig,
 }
-PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed", "fp8")
 LOGGERS = ("csv", "wandb", "tensorboard")
 OBJECTIVES = typing.get_args(Objective)
 
@@ -222,20 +223,22 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
     strategy = build_dataclass(strategy_cls, groups["strategy"], "strategy")
     if isinstance(strategy, DDPConfig):  # gradient_as_bucket_view: null is decided by the device
         strategy = strategy.for_accelerator(hw.accelerator)
-    return RunConfig(
-        model=parse_model(groups["model"]),
-        data=parse_data(groups["data"]),
-        strategy=strategy,
-        precision=build_dataclass(PrecisionConfig, groups["precision"], "precision"),
-        hw=hw,
-        optimizer=build_dataclass(OptimizerConfig, groups["optimizer"], "optimizer"),
-        trainer=build_dataclass(TrainerConfig, groups["trainer"], "trainer"),
-        logger=build_dataclass(LoggerConfig, groups["logger"], "logger"),
-        diagnostics=build_dataclass(DiagnosticsConfig, groups["diagnostics"], "diagnostics"),
-        dry_run=top["dry_run"],
-        resume=top["resume"],
-        resume_weights_only=top["resume_weights_only"],
-        check_memory=top["check_memory"],
-        calibration=top["calibration"],
-        objective=top["objective"],
+    return with_compile_decided(
+        RunConfig(
+            model=parse_model(groups["model"]),
+            data=parse_data(groups["data"]),
+            strategy=strategy,
+            precision=build_dataclass(PrecisionConfig, groups["precision"], "precision"),
+            hw=hw,
+            optimizer=build_dataclass(OptimizerConfig, groups["optimizer"], "optimizer"),
+            trainer=build_dataclass(TrainerConfig, groups["trainer"], "trainer"),
+            logger=build_dataclass(LoggerConfig, groups["logger"], "logger"),
+            diagnostics=build_dataclass(DiagnosticsConfig, groups["diagnostics"], "diagnostics"),
+            dry_run=top["dry_run"],
+            resume=top["resume"],
+            resume_weights_only=top["resume_weights_only"],
+            check_memory=top["check_memory"],
+            calibration=top["calibration"],
+            objective=top["objective"],
+        )
     )

@@ -44,7 +44,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     dropout: float = 0.0
     init_std: float = 0.02
-    compile: bool = False
+    # torch.compile of every block and of the loss; None: on where it pays, on GPUs under DDP or FSDP (decided by
+    # ``for_accelerator``), off on CPU (inductor's CPU compile takes longer than a CPU-sized run trains).
+    compile: bool | None = None
     # Rows of a learned position table when they are not seq_len: an HF model's own table (GPT-2's n_positions,
     # 1024, whatever seq_len it trains at). The reference model's table has seq_len rows; it leaves this null.
     position_rows: int | None = None
@@ -75,7 +77,7 @@ class CustomModelConfig:
     vocab_size: int
     seq_len: int
     name: str = "custom"
-    compile: bool = False
+    compile: bool | None = None  # None (what the reference presets carry): off, a user's model is compiled on request
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,7 +97,7 @@ class HFModelConfig:
     seq_len: int = 128
     init_std: float | None = None  # None: the config's initializer_range (0.02 when it has none)
     attn_implementation: str = "sdpa"  # transformers' attention kernel: sdpa | eager
-    compile: bool = False
+    compile: bool | None = None  # None: off (torch.compile of the whole HF model on request)
 
     @property
     def vocab_size(self) -> int:
@@ -116,7 +118,7 @@ class SyntheticDataConfig:
     num_val_tokens: int = 131_072
     source_seed: int = 1234  # fixes the Markov source itself, independent of the training seed
     num_workers: int = 0
-    pin_memory: bool = False
+    pin_memory: bool | None = None  # None: pinned where batches go to a GPU (faster, asynchronous copies)
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ class TextDataConfig:
     name: str = "text"
     val_fraction: float = 0.05
     num_workers: int = 0
-    pin_memory: bool = False
+    pin_memory: bool | None = None  # None: pinned where batches go to a GPU (faster, asynchronous copies)
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class TokensDataConfig:
     val_path: str | None = None  # None: the tail ``val_fraction`` of train_path is held out
     val_fraction: float = 0.05
     num_workers: int = 0
-    pin_memory: bool = False
+    pin_memory: bool | None = None  # None: pinned where batches go to a GPU (faster, asynchronous copies)
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class HFDataConfig:
     val_fraction: float = 0.05
     cache_dir: str = "~/.cache/disttrain/tokens"
     num_workers: int = 0
-    pin_memory: bool = False
+    pin_memory: bool | None = None  # None: pinned where batches go to a GPU (faster, asynchronous copies)
 
 
 @dataclass(frozen=True)
@@ -284,18 +286,39 @@ StrategyConfig = DDPConfig | FSDPConfig | DeepSpeedConfig | MegatronConfig
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | bf16-mixed | bf16-true | fp16-mixed
+    name: str = "fp32"  # fp32 | bf16-mixed | bf16-true | fp16-mixed | fp8
+    # fp8 only: torchao's float8 scaling of the linear layers' inputs, weights and gradients: tensorwise (one scale
+    # per tensor; with FSDP2 the weights are all-gathered in fp8) or rowwise (one scale per row: more accurate).
+    recipe: str | None = None
 
     @property
     def lightning(self) -> str:
-        return {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true", "fp16-mixed": "16-mixed"}[
+        # fp8 trains under bf16 autocast; torchao's Float8Linear runs the linear layers' matmuls in fp8.
+        return {
+            "fp32": "32-true",
+            "bf16-mixed": "bf16-mixed",
+            "bf16-true": "bf16-true",
+            "fp16-mixed": "16-mixed",
+            "fp8": "bf16-mixed",
+        }[self.name]
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the run's time is judged against for MFU (fp8 against bf16's peak, as torchtitan reports it:
+        the embedding, attention and head still run in bf16, and the ratio stays comparable with a bf16 run)."""
+        return {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16", "fp8": "bf16"}[
             self.name
         ]
 
     @property
-    def compute_dtype(self) -> str:
-        """The dtype matmuls run in, which selects the hardware peak used for MFU."""
-        return {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "fp16-mixed": "fp16"}[self.name]
+    def fp8(self) -> bool:
+        return self.name == "fp8"
+
+    @property
+    def planner(self) -> str:
+        """The precision the planner models: fp8 as bf16-mixed (the same states, traffic and non-linear layers; its
+        linear layers at bf16's speed, so the predicted step is an upper bound for an fp8 run)."""
+        return "bf16-mixed" if self.fp8 else self.name
 
 
 @dataclass(frozen=True)
@@ -310,6 +333,9 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
+    # torch's fused AdamW kernel (one launch for all parameters): None = fused where every parameter lives on a GPU
+    # (DeepSpeed's CPU offload and FSDP2 cpu_offload step on the host), false = torch's foreach default.
+    fused: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -320,7 +346,7 @@ class TrainerConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     val_every_n_steps: int = 50
     val_batches: int = 8
-    ckpt_every_n_steps: int = 100
+    ckpt_every_n_steps: int = 100  # 0: no step checkpoints at all (throw-away and benchmark runs)
     log_every_n_steps: int = 10
     seed: int = 1337
     deterministic: bool = False
@@ -380,3 +406,17 @@ class RunConfig:
     # What the job returns to a Hydra sweeper (hydra/sweeper=optuna): the final validation loss (minimized) or the
     # training tokens/s (maximized); see disttrain.job.objective.
     objective: Objective = "val_loss"
+
+
+COMPILED_STRATEGIES = ("ddp", "fsdp")
+
+
+def with_compile_decided(cfg: RunConfig) -> RunConfig:
+    """``model.compile: null`` decided: on for the reference model on GPUs under DDP or FSDP (per-block compile is the
+    torchtitan recipe; both are measured in benchmarks/gpu_suite.py), off elsewhere. ``strategy=auto`` is decided
+    again once it names a strategy."""
+    model = cfg.model
+    if not isinstance(model, ModelConfig) or model.compile is not None or cfg.strategy.name == "auto":
+        return cfg
+    on = cfg.hw.accelerator == "gpu" and cfg.strategy.name in COMPILED_STRATEGIES
+    return replace(cfg, model=replace(model, compile=on))

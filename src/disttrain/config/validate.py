@@ -227,6 +227,38 @@ def validate_reliability(t: TrainerConfig) -> None:
     require_positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
 
 
+FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_STRATEGIES = ("ddp", "fsdp", "auto")
+
+
+def validate_fp8(cfg: RunConfig) -> None:
+    """precision=fp8 needs fp8 tensor cores, torchao, and a strategy whose model is torch's own nn.Linear layers."""
+    p = cfg.precision
+    if not p.fp8:
+        if p.recipe is not None:
+            raise ConfigError("precision.recipe", f"only applies to precision=fp8 (got {p.name})", "drop it")
+        return
+    require_one_of("precision.recipe", p.recipe, FP8_RECIPES)
+    if cfg.hw.accelerator != "gpu" or cfg.hw.peak_flops("fp8") is None:
+        raise ConfigError(
+            "precision",
+            f"fp8 needs GPUs with fp8 tensor cores (compute capability 8.9+: L4, H100, H200); hw={cfg.hw.name} "
+            "lists no fp8 peak (hw.peak_tflops.fp8)",
+            "use precision=bf16-mixed here, or an fp8-capable hw profile (hw=8xh100, hw=8xh200, hw=1xl4)",
+        )
+    if cfg.strategy.name not in FP8_STRATEGIES:
+        raise ConfigError(
+            "precision",
+            f"fp8 is composed with strategy=ddp and strategy=fsdp here, not strategy={cfg.strategy.name}",
+            "use strategy=fsdp (fp8 all-gathers with precision.recipe=tensorwise) or strategy=ddp",
+        )
+    from disttrain.models.fp8 import torchao_missing
+
+    missing = torchao_missing()
+    if missing is not None:
+        raise ConfigError("precision", f"fp8 training needs torchao: {missing}", "pip install torchao")
+
+
 def validate_run(cfg: RunConfig) -> BatchPlan:
     """All cross-field checks; returns the batch plan they imply."""
     validate_model(cfg.model)
@@ -235,7 +267,13 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
         require_positive(f"trainer.{key}", getattr(t, key))
     if t.global_batch_size is not None:
         require_positive("trainer.global_batch_size", t.global_batch_size)
-    require_positive("trainer.ckpt_every_n_steps", t.ckpt_every_n_steps)
+    require_positive("trainer.ckpt_every_n_steps", t.ckpt_every_n_steps, allow_zero=True)
+    if t.ckpt_every_n_steps == 0 and t.max_restarts:
+        raise ConfigError(
+            "trainer.max_restarts",
+            "a restart resumes from the newest checkpoint, and trainer.ckpt_every_n_steps=0 writes none",
+            "set trainer.ckpt_every_n_steps > 0, or trainer.max_restarts=0",
+        )
     require_positive("trainer.val_batches", t.val_batches, allow_zero=True)
     require_positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
     if t.num_threads is not None:
@@ -264,6 +302,7 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             "fp16-mixed is not supported on CPU (Lightning would silently run bf16 instead)",
             "use precision=bf16-mixed on CPU, or a GPU hw profile for fp16",
         )
+    validate_fp8(cfg)
     spec_of(cfg.strategy).validate(cfg)
     dg = cfg.diagnostics
     for key in ("step_every", "gather_every", "profile_active_steps"):

@@ -31,18 +31,25 @@ def describe_launch(
         f"hardware     hw={hw.name}: {layout.num_nodes} node(s) x {layout.devices_per_node} {device}"
         f" = world size {layout.world_size}",
         f"strategy     {cfg.strategy.name} ({_options(cfg.strategy)}), data-parallel size {layout.data_parallel_size}",
-        f"precision    {cfg.precision.name} (compute dtype {cfg.precision.compute_dtype})",
+        f"precision    {cfg.precision.name}"
+        + (f" ({cfg.precision.recipe} scaling; MFU against the bf16 peak)" if cfg.precision.fp8 else "")
+        + f" (compute dtype {cfg.precision.compute_dtype})",
         f"model        {cfg.model.name}: {num_parameters:,} parameters ({human_count(num_parameters)}),"
-        f" seq_len {cfg.model.seq_len}, {human_count(flops_per_token)}FLOP/token (6N + 12LHQT)",
+        f" seq_len {cfg.model.seq_len}, {human_count(flops_per_token)}FLOP/token (6N + 12LHQT)"
+        + (", torch.compile" if cfg.model.compile else ""),
         f"batch        global {plan.global_batch_size} = micro {plan.micro_batch_size} x dp {plan.data_parallel_size}"
         f" x accumulation {plan.accumulation}; {tokens_per_step:,} tokens/step",
         f"data         {cfg.data.name} ({_options(cfg.data)})",
         f"optimizer    {cfg.optimizer.name}: lr {cfg.optimizer.lr:g}, warmup {cfg.optimizer.warmup_steps},"
         f" weight decay {cfg.optimizer.weight_decay:g}",
         f"schedule     {cfg.trainer.max_steps} steps = {human_count(tokens_per_step * cfg.trainer.max_steps)} tokens,"
-        f" val every {cfg.trainer.val_every_n_steps}, checkpoint every {cfg.trainer.ckpt_every_n_steps}",
+        f" val every {cfg.trainer.val_every_n_steps}, {_checkpoints(cfg.trainer.ckpt_every_n_steps)}",
     ]
     return "\n".join(lines)
+
+
+def _checkpoints(every_n_steps: int) -> str:
+    return f"checkpoint every {every_n_steps}" if every_n_steps else "no checkpoints (trainer.ckpt_every_n_steps=0)"
 
 
 @dataclass(frozen=True)

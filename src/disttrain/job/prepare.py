@@ -25,7 +25,7 @@ from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import AutoStrategyConfig, HFDataConfig, RunConfig
+from disttrain.config.schema import AutoStrategyConfig, HFDataConfig, RunConfig, with_compile_decided
 from disttrain.config.validate import BatchPlan, WorldLayout, validate_run, world_layout
 from disttrain.launch.env import process_role
 from disttrain.planner import MemoryBreakdown
@@ -77,6 +77,7 @@ def resolve_strategy(
     if not isinstance(run_cfg.strategy, AutoStrategyConfig):
         return run_cfg, plan, None
     run_cfg, reason = resolve_auto(run_cfg, world_layout(run_cfg), plan, calibration)
+    run_cfg = with_compile_decided(run_cfg)
     return run_cfg, validate_run(run_cfg), reason
 
 
@@ -293,7 +294,20 @@ def check_launchable(prepared: Prepared, here: bool = True) -> None:
         import torch  # only GPU profiles need the device count
 
         cuda_devices = torch.cuda.device_count()
+        if run_cfg.precision.fp8 and cuda_devices:
+            check_fp8_device(torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
     check_machine_can_serve(run_cfg.hw, cuda_devices)
+
+
+def check_fp8_device(name: str, capability: tuple[int, int]) -> None:
+    """precision=fp8 on a GPU without fp8 tensor cores (before Ada/Hopper) would fail in the first matmul."""
+    if tuple(capability) < (8, 9):
+        raise ConfigError(
+            "precision",
+            f"fp8 needs compute capability 8.9+ (L4, H100, H200); this machine's {name} is "
+            f"{capability[0]}.{capability[1]}",
+            "use precision=bf16-mixed on this GPU",
+        )
 
 
 def check_machine_can_serve(hw: HardwareProfile, cuda_device_count: int) -> None:

@@ -264,6 +264,8 @@ def fit(
             manifest.tokenizer_sha256 = tokenizer_sha256(run_cfg.data.tokenizer)
         # The warmup the run uses (a default too long for max_steps was shortened by prepare).
         manifest.config["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
+        if "compile" in manifest.config["model"]:  # null decided by the device and strategy (schema.py)
+            manifest.config["model"]["compile"] = run_cfg.model.compile
         if rank_zero:
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest.config)))
             redact_yaml_files([run_dir / ".hydra" / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml")])

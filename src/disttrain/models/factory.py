@@ -36,19 +36,47 @@ def resolve_target(target: str, key: str) -> object:
         ) from None
 
 
+@dataclass(frozen=True)
+class Fp8Linears:
+    """precision=fp8: which torchao recipe the linear layers train with, and whether FSDP2 all-gathers in fp8."""
+
+    recipe: str
+    fsdp_all_gather: bool = False
+
+
 def build_model_factory(
-    model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int, placement: str = "whole"
+    model: ModelConfig | CustomModelConfig | HFModelConfig,
+    seed: int,
+    placement: str = "whole",
+    fp8: Fp8Linears | None = None,
 ) -> partial[nn.Module]:
-    """``placement`` (``model=hf`` only, see models/hf.py): where the strategy wants the starting weights."""
+    """``placement`` (``model=hf`` only, see models/hf.py): where the strategy wants the starting weights.
+    ``fp8``: swap the linear layers for torchao's fp8 ones, before any compile or parallel plan sees them."""
     if isinstance(model, HFModelConfig):
-        return partial(_build_hf_model, model, seed, placement=placement)
+        return partial(_build_hf_model, model, seed, placement=placement, fp8=fp8)
     if isinstance(model, CustomModelConfig):
-        return partial(_build_custom_model, model, resolve_target(model.target, "model._target_"))
-    return partial(_build_reference_model, model, seed)
+        return partial(_build_custom_model, model, resolve_target(model.target, "model._target_"), fp8=fp8)
+    return partial(_build_reference_model, model, seed, fp8=fp8)
 
 
-def _build_reference_model(model: ModelConfig, seed: int, device: str = "cpu") -> nn.Module:
+def maybe_apply_fp8(module: nn.Module, fp8: Fp8Linears | None) -> None:
+    if fp8 is None:
+        return
+    from disttrain.models.fp8 import apply_fp8
+
+    if apply_fp8(module, fp8.recipe, fp8.fsdp_all_gather) == 0:
+        raise ConfigError(
+            "precision",
+            "fp8 found no linear layer to convert (plain nn.Linear, dimensions multiples of 16, not the LM head)",
+            "use precision=bf16-mixed for this model",
+        )
+
+
+def _build_reference_model(
+    model: ModelConfig, seed: int, device: str = "cpu", fp8: Fp8Linears | None = None
+) -> nn.Module:
     module = build_model(model, seed=seed, device=device)
+    maybe_apply_fp8(module, fp8)
     if model.compile:
         # Per-block compilation (the torchtitan recipe) keeps FSDP's per-block hooks outside the graphs.
         for index, block in enumerate(module.blocks):
@@ -56,14 +84,19 @@ def _build_reference_model(model: ModelConfig, seed: int, device: str = "cpu") -
     return module
 
 
-def _build_hf_model(model: HFModelConfig, seed: int, device: str = "cpu", placement: str = "whole") -> nn.Module:
+def _build_hf_model(
+    model: HFModelConfig, seed: int, device: str = "cpu", placement: str = "whole", fp8: Fp8Linears | None = None
+) -> nn.Module:
     from disttrain.models.hf import build_hf_model  # imports transformers: only HF runs pay for it
 
     module = build_hf_model(model, seed, device, placement)
+    maybe_apply_fp8(module, fp8)
     return torch.compile(module) if model.compile and device != "meta" else module
 
 
-def _build_custom_model(model: CustomModelConfig, factory: object, device: str = "cpu") -> nn.Module:
+def _build_custom_model(
+    model: CustomModelConfig, factory: object, device: str = "cpu", fp8: Fp8Linears | None = None
+) -> nn.Module:
     kwargs = {"vocab_size": model.vocab_size, "seq_len": model.seq_len, **model.kwargs}
     try:
         with torch.device(device):
@@ -73,6 +106,7 @@ def _build_custom_model(model: CustomModelConfig, factory: object, device: str =
         raise ConfigError("model._target_", problem, "give model the keys its signature takes") from None
     if not isinstance(module, nn.Module):
         raise ConfigError("model._target_", f"'{model.target}' returned {type(module).__name__}", "return an nn.Module")
+    maybe_apply_fp8(module, fp8)
     return torch.compile(module) if model.compile else module
 
 

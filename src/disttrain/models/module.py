@@ -29,6 +29,25 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [B, T, V]`` against ``targets [B, T]``, computed in fp32 whatever the compute
+    dtype (a bf16 log-softmax over a large vocabulary loses bits)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# Compiled, the fp32 upcast, log-softmax and loss fuse into a few kernels instead of materializing an fp32 copy of
+# the logits (for gpt2-124m at 16 x 1024 tokens, 3.3 GB written and read again in backward).
+compiled_next_token_loss = torch.compile(next_token_loss)
+
+
+def use_fused_adamw(params: list[torch.Tensor], fused: bool | None) -> bool:
+    """torch's fused AdamW (one kernel launch for all parameters) where asked; by default where every parameter
+    lives on a GPU (it has no CPU kernel worth having, and offloaded parameters step on the host)."""
+    if fused is not None:
+        return fused
+    return bool(params) and all(p.device.type == "cuda" and p.is_floating_point() for p in params)
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (ndim >= 2) decay; biases and norm weights do not (they have no scale to regularise)."""
     decay, no_decay = [], []
@@ -50,6 +69,7 @@ class LanguageModelModule(pl.LightningModule):
         flops_per_token: float | None = None,
         log_every_n_steps: int = 1,
         accumulation: int = 1,
+        compile_loss: bool = False,
     ) -> None:
         super().__init__()
         self.model_factory = model_factory
@@ -59,6 +79,7 @@ class LanguageModelModule(pl.LightningModule):
         self.flops_per_token = flops_per_token
         self.log_every_n_steps = log_every_n_steps
         self.accumulation = accumulation
+        self.compile_loss = compile_loss
         self._micro_losses: list[torch.Tensor] = []
         self.model: nn.Module | None = None
 
@@ -79,8 +100,7 @@ class LanguageModelModule(pl.LightningModule):
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
         logits = self(inputs)
-        # The loss is computed in fp32 whatever the compute dtype: bf16 log-softmax over a vocab loses bits.
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return (compiled_next_token_loss if self.compile_loss else next_token_loss)(logits, targets)
 
     def is_logging_step(self) -> bool:
         """Steps whose metrics the logger writes (Lightning's rule), plus the final one for the summary."""
@@ -105,9 +125,9 @@ class LanguageModelModule(pl.LightningModule):
     def configure_optimizers(self) -> dict:
         assert self.model is not None
         o = self.optimizer_cfg
-        optimizer = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps
-        )
+        groups = param_groups(self.model, o.weight_decay)
+        fused = use_fused_adamw([p for g in groups for p in g["params"]], o.fused)
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, o.warmup_steps, self.max_steps, o.min_lr_ratio)
         )

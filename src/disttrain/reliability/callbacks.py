@@ -45,7 +45,8 @@ def build_reliability(
         ckpt_dir,
         t.ckpt_every_n_steps,
         keep_last_n=t.keep_last_n,
-        skip_save=lambda: guard.stopped,  # the step that stopped the run is not a good state to resume from
+        # The step that stopped the run is not a good state to resume from; a verdict still pending is read first.
+        skip_save=lambda: guard.settle() or guard.stopped,
         before_publish=injector.before_publish if injector is not None else None,
         before_write=injector.before_write if injector is not None else None,
     )

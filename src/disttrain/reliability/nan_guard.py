@@ -15,6 +15,17 @@ its scale at each overflow, skipping that update itself), so an overflowing grad
 to it and counted (``scaler_skipped_steps``), not called a fault. Only a run of ``MAX_SCALER_OVERFLOWS`` in a
 row, by then a scale no real gradient overflows at, is a non-finite fault under ``nan_policy``.
 
+On a GPU the verdict is not read in the step it is voted (a host read there is a device sync: the host could not
+queue the next step while the device finishes this one, and every step would expose the loop's own host time).
+Where the optimizer is torch's fused AdamW (the GPU default, models/module.py) and no loss scaler owns the skip,
+the guard hands the vote to the optimizer as its ``found_inf`` flag, so a bad step's update is skipped on the
+device (weights, moments and step counts untouched, as with dropped gradients), and reads the verdict one step
+later from a pinned copy, when it is long complete. The bookkeeping (skip count, stop, the riders' verdicts) then
+comes one step late: a stop also skips that next step's update, so the weights are still the last good step's.
+Before a checkpoint is written and when training ends the pending verdict is read at once (``settle``). One
+difference: a gradient norm that overflowed its dtype with finite elements (which the step's own read tells
+apart) is skipped as non-finite instead of clipped to zero.
+
 A stop is agreed by every rank, but a spawned rank may finish its part and exit before the launcher has finished
 its own: it writes ``stopping_rank<N>.json`` before it exits with code 4, and the launcher takes such an exit
 for the agreed stop, not for a death (``agreed_stop``), and completes the stop itself (run.json, the report).
@@ -27,6 +38,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -98,12 +110,60 @@ def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return DTensor.from_local(full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def vote(flags: list[torch.Tensor]) -> list[float]:
-    """Each flag's maximum over the ranks (true on any rank, for booleans): one all-reduce and one host read."""
+def cast_vote(flags: list[torch.Tensor]) -> torch.Tensor:
+    """Each flag's maximum over the ranks (true on any rank, for booleans), left on the device: one all-reduce."""
     verdict = torch.stack([flag.reshape(()) for flag in flags]).to(torch.float32)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
-    return verdict.tolist()
+    return verdict
+
+
+def vote(flags: list[torch.Tensor]) -> list[float]:
+    """``cast_vote`` read on the host (on a GPU, a device sync)."""
+    return cast_vote(flags).tolist()
+
+
+@dataclass
+class PendingVerdict:
+    """A step's vote on its way to the host: read (``verdict``) once the device has produced it."""
+
+    step: int
+    host: torch.Tensor  # pinned on a GPU: the copy runs behind the step's work instead of waiting for it
+    ready: Any  # a CUDA event recorded after the copy, or None where the copy was synchronous
+
+    @classmethod
+    def start(cls, step: int, verdict: torch.Tensor) -> PendingVerdict:
+        if verdict.device.type != "cuda":
+            return cls(step, verdict.detach().clone(), None)
+        host = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
+        host.copy_(verdict, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(step, host, event)
+
+    def verdict(self) -> list[float]:
+        if self.ready is not None:
+            self.ready.synchronize()  # waits for this step's vote only, not for the work queued since
+        return self.host.tolist()
+
+
+def host_flags_to(device: torch.device, flags: list[float]) -> torch.Tensor:
+    """Host values as one tensor on ``device``. To a GPU through pinned memory: a copy from pageable memory waits for
+    every kernel queued before it (a device sync per step, which the deferred verdict exists to avoid)."""
+    values = torch.tensor(flags, dtype=torch.float32)
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
+def defers_verdict(optimizer: Any, device: torch.device, scaler_enabled: bool) -> bool:
+    """Whether the guard can skip a bad step on the device and read its verdict a step late: on a GPU, with an
+    optimizer that honours ``found_inf`` (torch's fused Adam/AdamW), plain (not DTensor) parameters, and no loss
+    scaler (an fp16 GradScaler sets ``found_inf`` itself)."""
+    if device.type != "cuda" or scaler_enabled or not getattr(optimizer, "defaults", {}).get("fused"):
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return all(type(p) is torch.nn.Parameter for p in params)
 
 
 class VoteRider(Protocol):
@@ -136,6 +196,10 @@ class NonFiniteGuard(pl.Callback):
         self.stop_reason: str | None = None
         self._bad_loss: torch.Tensor | None = None
         self.riders: list[VoteRider] = []  # the same on every rank: the vote's length must agree
+        # None: decided at the first optimizer step (defers_verdict); tests force True/False.
+        self.defer: bool | None = None
+        self._pending: PendingVerdict | None = None
+        self._trainer: pl.Trainer | None = None
 
     @property
     def stopped(self) -> bool:
@@ -148,6 +212,10 @@ class NonFiniteGuard(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         device = trainer.strategy.root_device
+        self._trainer = trainer
+        if self.defer is None:
+            self.defer = defers_verdict(optimizer, device, self._scaler(trainer) is not None)
+        stop_now = self.settle(trainer) if self.defer else False
         norm: torch.Tensor | None = None
         if self.clip_norm is not None:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -162,8 +230,17 @@ class NonFiniteGuard(pl.Callback):
         bad_loss = self._bad_loss if self._bad_loss is not None else torch.tensor(False)
         self._bad_loss = None
         # The riders' host flags cross to the device as one tensor: one copy per step, not one per rider.
-        riders = torch.tensor([rider.flag(trainer) for rider in self.riders], device=device).unbind()
-        loss_vote, norm_vote, *verdicts = vote([bad_loss.to(device), norm_bad.to(device), *riders])
+        riders = host_flags_to(device, [rider.flag(trainer) for rider in self.riders]).unbind()
+        verdict = cast_vote([bad_loss.to(device), norm_bad.to(device), *riders])
+        if self.defer:
+            # Skipped on the device when the vote says so (or when the previous step's verdict stopped the run).
+            found = torch.ones((), device=device) if stop_now else verdict[:2].max()
+            optimizer.found_inf = found.to(torch.float32)
+            if norm is not None:  # a non-finite norm makes the clipped gradients NaN: that update is skipped anyway
+                torch.nn.utils.clip_grads_with_norm_(params, self.clip_norm, norm)
+            self._pending = PendingVerdict.start(trainer.global_step, verdict)
+            return
+        loss_vote, norm_vote, *verdicts = verdict.tolist()
         for rider, highest in zip(self.riders, verdicts, strict=True):
             rider.agreed(trainer, highest)
         loss_bad, norm_nonfinite = bool(loss_vote), bool(norm_vote)
@@ -179,14 +256,41 @@ class NonFiniteGuard(pl.Callback):
             return
         for param in pl_module.parameters():
             param.grad = None  # the optimizer skips parameters without gradients: no update, no moment change
-        what = " and ".join(name for name, bad in (("loss", loss_bad), ("gradients", grad_bad)) if bad)
-        self._handle(trainer, trainer.global_step, what)
+        self._handle(trainer, trainer.global_step, self._what(loss_bad, grad_bad))
+
+    def settle(self, trainer: pl.Trainer | None = None) -> bool:
+        """Read a deferred verdict now and act on it (riders, skip count, stop); True if it stopped the run.
+
+        Called at the next step, before a checkpoint is written and at the end of training; a no-op when nothing
+        is pending (the verdict was read in its own step, or already settled)."""
+        pending, self._pending = self._pending, None
+        trainer = trainer or self._trainer
+        if pending is None or trainer is None:
+            return False
+        loss_vote, norm_vote, *verdicts = pending.verdict()
+        for rider, highest in zip(self.riders, verdicts, strict=True):
+            rider.agreed(trainer, highest)
+        if not (loss_vote or norm_vote):
+            return False
+        self._handle(trainer, pending.step, self._what(bool(loss_vote), bool(norm_vote)))
+        return self.stopped
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.settle(trainer)
+
+    @staticmethod
+    def _what(loss_bad: bool, grad_bad: bool) -> str:
+        return " and ".join(name for name, bad in (("loss", loss_bad), ("gradients", grad_bad)) if bad)
+
+    @staticmethod
+    def _scaler(trainer: pl.Trainer) -> Any:
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     def _loss_scaler_overflow(self, trainer: pl.Trainer) -> bool:
         """An fp16 overflow the loss scaler skips and recovers from by itself (it saw the same gradients in its
         ``unscale_``): left to it, unless it has gone on for ``MAX_SCALER_OVERFLOWS`` steps in a row."""
-        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-        if scaler is None or not scaler.is_enabled():
+        if self._scaler(trainer) is None:
             return False
         self._scaler_overflows_in_a_row += 1
         if self._scaler_overflows_in_a_row >= MAX_SCALER_OVERFLOWS:

@@ -37,7 +37,7 @@ AUTO_TIE = 0.01
 
 
 def workload(cfg: RunConfig, batch: BatchPlan) -> Workload:
-    return Workload(batch.micro_batch_size, batch.global_batch_size, cfg.model.seq_len, cfg.precision.name)
+    return Workload(batch.micro_batch_size, batch.global_batch_size, cfg.model.seq_len, cfg.precision.planner)
 
 
 def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) -> Layout:

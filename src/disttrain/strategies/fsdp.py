@@ -23,15 +23,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def mixed_precision_policy(cfg: FSDPConfig, precision: PrecisionConfig) -> MixedPrecisionPolicy:
-    """bf16-mixed: bf16 all-gathers and compute, fp32 master weights, gradients reduced in reduce_dtype."""
-    if precision.name == "bf16-mixed":
+    """bf16-mixed (and fp8, whose other layers compute in bf16): bf16 all-gathers and compute, fp32 master weights,
+    gradients reduced in reduce_dtype. Under fp8's tensorwise recipe torchao all-gathers the linear weights in fp8."""
+    if precision.name in ("bf16-mixed", "fp8"):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[cfg.reduce_dtype])
     return MixedPrecisionPolicy()
 
 
 def trainer_precision(precision: PrecisionConfig) -> str:
-    """FSDP2 casts parameters itself under bf16-mixed, so Lightning must not autocast on top of it."""
-    return "32-true" if precision.name == "bf16-mixed" else precision.lightning
+    """FSDP2 casts parameters itself under bf16-mixed and fp8, so Lightning must not autocast on top of it."""
+    return "32-true" if precision.name in ("bf16-mixed", "fp8") else precision.lightning
 
 
 def hybrid_mesh(dp_mesh: DeviceMesh, replicas: int) -> DeviceMesh:

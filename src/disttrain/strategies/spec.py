@@ -8,7 +8,7 @@ class here instead of a branch in every module. Importing this module costs no t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from disttrain.config.degrees import megatron_degrees, validate_megatron
@@ -54,6 +54,8 @@ class StrategySpec:
     # Gradients are clipped by torch's clip_grad_norm_ over the optimizer's parameters (Lightning's own path), so the
     # non-finite check, which computes the same global norm, clips with it (one pass over the gradients, not two).
     norm_clipped_by_torch: ClassVar[bool] = True
+    # optimizer.fused=null may pick torch's fused AdamW (models/module.py: where every parameter is on a GPU).
+    fused_optimizer_ok: ClassVar[bool] = True
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -93,17 +95,25 @@ class StrategySpec:
     def build_module(
         self, cfg: RunConfig, accumulation: int, built: StrategyBuild, facts: ModelFacts
     ) -> LanguageModelModule:
-        from disttrain.models.factory import build_model_factory
+        from disttrain.models.factory import Fp8Linears, build_model_factory
         from disttrain.models.module import LanguageModelModule
 
+        fp8 = None
+        if cfg.precision.fp8:
+            assert cfg.precision.recipe is not None  # validated
+            fp8 = Fp8Linears(cfg.precision.recipe, fsdp_all_gather=self.name == "fsdp")
+        optimizer = cfg.optimizer
+        if optimizer.fused is None and not self.fused_optimizer_ok:
+            optimizer = replace(optimizer, fused=False)
         return LanguageModelModule(
-            build_model_factory(cfg.model, cfg.trainer.seed, self.model_placement(cfg.hw.world_size)),
-            cfg.optimizer,
+            build_model_factory(cfg.model, cfg.trainer.seed, self.model_placement(cfg.hw.world_size), fp8=fp8),
+            optimizer,
             max_steps=cfg.trainer.max_steps,
             parallelize=built.parallelize,
             flops_per_token=facts.flops_per_token,
             log_every_n_steps=cfg.trainer.log_every_n_steps,
             accumulation=accumulation,
+            compile_loss=cfg.model.compile,
         )
 
 
@@ -234,6 +244,7 @@ class FSDPSpec(StrategySpec):
 class DeepSpeedSpec(StrategySpec):
     name = "deepspeed"
     norm_clipped_by_torch = False  # the DeepSpeed engine clips (gradient_clipping in its config)
+    fused_optimizer_ok = False  # the engine steps its own flat partitions (on the host under offload)
 
     def validate(self, cfg: RunConfig) -> None:
         """ZeRO options that DeepSpeed itself would reject late (after spawning ranks) or that cannot run here."""
@@ -252,6 +263,12 @@ class DeepSpeedSpec(StrategySpec):
                     "whose C++ op is compiled at launch); on hw=cpu everything is already in host memory",
                     f"set strategy.{key}=false, or use a GPU hw profile",
                 )
+        if cfg.optimizer.fused:
+            raise ConfigError(
+                "optimizer.fused",
+                "DeepSpeed steps its own partitions of the optimizer state (on the host under offload)",
+                "drop optimizer.fused (it applies to strategy=ddp and strategy=fsdp)",
+            )
         if ds.offload_params and ds.stage != 3:
             raise ConfigError(
                 "strategy.offload_params",

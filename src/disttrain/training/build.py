@@ -10,7 +10,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -45,8 +45,11 @@ def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
     if isinstance(cfg.data, CustomDataConfig):
         cls = resolve_target(cfg.data.target, "data._target_")
         return cls(seq_len=cfg.model.seq_len, micro_batch_size=plan.micro_batch_size, **cfg.data.kwargs)  # type: ignore[operator]
+    data = cfg.data
+    if data.pin_memory is None:  # pinned host batches let the copy to a GPU run asynchronously
+        data = replace(data, pin_memory=cfg.hw.accelerator == "gpu")
     return TokenDataModule(
-        cfg.data,
+        data,
         cfg.model.seq_len,
         spec_of(cfg.strategy).loader_batch_size(plan.micro_batch_size, plan.accumulation),
         plan.global_batch_size,

@@ -1,0 +1,77 @@
+"""precision=fp8: which layers torchao converts, and the refusals before launch (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from disttrain.config.errors import ConfigError
+from disttrain.config.parse import parse_model, parse_run_config
+from disttrain.config.validate import validate_run
+from disttrain.job.prepare import check_fp8_device
+from disttrain.models.factory import Fp8Linears, _build_reference_model
+from disttrain.models.fp8 import fp8_eligible
+from tests.conftest import compose_train
+
+
+def test_the_head_and_unaligned_layers_stay_in_bf16() -> None:
+    assert fp8_eligible(nn.Linear(64, 128), "blocks.0.attn.wq")
+    assert not fp8_eligible(nn.Linear(64, 128), "lm_head")
+    assert not fp8_eligible(nn.Linear(64, 100), "blocks.0.mlp.w1")  # 100 is no multiple of 16
+    assert not fp8_eligible(nn.Embedding(10, 64), "tok_emb")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_every_block_linear_of_the_reference_model_is_converted(recipe: str) -> None:
+    from torchao.float8.float8_linear import Float8Linear
+
+    cfg = parse_model(dict(compose_train(["model=llama-1b"]).model))
+    model = _build_reference_model(cfg, 0, device="meta", fp8=Fp8Linears(recipe))
+    converted = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert len(converted) == 7 * cfg.n_layers  # wq wk wv wo w1 w2 w3 in every block
+    assert type(model.lm_head) is nn.Linear
+    # Same parameter names: checkpoints move between bf16 and fp8 runs.
+    plain = _build_reference_model(cfg, 0, device="meta")
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+def refusal(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as raised:
+        validate_run(parse_run_config(compose_train(overrides)))
+    return raised.value
+
+
+def test_fp8_is_refused_where_there_are_no_fp8_tensor_cores() -> None:
+    for hw in ("hw=cpu", "hw=1xa100"):
+        err = refusal(["precision=fp8", hw])
+        assert err.key == "precision" and "fp8 tensor cores" in str(err)
+    err = refusal(["precision=fp8", "hw=8xh100", "strategy=deepspeed"])
+    assert "strategy=deepspeed" in str(err)
+    err = refusal(["precision=bf16-mixed", "+precision.recipe=rowwise", "hw=8xh100"])
+    assert err.key == "precision.recipe"
+    err = refusal(["precision=fp8", "precision.recipe=blockwise", "hw=8xh100"])
+    assert err.key == "precision.recipe"
+
+
+def test_an_fp8_profile_on_an_older_gpu_is_refused_before_launch() -> None:
+    with pytest.raises(ConfigError, match=r"compute capability 8\.9"):
+        check_fp8_device("NVIDIA A100-SXM4-80GB", (8, 0))
+    check_fp8_device("NVIDIA H200", (9, 0))  # fine
+
+
+def test_fp8_composes_for_ddp_and_fsdp_on_fp8_hardware() -> None:
+    for strategy in ("ddp", "fsdp"):
+        cfg = parse_run_config(compose_train(["precision=fp8", "hw=8xh100", f"strategy={strategy}"]))
+        validate_run(cfg)
+        assert cfg.precision.fp8 and cfg.precision.lightning == "bf16-mixed"
+        assert cfg.precision.compute_dtype == "bf16" and cfg.precision.planner == "bf16-mixed"
+        assert cfg.model.compile is True  # decided on for a GPU
+
+
+def test_the_head_is_padded_only_for_the_gemm() -> None:
+    from disttrain.models.transformer import head_logits
+
+    head = nn.Linear(8, 50257, bias=False)
+    h = torch.randn(2, 3, 8)
+    assert torch.equal(head_logits(head, h), head(h))  # on CPU: the layer itself
