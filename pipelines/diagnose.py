@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from diagnostics.ab import next_set_dir, plan_arms, run_ab, write_verdict
+from diagnostics.ab import claim_set_dir, next_set_dir, plan_arms, run_ab, write_verdict
 from diagnostics.ab.stats import METHOD
 from diagnostics.ab.verdict import VERDICT_JSON, VERDICT_MD, text_table
 from diagnostics.crash import read_crash_records
@@ -72,7 +72,8 @@ def report_command(args: argparse.Namespace) -> int:
     if not tests:
         print("# no recommendation with a config override to A/B-test")
         return 0
-    set_dir = next_set_dir(report.run_dir).resolve()
+    # A running A/B claims its set before saying where its runs go: another one started at once takes the next.
+    set_dir = (claim_set_dir if args.run else next_set_dir)(report.run_dir).resolve()
     print(
         f"# A/B: arms interleaved per round ({' '.join(a.name for a in plan_arms(tests))}), {args.repeats} rounds, up "
         f"to {args.max_repeats} while a change is unresolved; run NN of arm X goes to {set_dir}/NN-X"
@@ -81,7 +82,7 @@ def report_command(args: argparse.Namespace) -> int:
         print(f"# {arm.name}: {arm.label}\n{arm.shell(set_dir / f'01-{arm.name}')}")
     if not args.run:
         return 0
-    ab = run_ab(report.run_dir, tests, args.repeats, args.max_repeats)
+    ab = run_ab(report.run_dir, tests, args.repeats, args.max_repeats, set_dir=set_dir)
     verdict = write_verdict(ab, report.run_dir)
     # The original run's report now shows each tested recommendation with its verdict.
     write_report(build_report(report.run_dir))

@@ -54,7 +54,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """Check the command before Hydra creates a run dir (see disttrain.job.preflight), then run it."""
+    """Check the command before Hydra creates a run dir (see disttrain.job.preflight), claim the dir (a launch in
+    the same second gets another: disttrain.job.claim), then run it there."""
+    from disttrain.job.claim import as_override, claim_launch_dir
     from disttrain.job.export import export_arguments, run_export
     from disttrain.job.preflight import cluster_rank_job, preflight
 
@@ -67,7 +69,10 @@ def cli(argv: list[str] | None = None) -> None:
             for path in run_export(export, CONF_DIR):
                 print(f"exported {path}")
             return
-        preflighted = preflight(argv, CONF_DIR)
+        checked = preflight(argv, CONF_DIR)
+        preflighted = checked.prepared
+        if (launch := checked.launch_dir) is not None:  # Hydra's main reads sys.argv: it runs in the claimed dir
+            sys.argv[1:] = [*argv, as_override(launch.key, claim_launch_dir(launch))]
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)

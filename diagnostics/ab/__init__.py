@@ -4,7 +4,7 @@
 functions), ``verdict`` writes ``RUN/ab/verdict.{md,json}`` and reads them back for the run's report.
 """
 
-from diagnostics.ab.runner import AbSet, Arm, RunOutcome, next_set_dir, plan_arms, run_ab
+from diagnostics.ab.runner import AbSet, Arm, RunOutcome, claim_set_dir, next_set_dir, plan_arms, run_ab
 from diagnostics.ab.stats import VERDICTS, judge
 from diagnostics.ab.verdict import phrase, read_verdict, verdicts_by_override, write_verdict
 
@@ -13,6 +13,7 @@ __all__ = [
     "AbSet",
     "Arm",
     "RunOutcome",
+    "claim_set_dir",
     "judge",
     "next_set_dir",
     "phrase",

@@ -85,6 +85,19 @@ def next_set_dir(run_dir: Path) -> Path:
     return ab / f"set{max(taken, default=0) + 1}"
 
 
+def claim_set_dir(run_dir: Path) -> Path:
+    """Create ``RUN/ab/setN`` for this A/B alone: two ``--ab --run`` started at once both see N free, and the
+    directory's own exclusive create (``mkdir`` without ``exist_ok``) decides; the loser takes the next number."""
+    while True:
+        set_dir = next_set_dir(run_dir)
+        set_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            set_dir.mkdir()
+            return set_dir
+        except FileExistsError:
+            continue  # taken between the listing and the create: a later listing sees it
+
+
 def tokens_per_s(run_dir: Path) -> float | None:
     """The run's tokens/s as its report states it (the analysis reader), or None without telemetry."""
     try:
@@ -132,11 +145,12 @@ def run_ab(
     max_repeats: int,
     launch: Launcher = launch_train,
     say: Callable[[str], None] = print,
+    set_dir: Path | None = None,
 ) -> AbSet:
-    """Interleave rounds of every arm until each test is settled (at least ``repeats``, at most ``max_repeats``)."""
+    """Interleave rounds of every arm until each test is settled (at least ``repeats``, at most ``max_repeats``).
+    ``set_dir``: the set this A/B claimed already (``claim_set_dir``), else it claims the next one."""
     arms = [ArmRuns(arm) for arm in plan_arms(tests)]
-    ab = AbSet(next_set_dir(run_dir), arms)
-    ab.set_dir.mkdir(parents=True)
+    ab = AbSet(set_dir or claim_set_dir(run_dir), arms)
     active = arms[1:]
     for round_no in range(1, max_repeats + 1):
         for runs in [arms[0], *active]:  # the original first: every round has its own baseline

@@ -6,6 +6,7 @@ tested it; the report of the original run reads them to show a tested recommenda
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from diagnostics.ab.stats import CONFIDENCE, METHOD, RESOLUTION, arm_stats, judg
 
 VERDICT_JSON = "verdict.json"
 VERDICT_MD = "verdict.md"
+MERGE_LOCK = ".verdict.lock"  # held while the merged verdict is read and rewritten
 SCHEMA_VERSION = 1
 
 
@@ -157,10 +159,15 @@ def _write(path: Path, text: str) -> None:
 def write_verdict(ab: AbSet, run_dir: Path) -> dict[str, Any]:
     """Write the set's verdict files and the merged ``RUN/ab/verdict.{md,json}``; returns the merged verdict."""
     new = set_verdict(ab, run_dir)
-    everything = merged(read_verdict(run_dir), new)
-    for out, data in ((ab.set_dir, new), (Path(run_dir) / AB_DIR, everything)):
-        _write(out / VERDICT_JSON, json.dumps(data, indent=2) + "\n")
-        _write(out / VERDICT_MD, to_markdown(data))
+    _write(ab.set_dir / VERDICT_JSON, json.dumps(new, indent=2) + "\n")
+    _write(ab.set_dir / VERDICT_MD, to_markdown(new))
+    ab_dir = Path(run_dir) / AB_DIR
+    # Read, merge, write: two A/Bs of one run ending at once would each write the merge without the other's set.
+    with (ab_dir / MERGE_LOCK).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        everything = merged(read_verdict(run_dir), new)
+        _write(ab_dir / VERDICT_JSON, json.dumps(everything, indent=2) + "\n")
+        _write(ab_dir / VERDICT_MD, to_markdown(everything))
     return everything
 
 

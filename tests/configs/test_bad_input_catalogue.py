@@ -65,6 +65,9 @@ CATALOGUE: list[tuple[list[str], dict[str, str], str, str]] = [
     (["resume={megatron}", "strategy.tpp=2"], {}, "strategy.tpp", "'tp'"),
     # the run dir of an existing run; a file name that would lead out of the run dir
     (["hydra.run.dir={existing}"], {}, "hydra.run.dir", "hydra.run.dir=<new dir>"),
+    # a run dir another launch has claimed (and not written into yet); a sweep dir that holds a sweep
+    (["hydra.run.dir={claimed}"], {}, "hydra.run.dir", "hydra.run.dir=<new dir>"),
+    (["-m", "optimizer.lr=1e-3,3e-3", "hydra.sweep.dir={swept}"], {}, "hydra.sweep.dir", "hydra.sweep.dir=<new dir>"),
     (["hydra.job.name=../../escaped"], {}, "hydra.job.name", "plain name"),
 ]
 
@@ -104,6 +107,12 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     no_checkpoints = tmp_path / "outputs" / "no_checkpoints"
     (no_checkpoints / ".hydra").mkdir(parents=True)
     (no_checkpoints / ".hydra" / "overrides.yaml").write_text("[]\n")
+    claimed = tmp_path / "outputs" / "claimed"
+    claimed.mkdir(parents=True)
+    (claimed / ".claim.json").write_text('{"pid": 4321, "host": "node7", "time": 1700000000.0}\n')
+    swept = tmp_path / "multirun" / "swept"
+    swept.mkdir(parents=True)
+    (swept / "multirun.yaml").write_text("hydra: {}\n")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "empty.bin").write_bytes(b"")
     for var in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "GROUP_RANK", "LOCAL_RANK", "RANK"):
@@ -113,6 +122,8 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
         "existing": existing,
         "megatron": megatron,
         "truncated": truncated,
+        "claimed": claimed,
+        "swept": swept,
         "no_checkpoints": no_checkpoints,
         "missing": tmp_path / "no" / "such" / "path",
         "empty_txt": tmp_path / "empty.txt",

@@ -38,7 +38,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_only_a_plain_local_launch_starts_its_ranks_early(
     clean_env: None, tmp_path: Path, overrides: list[str], early: bool
 ) -> None:
-    prepared = preflight([*TINY_MODEL, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], CONF)
+    prepared = preflight([*TINY_MODEL, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], CONF).prepared
     assert should_start_early(prepared) is early
     assert should_start_early(None) is False  # a multirun job or restart attempt prepares its own
 
@@ -47,7 +47,7 @@ def test_only_a_plain_local_launch_starts_its_ranks_early(
 def test_a_cluster_task_never_starts_ranks(
     clean_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launcher: dict[str, str]
 ) -> None:
-    prepared = preflight([*TINY_MODEL, f"hydra.run.dir={tmp_path / 'run'}"], CONF)
+    prepared = preflight([*TINY_MODEL, f"hydra.run.dir={tmp_path / 'run'}"], CONF).prepared
     for key, value in launcher.items():
         monkeypatch.setenv(key, value)
     assert should_start_early(prepared) is False
@@ -80,7 +80,7 @@ def test_started_ranks_get_the_job_env_and_rank_zero_joins_only_when_asked(clean
 def test_ranks_of_a_job_that_ends_before_taking_them_are_killed(
     clean_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prepared = preflight([*TINY_MODEL, f"hydra.run.dir={tmp_path / 'run'}"], CONF)
+    prepared = preflight([*TINY_MODEL, f"hydra.run.dir={tmp_path / 'run'}"], CONF).prepared
     monkeypatch.setattr(
         early_start, "child_command", lambda *args: [sys.executable, "-c", "import time; time.sleep(60)"]
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import tempfile
 from pathlib import Path
 
@@ -49,9 +50,14 @@ def export_state_dict(checkpoint: Path, out: Path) -> Path:
     ``model.load_state_dict(torch.load(out))`` on the single-process model, whatever strategy trained it."""
     weights = {k.removeprefix(MODEL_PREFIX): v for k, v in checkpoint_state(checkpoint).items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
-    torch.save(weights, partial)
-    partial.replace(out)  # a kill mid-write never leaves a file under the final name
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")  # its own: two exports never write one file
+    try:
+        torch.save(weights, partial)
+        # A hard link is an exclusive create of the final name (FileExistsError if it exists, as another export
+        # may have made it since the caller looked) and holds the whole file: a kill mid-write leaves no file there.
+        os.link(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
     return out
 
 

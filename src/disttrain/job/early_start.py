@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
-from disttrain.job.prepare import Prepared, guard_new_run_dir
+from disttrain.job.prepare import Prepared
 from disttrain.launch.env import process_role
 from disttrain.launch.local import LocalRanks, child_command, start_local_ranks
 
@@ -45,7 +45,6 @@ def maybe_start_local_ranks(
     if not should_start_early(prepared):
         return None
     assert prepared is not None  # for the type checker: should_start_early refused None
-    guard_new_run_dir(run_dir)  # the one check run_from_hydra makes before spawning: make it before, here too
     command = partial(child_command, module_name, list(task_overrides), str(run_dir))
     ranks = start_local_ranks(prepared.layout.devices_per_node, command, cwd=os.getcwd())
     _started.append(ranks)

@@ -47,14 +47,21 @@ def run_export(args: dict[str, str], conf_dir: Path) -> list[Path]:
     default = run_dir_of(checkpoint) / "export" / f"{checkpoint.name.removesuffix('.ckpt')}.pt"
     out = Path(args.get("export_to") or default).expanduser()
     if out.exists():
-        raise ConfigError(
-            "export_to", f"'{out}' exists already; an export never writes over a file", "pass another export_to="
-        )
-    written = [export_state_dict(checkpoint, out)]
+        raise refuse_existing_export(out)
+    try:
+        written = [export_state_dict(checkpoint, out)]
+    except FileExistsError:  # another export of the same checkpoint wrote it first
+        raise refuse_existing_export(out) from None
     run_cfg = recorded_run_config(args["export"], conf_dir)
     if run_cfg is not None and isinstance(run_cfg.model, HFModelConfig):
         written.append(export_hf(checkpoint, run_cfg.model, out.with_suffix(".hf"), run_cfg.trainer.seed))
     return written
+
+
+def refuse_existing_export(out: Path) -> ConfigError:
+    return ConfigError(
+        "export_to", f"'{out}' exists already; an export never writes over a file", "pass another export_to="
+    )
 
 
 def recorded_run_config(target: str, conf_dir: Path) -> RunConfig | None:

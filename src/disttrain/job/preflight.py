@@ -10,6 +10,7 @@ exits with code 2 and one line, before any directory is created or any existing 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from disttrain.checkpoint.resume import original_overrides
 from disttrain.config.errors import ConfigError, did_you_mean
+from disttrain.job.claim import LaunchDir
 from disttrain.job.prepare import Prepared, check_launchable, existing_run, prepare, refuse_existing_run
 from disttrain.launch.env import process_role
 from disttrain.launch.local import secondary_job
@@ -41,6 +43,25 @@ def cluster_rank_job(argv: list[str]) -> list[str]:
         return []
     given = {a.lstrip("+~").split("=", 1)[0] for a in argv}
     return [o for o in secondary_job(f"train_rank{role.global_rank}") if o.split("=", 1)[0] not in given]
+
+
+@dataclass(frozen=True)
+class Preflighted:
+    """A checked command: the job it prepared (None: a multirun's jobs and restarts prepare their own) and the dir
+    this launch must claim before Hydra writes into it (None: this process joins a dir another one claimed)."""
+
+    prepared: Prepared | None
+    launch_dir: LaunchDir | None
+
+
+def dir_to_claim(cfg: DictConfig, multirun: bool) -> LaunchDir | None:
+    """The run (or sweep) dir a first launch's rank 0 claims; the other ranks and restart attempts join it."""
+    role = process_role()
+    if role.attempt or not role.is_global_zero or role.supervised:
+        return None
+    key = "sweep" if multirun else "run"
+    pattern = OmegaConf.to_container(cfg.hydra[key], resolve=False)["dir"]  # type: ignore[index]
+    return LaunchDir(f"hydra.{key}.dir", Path(str(cfg.hydra[key].dir)), "${now:" in str(pattern))
 
 
 # -- the command line, before Hydra ---------------------------------------------------------------------------
@@ -152,19 +173,19 @@ def check_key_exists(cfg: DictConfig, key: str) -> None:
     )
 
 
-def preflight(argv: list[str], conf_dir: Path) -> Prepared | None:
+def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
     """Raise ConfigError for anything wrong with ``python -m train ARGV``; when it is fine, the prepared job for
-    ``run_from_hydra`` to go on with (None for a multirun, whose jobs each prepare their own).
+    ``run_from_hydra`` to go on with (None for a multirun, whose jobs each prepare their own) and the dir to claim.
 
     Commands with other Hydra flags (--help, --cfg, -cn, ...) are left to Hydra. Children and restarted
     attempts re-run a command that already passed.
     """
     if process_role().child or process_role().supervised:
-        return None
+        return Preflighted(None, None)
     multirun = any(a in MULTIRUN_FLAGS for a in argv)
     args = [a for a in argv if a not in MULTIRUN_FLAGS]
     if any(a.startswith("-") for a in args):
-        return None
+        return Preflighted(None, None)
     overrides = parse_overrides(args)
     groups = {p.name for p in conf_dir.iterdir() if p.is_dir()} - {"hydra"}
     for o in overrides:
@@ -201,18 +222,18 @@ def preflight(argv: list[str], conf_dir: Path) -> Prepared | None:
                     check_key_exists(check_resumed_group_repeated(choices, resumed, o), o.key_or_group)
                 check_key_exists(with_groups, o.key_or_group)
         try:
-            cfg = compose(config_name="train", overrides=job, return_hydra_config=not multirun)
+            cfg = compose(config_name="train", overrides=job, return_hydra_config=True)
         except HydraException as err:
             message = str(err).splitlines()[0]
             raise ConfigError("overrides", f"cannot compose the config ({message})", "check the overrides") from None
-        run_dir = None
-        if not multirun:
-            run_dir = Path(str(cfg.hydra.run.dir))
-            # Only a first launch's rank 0 guards (as guard_new_run_dir): a torchrun/SLURM restart continues in its
-            # own run dir, and a cluster's other ranks may start after rank 0 wrote run.json.
-            first = process_role().attempt == 0 and process_role().is_global_zero
-            if first and (marker := existing_run(run_dir)):
-                refuse_existing_run(run_dir, marker)
+        # Only a first launch's rank 0 claims (as guard_new_run_dir guards): a torchrun/SLURM restart continues in
+        # its own run dir, and a cluster's other ranks may start after rank 0 wrote run.json.
+        claim = dir_to_claim(cfg, multirun)
+        run_dir = None if multirun else Path(str(cfg.hydra.run.dir))
+        if claim is not None and claim.timestamped:
+            run_dir = None  # taken, a timestamped dir gets a suffix when claimed: nothing to refuse
+        elif run_dir is not None and claim is not None and (marker := existing_run(run_dir)):
+            refuse_existing_run(run_dir, marker)  # early, before the slower checks; the claim below decides
         # The run dir too: a restart's checkpoint is its newest one, and on another world size it is what lets the
         # restart train there (fit_elastic_world) instead of being refused for the launcher's rank count.
         prepared = prepare(cfg, run_dir, [first_job(o) for o in overrides if not o.key_or_group.startswith("hydra")])
@@ -220,4 +241,4 @@ def preflight(argv: list[str], conf_dir: Path) -> Prepared | None:
     remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
     check_launchable(prepared, here=not remote)
     # A multirun's jobs, and a restart (it resumes from its run dir, unknown here), each prepare their own.
-    return None if multirun or prepared.attempt else prepared
+    return Preflighted(None if multirun or prepared.attempt else prepared, claim)

@@ -27,6 +27,7 @@ from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import AutoStrategyConfig, HFDataConfig, RunConfig, with_compile_decided
 from disttrain.config.validate import BatchPlan, WorldLayout, validate_run, world_layout
+from disttrain.job.claim import RUN_MARKERS, holder, refuse_taken
 from disttrain.launch.env import process_role
 from disttrain.planner import MemoryBreakdown
 from disttrain.strategies.auto import check_fits, predict_memory, resolve_auto
@@ -130,19 +131,12 @@ def compose_for_resume(resume: str, task_overrides: list[str]) -> DictConfig:
 
 
 def existing_run(run_dir: Path) -> str | None:
-    """What marks ``run_dir`` as holding a run already (its manifest or Hydra's record), or None."""
-    for marker in ("run.json", ".hydra/overrides.yaml"):
-        if (run_dir / marker).exists():
-            return marker
-    return None
+    """What marks ``run_dir`` as taken (a launch's claim, its manifest or Hydra's record), or None."""
+    return holder(run_dir, RUN_MARKERS)
 
 
 def refuse_existing_run(run_dir: Path, marker: str) -> None:
-    raise ConfigError(
-        "hydra.run.dir",
-        f"'{run_dir}' already holds a run ({marker}); it is never written over",
-        "pass hydra.run.dir=<new dir> (or start again in a moment); to continue that run use resume=<that dir>",
-    )
+    raise refuse_taken("hydra.run.dir", run_dir, marker)
 
 
 def launched_by_cluster() -> int | None:
@@ -211,7 +205,9 @@ def check_world_size(layout: WorldLayout) -> None:
 
 
 def guard_new_run_dir(run_dir: Path) -> None:
-    """Two runs started within the same second share Hydra's timestamped dir: never write over the first.
+    """A job never writes over an earlier run. A launch through ``python -m train`` holds its dir by a claim
+    (claim.py); this guards the jobs that are not claimed one by one: a multirun's (the launch claimed their sweep
+    dir) and commands with Hydra flags, which preflight leaves to Hydra.
 
     Only a first attempt's global rank 0 guards: under SLURM/torchrun the other ranks may start after rank 0 wrote
     run.json, and a restart continues in its own run dir."""

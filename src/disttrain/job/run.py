@@ -46,7 +46,7 @@ from disttrain.job.launcher_death import report_launcher_death, stop_watching, w
 from disttrain.job.manifest import command_line, git_commit, versions
 from disttrain.job.objective import objective_value
 from disttrain.job.prediction import predict_run, with_measurement
-from disttrain.job.prepare import Prepared, check_launchable, guard_new_run_dir, prepare
+from disttrain.job.prepare import Prepared, check_launchable, prepare
 from disttrain.job.redaction import redact, redact_yaml_files
 from disttrain.launch.console import route_library_output_to_log_file
 from disttrain.launch.env import process_role, say
@@ -94,8 +94,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     if prepared is None:  # a process preflight did not see: a local rank, a restart attempt, a multirun job
         prepared = prepare(cfg, run_dir, task_overrides)
         check_launchable(prepared)
-    else:  # Hydra made the run dir after preflight looked: a run started in the same second may own it now
-        guard_new_run_dir(run_dir)
+    else:  # preflight checked the command and claimed the run dir (claim.py): no other launch writes here
         prepared = prepared.with_hydra_config(cfg)
     cfg, run_cfg, layout, plan, auto_reason = (
         prepared.cfg,
