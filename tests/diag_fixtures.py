@@ -55,6 +55,8 @@ class Scenario:
     sync_in_phases: bool = False
     timed_collectives: bool = True
     rank0_hold: tuple[int, float] | None = None  # (every, seconds): rank 0 is held between steps (writing logs)
+    # (rank, every, phase, seconds): that rank (None: every rank) stalls that long in that phase every N-th step
+    stall: tuple[int | None, int, str, float] | None = None
     comm_spike: tuple[int, float] | None = None  # (step, seconds): that step's collective is held this much longer
     skew: float = 0.0  # each step one rank, drawn at random, is held this long in forward (a shared host's scheduler)
     mfu: float = 0.35  # against the datasheet (GPU) or calibrated (CPU) peak
@@ -230,6 +232,9 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
             rows[rng.randrange(world)]["forward"] += sc.skew
         if sc.rank0_hold is not None and (index + 1) % sc.rank0_hold[0] == 0:
             rows[0]["other"] += sc.rank0_hold[1]
+        if sc.stall is not None and (index + 1) % sc.stall[1] == 0:
+            for rank in range(world) if sc.stall[0] is None else [sc.stall[0]]:
+                rows[rank][sc.stall[2]] += sc.stall[3]
         if sc.sync_before_forward:
             ready = [start[r] + rows[r]["other"] + rows[r]["data"] for r in range(world)]
             for r in range(world):

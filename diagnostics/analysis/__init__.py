@@ -13,6 +13,7 @@ from diagnostics.analysis.findings import find_all
 from diagnostics.analysis.load import RunTelemetry, load_run
 from diagnostics.analysis.shares import step_shares
 from diagnostics.analysis.summary import RankPhases, Summary, summarize
+from diagnostics.analysis.tail import slow_tail
 
 
 @dataclass
@@ -28,7 +29,9 @@ def analyse(run_dir: Path) -> Analysis:
     run = load_run(Path(run_dir))
     summary, phases = summarize(run)
     summary.step_shares = step_shares(run, phases)
-    return Analysis(run, summary, phases, find_all(run, summary, phases))
+    findings = find_all(run, summary, phases)
+    summary.tail = slow_tail(summary.step_time, findings)
+    return Analysis(run, summary, phases, findings)
 
 
 __all__ = ["KINDS", "SEVERITIES", "Analysis", "Finding", "RankPhases", "RunTelemetry", "Summary", "analyse", "load_run"]

@@ -28,9 +28,11 @@ from __future__ import annotations
 from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
 from diagnostics.analysis.load import RunTelemetry, StepRecord
 from diagnostics.analysis.stats import mean, median, present, rounded, steady
-from diagnostics.analysis.summary import RankPhases, job_step_times
+from diagnostics.analysis.summary import RankPhases, job_step_moved, job_step_times
 from diagnostics.analysis.thresholds import (
     MIN_PHASE_S,
+    MIN_STALLS,
+    STALL_FRACTION,
     STRAGGLER_MIN_COST,
     STRAGGLER_PERSISTENCE,
     STRAGGLER_RATIO,
@@ -74,6 +76,8 @@ def lateness_growth(run: RunTelemetry) -> list[tuple[float, dict[int, list[float
             if s.bubble_fraction is None:  # pipeline stages do different work by design
                 by_step.setdefault(s.step, {})[rank] = s
     out: list[tuple[float, dict[int, list[float]]]] = []
+    previous_end: float | None = None
+    previous_step: int | None = None
     for step in sorted(by_step):
         rows = {r: seg for r, rec in by_step[step].items() if (seg := segments(rec)) is not None}
         if len(rows) < 2:
@@ -84,7 +88,10 @@ def lateness_growth(run: RunTelemetry) -> list[tuple[float, dict[int, list[float
                 ends[r].append(ends[r][-1] + seconds)
         first = [min(ends[r][i] for r in rows) for i in range(len(SEGMENTS) + 1)]
         late = {r: [ends[r][i] - first[i] for i in range(len(SEGMENTS) + 1)] for r in rows}
-        job_step_s = max(by_step[step][r].step_s or 0.0 for r in rows)
+        # How far the job moved this step (summary.job_step_moved): a hold counts once, not in two steps.
+        spans = [(ends[r][0], ends[r][-1]) for r in rows]
+        job_step_s = job_step_moved(spans, previous_end if previous_step == step - 1 else None)
+        previous_end, previous_step = max(end for _, end in spans), step
         out.append((job_step_s, {r: [late[r][i + 1] - late[r][i] for i in range(len(SEGMENTS))] for r in rows}))
     return out
 
@@ -141,7 +148,7 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         if phase != "data" and step_s and seconds >= STRAGGLER_MIN_COST * step_s and share >= STRAGGLER_PERSISTENCE:
             slow[rank] = (phase, seconds, share)
     if not slow:
-        return []
+        return _stalls(run, steps, phases)
     flagged = sorted(slow, key=lambda r: -slow[r][1])
     worst = flagged[0]
     hosts = {p.rank: p.hostname for p in phases if p.rank in slow and p.hostname}
@@ -172,6 +179,73 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         f"median over {len(steps)} steps"
     )
     return [costed("straggler", sorted(flagged), evidence, message, shares[worst], basis)]
+
+
+def _stall_steps(steps: list[tuple[float, dict[int, list[float]]]], rank: int, typical_s: float) -> list[int]:
+    """Indices of the steps in which ``rank`` fell behind the others by a stall: at least STALL_FRACTION of the
+    typical step beyond what the other ranks lost in the same step."""
+    return [i for i, (e, _) in enumerate(_excess(steps, rank)) if e >= STALL_FRACTION * typical_s]
+
+
+def _stall_cost(steps: list[tuple[float, dict[int, list[float]]]], rank: int, typical_s: float) -> float:
+    """Seconds ``rank``'s stalls cost the run over the run's seconds: what its mean throughput would gain."""
+    excess = _excess(steps, rank)
+    lost = sum(excess[i][0] for i in _stall_steps(steps, rank, typical_s))
+    total = sum(t for t, _ in steps)
+    return lost / total if total else 0.0
+
+
+def _stalls(
+    run: RunTelemetry, steps: list[tuple[float, dict[int, list[float]]]], phases: list[RankPhases]
+) -> list[Finding]:
+    """A rank that stalls now and then (a GC pause, a noisy neighbour, a periodic host task): too rare for the
+    typical step to show it, too long for the mean throughput to hide it. Costed on the run's time, with the
+    pattern (how often, how long, in which phase). On a shared host every rank stalls now and then: only a rank
+    whose stalls cost at least twice any other rank's is named."""
+    typical = median(t for t, _ in steps) or 0.0
+    ranks = sorted({r for _, step in steps for r in step})
+    costs = {r: _stall_cost(steps, r, typical) for r in ranks}
+    worst = max(ranks, key=lambda r: costs[r], default=None)
+    if worst is None or costs[worst] < STRAGGLER_MIN_COST:
+        return []
+    if any(costs[r] * 2 > costs[worst] for r in ranks if r != worst):
+        return []
+    stall_idx = _stall_steps(steps, worst, typical)
+    if len(stall_idx) < MIN_STALLS:
+        return []
+    excess = _excess(steps, worst)
+    rows = [steps[i][1][worst] for i in stall_idx if worst in steps[i][1]]
+    growth = _by_phase(rows)
+    phase = NAMED.get(top := max(growth, key=lambda p: growth[p]), top)
+    kind_note = "input_bound's loader" if phase == "data" else phase
+    per_stall = mean(excess[i][0] for i in stall_idx) or 0.0
+    every = len(steps) / len(stall_idx)
+    host = next((p.hostname for p in phases if p.rank == worst and p.hostname), None)
+    pattern = {
+        "rank": worst,
+        "phase": phase,
+        "stalls": len(stall_idx),
+        "of_steps": len(steps),
+        "every_n_steps": rounded(every),
+        "mean_stall_s": rounded(per_stall),
+        "typical_step_s": rounded(typical),
+    }
+    evidence = {
+        "pattern": pattern,
+        "stall_cost_by_rank": {r: rounded(c) for r, c in costs.items()},
+        "lateness_growth_s_per_stall": {p: rounded(v) for p, v in growth.items()},
+        "source": "order of arrival (step start times + phases), steps where one rank fell behind by a stall",
+        "hostnames": {worst: host} if host else {},
+        "threshold_cost": STRAGGLER_MIN_COST,
+    }
+    waiting = [r for r in ranks if r != worst]
+    message = (
+        f"rank {worst}{f' on {host}' if host else ''} stalls in {kind_note} about every {every:.0f} steps "
+        f"({len(stall_idx)} of {len(steps)}, +{1e3 * per_stall:.0f} ms each, the typical step {1e3 * typical:.0f} ms)"
+        f": {ranks_verb(waiting, 'waits', 'wait')} for it each time"
+    )
+    basis = f"time lost to rank {worst}'s stalls beyond the other ranks / the run's time over {len(steps)} steps"
+    return [costed("straggler", [worst], evidence, message, costs[worst], basis, metric=costs[worst])]
 
 
 def _by_local_compute(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:

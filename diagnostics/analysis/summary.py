@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from diagnostics.analysis.load import RankTelemetry, RunTelemetry, StepRecord, num
@@ -67,6 +68,7 @@ class Summary:
     peak_memory: dict[str, float | None] = field(default_factory=dict)
     accounting_errors: list[str] = field(default_factory=list)
     step_shares: dict[str, float] | None = None  # where the step goes (analysis.shares), filled by analyse()
+    tail: dict[str, Any] | None = None  # the slow-step tail and what explains it (analysis.tail), filled by analyse()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,13 +144,36 @@ def rank_phases(tele: RankTelemetry) -> RankPhases:
 
 
 def job_step_times(run: RunTelemetry) -> list[float]:
-    """Per steady step, the slowest rank's step time: the job moves at that pace."""
-    by_step: dict[int, float] = {}
+    """Per steady step, how far the job moved: the last rank's end of this step minus its end of the previous one.
+
+    Where records carry start times. A rank held in its optimizer ends its step late and its peers wait for it
+    in the next step's collective, so the slowest rank's own step time would count that hold twice (once in each
+    step); the last rank's end moves by it once. Records without start times: the slowest rank's step time."""
+    spans: dict[int, list[tuple[float, float]]] = {}  # step -> (start, end) per rank
+    slowest: dict[int, float] = {}
     for tele in run.ranks.values():
         for s in steady(tele.steps):
-            if s.step_s is not None:
-                by_step[s.step] = max(by_step.get(s.step, 0.0), s.step_s)
-    return list(by_step.values())
+            if s.step_s is None:
+                continue
+            slowest[s.step] = max(slowest.get(s.step, 0.0), s.step_s)
+            if s.start_t:
+                spans.setdefault(s.step, []).append((s.start_t, s.start_t + s.step_s))
+    world = len(run.ranks)
+    timed = sorted(step for step, e in spans.items() if len(e) == world)
+    if world < 2 or len(timed) < len(slowest) or len(timed) < 2:
+        return list(slowest.values())
+    return [slowest[timed[0]]] + [
+        job_step_moved(spans[b], max(end for _, end in spans[a])) for a, b in pairwise(timed) if b == a + 1
+    ]
+
+
+def job_step_moved(spans: list[tuple[float, float]], previous_end: float | None) -> float:
+    """One step's progress of the job from its ranks' (start, end): the last end, from the previous step's last end
+    or from the first start where every rank started later (a validation or checkpoint between the two steps)."""
+    last_end = max(end for _, end in spans)
+    if previous_end is None:
+        return max(end - start for start, end in spans)
+    return last_end - max(previous_end, min(start for start, _ in spans))
 
 
 def run_device(run: RunTelemetry) -> str:

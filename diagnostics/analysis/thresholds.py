@@ -39,6 +39,10 @@ INPUT_BOUND_PERSISTENCE = 0.5
 # cost) and in at least 70% of the steps (random preemption puts a rank behind in about half of them).
 STRAGGLER_MIN_COST = 0.05
 STRAGGLER_PERSISTENCE = 0.7
+# An intermittent straggler (detect_ranks._stalls): a step in which one rank fell behind the others by at least this
+# share of the typical step is a stall; it takes MIN_STALLS of them to call it a pattern, not a one-off.
+STALL_FRACTION = 0.5
+MIN_STALLS = 3
 # Records without phase start times (older collectors): a rank's local compute against the median of the other
 # ranks; identical ranks on shared CPUs differ by ~5-10% from scheduling noise, 25% is outside that band.
 STRAGGLER_RATIO = 1.25

@@ -172,7 +172,6 @@ class DiagnosticsCallback(pl.Callback):
         self.sampler = DeviceSampler(reader, self.write, self.settings.sample_interval_s)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.guarded("grad_hook", lambda: self._hook_first_parameter(pl_module))
         wrapped = self.guarded("fsdp_comm", lambda: time_fsdp_collectives(pl_module, self.timer.collective_ran))
         self.times_collectives = bool(wrapped)
         if self.sampler is not None:
@@ -201,24 +200,25 @@ class DiagnosticsCallback(pl.Callback):
         self.watchdog.beat(trainer.global_step)
         self.watchdog.start()
 
-    def _hook_first_parameter(self, pl_module: pl.LightningModule) -> None:
-        """Mark the end of this rank's backward compute: the gradient of the first parameter (the input embedding,
-        which autograd computes last) and of that module's output.
+    def _mark_backward_compute_end(self, loss: torch.Tensor) -> None:
+        """Mark the end of this rank's backward compute: a callback autograd runs when the graph's last gradient
+        has been computed, queued from the loss's own gradient hook (the first thing backward computes).
 
-        The output's gradient is computed under every strategy, just before the embedding's own, and fires first;
-        the parameter hook is the fallback where that module's output needs no gradient (FSDP2 calls it only after
-        its reduce-scatter). The rest of backward (the final all-reduce / reduce-scatter and the wait for slower
-        ranks) is comm wait.
+        Queued that early, it runs before the callbacks DDP (its final wait for the bucket all-reduces) and FSDP2
+        (its last reduce-scatter) queue later in the same backward, so what follows it is comm wait, whatever the
+        model: a parameter's or a module's hook marks the end only where that parameter happens to be the last one
+        autograd reaches (a user model holding its position table as a root parameter had the logits' gradient,
+        the start of backward, taken for the end, and every rank's backward read as waiting).
         """
-        first = next(p for p in pl_module.parameters() if p.requires_grad)
-        first.register_post_accumulate_grad_hook(lambda _: self._timed(self.timer.grad_ready))
-        owner = next((m for m in pl_module.modules() if any(p is first for p in m.parameters(recurse=False))), None)
-        if owner is not None:
-            owner.register_forward_hook(self._mark_output_gradient)
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            return
+        engine = torch.autograd.Variable._execution_engine
 
-    def _mark_output_gradient(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if module.training and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda _: self._timed(self.timer.grad_ready))
+        def queue_mark(grad: torch.Tensor) -> torch.Tensor:
+            engine.queue_callback(lambda: self._timed(self.timer.grad_ready))
+            return grad
+
+        loss.register_hook(queue_mark)
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -231,8 +231,9 @@ class DiagnosticsCallback(pl.Callback):
     def on_train_batch_start(self, *args: Any) -> None:
         self._timed(self.timer.batch_start)
 
-    def on_before_backward(self, *args: Any) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._timed(self.timer.before_backward)
+        self.guarded("grad_hook", lambda: self._mark_backward_compute_end(loss))
 
     def on_after_backward(self, *args: Any) -> None:
         self._timed(self.timer.after_backward)

@@ -4,12 +4,11 @@ Data wait is the time inside the dataloader's ``next()``, which Lightning bracke
 (``DataWaitProfiler``). The other phases come from Lightning's hook order: batch start -> forward -> before/
 after backward -> before optimizer step -> batch end; whatever else happens between two steps (hooks,
 logging, checkpoint writes) is ``other_s``. DDP all-reduces during backward and waits for the last buckets at its
-end, so backward wall time mixes compute with waiting for slower ranks. A post-accumulate-grad hook on the
-model's first parameter (the input embedding, whose gradient autograd computes last) marks when this rank's
-own backward compute ended; the rest of backward is exposed communication. FSDP2 assigns sharded gradients
-outside autograd, so there a hook on the gradient of that module's output marks it instead. Where neither
-fires (a first parameter outside any module's forward) the whole backward counts as compute, and the comm
-wait is read from the profiler window instead.
+end, so backward wall time mixes compute with waiting for slower ranks. A callback autograd runs once the
+backward's last gradient is computed (queued from the loss's gradient hook, ahead of DDP's and FSDP2's own end-of-
+backward callbacks) marks when this rank's own backward compute ended, for any model; the rest of backward is
+exposed communication and waiting for the last rank. Where it does not fire (an engine running backward outside
+autograd's graph task) the whole backward counts as compute, and the comm wait is read from the profiler window.
 """
 
 from __future__ import annotations

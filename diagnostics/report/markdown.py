@@ -6,6 +6,7 @@ import json
 
 from diagnostics.ab.runner import AB_DIR
 from diagnostics.ab.verdict import VERDICT_MD, phrase
+from diagnostics.analysis.tail import tail_line
 from diagnostics.prediction import basis_text, comparison_rows
 from diagnostics.recommend import Recommendation
 from diagnostics.report.fmt import cost_text, flops, gain_text, gib, pct, peak_memory, rank_label, rate, seconds
@@ -113,6 +114,8 @@ def to_markdown(report: Report, ab_lines: str | None = None) -> str:
         lines.append("No detector crossed its threshold.")
     if report.findings or report.analysis.summary.step_shares:
         lines += [f"**Verdict:** {report.verdict()}", ""]
+        if (tail := tail_line(report.analysis.summary.tail)) is not None:
+            lines += [f"**{tail[0].upper()}{tail[1:]}.**", ""]
     for finding, recs in zip(report.findings, report.recommendations, strict=True):
         lines += [
             f"### {finding.severity}: {finding.kind} ({rank_label(finding.ranks)}), costs {cost_text(finding)}",
@@ -126,10 +129,10 @@ def to_markdown(report: Report, ab_lines: str | None = None) -> str:
             "```",
             "",
         ]
-        for i, rec in enumerate(recs, 1):
-            override = f"`{rec.override}`: " if rec.override else ""
+        for i, rec in enumerate([r for r in recs if r.override], 1):
             expected = f"Expected: {rec.expected_effect} ({gain_text(rec)})."
-            lines.append(f"{i}. {override}{rec.why}. {expected}{tested_note(report, rec)}")
+            lines.append(f"{i}. `{rec.override}`: {rec.why}. {expected}{tested_note(report, rec)}")
+        lines += [f"Explanation: {rec.why}." for rec in recs if not rec.override]
         lines.append("")
     lines += ["## Per-rank phases (mean per steady step)", "", *_table(PHASE_HEADER, phase_rows(report))]
     lines += prediction_section(report.prediction)

@@ -14,6 +14,7 @@ from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis import thresholds as thresholds_module
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.stats import rounded
+from diagnostics.analysis.tail import tail_line
 from diagnostics.analysis.thresholds import COST_WARNING
 from diagnostics.prediction import one_line, prediction_of
 from diagnostics.recommend import Recommendation
@@ -84,7 +85,12 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         findings = []
         for finding, recs in zip(self.findings, self.recommendations, strict=True):
-            findings.append({**finding.to_json(), "recommendations": [self._rec_json(r) for r in recs]})
+            # A recommendation is an override to try; what explains a finding without one is evidence.
+            entry = {**finding.to_json(), "recommendations": [self._rec_json(r) for r in recs if r.override]}
+            explained = [{"why": r.why, "expected_effect": r.expected_effect} for r in recs if not r.override]
+            if explained:
+                entry["explanation"] = explained
+            findings.append(entry)
         return _round_tree(
             {
                 "schema_version": SCHEMA_VERSION,
@@ -182,6 +188,8 @@ class Report:
             lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{self.next_step(recs)}")
         if len(pairs) > TEXT_FINDINGS:
             lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")
+        if (tail := tail_line(self.analysis.summary.tail)) is not None:
+            lines.append(f"  {tail}")
         prediction = self.prediction
         if prediction is not None:
             lines.append(f"  {one_line(prediction)}")

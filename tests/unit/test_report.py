@@ -30,7 +30,18 @@ def test_report_json_schema(tmp_path: Path) -> None:
             assert isinstance(row[phase], float)
     assert [f["kind"] for f in data["findings"]] == ["comm_bound", "low_overlap"]
     for finding in data["findings"]:
-        assert set(finding) == {"kind", "severity", "ranks", "evidence", "message", "cost", "recommendations"}
+        assert {"kind", "severity", "ranks", "evidence", "message", "cost", "recommendations"} <= set(finding)
+        assert set(finding) <= {
+            "kind",
+            "severity",
+            "ranks",
+            "evidence",
+            "message",
+            "cost",
+            "recommendations",
+            "explanation",
+        }
+        assert all(rec["override"] for rec in finding["recommendations"])  # an explanation is not a recommendation
         assert 0.0 <= finding["cost"]["fraction"] <= 1.0 and finding["cost"]["basis"]
         for rec in finding["recommendations"]:
             assert {"override", "why", "expected_gain"} <= set(rec)
