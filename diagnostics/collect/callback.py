@@ -11,6 +11,7 @@ import functools
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from diagnostics.analysis.live import RanksWindow
 from diagnostics.collect.calibrate import (
     collective_bandwidth,
     comm_overlap,
@@ -113,6 +115,12 @@ class DiagnosticsCallback(pl.Callback):
         self._last_step = -1
         self.times_collectives = False  # FSDP2's collectives are timed per phase (collect/fsdp_comm)
         self._disabled: set[str] = set()
+        # For the user's logger (disttrain.training.live_metrics), on rank 0 only: its steps since the logger last
+        # took them (bounded: a logger that never takes them costs a fixed few hundred kB), the last two gathers,
+        # and the run's final throughput record.
+        self.recent: deque[StepPhases] = deque(maxlen=10_000)
+        self.rank_windows: deque[RanksWindow] = deque(maxlen=2)
+        self.final_throughput: dict[str, Any] | None = None
 
     # -- plumbing -------------------------------------------------------------------------------------------
     def write(self, kind: str, **fields: Any) -> None:
@@ -267,9 +275,17 @@ class DiagnosticsCallback(pl.Callback):
         if phases is not None:
             self._timed(lambda: self._record_step(trainer, step, phases))
 
+    def take_recent(self) -> list[StepPhases]:
+        """Rank 0's steps recorded since the last call (the logger's window)."""
+        taken = list(self.recent)
+        self.recent.clear()
+        return taken
+
     def _record_step(self, trainer: pl.Trainer, step: int, phases: StepPhases) -> None:
         self.steps_seen += 1
         self.window.append(phases)
+        if trainer.is_global_zero:
+            self.recent.append(phases)
         if step % self.settings.step_every == 0:
             self.write(
                 "step",
@@ -295,27 +311,32 @@ class DiagnosticsCallback(pl.Callback):
             self.guarded("rank_gather", lambda: self._gather(trainer, step))
 
     def _gather(self, trainer: pl.Trainer, step: int) -> None:
-        """All-gather three floats per rank: the window's mean local compute, step time and data wait."""
+        """All-gather four floats per rank: the window's mean local compute, step time, data wait and comm wait
+        (the last for the logger's exposed-communication and waiting shares, riding in the same collective)."""
         n = max(1, len(self.window))
         local = torch.tensor(
             [
                 sum(p.local_compute_s for p in self.window) / n,
                 sum(p.step_s for p in self.window) / n,
                 sum(p.data_wait_s for p in self.window) / n,
+                sum(p.comm_wait_s for p in self.window) / n,
             ],
             dtype=torch.float64,
             device=trainer.strategy.root_device,
         )
-        gathered = trainer.strategy.all_gather(local).reshape(-1, 3).cpu().tolist()
+        gathered = trainer.strategy.all_gather(local).reshape(-1, 4).cpu().tolist()
         if trainer.is_global_zero:
+            columns = [[row[i] for row in gathered] for i in range(4)]
             self.write(
                 "ranks",
                 step=step,
                 window_steps=len(self.window),
-                local_compute_s=[row[0] for row in gathered],
-                step_s=[row[1] for row in gathered],
-                data_wait_s=[row[2] for row in gathered],
+                local_compute_s=columns[0],
+                step_s=columns[1],
+                data_wait_s=columns[2],
+                comm_wait_s=columns[3],
             )
+            self.rank_windows.append(RanksWindow(step, columns[1], columns[0], columns[2], columns[3]))
         self.window = []
 
     def on_validation_start(self, *args: Any) -> None:
@@ -408,8 +429,7 @@ class DiagnosticsCallback(pl.Callback):
         def ratio(flops_per_token: float, peak: float | None, what: str) -> float | None:
             return None if not peak else flops_utilization(tokens_per_s, flops_per_token, world_size, peak, what)
 
-        self.write(
-            "throughput",
+        self.final_throughput = dict(
             tokens_per_s=tokens_per_s,
             mfu=ratio(f.flops_per_token, f.peak_flops, "MFU"),
             hfu=ratio(f.hardware_flops_per_token, f.peak_flops, "HFU"),
@@ -419,6 +439,7 @@ class DiagnosticsCallback(pl.Callback):
             calibrated_peak_flops=self.calibrated,
             steps_measured=self.steps_seen,
         )
+        self.write("throughput", **self.final_throughput)
 
     def teardown_collectors(self) -> None:
         if self.watchdog is not None:
