@@ -219,16 +219,17 @@ class DiagnosticsCallback(pl.Callback):
         ranks) is comm wait.
         """
         first = next(p for p in pl_module.parameters() if p.requires_grad)
-        first.register_post_accumulate_grad_hook(lambda _: self._timed(self.timer.grad_ready))
+        first.register_post_accumulate_grad_hook(lambda _: self.timed(self.timer.grad_ready))
         owner = next((m for m in pl_module.modules() if any(p is first for p in m.parameters(recurse=False))), None)
         if owner is not None:
             owner.register_forward_hook(self._mark_output_gradient)
 
     def _mark_output_gradient(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         if module.training and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda _: self._timed(self.timer.grad_ready))
+            output.register_hook(lambda _: self.timed(self.timer.grad_ready))
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
+    def timed(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, its time counted as the collectors' own (the user's-logger callback counts itself here too)."""
         start = time.perf_counter()
         try:
             return fn()
@@ -237,28 +238,28 @@ class DiagnosticsCallback(pl.Callback):
 
     # -- per step -------------------------------------------------------------------------------------------
     def on_train_batch_start(self, *args: Any) -> None:
-        self._timed(self.timer.batch_start)
+        self.timed(self.timer.batch_start)
 
     def on_before_backward(self, *args: Any) -> None:
-        self._timed(self.timer.before_backward)
+        self.timed(self.timer.before_backward)
 
     def on_after_backward(self, *args: Any) -> None:
-        self._timed(self.timer.after_backward)
+        self.timed(self.timer.after_backward)
 
     def on_before_optimizer_step(self, *args: Any) -> None:
-        self._timed(self.timer.before_optimizer_step)
+        self.timed(self.timer.before_optimizer_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # A module whose engine runs the step's micro-batches itself (Megatron's pipeline schedule) times them.
         pop_timing = getattr(pl_module, "pop_schedule_timing", None)
         timing = pop_timing() if callable(pop_timing) else None
         if timing is not None:
-            self._timed(
+            self.timed(
                 lambda: self.timer.schedule_ran(timing.forward_s, timing.backward_s, timing.wall_s, timing.pipelined)
             )
         step = trainer.global_step
         if step == self._last_step:  # a micro-batch inside gradient accumulation
-            self._timed(self.timer.batch_end)
+            self.timed(self.timer.batch_end)
             return
         self._last_step = step
         if self.training_state is None and step >= 2:
@@ -267,13 +268,13 @@ class DiagnosticsCallback(pl.Callback):
             self.training_state = self.guarded(
                 "training_state", lambda: training_state_bytes(pl_module, trainer.optimizers)
             )
-        phases = self._timed(self.timer.finish_step)
+        phases = self.timed(self.timer.finish_step)
         if self.watchdog is not None:
             self.watchdog.beat(step)
         if self.profiler is not None:  # the one-time window: its cost is measured on its own (benchmarks/)
             self.guarded("profiler", self.profiler.step)
         if phases is not None:
-            self._timed(lambda: self._record_step(trainer, step, phases))
+            self.timed(lambda: self._record_step(trainer, step, phases))
 
     def take_recent(self) -> list[StepPhases]:
         """Rank 0's steps recorded since the last call (the logger's window)."""
