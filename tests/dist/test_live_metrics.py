@@ -46,7 +46,7 @@ def test_every_group_is_in_the_csv_with_the_reports_numbers(straggler_run: tuple
     headline = re.search(r"^\s+([\d,]+) tokens/s \| MFU", out, re.M)
     assert headline is not None, out[-2000:]
     assert run_rate == pytest.approx(float(headline.group(1).replace(",", "")), rel=0.05)
-    assert run_rate == pytest.approx(summary["tokens_per_s"], rel=1e-6)  # report.json rounds to 2 decimals
+    assert run_rate == pytest.approx(summary["tokens_per_s"], abs=0.01)  # report.json keeps 2 decimals
     (mfu_run,) = metric_series(rows, "throughput/mfu_calibrated_run")
     assert mfu_run == pytest.approx(summary["calibrated_mfu"], rel=1e-3, abs=1e-6)  # as report.json rounds
     # Each logging window's rate: of the same order as the run's (windows differ by the box's noise).
