@@ -11,6 +11,7 @@ import functools
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from diagnostics.analysis.live import RanksWindow
 from diagnostics.collect.calibrate import (
     collective_bandwidth,
     comm_overlap,
@@ -113,6 +115,12 @@ class DiagnosticsCallback(pl.Callback):
         self._last_step = -1
         self.times_collectives = False  # FSDP2's collectives are timed per phase (collect/fsdp_comm)
         self._disabled: set[str] = set()
+        # For the user's logger (disttrain.training.live_metrics), on rank 0 only: its steps since the logger last
+        # took them (bounded: a logger that never takes them costs a fixed few hundred kB), the last two gathers,
+        # and the run's final throughput record.
+        self.recent: deque[StepPhases] = deque(maxlen=10_000)
+        self.rank_windows: deque[RanksWindow] = deque(maxlen=2)
+        self.final_throughput: dict[str, Any] | None = None
 
     # -- plumbing -------------------------------------------------------------------------------------------
     def write(self, kind: str, **fields: Any) -> None:
@@ -215,12 +223,13 @@ class DiagnosticsCallback(pl.Callback):
         engine = torch.autograd.Variable._execution_engine
 
         def queue_mark(grad: torch.Tensor) -> torch.Tensor:
-            engine.queue_callback(lambda: self._timed(self.timer.grad_ready))
+            engine.queue_callback(lambda: self.timed(self.timer.grad_ready))
             return grad
 
         loss.register_hook(queue_mark)
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
+    def timed(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, its time counted as the collectors' own (the user's-logger callback counts itself here too)."""
         start = time.perf_counter()
         try:
             return fn()
@@ -229,29 +238,29 @@ class DiagnosticsCallback(pl.Callback):
 
     # -- per step -------------------------------------------------------------------------------------------
     def on_train_batch_start(self, *args: Any) -> None:
-        self._timed(self.timer.batch_start)
+        self.timed(self.timer.batch_start)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._timed(self.timer.before_backward)
+        self.timed(self.timer.before_backward)
         self.guarded("grad_hook", lambda: self._mark_backward_compute_end(loss))
 
     def on_after_backward(self, *args: Any) -> None:
-        self._timed(self.timer.after_backward)
+        self.timed(self.timer.after_backward)
 
     def on_before_optimizer_step(self, *args: Any) -> None:
-        self._timed(self.timer.before_optimizer_step)
+        self.timed(self.timer.before_optimizer_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # A module whose engine runs the step's micro-batches itself (Megatron's pipeline schedule) times them.
         pop_timing = getattr(pl_module, "pop_schedule_timing", None)
         timing = pop_timing() if callable(pop_timing) else None
         if timing is not None:
-            self._timed(
+            self.timed(
                 lambda: self.timer.schedule_ran(timing.forward_s, timing.backward_s, timing.wall_s, timing.pipelined)
             )
         step = trainer.global_step
         if step == self._last_step:  # a micro-batch inside gradient accumulation
-            self._timed(self.timer.batch_end)
+            self.timed(self.timer.batch_end)
             return
         self._last_step = step
         if self.training_state is None and step >= 2:
@@ -260,17 +269,25 @@ class DiagnosticsCallback(pl.Callback):
             self.training_state = self.guarded(
                 "training_state", lambda: training_state_bytes(pl_module, trainer.optimizers)
             )
-        phases = self._timed(self.timer.finish_step)
+        phases = self.timed(self.timer.finish_step)
         if self.watchdog is not None:
             self.watchdog.beat(step)
         if self.profiler is not None:  # the one-time window: its cost is measured on its own (benchmarks/)
             self.guarded("profiler", self.profiler.step)
         if phases is not None:
-            self._timed(lambda: self._record_step(trainer, step, phases))
+            self.timed(lambda: self._record_step(trainer, step, phases))
+
+    def take_recent(self) -> list[StepPhases]:
+        """Rank 0's steps recorded since the last call (the logger's window)."""
+        taken = list(self.recent)
+        self.recent.clear()
+        return taken
 
     def _record_step(self, trainer: pl.Trainer, step: int, phases: StepPhases) -> None:
         self.steps_seen += 1
         self.window.append(phases)
+        if trainer.is_global_zero:
+            self.recent.append(phases)
         if step % self.settings.step_every == 0:
             self.write(
                 "step",
@@ -296,27 +313,32 @@ class DiagnosticsCallback(pl.Callback):
             self.guarded("rank_gather", lambda: self._gather(trainer, step))
 
     def _gather(self, trainer: pl.Trainer, step: int) -> None:
-        """All-gather three floats per rank: the window's mean local compute, step time and data wait."""
+        """All-gather four floats per rank: the window's mean local compute, step time, data wait and comm wait
+        (the last for the logger's exposed-communication and waiting shares, riding in the same collective)."""
         n = max(1, len(self.window))
         local = torch.tensor(
             [
                 sum(p.local_compute_s for p in self.window) / n,
                 sum(p.step_s for p in self.window) / n,
                 sum(p.data_wait_s for p in self.window) / n,
+                sum(p.comm_wait_s for p in self.window) / n,
             ],
             dtype=torch.float64,
             device=trainer.strategy.root_device,
         )
-        gathered = trainer.strategy.all_gather(local).reshape(-1, 3).cpu().tolist()
+        gathered = trainer.strategy.all_gather(local).reshape(-1, 4).cpu().tolist()
         if trainer.is_global_zero:
+            columns = [[row[i] for row in gathered] for i in range(4)]
             self.write(
                 "ranks",
                 step=step,
                 window_steps=len(self.window),
-                local_compute_s=[row[0] for row in gathered],
-                step_s=[row[1] for row in gathered],
-                data_wait_s=[row[2] for row in gathered],
+                local_compute_s=columns[0],
+                step_s=columns[1],
+                data_wait_s=columns[2],
+                comm_wait_s=columns[3],
             )
+            self.rank_windows.append(RanksWindow(step, columns[1], columns[0], columns[2], columns[3]))
         self.window = []
 
     def on_validation_start(self, *args: Any) -> None:
@@ -409,8 +431,7 @@ class DiagnosticsCallback(pl.Callback):
         def ratio(flops_per_token: float, peak: float | None, what: str) -> float | None:
             return None if not peak else flops_utilization(tokens_per_s, flops_per_token, world_size, peak, what)
 
-        self.write(
-            "throughput",
+        self.final_throughput = dict(
             tokens_per_s=tokens_per_s,
             mfu=ratio(f.flops_per_token, f.peak_flops, "MFU"),
             hfu=ratio(f.hardware_flops_per_token, f.peak_flops, "HFU"),
@@ -420,6 +441,7 @@ class DiagnosticsCallback(pl.Callback):
             calibrated_peak_flops=self.calibrated,
             steps_measured=self.steps_seen,
         )
+        self.write("throughput", **self.final_throughput)
 
     def teardown_collectors(self) -> None:
         if self.watchdog is not None:

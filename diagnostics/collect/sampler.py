@@ -111,11 +111,14 @@ class DeviceSampler(threading.Thread):
         self.write = write
         self.interval_s = interval_s
         self._stop_event = threading.Event()
+        # The newest reading, for the user's logger on the training thread: one reference swap, no lock needed.
+        self.latest: dict | None = None
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval_s):
             try:
-                self.write("sample", **self.reader.read())  # type: ignore[attr-defined]
+                self.latest = self.reader.read()  # type: ignore[attr-defined]
+                self.write("sample", **self.latest)
             except Exception as err:  # a sampler must never take training down
                 self.write("error", source="sampler", message=f"{type(err).__name__}: {err}")
                 return

@@ -19,6 +19,7 @@ from disttrain.strategies.megatron import MegatronStrategy
 from disttrain.strategies.megatron.module import MegatronModule
 from disttrain.strategies.spec import build_strategy, spec_of
 from disttrain.training.build import build_datamodule, build_trainer
+from disttrain.training.live_metrics import LiveMetrics
 from tests.conftest import compose_train, group_options
 
 GROUPS = ["model", "data", "strategy", "precision", "hw", "optimizer", "trainer", "logger", "diagnostics"]
@@ -127,6 +128,9 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     # Megatron's loader batch is a whole step's micro-batches, which its engine splits itself.
     batches = 1 if run_cfg.strategy.name == "megatron" else plan.accumulation
     assert parts.trainer.accumulate_grad_batches == batches
+    # The user's logger gets the diagnostics' figures only where diagnostics run: diagnostics=off logs nothing extra.
+    live = [c for c in parts.trainer.callbacks if isinstance(c, LiveMetrics)]
+    assert len(live) == (1 if run_cfg.diagnostics.enabled else 0)
 
 
 @pytest.mark.parametrize("experiment", group_options("experiment"))

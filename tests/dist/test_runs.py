@@ -10,6 +10,7 @@ import yaml
 
 from diagnostics.telemetry import telemetry_path
 from tests.conftest import TINY_MODEL, read_manifest, run_cli
+from tests.logged import tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.dist
 
@@ -160,6 +161,30 @@ def test_text_file_with_tensorboard_logger(text_run: tuple[Path, list[str]]) -> 
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_tensorboard_gets_every_group_and_the_report(text_run: tuple[Path, list[str]]) -> None:
+    """What the console and the report know is in the event file while the run goes, and the report at its end."""
+    run_dir, _ = text_run
+    scalars, texts = tensorboard_scalars(run_dir / "tensorboard")
+    summary = json.loads((run_dir / "report" / "report.json").read_text())["summary"]
+    (run_rate,) = [value for _, value in scalars["throughput/tokens_per_s_run"]]
+    assert run_rate == pytest.approx(summary["tokens_per_s"], rel=0.05)
+    (mfu_run,) = [value for _, value in scalars["throughput/mfu_calibrated_run"]]
+    assert mfu_run == pytest.approx(summary["calibrated_mfu"], rel=1e-3, abs=1e-6)
+    # Every logging step after the warm-up (12 steps, logged every 4), on the same steps as the loss.
+    windows = scalars["throughput/tokens_per_s"]
+    assert [step for step, _ in windows] == [step for step, _ in scalars["train/loss"]] == [3, 7, 11]
+    assert all(run_rate / 3 < value < 3 * run_rate for _, value in windows)
+    assert all(0 < value < 1 for _, value in scalars["throughput/mfu_calibrated"])
+    for key in ("time/step_p50_s", "time/step_max_s", "memory/host_rss_gib", "optim/grad_norm"):
+        assert scalars[key] and all(0 < value < 100 for _, value in scalars[key]), key
+    # The ranks' gap and the communication split come with the rank gather (every 10 steps): logged at step 12.
+    for key in ("ranks/step_time_gap_s", "ranks/busy_gap_s", "comm/exposed_share", "comm/waiting_share"):
+        assert [step for step, _ in scalars[key]] == [11] and 0 <= scalars[key][0][1] < 1, key
+    assert scalars["ranks/slowest_rank"][0][1] in (0.0, 1.0)
+    (report_text,) = texts["diagnostics/report/text_summary"]
+    assert report_text.startswith("# ") and "tokens/s" in report_text
+
+
 def test_token_file_with_offline_wandb_logger(tmp_path: Path) -> None:
     import numpy as np
 
@@ -172,6 +197,16 @@ def test_token_file_with_offline_wandb_logger(tmp_path: Path) -> None:
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     # The diagnostics report rides along as an artifact in the offline run (synced with `wandb sync`).
     assert b"diagnostics-report" in b"".join(p.read_bytes() for p in offline.glob("*.wandb"))
+    # The same keys as every logger's, in the run's history; the run's own rate and MFU are the report's.
+    history = wandb_history(offline)
+    keys = {key for row in history for key in row}
+    assert {"train/loss", "throughput/tokens_per_s", "throughput/mfu_calibrated", "time/step_p50_s",
+            "memory/host_rss_gib", "optim/grad_norm", "ranks/busy_gap_s", "comm/exposed_share"} <= keys  # fmt: skip
+    summary = json.loads((run_dir / "report" / "report.json").read_text())["summary"]
+    (run_rate,) = [row["throughput/tokens_per_s_run"] for row in history if "throughput/tokens_per_s_run" in row]
+    assert run_rate == pytest.approx(summary["tokens_per_s"], abs=0.01)  # report.json keeps 2 decimals
+    (mfu_run,) = [row["throughput/mfu_calibrated_run"] for row in history if "throughput/mfu_calibrated_run" in row]
+    assert mfu_run == pytest.approx(summary["calibrated_mfu"], rel=1e-3, abs=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -104,3 +104,24 @@ def test_the_gpu_path_is_taken_only_where_the_optimizer_can_skip_on_the_device(d
     params = [nn.Parameter(torch.ones(2))]
     opt = torch.optim.AdamW(params, fused=True) if optimizer == "fused" else torch.optim.AdamW(params)
     assert defers_verdict(opt, torch.device(device), scaler) is defers
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "read-in-step"])
+def test_the_norm_before_clipping_rides_in_the_vote_to_the_host(defer: bool) -> None:
+    """The logger's gradient norm: clip_grad_norm_'s total norm before clipping, read with the verdict (a step late
+    where the verdict is), never by a read of its own."""
+    run = Run("skip", defer=defer)
+    run.step(0.5)
+    expected = torch.nn.utils.get_total_norm([torch.full((3, 4), 0.5), torch.full((3,), 0.5)]).item()
+    if defer:
+        assert run.guard.last_grad_norm is None  # not read yet
+        run.step(2.0)
+    assert run.guard.last_grad_norm == (0, pytest.approx(expected))  # 0.5 * sqrt(15), well above the clip at 1
+
+
+def test_without_clipping_the_guard_offers_no_norm() -> None:
+    """Unclipped, the guard's norm is this rank's shard or stage only under FSDP or a pipeline: not the global one."""
+    run = Run("skip", defer=False, clip=None)
+    run.step(0.5)
+    run.step(0.5)
+    assert run.guard.last_grad_norm is None

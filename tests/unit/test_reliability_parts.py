@@ -197,9 +197,9 @@ def test_guard_votes_once_per_finite_step(monkeypatch: pytest.MonkeyPatch) -> No
     model = nn.Linear(2, 2)
     guard = NonFiniteGuard("skip", max_skips=5)
     guard_step(guard, model, 0, 1.0, 0.5)
-    assert votes == [[0.0, 0.0]]
+    assert votes == [[0.0, 0.0, -1.0]]  # loss, norm's finiteness, no norm to carry (the guard does not clip here)
     guard_step(guard, model, 1, 1.0, float("nan"))
-    assert votes[1:] == [[0.0, 1.0], [1.0]] and guard.skipped_steps == [1]
+    assert votes[1:] == [[0.0, 1.0, -1.0], [1.0]] and guard.skipped_steps == [1]
 
 
 def test_guard_drops_the_update_skips_then_stops() -> None:

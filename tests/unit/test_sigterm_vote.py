@@ -73,13 +73,13 @@ def test_another_ranks_sigterm_in_the_vote_ends_fit_after_the_same_batch(
         calls.append(len(flags))
         verdict = real_vote(flags)
         if len(calls) == 3:
-            verdict[2] = 4.0  # the max over ranks: rank 3 received SIGTERM
+            verdict[3] = 4.0  # the max over ranks: rank 3 received SIGTERM
         return verdict
 
     monkeypatch.setattr(nan_guard, "cast_vote", vote_with_another_rank)
     trainer, sigterm, steps_ended = fit(Regression(), tmp_path)
     assert sigterm.installed and sigterm.votes == 3 and sigterm.signalled_rank == 3
-    assert calls == [3, 3, 3]  # loss, norm and the SIGTERM flag in one vote per step
+    assert calls == [4, 4, 4]  # loss, norm's finiteness, the norm itself and the SIGTERM flag in one vote per step
     assert steps_ended == [1, 2, 3] and trainer.global_step == 3
 
 

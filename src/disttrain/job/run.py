@@ -391,7 +391,7 @@ def finish(
     if guard is not None and guard.skipped_steps:
         say(f"  skipped     {len(guard.skipped_steps)} step(s) with non-finite loss/gradients: {guard.skipped_steps}")
     if run_cfg.diagnostics.enabled and run_cfg.diagnostics.report:
-        report = say_report(run_dir, parts.trainer if run_cfg.logger.name == "wandb" else None)
+        report = say_report(run_dir, parts.trainer)
         if report is not None and report.prediction is not None:  # the telemetry measured more (comm, every rank)
             manifest.prediction = report.prediction
             manifest.write(run_dir)
@@ -470,18 +470,21 @@ def predict_and_measure(
     return with_measurement(record, measured)
 
 
-def say_report(run_dir: Path, wandb_trainer: object | None = None, quiet: bool = False) -> Report | None:
+def say_report(run_dir: Path, trainer: object | None = None, quiet: bool = False) -> Report | None:
     """The bottleneck report, after every rank has finished writing telemetry, through the function that
-    ``python -m diagnose`` uses; prints its summary unless ``quiet``. Never fails the run."""
+    ``python -m diagnose`` uses; prints its summary unless ``quiet``, and attaches it to the ``trainer``'s loggers
+    that can hold it (wandb, TensorBoard). Never fails the run."""
     from diagnostics.report import diagnose_run
-    from disttrain.training.build import log_report_to_wandb
+    from disttrain.training.logger_text import attach_report
 
     try:
         report = diagnose_run(run_dir)
         if not quiet:
             say(report.text_summary())
-        if wandb_trainer is not None and log_report_to_wandb(wandb_trainer, run_dir):  # type: ignore[arg-type]
-            say("  the report is attached to the wandb run as an artifact")
+        if trainer is not None:
+            attached = attach_report(trainer.loggers, run_dir, trainer.global_step)  # type: ignore[attr-defined]
+            if attached:
+                say(f"  the report is attached to the {' and the '.join(attached)}")
         return report
     except Exception as err:  # a broken report must not turn a finished training run into a failure
         say(f"disttrain: could not write the diagnostics report: {type(err).__name__}: {err}", file=sys.stderr)

@@ -26,6 +26,10 @@ Before a checkpoint is written and when training ends the pending verdict is rea
 difference: a gradient norm that overflowed its dtype with finite elements (which the step's own read tells
 apart) is skipped as non-finite instead of clipped to zero.
 
+Where the guard clips, the global gradient norm (before clipping) rides in the same vote as a third value, so the
+user's logger gets it on the host with the verdict (a step late where the verdict is), never through a read of its
+own: ``last_grad_norm``. Every rank holds the same global norm, so the vote's maximum is that norm.
+
 A stop is agreed by every rank, but a spawned rank may finish its part and exit before the launcher has finished
 its own: it writes ``stopping_rank<N>.json`` before it exits with code 4, and the launcher takes such an exit
 for the agreed stop, not for a death (``agreed_stop``), and completes the stop itself (run.json, the report).
@@ -200,6 +204,9 @@ class NonFiniteGuard(pl.Callback):
         self.defer: bool | None = None
         self._pending: PendingVerdict | None = None
         self._trainer: pl.Trainer | None = None
+        # (step, global gradient norm before clipping) of the newest verdict read; None where the guard does not
+        # clip (its norm would be this rank's shard or stage only) or before the first read.
+        self.last_grad_norm: tuple[int, float] | None = None
 
     @property
     def stopped(self) -> bool:
@@ -231,7 +238,9 @@ class NonFiniteGuard(pl.Callback):
         self._bad_loss = None
         # The riders' host flags cross to the device as one tensor: one copy per step, not one per rider.
         riders = host_flags_to(device, [rider.flag(trainer) for rider in self.riders]).unbind()
-        verdict = cast_vote([bad_loss.to(device), norm_bad.to(device), *riders])
+        # No norm is -1: the vote's length agrees on every rank whatever it holds.
+        norm_value = local_tensor(norm.detach()) if norm is not None else torch.tensor(-1.0)
+        verdict = cast_vote([bad_loss.to(device), norm_bad.to(device), norm_value.to(device), *riders])
         if self.defer:
             # Skipped on the device when the vote says so (or when the previous step's verdict stopped the run).
             found = torch.ones((), device=device) if stop_now else verdict[:2].max()
@@ -240,7 +249,8 @@ class NonFiniteGuard(pl.Callback):
                 torch.nn.utils.clip_grads_with_norm_(params, self.clip_norm, norm)
             self._pending = PendingVerdict.start(trainer.global_step, verdict)
             return
-        loss_vote, norm_vote, *verdicts = verdict.tolist()
+        loss_vote, norm_vote, norm_value, *verdicts = verdict.tolist()
+        self._keep_norm(trainer.global_step, norm_value)
         for rider, highest in zip(self.riders, verdicts, strict=True):
             rider.agreed(trainer, highest)
         loss_bad, norm_nonfinite = bool(loss_vote), bool(norm_vote)
@@ -267,7 +277,8 @@ class NonFiniteGuard(pl.Callback):
         trainer = trainer or self._trainer
         if pending is None or trainer is None:
             return False
-        loss_vote, norm_vote, *verdicts = pending.verdict()
+        loss_vote, norm_vote, norm_value, *verdicts = pending.verdict()
+        self._keep_norm(pending.step, norm_value)
         for rider, highest in zip(self.riders, verdicts, strict=True):
             rider.agreed(trainer, highest)
         if not (loss_vote or norm_vote):
@@ -277,6 +288,10 @@ class NonFiniteGuard(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.settle(trainer)
+
+    def _keep_norm(self, step: int, value: float) -> None:
+        if value >= 0 or value != value:  # a NaN norm is a fact worth logging; -1 means none was computed
+            self.last_grad_norm = (step, value)
 
     @staticmethod
     def _what(loss_bad: bool, grad_bad: bool) -> str:

@@ -38,6 +38,7 @@ from disttrain.strategies.auto import layout_of
 from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.spec import StrategyBuild, spec_of
 from disttrain.training.callbacks import FinalValidation, Throughput
+from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
 
 
@@ -152,19 +153,6 @@ def build_diagnostics(
     )
 
 
-def log_report_to_wandb(trainer: pl.Trainer, run_dir: Path) -> bool:
-    """Attach RUN_DIR/report/ to the wandb run as an artifact (offline runs keep it for `wandb sync`)."""
-    import wandb
-
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            artifact = wandb.Artifact(f"diagnostics-report-{logger.experiment.id}", type="diagnostics-report")
-            artifact.add_dir(str(run_dir / "report"))
-            logger.experiment.log_artifact(artifact)
-            return True
-    return False
-
-
 def build_trainer(
     cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, strategy: StrategyBuild, run_dir: Path, facts: ModelFacts
 ) -> TrainerParts:
@@ -187,6 +175,8 @@ def build_trainer(
     if diagnostics is not None:
         callbacks.append(diagnostics)
         reliability.guard.record = diagnostics.write  # a non-finite step shows in this rank's telemetry
+        # After the diagnostics: it reads the step they just recorded, and at train end their throughput record.
+        callbacks.append(LiveMetrics(t.log_every_n_steps, diagnostics, throughput, reliability.guard))
     if reliability.preemption is not None:  # last: the step it stops at has been seen by every callback above
         callbacks.append(reliability.preemption)
     else:  # ranks are launch.py's: Lightning's hint to start them with srun (wherever srun exists) does not apply
