@@ -239,7 +239,7 @@ class NonFiniteGuard(pl.Callback):
         # The riders' host flags cross to the device as one tensor: one copy per step, not one per rider.
         riders = host_flags_to(device, [rider.flag(trainer) for rider in self.riders]).unbind()
         # No norm is -1: the vote's length agrees on every rank whatever it holds.
-        norm_value = local_tensor(norm.detach()) if norm is not None else torch.tensor(-1.0)
+        norm_value = local_tensor(norm.detach()) if norm is not None else torch.full((), -1.0, device=device)
         verdict = cast_vote([bad_loss.to(device), norm_bad.to(device), norm_value.to(device), *riders])
         if self.defer:
             # Skipped on the device when the vote says so (or when the previous step's verdict stopped the run).
