@@ -70,7 +70,7 @@ def use_ddp_comm_hook(hook: Callable, state: object = None) -> None:
 _optimizer_sleep: dict[str, object] = {}
 
 
-def sleep_in_optimizer_step(sleep_s: float, slow_ranks: list[int] | None) -> None:
+def sleep_in_optimizer_step(sleep_s: float, slow_ranks: list[int] | None, every: int = 1) -> None:
     """Every optimizer step on ``slow_ranks`` ends with a ``sleep_s`` sleep (a global torch optimizer hook).
 
     A post-step hook, not a pre-step one: Lightning runs forward and backward in the closure that
@@ -83,10 +83,13 @@ def sleep_in_optimizer_step(sleep_s: float, slow_ranks: list[int] | None) -> Non
 
     if not _optimizer_sleep:
         register_optimizer_step_post_hook(_sleep_after_step)
-    _optimizer_sleep.update(sleep_s=sleep_s, slow_ranks=slow_ranks)
+    _optimizer_sleep.update(sleep_s=sleep_s, slow_ranks=slow_ranks, every=every, steps=0)
 
 
 def _sleep_after_step(optimizer: object, args: object, kwargs: object) -> None:
+    _optimizer_sleep["steps"] += 1  # type: ignore[operator]
+    if _optimizer_sleep["steps"] % _optimizer_sleep["every"]:  # type: ignore[operator]
+        return
     if is_slow_here(_optimizer_sleep["slow_ranks"]):  # type: ignore[arg-type]
         time.sleep(_optimizer_sleep["sleep_s"])  # type: ignore[arg-type]
 
@@ -110,6 +113,7 @@ class RandomTokens(pl.LightningDataModule):
         local_grads: bool = False,
         link_bytes_per_s: float = 0.0,
         num_sequences: int = 2048,
+        stall_every: int = 1,
     ) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(0)
@@ -118,8 +122,9 @@ class RandomTokens(pl.LightningDataModule):
         self.micro_batch_size = micro_batch_size
         self.delay_s = delay_s
         self.slow_ranks = slow_ranks
+        self.stall_every = stall_every  # the delay only on every N-th batch: an intermittent stall
         if optimizer_sleep_s:
-            sleep_in_optimizer_step(optimizer_sleep_s, slow_ranks)
+            sleep_in_optimizer_step(optimizer_sleep_s, slow_ranks, stall_every)
         if local_grads:
             use_ddp_comm_hook(local_gradient_hook)
         elif link_bytes_per_s:
@@ -127,9 +132,11 @@ class RandomTokens(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         delay_s = self.delay_s if is_slow_here(self.slow_ranks) else 0.0
+        batches = [0]
 
         def collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
-            if delay_s:
+            batches[0] += 1
+            if delay_s and batches[0] % self.stall_every == 0:
                 time.sleep(delay_s)
             return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
@@ -169,6 +176,7 @@ class InjectedModel(nn.Module):
         sleep_s: float = 0.0,
         slow_ranks: list[int] | None = None,
         local_grads: bool = False,
+        stall_every: int = 1,
     ) -> None:
         super().__init__()
         if phase not in ("forward", "backward", "optimizer"):
@@ -177,14 +185,17 @@ class InjectedModel(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
         self.head = nn.Linear(width, vocab_size)
         self.phase, self.sleep_s, self.slow_ranks = phase, sleep_s, slow_ranks
+        self.stall_every, self.calls = stall_every, 0  # sleep only in every N-th training forward: a stall
         if sleep_s and phase == "optimizer":
-            sleep_in_optimizer_step(sleep_s, slow_ranks)
+            sleep_in_optimizer_step(sleep_s, slow_ranks, stall_every)
         if local_grads:
             use_ddp_comm_hook(local_gradient_hook)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # The rank is read here, not at construction: the launcher builds the model once before it knows its rank.
+        self.calls += self.training
         slow = self.training and self.sleep_s > 0 and is_slow_here(self.slow_ranks)
+        slow = slow and self.calls % self.stall_every == 0
         if slow and self.phase == "forward":
             time.sleep(self.sleep_s)
         h = self.embed(tokens)

@@ -538,38 +538,47 @@ RECOMMENDERS = {
 }
 
 
-def _free_cores(ctx: RunContext) -> str | None:
-    if ctx.host_cores_busy():
-        threads = ctx.num_threads or ctx.get("trainer.num_threads") or "all"
-        return (
-            f"every core is busy ({ctx.ranks_per_host or ctx.local_ranks()} rank(s) x {threads} thread(s) on "
-            f"{ctx.cpu_count} cores): loader workers would take cores from the compute they feed"
-        )
-    return None
+def _free_cores_for_loading(ctx: RunContext, finding: Finding) -> str | None:
+    """Loader workers that compute batches need cores of their own; workers that wait (I/O, a remote store) do not.
+    The training thread's CPU share of its data wait tells which (unknown in older telemetry: then any busy host
+    refuses, as it does once workers already run, whose CPU is not on this thread)."""
+    if not ctx.host_cores_busy():
+        return None
+    shares = (finding.evidence.get("data_cpu_share") or {}).values()
+    waiting = shares and max(shares) < CPU_BOUND_LOADING and not ctx.get("data.num_workers")
+    if waiting:
+        return None
+    threads = ctx.num_threads or ctx.get("trainer.num_threads") or "all"
+    return (
+        f"every core is busy ({ctx.ranks_per_host or ctx.local_ranks()} rank(s) x {threads} thread(s) on "
+        f"{ctx.cpu_count} cores) and loading computes: loader workers would take cores from the compute they feed"
+    )
 
 
-def _several_ranks(ctx: RunContext) -> str | None:
+def _several_ranks(ctx: RunContext, finding: Finding) -> str | None:
     world = ctx.batch.get("data_parallel_size")
     return "one data-parallel rank has no gradient traffic to change" if world == 1 else None
 
 
+# The training thread's CPU time over its data wait above which loading is CPU work (a worker needs a free core).
+CPU_BOUND_LOADING = 0.5
 # What each lever needs of the run's own evidence, in one place for every finding kind: a recommendation whose key is
 # here and whose need the run contradicts is not made (it is explained instead). Measured on 2 ranks x 1 thread on 2
 # cores: one loader worker per rank made a heavy __getitem__ run slower (46-50 ms vs 44 ms a step).
-LEVER_NEEDS: dict[str, Callable[[RunContext], str | None]] = {
-    "data.num_workers": _free_cores,
-    "+data.num_workers": _free_cores,
+LEVER_NEEDS: dict[str, Callable[[RunContext, Finding], str | None]] = {
+    "data.num_workers": _free_cores_for_loading,
+    "+data.num_workers": _free_cores_for_loading,
     "strategy.comm_hook": _several_ranks,
     "strategy.bucket_cap_mb": _several_ranks,
 }
 
 
-def gated(recs: list[Recommendation], ctx: RunContext) -> list[Recommendation]:
+def gated(recs: list[Recommendation], ctx: RunContext, finding: Finding) -> list[Recommendation]:
     """``recs`` without the levers the run's evidence rules out, each replaced by the reason it is not made."""
     out: list[Recommendation] = []
     for rec in recs:
         need = LEVER_NEEDS.get(rec.key or "")
-        reason = need(ctx) if need is not None else None
+        reason = need(ctx, finding) if need is not None else None
         if reason is None:
             out.append(rec)
         else:
@@ -579,7 +588,7 @@ def gated(recs: list[Recommendation], ctx: RunContext) -> list[Recommendation]:
 
 def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     """Ranked recommendations for one finding, most effective first; none the run's evidence contradicts."""
-    return gated(RECOMMENDERS[finding.kind](finding, ctx), ctx)
+    return gated(RECOMMENDERS[finding.kind](finding, ctx), ctx, finding)
 
 
 def recommend_all(analysis: Analysis) -> list[list[Recommendation]]:

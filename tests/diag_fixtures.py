@@ -46,6 +46,7 @@ class Scenario:
     slow_phase: str | None = None  # or: slow_rank spends slow_s more in this phase (data|forward|...|other)
     slow_s: float = 0.0
     cpu_count: int | None = None  # of the host (None: unknown, as from an older collector); 1 thread per rank
+    data_cpu: float | None = None  # share of the data wait spent computing on the training thread (None: unrecorded)
     # Ranks also meet before forward, as DDP's buffer broadcast or FSDP's first all-gather makes them: a rank
     # that waits there for a slower one has the wait inside its forward time.
     sync_before_forward: bool = False
@@ -327,6 +328,7 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                 step_s=r.step_s,
                 start_t=r.start_t,
                 data_wait_s=r.data,
+                **({"data_cpu_s": sc.data_cpu * r.data} if sc.data_cpu is not None else {}),
                 forward_s=r.forward,
                 backward_s=r.backward_compute + r.comm_wait,
                 optimizer_s=r.optimizer,

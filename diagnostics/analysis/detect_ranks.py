@@ -105,12 +105,15 @@ def _by_phase(per_step: list[list[float]]) -> dict[str, float]:
     return out
 
 
-def _fell_behind(row: list[float]) -> float:
-    """Seconds a rank fell behind in one step, over every phase but data (input_bound's, with its own levers)."""
-    return sum(max(0.0, g) for g, (_, name) in zip(row, SEGMENTS, strict=True) if name != "data")
+def _fell_behind(row: list[float], data: bool = False) -> float:
+    """Seconds a rank fell behind in one step, over every phase but data (input_bound's, with its own levers)
+    unless ``data``."""
+    return sum(max(0.0, g) for g, (_, name) in zip(row, SEGMENTS, strict=True) if data or name != "data")
 
 
-def _excess(steps: list[tuple[float, dict[int, list[float]]]], rank: int) -> list[tuple[float, float]]:
+def _excess(
+    steps: list[tuple[float, dict[int, list[float]]]], rank: int, data: bool = False
+) -> list[tuple[float, float]]:
     """Per step, how much more ``rank`` fell behind than the median of the other ranks, and the step's time.
 
     On a shared host every rank falls behind now and then (the scheduler preempts one, then the other): both
@@ -120,8 +123,8 @@ def _excess(steps: list[tuple[float, dict[int, list[float]]]], rank: int) -> lis
     out = []
     for step_s, step in steps:
         if rank in step:
-            others = median(_fell_behind(row) for r, row in step.items() if r != rank) or 0.0
-            out.append((_fell_behind(step[rank]) - others, step_s))
+            others = median(_fell_behind(row, data) for r, row in step.items() if r != rank) or 0.0
+            out.append((_fell_behind(step[rank], data) - others, step_s))
     return out
 
 
@@ -184,12 +187,12 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
 def _stall_steps(steps: list[tuple[float, dict[int, list[float]]]], rank: int, typical_s: float) -> list[int]:
     """Indices of the steps in which ``rank`` fell behind the others by a stall: at least STALL_FRACTION of the
     typical step beyond what the other ranks lost in the same step."""
-    return [i for i, (e, _) in enumerate(_excess(steps, rank)) if e >= STALL_FRACTION * typical_s]
+    return [i for i, (e, _) in enumerate(_excess(steps, rank, data=True)) if e >= STALL_FRACTION * typical_s]
 
 
 def _stall_cost(steps: list[tuple[float, dict[int, list[float]]]], rank: int, typical_s: float) -> float:
     """Seconds ``rank``'s stalls cost the run over the run's seconds: what its mean throughput would gain."""
-    excess = _excess(steps, rank)
+    excess = _excess(steps, rank, data=True)
     lost = sum(excess[i][0] for i in _stall_steps(steps, rank, typical_s))
     total = sum(t for t, _ in steps)
     return lost / total if total else 0.0
@@ -211,13 +214,14 @@ def _stalls(
     if any(costs[r] * 2 > costs[worst] for r in ranks if r != worst):
         return []
     stall_idx = _stall_steps(steps, worst, typical)
-    if len(stall_idx) < MIN_STALLS:
+    # Fewer than MIN_STALLS is a one-off; in most steps it is persistent, the other detectors' case.
+    if not MIN_STALLS <= len(stall_idx) <= len(steps) / 2:
         return []
-    excess = _excess(steps, worst)
+    excess = _excess(steps, worst, data=True)
     rows = [steps[i][1][worst] for i in stall_idx if worst in steps[i][1]]
     growth = _by_phase(rows)
     phase = NAMED.get(top := max(growth, key=lambda p: growth[p]), top)
-    kind_note = "input_bound's loader" if phase == "data" else phase
+    kind_note = "loading its batches" if phase == "data" else phase
     per_stall = mean(excess[i][0] for i in stall_idx) or 0.0
     every = len(steps) / len(stall_idx)
     host = next((p.hostname for p in phases if p.rank == worst and p.hostname), None)
@@ -245,7 +249,9 @@ def _stalls(
         f": {ranks_verb(waiting, 'waits', 'wait')} for it each time"
     )
     basis = f"time lost to rank {worst}'s stalls beyond the other ranks / the run's time over {len(steps)} steps"
-    return [costed("straggler", [worst], evidence, message, costs[worst], basis, metric=costs[worst])]
+    # A rank whose loader stalls is input-bound (its levers are the loader's); any other phase makes it a straggler.
+    kind = "input_bound" if phase == "data" else "straggler"
+    return [costed(kind, [worst], evidence, message, costs[worst], basis, metric=costs[worst])]
 
 
 def _by_local_compute(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:

@@ -59,6 +59,11 @@ def detect_input_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Find
         "steps_above_threshold": {r: rounded(persistence[r]) for r in flagged},
         "threshold_fraction": INPUT_BOUND_FRACTION,
     }
+    cpu = {r: share for r in flagged if (share := data_cpu_share(run, r)) is not None}
+    if cpu:
+        # Loading that computes on the training thread needs a core of its own to move to a worker; loading that
+        # waits (I/O, a sleep, workers) does not.
+        evidence["data_cpu_share"] = {r: rounded(v) for r, v in cpu.items()}
     message = (
         f"{ranks_verb(flagged, 'waits', 'wait')} for the next batch {_pct(worst)} of each step "
         f"({by_rank[worst_rank].data_wait_s:.3f} s of {by_rank[worst_rank].step_s:.3f} s; slow phase: data): "
@@ -68,6 +73,14 @@ def detect_input_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Find
     # One slow batch (a cache miss, a file open) is not a slow pipeline: most steps must show the wait.
     steady_wait = persistence[worst_rank] >= INPUT_BOUND_PERSISTENCE
     return [costed("input_bound", flagged, evidence, message, worst, basis, corroborated=steady_wait, metric=worst)]
+
+
+def data_cpu_share(run: RunTelemetry, rank: int) -> float | None:
+    """The training thread's CPU time over its wall time inside next(dataloader), over the steady steps (None where
+    the collector did not record it)."""
+    steps = [s for s in steady(run.ranks[rank].steps) if s.data_cpu_s is not None and s.data_wait_s]
+    wall = sum(s.data_wait_s or 0.0 for s in steps)
+    return min(1.0, sum(s.data_cpu_s or 0.0 for s in steps) / wall) if wall else None
 
 
 def collective_comm_s(phases: list[RankPhases]) -> float | None:

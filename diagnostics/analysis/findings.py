@@ -35,10 +35,25 @@ PHASE_DETECTORS = (
 )
 
 
+def one_per_cause(findings: list[Finding]) -> list[Finding]:
+    """One finding per kind and ranks: where two detectors saw the same cause (a rank's loader stalling now and then
+    is both an intermittent stall and a data wait), the one graded higher, the one with a stall pattern on a tie."""
+    best: dict[tuple[str, tuple[int, ...]], Finding] = {}
+    for f in findings:
+        key = (f.kind, tuple(f.ranks))
+        held = best.get(key)
+        if held is None or (f.sort_key()[0], "pattern" not in f.evidence) < (
+            held.sort_key()[0],
+            "pattern" not in held.evidence,
+        ):
+            best[key] = f
+    return [f for f in findings if best[(f.kind, tuple(f.ranks))] is f]
+
+
 def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
     """All findings, the biggest lever first (cost descending; see ``Finding.sort_key``). A crash or a non-finite
     stop comes first, and the other findings of a run that ended early are graded on the little it measured."""
-    findings = [f for detect in PHASE_DETECTORS for f in detect(run, phases)]
+    findings = one_per_cause([f for detect in PHASE_DETECTORS for f in detect(run, phases)])
     findings += detect_low_mfu(run, summary)
     nonfinite = detect_nonfinite(run)
     stopped = [f for f in nonfinite if f.evidence.get("action") == "stopped"]

@@ -37,6 +37,7 @@ class StepRecord:
     step: int
     step_s: float | None
     data_wait_s: float | None = None
+    data_cpu_s: float | None = None  # the training thread's CPU time inside data wait (newer collectors)
     forward_s: float | None = None
     backward_s: float | None = None
     optimizer_s: float | None = None
@@ -145,8 +146,8 @@ def _step(rec: dict[str, Any]) -> StepRecord | None:
     step = rec.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
         return None
-    keys = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s", "comm_wait_s", "tokens",
-            "forward_comm_s", "backward_comm_s")  # fmt: skip
+    keys = ("data_wait_s", "data_cpu_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s", "comm_wait_s",
+            "tokens", "forward_comm_s", "backward_comm_s")  # fmt: skip
     return StepRecord(
         step=step,
         step_s=num(rec.get("step_s")),

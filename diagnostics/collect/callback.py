@@ -295,6 +295,7 @@ class DiagnosticsCallback(pl.Callback):
                 step_s=phases.step_s,
                 start_t=phases.start_t,
                 data_wait_s=phases.data_wait_s,
+                data_cpu_s=phases.data_cpu_s,
                 forward_s=phases.forward_s,
                 backward_s=phases.backward_s,
                 optimizer_s=phases.optimizer_s,

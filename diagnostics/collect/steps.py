@@ -22,6 +22,9 @@ from lightning.pytorch.profilers import Profiler
 @dataclass
 class StepPhases:
     data_wait_s: float = 0.0
+    # The training thread's CPU time inside next(dataloader): near the wait when the loader computes its batches on
+    # this thread (a CPU-bound __getitem__), near zero when it waits on I/O or on worker processes.
+    data_cpu_s: float = 0.0
     forward_s: float = 0.0
     backward_s: float = 0.0
     backward_compute_s: float = 0.0
@@ -81,8 +84,9 @@ class PhaseTimer:
     def now(self) -> float:
         return self.clock()  # type: ignore[operator]
 
-    def data_fetched(self, seconds: float) -> None:
+    def data_fetched(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.current.data_wait_s += seconds
+        self.current.data_cpu_s += cpu_seconds
 
     def batch_start(self) -> None:
         self._batch_start = self.now()
@@ -172,18 +176,18 @@ class DataWaitProfiler(Profiler):
     def __init__(self) -> None:
         super().__init__()
         self.timer: PhaseTimer | None = None
-        self._started: dict[str, float] = {}
+        self._started: dict[str, tuple[float, float]] = {}
 
     def start(self, action_name: str) -> None:
         if action_name.endswith(self.ACTION):
-            self._started[action_name] = time.perf_counter()
+            self._started[action_name] = (time.perf_counter(), time.thread_time())
             if self.timer is not None:
                 self.timer.phase = "data"
 
     def stop(self, action_name: str) -> None:
         started = self._started.pop(action_name, None)
         if started is not None and self.timer is not None:
-            self.timer.data_fetched(time.perf_counter() - started)
+            self.timer.data_fetched(time.perf_counter() - started[0], time.thread_time() - started[1])
             self.timer.phase = "other"
 
     def summary(self) -> str:

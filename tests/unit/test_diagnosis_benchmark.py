@@ -99,7 +99,7 @@ def test_the_time_outside_a_pipeline_schedule_comes_from_the_step_records(tmp_pa
     records += [{"kind": "step", "step": i, "step_s": 0.5, "forward_s": 0.1, "backward_s": 0.2, "bubble_fraction": 0.3}
                 for i in range(2, 7)]  # fmt: skip
     (telemetry / "rank0000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    tokens, step_s, outside_s = median_step(tmp_path)
+    tokens, step_s, outside_s, _ = median_step(tmp_path)
     assert (tokens, step_s) == (1024, 0.5) and outside_s == pytest.approx(0.5 - 0.1 - 0.2 - 0.15)
     result = load_run(tmp_path)  # no report: no findings
     assert result.ok and result.throughput == pytest.approx(2048) and result.outside_s == pytest.approx(0.05)

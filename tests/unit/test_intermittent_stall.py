@@ -48,3 +48,10 @@ def test_stalls_of_every_rank_at_once_leave_the_tail_unexplained(tmp_path):
     assert "straggler" not in {f.kind for f in analysis.findings}
     tail = analysis.summary.tail
     assert tail["share"] > 0.1 and tail["unexplained_share"] == pytest.approx(tail["share"])
+
+
+def test_a_rank_whose_loader_stalls_now_and_then_is_input_bound_with_the_pattern(tmp_path):
+    analysis = analysed(tmp_path, stall=(0, 5, "data", 0.5))
+    finding = {f.kind: f for f in analysis.findings}["input_bound"]
+    assert finding.ranks == [0] and finding.evidence["pattern"]["phase"] == "data"
+    assert "straggler" not in {f.kind for f in analysis.findings}

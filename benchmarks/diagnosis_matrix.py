@@ -1,0 +1,150 @@
+"""A generated matrix of diagnosis scenarios: strategy x fault x rank x magnitude x model, drawn from a seed.
+
+A fixed list of scenarios invites tuning the detectors to it; a new seed draws a new matrix. Each draw is a 2-rank
+CPU run with one injected fault (``benchmarks/injected.py``) and its counterfactual, the same run without the
+fault. The fault's size is a share of the counterfactual's own step (``magnitude``, 10% to 300%), so the
+counterfactual runs first and the fault is scaled from what it measured. Ground truth is the measured cost
+(1 - mean throughput with the fault / without it), not the injector's label: a fault that costs less than
+``HEALTHY_GAIN`` of the run is judged as a healthy run (no warning or critical finding), and a slow link is
+``comm_bound`` only where its measured cost reaches comm_bound's threshold (``low_overlap`` below).
+
+Pure: drawing and describing scenarios; ``diagnosis_accuracy.py --seed N`` runs them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+STRATEGIES: dict[str, list[str]] = {
+    "ddp": [],
+    "fsdp": ["strategy=fsdp"],
+    "deepspeed-2": ["strategy=deepspeed", "strategy.stage=2"],
+    "deepspeed-3": ["strategy=deepspeed", "strategy.stage=3"],
+    "megatron-tp2": ["strategy=megatron", "strategy.tp=2"],
+    "megatron-pp2": ["strategy=megatron", "strategy.pp=2", "trainer.micro_batch_size=4"],
+}
+# forward/backward/optimizer: one rank slow in that phase every step; data-one/data-all: slow batches on one rank /
+# on every rank; stall: one rank held in one phase every ``every``-th step; slow-link: DDP's gradient all-reduce over
+# an emulated slow link; none: nothing injected.
+FAULTS = ("forward", "backward", "optimizer", "data-one", "data-all", "stall", "slow-link", "none")
+MODELS = ("builtin", "user", "hf")
+MAGNITUDE = (0.1, 3.0)  # of the counterfactual's step
+STALL_EVERY = (4, 10)
+
+PLUGIN_DATA = ["~data", "+data._target_=benchmarks.injected.RandomTokens"]
+USER_MODEL = [
+    "~model",
+    "+model._target_=benchmarks.injected.InjectedModel",
+    "+model.vocab_size=256",
+    "+model.seq_len=128",
+    "+model.width=512",
+]
+MODEL_OVERRIDES = {"builtin": [], "user": USER_MODEL, "hf": ["model=hf-tiny-llama"]}
+VOCAB = {"builtin": 256, "user": 256, "hf": 512}
+GRADIENT_BYTES = {"builtin": 4 * 1_828_992}  # fp32 gradients of gpt-nano, what DDP all-reduces per step
+COMM_BOUND_FRACTION = 0.25  # diagnostics/analysis/thresholds.py: a slow link below it is low_overlap
+
+
+@dataclass(frozen=True)
+class Draw:
+    strategy: str
+    fault: str
+    rank: int | None  # the slow rank; None where every rank (data-all) or none (none, slow-link) is
+    magnitude: float  # the fault's time per occurrence, as a share of the counterfactual's step
+    model: str
+    every: int = 1  # stall: one occurrence every N steps
+
+    @property
+    def name(self) -> str:
+        where = "all" if self.rank is None else f"rank{self.rank}"
+        size = "" if self.fault == "none" else f"-{round(100 * self.magnitude)}pct"
+        every = f"-every{self.every}" if self.every > 1 else ""
+        return f"{self.fault}-{where}-{self.strategy}-{self.model}{size}{every}"
+
+    def counterfactual(self) -> list[str]:
+        """The run without the fault: strategy, model and the plug-in data every draw uses."""
+        return [
+            *STRATEGIES[self.strategy],
+            *MODEL_OVERRIDES[self.model],
+            *PLUGIN_DATA,
+            f"+data.vocab_size={VOCAB[self.model]}",
+        ]
+
+    def fault_overrides(self, step_s: float) -> list[str]:
+        """The faulty run, its fault sized from the counterfactual's measured ``step_s``."""
+        seconds = round(self.magnitude * step_s, 4)
+        ranks = [] if self.rank is None else [f"+data.slow_ranks=[{self.rank}]"]
+        model_ranks = [] if self.rank is None else [f"+model.slow_ranks=[{self.rank}]"]
+        every = [f"+data.stall_every={self.every}"] if self.every > 1 else []
+        base = self.counterfactual()
+        if self.fault in ("forward", "backward") or (self.fault == "stall" and self.model == "user"):
+            phase = "forward" if self.fault == "stall" else self.fault
+            stall = [f"+model.stall_every={self.every}"] if self.every > 1 else []
+            return [*base, f"+model.phase={phase}", f"+model.sleep_s={seconds}", *model_ranks, *stall]
+        if self.fault == "optimizer":
+            return [*base, f"+data.optimizer_sleep_s={seconds}", *ranks]
+        if self.fault in ("data-one", "data-all", "stall"):
+            return [*base, f"+data.delay_s={seconds}", *ranks, *every]
+        if self.fault == "slow-link":
+            # The link takes magnitude x step to move a step's gradients.
+            return [*base, f"+data.link_bytes_per_s={GRADIENT_BYTES[self.model] / max(seconds, 1e-3):.4g}"]
+        return base
+
+    def expected(self, measured_cost: float | None) -> tuple[str | None, list[int]]:
+        """The finding the report should lead with, given the measured cost (None: a quiet, healthy report)."""
+        if self.fault == "none" or (measured_cost is not None and measured_cost < HEALTHY_GAIN):
+            return None, []
+        ranks = [0, 1] if self.rank is None else [self.rank]
+        if self.fault == "slow-link":
+            kind = "comm_bound" if measured_cost is None or measured_cost >= COMM_BOUND_FRACTION else "low_overlap"
+            return kind, [0, 1]
+        if self.fault in ("data-one", "data-all") or (self.fault == "stall" and self.model != "user"):
+            return "input_bound", ranks
+        return "straggler", ranks
+
+
+HEALTHY_GAIN = 0.05  # as in diagnosis_accuracy.py: below this measured cost a fault is not worth a warning
+
+
+def compatible(strategy: str, fault: str, model: str) -> bool:
+    """What can run here: forward/backward faults need the user model (the injection points are its own); Megatron
+    takes the reference model only; a slow link is DDP's comm hook over the built-in model (its gradient bytes are
+    known); model=hf runs under DDP and FSDP."""
+    megatron = strategy.startswith("megatron")
+    if fault in ("forward", "backward") and model != "user":
+        return False
+    if megatron and model != "builtin":
+        return False
+    if fault == "slow-link":
+        return strategy == "ddp" and model == "builtin"
+    if model == "hf" and strategy not in ("ddp", "fsdp"):
+        return False
+    # Under tensor parallelism both ranks hold the same batch and wait for each other inside every layer: one slow
+    # rank's data or work is everyone's; the rank-specific faults are for data-parallel layouts.
+    return not (strategy == "megatron-tp2" and fault in ("forward", "backward", "data-one", "stall"))
+
+
+def draw_matrix(seed: int, size: int = 40) -> list[Draw]:
+    """``size`` scenarios from ``seed``: every fault kind and every strategy at least once (where compatible), the
+    rest drawn uniformly over the compatible (strategy, fault, model) cells, with rank, magnitude (log-uniform) and
+    stall period drawn per scenario."""
+    rng = random.Random(seed)
+    cells = [(s, f, m) for s in STRATEGIES for f in FAULTS for m in MODELS if compatible(s, f, m)]
+    chosen: list[tuple[str, str, str]] = []
+    for fault in FAULTS:
+        chosen.append(rng.choice([c for c in cells if c[1] == fault]))
+    for strategy in STRATEGIES:
+        if not any(c[0] == strategy for c in chosen):
+            chosen.append(rng.choice([c for c in cells if c[0] == strategy]))
+    while len(chosen) < size:
+        chosen.append(rng.choice(cells))
+    draws = []
+    for strategy, fault, model in chosen:
+        rank = rng.choice([0, 1]) if fault in ("forward", "backward", "optimizer", "data-one", "stall") else None
+        low, high = MAGNITUDE
+        magnitude = 0.0 if fault == "none" else round(math.exp(rng.uniform(math.log(low), math.log(high))), 3)
+        every = rng.randint(*STALL_EVERY) if fault == "stall" else 1
+        draws.append(Draw(strategy, fault, rank, magnitude, model, every))
+    return draws

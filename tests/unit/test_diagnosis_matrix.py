@@ -1,0 +1,51 @@
+"""The generated diagnosis matrix (benchmarks/diagnosis_matrix.py): what a seed draws, and what each draw runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.diagnosis_matrix import FAULTS, STRATEGIES, Draw, compatible, draw_matrix
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 7])
+def test_a_seed_draws_a_covering_matrix_of_runnable_scenarios(seed: int) -> None:
+    draws = draw_matrix(seed, 40)
+    assert len(draws) >= 40
+    assert {d.fault for d in draws} == set(FAULTS)
+    assert {d.strategy for d in draws} == set(STRATEGIES)
+    assert all(compatible(d.strategy, d.fault, d.model) for d in draws)
+    sized = [d.magnitude for d in draws if d.fault != "none"]
+    assert all(0.1 <= m <= 3.0 for m in sized)
+    assert any(m < 0.5 for m in sized) and any(m > 1.0 for m in sized)  # small and large faults both
+    assert draw_matrix(seed, 40) == draws  # reproducible
+    assert draw_matrix(seed + 100, 40) != draws  # a new seed, a new matrix
+
+
+def test_every_draw_composes_with_the_real_config(tmp_path) -> None:
+    """Both arms of every cell (strategy x fault x model) compose and validate as ``python -m train`` would."""
+    from disttrain.config.parse import parse_run_config
+    from disttrain.config.validate import validate_run
+    from tests.conftest import compose_train
+
+    for strategy in STRATEGIES:
+        for fault in FAULTS:
+            for model in ("builtin", "user", "hf"):
+                if not compatible(strategy, fault, model):
+                    continue
+                rank = None if fault == "data-all" else 1
+                draw = Draw(strategy, fault, rank, 0.5, model, 5 if fault == "stall" else 1)
+                for overrides in (draw.counterfactual(), draw.fault_overrides(0.2)):
+                    validate_run(parse_run_config(compose_train(overrides)))
+
+
+def test_the_expected_finding_follows_the_measured_cost() -> None:
+    slow = Draw("ddp", "backward", 0, 1.0, "user")
+    assert slow.expected(0.4) == ("straggler", [0])
+    assert slow.expected(0.02) == (None, [])  # smaller than any warning: a quiet report is right
+    link = Draw("ddp", "slow-link", None, 0.3, "builtin")
+    assert link.expected(0.4)[0] == "comm_bound" and link.expected(0.1)[0] == "low_overlap"
+    assert Draw("fsdp", "stall", 1, 1.0, "builtin", 6).expected(0.2) == ("input_bound", [1])  # the loader stalls
+    assert Draw("fsdp", "stall", 1, 1.0, "user", 6).expected(0.2) == ("straggler", [1])  # the forward stalls
+    assert Draw("ddp", "data-all", None, 1.0, "hf").expected(0.3) == ("input_bound", [0, 1])
+    fault = Draw("ddp", "optimizer", 1, 0.5, "builtin").fault_overrides(0.4)
+    assert "+data.optimizer_sleep_s=0.2" in fault and "+data.slow_ranks=[1]" in fault
