@@ -28,6 +28,7 @@ from disttrain.config.schema import (
 )
 from disttrain.config.validate import BatchPlan, WorldLayout, world_layout
 from disttrain.data.datamodule import TokenDataModule
+from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
 from disttrain.models.factory import ModelFacts, resolve_target
@@ -39,6 +40,7 @@ from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.spec import StrategyBuild, spec_of
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.progress import build_progress
+from disttrain.training.pruning import TrialPruning
 
 
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
@@ -78,6 +80,7 @@ class TrainerParts:
     ckpt_dir: Path
     nonfinite: NonFiniteGuard | None = None
     diagnostics: DiagnosticsCallback | None = None
+    pruning: TrialPruning | None = None  # in a sweep with a pruner: reports val loss to the trial, may stop the run
 
 
 def collectives_off_thread(cfg: RunConfig) -> bool:
@@ -187,6 +190,9 @@ def build_trainer(
     if diagnostics is not None:
         callbacks.append(diagnostics)
         reliability.guard.record = diagnostics.write  # a non-finite step shows in this rank's telemetry
+    pruning = TrialPruning(cfg.trial, process_role().is_global_zero) if cfg.trial.linked else None
+    if pruning is not None:
+        callbacks.append(pruning)
     if reliability.preemption is not None:  # last: the step it stops at has been seen by every callback above
         callbacks.append(reliability.preemption)
     else:  # ranks are launch.py's: Lightning's hint to start them with srun (wherever srun exists) does not apply
@@ -224,7 +230,7 @@ def build_trainer(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    return TrainerParts(trainer, throughput, ckpt_dir, reliability.guard, diagnostics)
+    return TrainerParts(trainer, throughput, ckpt_dir, reliability.guard, diagnostics, pruning)
 
 
 def build_run(
