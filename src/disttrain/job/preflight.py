@@ -231,8 +231,6 @@ def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
         # Only a first launch's rank 0 claims (as guard_new_run_dir guards): a torchrun/SLURM restart continues in
         # its own run dir, and a cluster's other ranks may start after rank 0 wrote run.json.
         study_sweep = multirun and is_optuna_sweep(cfg)
-        if study_sweep:
-            check_optuna_sweep(cfg, overrides)
         claim = dir_to_claim(cfg, multirun, continues_study=study_sweep)
         run_dir = None if multirun else Path(str(cfg.hydra.run.dir))
         if claim is not None and claim.timestamped:
@@ -242,6 +240,8 @@ def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
         # The run dir too: a restart's checkpoint is its newest one, and on another world size it is what lets the
         # restart train there (fit_elastic_world) instead of being refused for the launcher's rank count.
         prepared = prepare(cfg, run_dir, [first_job(o) for o in overrides if not o.key_or_group.startswith("hydra")])
+        if study_sweep:  # after prepare: the sweeper's direction resolves through the objective prepare checked
+            check_optuna_sweep(cfg, overrides)
     # A cluster launcher (hydra/launcher=slurm) runs the jobs on other machines: this one need not serve them.
     remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
     # An Optuna sweep screens every trial's memory itself (a trial that does not fit is recorded, not launched):
