@@ -78,18 +78,18 @@ def node(**changes: object) -> dict:
 
 def test_the_sweeper_settings_refuse_what_they_cannot_run() -> None:
     assert sweep_settings(node(pruner={"name": "median"}), "val_loss").prunes
-    with pytest.raises(ConfigError, match="^hydra/sweeper/pruner: .*objective=tokens_per_s"):
+    with pytest.raises(ConfigError, match=r"^hydra/sweeper/pruner: .*objective=tokens_per_s"):
         sweep_settings(node(pruner={"name": "median"}), "tokens_per_s")
-    with pytest.raises(ConfigError, match="^hydra/sweeper/sampler: unknown sampler 'bayes'"):
+    with pytest.raises(ConfigError, match=r"^hydra/sweeper/sampler: unknown sampler 'bayes'"):
         sweep_settings(node(sampler={"name": "bayes"}), "val_loss")
-    with pytest.raises(ConfigError, match="^hydra.sweeper.storage"):
+    with pytest.raises(ConfigError, match=r"^hydra.sweeper.storage"):
         sweep_settings(node(storage="study.db"), "val_loss")
-    with pytest.raises(ConfigError, match="^hydra.sweeper.n_jobs"):
+    with pytest.raises(ConfigError, match=r"^hydra.sweeper.n_jobs"):
         sweep_settings(node(n_jobs=0), "val_loss")
 
 
 def test_preflight_checks_the_sweep_before_anything_runs() -> None:
-    with pytest.raises(ConfigError, match="^hydra/sweeper/pruner"):
+    with pytest.raises(ConfigError, match=r"^hydra/sweeper/pruner"):
         preflight(["-m", "hydra/sweeper=optuna", "hydra/sweeper/pruner=median", "objective=tokens_per_s"], CONF)
     with pytest.raises(ConfigError, match=r"^optimizer.lr: is a continuous interval"):
         preflight(["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "optimizer.lr=interval(0.1,1)"], CONF)
