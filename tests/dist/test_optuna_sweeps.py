@@ -60,7 +60,8 @@ def test_a_pruner_stops_hopeless_trials_which_a_full_run_confirms_worse(tmp_path
         assert manifest["result"]["steps"] == manifest["pruned_at_step"]
     report = yaml.safe_load((sweep / "report" / "sweep.json").read_text())
     statuses = {r["name"]: r["status"] for r in report["runs"]}
-    assert sorted(s for s in statuses.values()) == sorted(t.state.name.lower() for t in done)
+    named = {"COMPLETE": "completed", "PRUNED": "pruned"}
+    assert sorted(statuses.values()) == sorted(named[t.state.name] for t in done)
     assert "trial.number" not in report["varying"]
     # The pruned trial run in full (no study): its final validation loss is worse than the best completed trial's.
     worst = max(pruned, key=lambda t: t.number)
@@ -105,7 +106,19 @@ def test_a_trial_the_memory_check_refuses_is_screened_and_never_launched(tmp_pat
     sweep = tmp_path / "sweep"
     # 4096 sequences of 16 tokens per micro-batch: ~3 GiB of activations predicted, over the 1 GiB profile.
     memory = ["hw.memory_per_device_gib=1", "trainer.micro_batch_size=choice(4096,4)", "model.seq_len=16"]
-    out = ok(run_cli([*SWEEP, *memory, *TRIAL, "trainer.max_steps=2", f"hydra.sweep.dir={sweep}"], tmp_path))
+    out = ok(
+        run_cli(
+            [
+                *SWEEP,
+                *memory,
+                *TRIAL,
+                "trainer.max_steps=2",
+                "data.num_train_tokens=131072",
+                f"hydra.sweep.dir={sweep}",
+            ],
+            tmp_path,
+        )
+    )
     done = {t.params["trainer.micro_batch_size"]: t for t in trials(sweep)}
     screened = done[4096]
     assert screened.state == optuna.trial.TrialState.FAIL
