@@ -43,7 +43,7 @@ class RunManifest:
     """What ran, where, on what, and what came out. On the writing side the layout fields hold the run's own
     dataclasses (hw profile, world layout, batch plan, result); read back they are plain dicts."""
 
-    status: str = "running"  # running | completed | stopped | failed
+    status: str = "running"  # running | completed | stopped | pruned (by a sweep's pruner) | failed
     command: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)  # the resolved config, credentials redacted
     hw: Any = None
@@ -71,6 +71,7 @@ class RunManifest:
     exception: str | None = None  # the failed rank's exception type
     step: int | None = None  # the step and phase it failed in
     phase: str | None = None
+    pruned_at_step: int | None = None  # status pruned: the validation step at which the sweep's pruner stopped it
     hung_ranks: list[int] | None = None  # set when the hang watchdog ended the run: the ranks outside collectives
     extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not know, kept as read
 

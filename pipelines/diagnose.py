@@ -127,7 +127,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     if not path.is_dir():
         raise UserError(f"'{args.sweep_dir}' is not a directory; pass a multirun dir (multirun/<date>/<time>)")
     try:
-        report = build_sweep_report(path)
+        report = build_sweep_report(path, args.storage)
     except FileNotFoundError as err:
         raise UserError(f"{err}; pass the directory of a python -m train -m sweep (multirun/<date>/<time>)") from None
     write_sweep_report(report)
@@ -171,6 +171,12 @@ def _sweep_parser() -> argparse.ArgumentParser:
         prog="diagnose sweep", description="Compare every run of a sweep: ranked table, Pareto front, scaling."
     )
     parser.add_argument("sweep_dir", help="a multirun directory (holds one run dir per job)")
+    parser.add_argument(
+        "--storage",
+        default=None,
+        help="the Optuna storage URL of a hydra/sweeper=optuna sweep whose study is on a server (default: the "
+        "sweep dir's optuna.db, or the URL recorded in its optuna_study.json)",
+    )
     return parser
 
 

@@ -17,18 +17,23 @@ import yaml
 
 from diagnostics.manifest import RunManifest, read_manifest
 from diagnostics.report.fmt import peak_memory
+from diagnostics.report.sweep_study import StudySummary, read_study
 
 SWEEP_REPORT_DIR = "report"
 # Overrides that only change how many processes run: runs differing in nothing else form a scaling series.
 WORLD_KEYS = ("hw", "hw.num_nodes", "hw.devices_per_node")
-STATUS_ORDER = ("completed", "stopped", "running", "failed")
+STATUS_ORDER = ("completed", "pruned", "stopped", "running", "screened", "failed")
+# Overrides the Optuna sweeper adds to link a job to its trial: shown as the trial number, never as a varying key.
+TRIAL_KEYS = ("trial.storage", "trial.study", "trial.number")
 
 
 @dataclass
 class SweepRun:
     name: str  # the job's directory, relative to the sweep dir
     overrides: dict[str, str]
-    status: str  # completed | stopped | running (no result and no failure: still going, or killed) | failed
+    # completed | pruned (by the sweep's pruner) | stopped | running (no result and no failure: still going, or
+    # killed) | screened (the memory check refused its config: never launched; error says why) | failed
+    status: str
     error: str | None = None
     error_detail: str | None = None  # traceback or SLURM's account of the failure (tail)
     train_loss: float | None = None
@@ -44,6 +49,8 @@ class SweepRun:
     attempts: int = 1
     has_report: bool = False
     prediction: dict[str, Any] | None = None  # run.json's planner prediction with measured values and errors
+    trial: int | None = None  # the Optuna trial (hydra/sweeper=optuna)
+    pruned_at_step: int | None = None
 
     @property
     def final_loss(self) -> float | None:
@@ -72,6 +79,7 @@ class SweepReport:
     varying: list[str]  # override keys whose value differs between runs
     pareto: list[str] = field(default_factory=list)  # run names on the tokens/s vs memory front, by memory
     scaling: list[ScalingSeries] = field(default_factory=list)
+    study: StudySummary | None = None  # hydra/sweeper=optuna: the study's trials, best, screened-out trials
     written_to: Path | None = None
 
     def label(self, run: SweepRun) -> str:
@@ -91,11 +99,17 @@ class SweepReport:
             "pareto_front": self.pareto,
             "scaling": [asdict(s) for s in self.scaling],
             "failed": [r.name for r in self.failed],
+            "study": asdict(self.study) if self.study is not None else None,
         }
 
     def text_summary(self) -> str:
         done = sum(r.status == "completed" for r in self.runs)
-        lines = [f"sweep: {len(self.runs)} runs, {done} completed, {len(self.failed)} failed ({self.sweep_dir})"]
+        counts = [f"{done} completed"]
+        for status in ("pruned", "screened"):
+            if n := sum(r.status == status for r in self.runs):
+                counts.append(f"{n} {status}")
+        counts.append(f"{len(self.failed)} failed")
+        lines = [f"sweep: {len(self.runs)} runs, {', '.join(counts)} ({self.sweep_dir})"]
         best = next((r for r in self.runs if r.status == "completed" and r.final_loss is not None), None)
         if best is not None:
             lines.append(f"  best final loss {best.final_loss:.4f}: {self.label(best)} ({best.name})")
@@ -145,7 +159,11 @@ def load_run(sweep_dir: Path, run_dir: Path) -> SweepRun:
     lines = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else None
     if lines is None:
         lines = (failure or {}).get("overrides") or []
-    run = SweepRun(name=str(run_dir.relative_to(sweep_dir)), overrides=parse_overrides(lines), status="running")
+    overrides = parse_overrides(lines)
+    trial = overrides.get("trial.number")
+    overrides = {k: v for k, v in overrides.items() if k not in TRIAL_KEYS}
+    run = SweepRun(name=str(run_dir.relative_to(sweep_dir)), overrides=overrides, status="running")
+    run.trial = int(trial) if trial is not None and trial.isdigit() else None
     result = manifest.result if isinstance(manifest.result, dict) else {}
     run.train_loss, run.val_loss = result.get("train_loss"), result.get("val_loss")
     run.steps, run.tokens_per_s = result.get("steps"), result.get("tokens_per_s")
@@ -165,8 +183,9 @@ def load_run(sweep_dir: Path, run_dir: Path) -> SweepRun:
         run.error = (failure or {}).get("error") or manifest.failure or "failed (no error recorded)"
         detail = (failure or {}).get("traceback") or ""
         run.error_detail = detail.strip()[-2000:] or None
-    elif status in ("completed", "stopped"):
+    elif status in ("completed", "stopped", "pruned"):
         run.status = status
+        run.pruned_at_step = manifest.pruned_at_step
     return run
 
 
@@ -240,14 +259,31 @@ def scaling_series(runs: list[SweepRun]) -> list[ScalingSeries]:
     return series
 
 
-def build_sweep_report(sweep_dir: Path) -> SweepReport:
-    """Everything the sweep dir holds about its runs (FileNotFoundError when it holds no run at all)."""
+def screened_runs(study: StudySummary) -> list[SweepRun]:
+    """The trials the memory check refused: no run dir, their sampled values and the reason from the study."""
+    return [
+        SweepRun(
+            name=f"trial {t.number}",
+            overrides={k: str(v) for k, v in t.params.items()},
+            status="screened",
+            error=t.reason,
+            trial=t.number,
+        )
+        for t in study.screened
+    ]
+
+
+def build_sweep_report(sweep_dir: Path, storage: str | None = None) -> SweepReport:
+    """Everything the sweep dir (and its Optuna study, if any: ``storage`` overrides where it is) holds about its
+    runs (FileNotFoundError when it holds no run at all)."""
     sweep_dir = Path(sweep_dir)
     dirs = find_runs(sweep_dir)
-    if not dirs:
+    study = read_study(sweep_dir, storage)
+    if not dirs and (study is None or not study.screened):
         raise FileNotFoundError(f"no runs under {sweep_dir} (no run.json, .hydra/overrides.yaml or failure.json)")
-    runs = rank_runs([load_run(sweep_dir, d) for d in dirs])
-    return SweepReport(sweep_dir, runs, varying_keys(runs), pareto_front(runs), scaling_series(runs))
+    runs = [load_run(sweep_dir, d) for d in dirs] + (screened_runs(study) if study is not None else [])
+    runs = rank_runs(runs)
+    return SweepReport(sweep_dir, runs, varying_keys(runs), pareto_front(runs), scaling_series(runs), study)
 
 
 def write_sweep_report(report: SweepReport) -> Path:

@@ -33,7 +33,10 @@ def _mfu(run: SweepRun) -> str:
 
 
 def _status(run: SweepRun) -> str:
-    return run.status + (f", {run.attempts} attempts" if run.attempts > 1 else "")
+    status = run.status
+    if run.status == "pruned" and run.pruned_at_step is not None:
+        status = f"pruned at step {run.pruned_at_step}"
+    return status + (f", {run.attempts} attempts" if run.attempts > 1 else "")
 
 
 def run_rows(report: SweepReport) -> list[list[str]]:
@@ -75,6 +78,12 @@ def to_markdown(report: SweepReport) -> str:
     if report.scaling:
         parts += ["## Scaling efficiency (runs that differ only in world size)", ""]
         parts += [_md_table(["run", "world size", "tokens/s", "speedup", "efficiency"], scaling_rows(report)), ""]
+    if report.study is not None:
+        parts += ["## Optuna study", "", study_line(report), ""]
+        screened = [r for r in report.runs if r.status == "screened"]
+        if screened:
+            parts += ["### Screened out (predicted not to fit; never launched)", ""]
+            parts += [f"- {run.name}: `{report.label(run)}`: {run.error}" for run in screened] + [""]
     if report.failed:
         parts += ["## Failed runs", ""]
         for run in report.failed:
@@ -82,6 +91,16 @@ def to_markdown(report: SweepReport) -> str:
             if run.error_detail:
                 parts += ["```", run.error_detail, "```", ""]
     return "\n".join(parts)
+
+
+def study_line(report: SweepReport) -> str:
+    study = report.study
+    assert study is not None
+    states = ", ".join(f"{n} {state}" for state, n in sorted(study.states.items()))
+    line = f"Study '{study.name}' ({study.direction}) in {study.storage}: {states or 'no trials'}."
+    if study.best is not None:
+        line += f" Best: trial {study.best['number']} (job {study.best['job']}), {study.best['value']:.4f}."
+    return line
 
 
 def _e(value: object) -> str:
@@ -135,6 +154,13 @@ def to_html(report: SweepReport) -> str:
             "<h2>Scaling efficiency (runs that differ only in world size)</h2>",
             _table(["run", "world size", "tokens/s", "speedup", "efficiency"], scaling_rows(report)),
         ]
+    if report.study is not None:
+        sections += ["<h2>Optuna study</h2>", f"<p>{_e(study_line(report))}</p>"]
+        screened = [r for r in report.runs if r.status == "screened"]
+        if screened:
+            sections.append("<h3>Screened out (predicted not to fit; never launched)</h3><ul>")
+            sections += [f"<li>{_e(r.name)}: <code>{_e(report.label(r))}</code>: {_e(r.error)}</li>" for r in screened]
+            sections.append("</ul>")
     if report.failed:
         sections.append("<h2>Failed runs</h2>")
         for run in report.failed:

@@ -105,6 +105,31 @@ def test_sweep_of_four_jobs_each_with_its_report_and_one_ranking(tmp_path: Path)
     assert html.count("<svg") == 2 and "optimizer.lr=0.003 strategy=fsdp" in html
 
 
+def test_optuna_sweep_on_slurm_keeps_its_study_in_storage_and_prunes_there(tmp_path: Path) -> None:
+    # Two trials, one after the other, each a SLURM job: the jobs report their validation losses to the study in
+    # the sweep dir's SQLite file from the SLURM nodes; with n_startup_trials=1 the second trial may be pruned.
+    import optuna
+
+    sweep_dir = tmp_path / "sweep"
+    optuna_args = ["hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.n_jobs=1"]
+    pruner = ["hydra/sweeper/pruner=median", "hydra.sweeper.pruner.n_startup_trials=1"]
+    steps = ["trainer.max_steps=6", "trainer.val_every_n_steps=2", "trainer.ckpt_every_n_steps=0", "diagnostics=off"]
+    args = [*TINY, "hw.devices_per_node=1", *steps, *optuna_args, *pruner, "optimizer.lr=choice(3e-3,1e-6)"]
+    check(sweep([*args, f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path))
+    study = optuna.load_study(study_name="disttrain", storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
+    trials = study.get_trials()
+    assert len(trials) == 2
+    for trial in trials:
+        run_dir = sweep_dir / trial.user_attrs["disttrain.job"]
+        assert trial.intermediate_values  # reported from the SLURM job's rank 0
+        (start,) = [a for a in attempts(run_dir) if a["event"] == "start"]  # it ran as a SLURM job
+        assert start["job_id"]
+        status = read_manifest(run_dir)["status"]
+        assert trial.state.name.lower() == {"completed": "complete", "pruned": "pruned"}[status]
+    statuses = {r["status"] for r in sweep_report(sweep_dir)["runs"]}
+    assert statuses <= {"completed", "pruned"}
+
+
 def test_two_node_job_matches_one_node_two_processes(two_node_run: Path, tmp_path: Path) -> None:
     local = tmp_path / "local"
     result = run_cli([*PAIR, "hw.devices_per_node=2", f"hydra.run.dir={local}"], cwd=tmp_path)

@@ -42,9 +42,9 @@ def test_the_optuna_sweeper_config_takes_its_direction_from_objective(objective:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
     sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
-    assert sweeper["_target_"] == "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+    assert sweeper["_target_"] == "hydra_plugins.disttrain_sweeper.optuna_sweeper.OptunaSweeper"
     assert sweeper["direction"] == direction
-    assert sweeper["sampler"]["_target_"] == "optuna.samplers.TPESampler"
+    assert sweeper["sampler"]["name"] == "tpe" and sweeper["pruner"]["name"] == "none"
 
 
 def test_a_sampled_interval_is_checked_before_launch() -> None:

@@ -39,6 +39,7 @@ from disttrain.config.schema import (
     TextDataConfig,
     TokensDataConfig,
     TrainerConfig,
+    TrialConfig,
     with_compile_decided,
 )
 
@@ -184,6 +185,19 @@ def parse_data(values: dict[str, Any]):
     return build_dataclass(DATA_KINDS[_choice(values, "data", DATA_KINDS)], values, "data")
 
 
+def parse_trial(node: Any) -> TrialConfig:
+    """``trial.*`` (the sweeper sets it; a user only when running one trial of a study by hand)."""
+    if node is None:
+        return TrialConfig()
+    trial = build_dataclass(TrialConfig, to_container(node, "trial"), "trial")
+    given = [v is not None for v in (trial.storage, trial.study, trial.number)]
+    if any(given) and not all(given):
+        raise ConfigError(
+            "trial", "needs storage, study and number together", "set all three, or none (hydra/sweeper=optuna does)"
+        )
+    return trial
+
+
 def parse_run_config(cfg: DictConfig) -> RunConfig:
     """Typed view of a composed ``conf/train.yaml``; raises ConfigError on the first problem found."""
     for group in GROUPS:
@@ -240,5 +254,6 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
             check_memory=top["check_memory"],
             calibration=top["calibration"],
             objective=top["objective"],
+            trial=parse_trial(cfg.get("trial")),
         )
     )

@@ -383,6 +383,20 @@ class DiagnosticsConfig:
 
 
 @dataclass(frozen=True)
+class TrialConfig:
+    """The Optuna trial a sweep job reports its validation losses to (``trial.*``: set by hydra/sweeper=optuna for
+    each job, so a pruner can stop it); all None outside such a sweep."""
+
+    storage: str | None = None
+    study: str | None = None
+    number: int | None = None
+
+    @property
+    def linked(self) -> bool:
+        return self.storage is not None and self.study is not None and self.number is not None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs, validated and typed."""
 
@@ -406,6 +420,7 @@ class RunConfig:
     # What the job returns to a Hydra sweeper (hydra/sweeper=optuna): the final validation loss (minimized) or the
     # training tokens/s (maximized); see disttrain.job.objective.
     objective: Objective = "val_loss"
+    trial: TrialConfig = field(default_factory=TrialConfig)
 
 
 COMPILED_STRATEGIES = ("ddp", "fsdp")

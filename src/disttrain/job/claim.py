@@ -13,6 +13,7 @@ of the job join the dir it claimed. Imports nothing beyond the standard library 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,8 @@ MAX_SUFFIX = 999
 # What an earlier run or sweep left that shows the dir is taken even without a claim (dirs written before claims).
 RUN_MARKERS = ("run.json", ".hydra/overrides.yaml")
 SWEEP_MARKERS = ("multirun.yaml",)
+# An Optuna sweep's record of its study (disttrain.sweep.study): a sweep dir holding one is continued, not refused.
+STUDY_RECORD = "optuna_study.json"
 # An override value Hydra's grammar reads as the plain string it is; anything else is quoted.
 PLAIN_VALUE = re.compile(r"[\w./:+@%~-]+")
 
@@ -41,6 +44,7 @@ class LaunchDir:
     key: str  # the config key that names it: the refusal names it, the claimed path is passed back through it
     path: Path  # as composed, its timestamp resolved
     timestamped: bool  # its pattern holds ${now:...}: taken, it gets a suffix instead of a refusal
+    continues_study: bool = False  # an Optuna sweep: its dir holding an ended sweep's study is claimed again
 
     @property
     def sweep(self) -> bool:
@@ -109,6 +113,10 @@ def claim_launch_dir(launch: LaunchDir) -> Path:
     taken = ""
     for path in candidates(launch):
         try:
+            if launch.continues_study and (path / STUDY_RECORD).is_file() and not launch.timestamped:
+                if (taken := reclaim_ended(path)) is None:
+                    return path
+                raise refuse_taken(launch.key, path, taken, launch.sweep)
             taken = try_claim(path, launch.markers)
         except OSError as err:  # a path through a file, no permission: the user's choice of dir, not a crash
             raise ConfigError(
@@ -123,6 +131,42 @@ def claim_launch_dir(launch: LaunchDir) -> Path:
         f"'{launch.path}' and its {MAX_SUFFIX} suffixed siblings are all taken ({taken})",
         f"pass {launch.key}=<new dir>",
     )
+
+
+def claim_owner(claim: Path) -> dict | None:
+    try:
+        owner = json.loads(claim.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def reclaim_ended(path: Path) -> str | None:
+    """Claim a sweep dir again to continue its study, once the sweep that claimed it has ended: None when this
+    process now owns it, else what holds it (a live sweep on this host, or one on another host, which this
+    process cannot see: its claim file names it, and removing that file is the user's call)."""
+    claim = path / CLAIM_FILE
+    owner = claim_owner(claim)
+    if owner is not None:
+        here = owner.get("host") == socket.gethostname()
+        if not here:
+            return f"{describe_claim(claim)}; if that sweep has ended, remove {claim} to continue its study"
+        if isinstance(owner.get("pid"), int) and process_alive(owner["pid"]):
+            return f"{describe_claim(claim)}, which is still running"
+        # The ended sweep's claim is kept beside, renamed: the exclusive create below decides between rivals.
+        with contextlib.suppress(FileNotFoundError):
+            claim.rename(path / f"{CLAIM_FILE}.ended-{owner.get('pid')}-{time.time():.0f}")
+    return try_claim(path, ())
 
 
 def as_override(key: str, path: Path) -> str:

@@ -26,6 +26,7 @@ from disttrain.job.claim import LaunchDir
 from disttrain.job.prepare import Prepared, check_launchable, existing_run, prepare, refuse_existing_run
 from disttrain.launch.env import process_role
 from disttrain.launch.local import secondary_job
+from disttrain.sweep.checks import check_optuna_sweep, is_optuna_sweep
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -54,14 +55,15 @@ class Preflighted:
     launch_dir: LaunchDir | None
 
 
-def dir_to_claim(cfg: DictConfig, multirun: bool) -> LaunchDir | None:
-    """The run (or sweep) dir a first launch's rank 0 claims; the other ranks and restart attempts join it."""
+def dir_to_claim(cfg: DictConfig, multirun: bool, continues_study: bool = False) -> LaunchDir | None:
+    """The run (or sweep) dir a first launch's rank 0 claims; the other ranks and restart attempts join it.
+    ``continues_study``: an Optuna sweep, whose dir holding its study is continued rather than refused."""
     role = process_role()
     if role.attempt or not role.is_global_zero or role.supervised:
         return None
     key = "sweep" if multirun else "run"
     pattern = OmegaConf.to_container(cfg.hydra[key], resolve=False)["dir"]  # type: ignore[index]
-    return LaunchDir(f"hydra.{key}.dir", Path(str(cfg.hydra[key].dir)), "${now:" in str(pattern))
+    return LaunchDir(f"hydra.{key}.dir", Path(str(cfg.hydra[key].dir)), "${now:" in str(pattern), continues_study)
 
 
 # -- the command line, before Hydra ---------------------------------------------------------------------------
@@ -228,7 +230,8 @@ def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
             raise ConfigError("overrides", f"cannot compose the config ({message})", "check the overrides") from None
         # Only a first launch's rank 0 claims (as guard_new_run_dir guards): a torchrun/SLURM restart continues in
         # its own run dir, and a cluster's other ranks may start after rank 0 wrote run.json.
-        claim = dir_to_claim(cfg, multirun)
+        study_sweep = multirun and is_optuna_sweep(cfg)
+        claim = dir_to_claim(cfg, multirun, continues_study=study_sweep)
         run_dir = None if multirun else Path(str(cfg.hydra.run.dir))
         if claim is not None and claim.timestamped:
             run_dir = None  # taken, a timestamped dir gets a suffix when claimed: nothing to refuse
@@ -237,8 +240,12 @@ def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
         # The run dir too: a restart's checkpoint is its newest one, and on another world size it is what lets the
         # restart train there (fit_elastic_world) instead of being refused for the launcher's rank count.
         prepared = prepare(cfg, run_dir, [first_job(o) for o in overrides if not o.key_or_group.startswith("hydra")])
+        if study_sweep:  # after prepare: the sweeper's direction resolves through the objective prepare checked
+            check_optuna_sweep(cfg, overrides)
     # A cluster launcher (hydra/launcher=slurm) runs the jobs on other machines: this one need not serve them.
     remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
-    check_launchable(prepared, here=not remote)
+    # An Optuna sweep screens every trial's memory itself (a trial that does not fit is recorded, not launched):
+    # the first listed value not fitting is no reason to refuse the whole sweep.
+    check_launchable(prepared, here=not remote, memory=not study_sweep)
     # A multirun's jobs, and a restart (it resumes from its run dir, unknown here), each prepare their own.
     return Preflighted(None if multirun or prepared.attempt else prepared, claim)

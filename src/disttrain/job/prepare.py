@@ -276,13 +276,15 @@ def check_resumed_tokenizer(point: ResumePoint, run_cfg: RunConfig) -> None:
         check_same_tokenizer(recorded.tokenizer_sha256, run_cfg.data.tokenizer, current)
 
 
-def check_launchable(prepared: Prepared, here: bool = True) -> None:
-    """What a real launch refuses before spawning: the memory prediction, and (``here``: this machine runs the
-    job) devices or nodes it does not have. A dry run launches nothing and is refused nothing."""
+def check_launchable(prepared: Prepared, here: bool = True, memory: bool = True) -> None:
+    """What a real launch refuses before spawning: the memory prediction (unless ``memory`` is False), and
+    (``here``: this machine runs the job) devices or nodes it does not have. A dry run launches nothing and is
+    refused nothing."""
     run_cfg = prepared.run_cfg
     if run_cfg.dry_run:
         return
-    check_fits(run_cfg, prepared.memory, run_cfg.check_memory)
+    if memory:
+        check_fits(run_cfg, prepared.memory, run_cfg.check_memory)
     if not here:
         return
     cuda_devices = 0

@@ -366,7 +366,11 @@ def finish(
         measured_memory_bytes=measured_peak_memory(),
         memory_kind="peak RSS" if run_cfg.hw.accelerator == "cpu" else "peak allocated",
     )
-    manifest.status = "stopped" if stopped else "completed"
+    pruned = parts.pruning.pruned_at if parts.pruning is not None else None
+    manifest.status = "stopped" if stopped else "pruned" if pruned is not None else "completed"
+    if pruned is not None:  # the sweep's pruner stopped it at this validation: a clean end, reported as usual
+        manifest.pruned_at_step = pruned
+        say(f"disttrain: pruned at step {pruned}: the study's pruner judged this trial's validation loss hopeless")
     manifest.wall_time_s, manifest.result = result.wall_time_s, result
     manifest.result_gap_to_floor = result.gap_to_floor
     # No checkpoint is written for the bad step, so the newest complete one is the last good one.

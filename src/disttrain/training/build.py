@@ -28,6 +28,7 @@ from disttrain.config.schema import (
 )
 from disttrain.config.validate import BatchPlan, WorldLayout, world_layout
 from disttrain.data.datamodule import TokenDataModule
+from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
 from disttrain.models.factory import ModelFacts, resolve_target
@@ -40,6 +41,7 @@ from disttrain.strategies.spec import StrategyBuild, spec_of
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
+from disttrain.training.pruning import TrialPruning
 
 
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
@@ -79,6 +81,7 @@ class TrainerParts:
     ckpt_dir: Path
     nonfinite: NonFiniteGuard | None = None
     diagnostics: DiagnosticsCallback | None = None
+    pruning: TrialPruning | None = None  # in a sweep with a pruner: reports val loss to the trial, may stop the run
 
 
 def collectives_off_thread(cfg: RunConfig) -> bool:
@@ -177,6 +180,9 @@ def build_trainer(
         reliability.guard.record = diagnostics.write  # a non-finite step shows in this rank's telemetry
         # After the diagnostics: it reads the step they just recorded, and at train end their throughput record.
         callbacks.append(LiveMetrics(t.log_every_n_steps, diagnostics, throughput, reliability.guard))
+    pruning = TrialPruning(cfg.trial, process_role().is_global_zero) if cfg.trial.linked else None
+    if pruning is not None:
+        callbacks.append(pruning)
     if reliability.preemption is not None:  # last: the step it stops at has been seen by every callback above
         callbacks.append(reliability.preemption)
     else:  # ranks are launch.py's: Lightning's hint to start them with srun (wherever srun exists) does not apply
@@ -214,7 +220,7 @@ def build_trainer(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    return TrainerParts(trainer, throughput, ckpt_dir, reliability.guard, diagnostics)
+    return TrainerParts(trainer, throughput, ckpt_dir, reliability.guard, diagnostics, pruning)
 
 
 def build_run(

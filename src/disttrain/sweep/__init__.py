@@ -1,0 +1,1 @@
+"""Hyperparameter sweeps on Optuna (``hydra/sweeper=optuna``): search space, study, screening, pruning."""
