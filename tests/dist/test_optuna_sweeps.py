@@ -1,8 +1,8 @@
 """hydra/sweeper=optuna end to end on the local launcher: pruning, a killed sweep continued, screening.
 
 Trials are one process (hw.devices_per_node=1) and a few steps: what is under test is the sweeper and the study,
-not the training (the ranks' agreement on a pruning verdict is a broadcast that tests/dist/test_runs.py's 2-rank
-runs do not reach; test_pruned_two_rank_trial covers it once)."""
+not the training; test_a_pruned_two_rank_trial_ends_every_rank_cleanly covers the ranks' agreement on a pruning
+verdict (rank 0 asks the pruner, every rank stops at the same validation)."""
 
 from __future__ import annotations
 
@@ -130,3 +130,21 @@ def test_a_trial_the_memory_check_refuses_is_screened_and_never_launched(tmp_pat
     (row,) = [r for r in report["runs"] if r["status"] == "screened"]
     assert row["overrides"] == {"trainer.micro_batch_size": "4096"} and "GiB usable" in row["error"]
     assert "1 screened" in out
+
+
+def test_a_pruned_two_rank_trial_ends_every_rank_cleanly(tmp_path: Path) -> None:
+    """Two trials of 2 gloo ranks each: the second (a learning rate that cannot learn) is pruned at a validation; both
+    of its ranks stop there, the run ends with status pruned, and no rank is reported failed."""
+    sweep = tmp_path / "sweep"
+    pruner = ["hydra/sweeper/pruner=median", "hydra.sweeper.pruner.n_startup_trials=1"]
+    two_ranks = [o for o in TRIAL if not o.startswith("hw.devices_per_node")] + ["hw.devices_per_node=2"]
+    grid = ["optimizer.lr=choice(3e-3,1e-7)", "hydra.sweeper.sampler.seed=1"]  # seed 1: 3e-3 first, 1e-7 second
+    ok(run_cli([*SWEEP, *pruner, *grid, *two_ranks, f"hydra.sweep.dir={sweep}"], tmp_path))
+    done = {t.params["optimizer.lr"]: t for t in trials(sweep)}
+    assert done[1e-7].state == optuna.trial.TrialState.PRUNED, [(t.params, t.state) for t in done.values()]
+    run_dir = sweep / done[1e-7].user_attrs["disttrain.job"]
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "pruned" and manifest["world"]["world_size"] == 2
+    assert manifest["pruned_at_step"] < 8
+    assert not (run_dir / "failure.json").exists()
+    assert "Traceback" not in (run_dir / "train_rank1.log").read_text()  # rank 1 stopped with rank 0, cleanly
