@@ -63,8 +63,10 @@ def test_a_stop_skips_the_next_update_too_so_the_weights_stay_the_last_good_ones
     run.step(0.5)
     good = run.weights()
     run.step(0.5, loss=float("inf"))
-    run.step(0.5)  # its verdict on step 1 stops the run: this update is skipped as well
+    run.step(0.5, loss=float("nan"))  # its verdict on step 1 stops the run: this update is skipped as well
     assert run.guard.stopped_at == 1 and run.trainer.should_stop
+    run.guard.settle()  # the end of training reads step 2's (bad) verdict: still the stop at step 1
+    assert run.guard.stopped_at == 1 and len(run.records) == 1
     assert "non-finite loss at step 1" in str(run.guard.stop_reason)
     assert all(torch.equal(a, b) for a, b in zip(good, run.weights(), strict=True))
 

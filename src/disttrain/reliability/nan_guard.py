@@ -281,8 +281,8 @@ class NonFiniteGuard(pl.Callback):
         self._keep_norm(pending.step, norm_value)
         for rider, highest in zip(self.riders, verdicts, strict=True):
             rider.agreed(trainer, highest)
-        if not (loss_vote or norm_vote):
-            return False
+        if self.stopped or not (loss_vote or norm_vote):
+            return self.stopped  # after a stop, the step it skipped as well is not a second fault
         self._handle(trainer, pending.step, self._what(bool(loss_vote), bool(norm_vote)))
         return self.stopped
 
