@@ -65,6 +65,8 @@ FP8 = ["precision=fp8"]
 RUNS = [
     TrainRun("gpt2-124m bf16", GPT2, 60, 50, trace=True),
     TrainRun("gpt2-124m bf16 eager", GPT2 + EAGER, 60, 40, trace=True),
+    # Host-bound at micro 16 (the 2026-11-27 H200 window: 44% GPU busy): twice the work per launch.
+    TrainRun("gpt2-124m bf16 micro 32", ["model=gpt2-124m", "trainer.micro_batch_size=32"], 60, 55, trace=True),
     TrainRun("llama-1b bf16 eager", LLAMA + EAGER, 40, 60, trace=True),
     # 200 steps each: fp8's loss is compared with bf16's over the same 200 steps.
     TrainRun("llama-1b bf16", LLAMA, 200, 90, trace=True),
