@@ -611,6 +611,8 @@ class AbTest:
     original: tuple[str, ...] = ()
     recommended: tuple[str, ...] = ()
     override: str = ""
+    # The share of the step the recommendation expects to save: stored beside the measured change in the verdict.
+    expected_gain: float | None = None
 
     def shell(self) -> str:
         return f"# {self.note}\npython -m train " + " ".join(shlex.quote(a) for a in self.argv)
@@ -646,7 +648,9 @@ def ab_test(rec: Recommendation, ctx: RunContext, original: list[str], run_dir: 
     note = f"A/B {rec.key}: {arms}" + (f"; replaces {' '.join(dropped)}" if dropped else "")
     multirun = ("-m", *base, *rec.pinned, swept, sweep_dir)
     recommended = (*base, *rec.pinned, f"{key}={rec.value}")
-    return AbTest(rec.key, multirun, note, tuple(original), recommended, rec.override)
+    gain = rec.expected_gain.get("fraction")
+    expected = float(gain) if isinstance(gain, (int, float)) else None
+    return AbTest(rec.key, multirun, note, tuple(original), recommended, rec.override, expected)
 
 
 def _original_overrides(analysis: Analysis) -> list[str]:

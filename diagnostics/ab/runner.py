@@ -33,6 +33,7 @@ class Arm:
     name: str  # A, B1, B2, ...
     label: str  # "original" or the recommendation's override
     overrides: tuple[str, ...]  # after ``python -m train``
+    expected_gain: float | None = None  # share of the step the recommendation expects to save (None: original)
 
     def argv(self, run_dir: Path) -> list[str]:
         return [*self.overrides, f"hydra.run.dir={run_dir}"]
@@ -46,7 +47,7 @@ def plan_arms(tests: list[AbTest]) -> list[Arm]:
     if not tests:
         return []
     arms = [Arm(ORIGINAL, "original", tests[0].original)]
-    return arms + [Arm(f"B{i}", t.override, t.recommended) for i, t in enumerate(tests, 1)]
+    return arms + [Arm(f"B{i}", t.override, t.recommended, t.expected_gain) for i, t in enumerate(tests, 1)]
 
 
 @dataclass(frozen=True)

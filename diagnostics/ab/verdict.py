@@ -42,8 +42,12 @@ def _test_json(ab: AbSet, runs: ArmRuns, run_root: Path) -> dict[str, Any]:
     mine = [runs.rounds[r] for r in rounds]
     verdict = judge([r.tokens_per_s for r in original], [r.tokens_per_s for r in mine])
     change = verdict.change
+    expected = expected_change(runs.arm.expected_gain)
     return {
         "override": runs.arm.label,
+        # The recommendation's own prediction, as a tokens/s change, beside what the rounds measured.
+        "expected_change": expected,
+        "prediction_error": (change.estimate - expected) if change and expected is not None else None,
         "set": ab.set_dir.name,
         "arm": runs.arm.name,
         "verdict": verdict.verdict,
@@ -57,6 +61,26 @@ def _test_json(ab: AbSet, runs: ArmRuns, run_root: Path) -> dict[str, Any]:
         "recommended": _arm_json(mine, run_root),
         "command": {"original": list(ab.arms[0].arm.overrides), "recommended": list(runs.arm.overrides)},
     }
+
+
+def expected_change(gain: float | None) -> float | None:
+    """The tokens/s change a recommendation that saves ``gain`` of the step predicts: 1 / (1 - gain) - 1."""
+    if gain is None or not 0.0 <= gain < 1.0:
+        return None
+    return 1.0 / (1.0 - gain) - 1.0
+
+
+def prediction_error_points(data: dict[str, Any]) -> tuple[float, int] | None:
+    """Median absolute difference between the predicted and the measured tokens/s change, in percentage points, over
+    the tested recommendations that carry both (how well the report's expected gains predict what A/B measures)."""
+    errors = sorted(
+        abs(v["prediction_error"]) for v in data.get("recommendations", []) if v.get("prediction_error") is not None
+    )
+    if not errors:
+        return None
+    mid = len(errors) // 2
+    median = errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+    return 100 * median, len(errors)
 
 
 def set_verdict(ab: AbSet, run_dir: Path) -> dict[str, Any]:
@@ -178,9 +202,14 @@ def text_table(data: dict[str, Any], set_name: str | None = None) -> str:
         if set_name is not None and v["set"] != set_name:
             continue
         a, b = v["original"], v["recommended"]
+        predicted = f"; expected {_pct(v['expected_change'])}" if v.get("expected_change") is not None else ""
         lines.append(
-            f"  {v['override']}: {phrase(v)}; tokens/s median {_rate(a['median_tokens_per_s'])} -> "
+            f"  {v['override']}: {phrase(v)}{predicted}; tokens/s median {_rate(a['median_tokens_per_s'])} -> "
             f"{_rate(b['median_tokens_per_s'])} (spread {_spread(a)} / {_spread(b)})"
+        )
+    if set_name is None and (error := prediction_error_points(data)) is not None:
+        lines.append(
+            f"  expected vs measured change: median absolute error {error[0]:.1f} points over {error[1]} test(s)"
         )
     return "\n".join(lines)
 
