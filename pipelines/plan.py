@@ -41,6 +41,8 @@ def plan_request(request: PlanRequest) -> Plan:
             seq_len=request.seq_len,
             assumptions=request.assumptions,
             sequence_parallel=request.sequence_parallel,
+            # fp8 composes with DDP and FSDP2 only (config/validate.py): plan what it can launch.
+            strategies=("ddp", "fsdp") if request.precision.fp8 else None,
         )
     except ValueError as err:
         raise ConfigError(
@@ -80,6 +82,8 @@ def main(cfg: DictConfig) -> None:
     prefix = (train_prefix() if result.shape.known else None) or "strategy overrides:"
     console = Console(width=None if sys.stdout.isatty() else 220)
     print_plan(console, result, prefix, cfg.limit, tokens_per_s, request.sources)
+    if request.precision.fp8:
+        print("precision=fp8: planned as bf16-mixed (same states and traffic; step time an upper bound), ddp/fsdp only")
 
 
 if __name__ == "__main__":

@@ -75,3 +75,13 @@ def test_the_head_is_padded_only_for_the_gemm() -> None:
     head = nn.Linear(8, 50257, bias=False)
     h = torch.randn(2, 3, 8)
     assert torch.equal(head_logits(head, h), head(h))  # on CPU: the layer itself
+
+
+def test_planning_and_auto_pick_only_layouts_fp8_composes_with() -> None:
+    from disttrain.config.validate import batch_plan, world_layout
+    from disttrain.strategies.auto import resolve_auto
+
+    cfg = parse_run_config(compose_train(["precision=fp8", "hw=8xh100", "strategy=auto", "model=llama-1b"]))
+    chosen, _ = resolve_auto(cfg, world_layout(cfg), batch_plan(cfg))
+    assert chosen.strategy.name in ("ddp", "fsdp")
+    validate_run(chosen)

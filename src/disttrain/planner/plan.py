@@ -238,8 +238,9 @@ def plan(
     seq_len: int | None = None,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     sequence_parallel: bool | None = True,
+    strategies: tuple[str, ...] | None = None,
 ) -> Plan:
-    """Predict and rank every candidate layout of ``model`` on ``hw``.
+    """Predict and rank every candidate layout of ``model`` on ``hw`` (of ``strategies`` only, when given).
 
     ``global_batch_size`` defaults to ``micro_batch_size x world size`` (what DDP would train), and is held
     fixed across layouts; ``seq_len`` defaults to the model's. ``sequence_parallel`` picks Megatron's TP
@@ -256,6 +257,8 @@ def plan(
         precision=precision,
     )
     layouts = candidate_layouts(shape, hw, workload, sequence_parallel)
+    if strategies is not None:
+        layouts = [layout for layout in layouts if layout.strategy in strategies]
     if not layouts:
         raise ValueError(
             f"no layout of {hw.world_size} devices splits a global batch of {workload.global_batch_size} sequences "

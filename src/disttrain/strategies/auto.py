@@ -179,9 +179,13 @@ def resolve_auto(
             f"hw={cfg.hw.name} has no peak FLOP/s (run once with diagnostics on and pass calibration=<that run> to "
             "choose by measured speeds); ddp replicas communicate least"
         )
-    layouts = [(option, layout_of(option, world, batch)) for option in auto_candidates(cfg)]
+    options = auto_candidates(cfg)
+    megatron = megatron_candidates(cfg, batch)
+    if cfg.precision.fp8:  # fp8 composes with DDP and FSDP2 only (config/validate.py)
+        options, megatron = [o for o in options if o.name in ("ddp", "fsdp")], []
+    layouts = [(option, layout_of(option, world, batch)) for option in options]
     scored = []
-    for option, layout in [*layouts, *megatron_candidates(cfg, batch)]:
+    for option, layout in [*layouts, *megatron]:
         try:
             predicted = plan_layout(shape, layout, work, profile.hw, assumptions)
         except ValueError:
