@@ -63,6 +63,11 @@ class Draw:
         every = f"-every{self.every}" if self.every > 1 else ""
         return f"{self.fault}-{where}-{self.strategy}-{self.model}{size}{every}"
 
+    @property
+    def inherent(self) -> tuple[str, ...]:
+        """Findings the layout raises with or without a fault: a 2-stage pipeline at its default micro-batches."""
+        return ("pipeline_bubble",) if "strategy.pp=2" in STRATEGIES[self.strategy] else ()
+
     def counterfactual(self) -> list[str]:
         """The run without the fault: strategy, model and the plug-in data every draw uses."""
         return [

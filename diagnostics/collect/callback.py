@@ -31,6 +31,7 @@ from diagnostics.collect.calibrate import (
     tp_linear_overhead,
     tp_model_overhead,
 )
+from diagnostics.collect.deepspeed_comm import time_deepspeed_collectives
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
@@ -113,7 +114,9 @@ class DiagnosticsCallback(pl.Callback):
         # direct cost, which an A/B of whole runs on a shared machine measures only through its noise.
         self.own_s = 0.0
         self._last_step = -1
-        self.times_collectives = False  # FSDP2's collectives are timed per phase (collect/fsdp_comm)
+        # FSDP2's and DeepSpeed's collectives are timed per phase (collect/fsdp_comm, collect/deepspeed_comm).
+        self.times_collectives = False
+        self._untime_deepspeed: Callable[[], None] | None = None
         self._disabled: set[str] = set()
         # For the user's logger (disttrain.training.live_metrics), on rank 0 only: its steps since the logger last
         # took them (bounded: a logger that never takes them costs a fixed few hundred kB), the last two gathers,
@@ -181,7 +184,11 @@ class DiagnosticsCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         wrapped = self.guarded("fsdp_comm", lambda: time_fsdp_collectives(pl_module, self.timer.collective_ran))
-        self.times_collectives = bool(wrapped)
+        if self.facts.strategy == "deepspeed":
+            self._untime_deepspeed = self.guarded(
+                "deepspeed_comm", lambda: time_deepspeed_collectives(self.timer.collective_ran)
+            )
+        self.times_collectives = bool(wrapped) or self._untime_deepspeed is not None
         if self.sampler is not None:
             self.sampler.start()
         if self.settings.profile:
@@ -445,6 +452,9 @@ class DiagnosticsCallback(pl.Callback):
         self.write("throughput", **self.final_throughput)
 
     def teardown_collectors(self) -> None:
+        if self._untime_deepspeed is not None:
+            self._untime_deepspeed()
+            self._untime_deepspeed = None
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.sampler is not None and self.sampler.is_alive():

@@ -8,6 +8,7 @@ checkpoint itself holds full tensors under single-process names, like every stra
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -49,6 +50,12 @@ STAGES = {
         "strategy.param_persistence_threshold=0",
         "strategy.activation_checkpointing=true",
         "trainer.micro_batch_size=4",
+        # The step records (no profile, calibration or report): ZeRO-3's collectives are timed per phase, and the
+        # timing must not change the math (the parity test below runs with it).
+        "diagnostics=default",
+        "diagnostics.profile=false",
+        "diagnostics.calibrate=false",
+        "diagnostics.report=false",
     ],
 }
 
@@ -113,6 +120,17 @@ def test_zero_3_each_rank_holds_only_its_parameter_partitions(runs: dict[str, Pa
         assert held["params"] == expected, f"rank {rank}"
         assert held["fp32_partition"] == expected, f"rank {rank}"
     assert expected[0] < totals[0] and expected[0] * WORLD >= totals[0]
+
+
+def test_zero_3_collectives_are_timed_inside_forward_and_backward(runs: dict[str, Path]) -> None:
+    for rank in range(WORLD):
+        lines = (runs["zero3"] / "telemetry" / f"rank{rank:04d}.jsonl").read_text().splitlines()
+        steps = [r for line in lines if (r := json.loads(line)).get("kind") == "step"]
+        assert steps, f"rank {rank} recorded no steps"
+        for record in steps:
+            # Every forward all-gathers each block's partitions (and the recomputed backward again): never 0 s.
+            assert 0 < record["forward_comm_s"] <= record["forward_s"], (rank, record)
+            assert 0 < record["backward_comm_s"] <= record["backward_s"], (rank, record)
 
 
 def full_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:

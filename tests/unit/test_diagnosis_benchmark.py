@@ -67,6 +67,21 @@ def test_healthy_run_with_a_warning_misses_only_when_the_counterfactual_shows_un
     assert quiet.targets == {"quiet when healthy": True}
 
 
+def test_a_layouts_own_bubble_may_lead_but_the_fault_must_follow_it_loud_on_its_ranks() -> None:
+    pipeline = Scenario("data-pp2", "test", [], [], "input_bound", [0, 1], inherent=("pipeline_bubble",))
+    bubble = finding("pipeline_bubble", [0, 1], "critical", cost=0.4)
+    found = judge(pipeline, [ran(700.0, bubble, finding("input_bound", [0, 1], cost=0.3))], [ran(1000.0)])
+    assert found.targets["top finding and rank"] is True
+    quiet = judge(pipeline, [ran(700.0, bubble, finding("input_bound", [0, 1], "info", cost=0.3))], [ran(1000.0)])
+    assert quiet.targets["top finding and rank"] is False  # present but not loud: the fault was not reported
+    wrong_rank = judge(pipeline, [ran(700.0, bubble, finding("input_bound", [1], cost=0.3))], [ran(1000.0)])
+    assert wrong_rank.kind_right and not wrong_rank.ranks_right
+    # Anything else leading the report is still a miss, and a healthy run of the layout may raise its bubble.
+    assert judge(pipeline, [ran(700.0, finding("straggler", [1]))], [ran(1000.0)]).kind_right is False
+    healthy = Scenario("none-pp2", "test", [], [], None, inherent=("pipeline_bubble",))
+    assert judge(healthy, [ran(995.0, bubble)], [ran(1000.0)]).targets == {"quiet when healthy": True}
+
+
 def test_failed_runs_are_listed_and_their_targets_not_judged() -> None:
     verdict = judge(STRAGGLER, [RunResult(False, error="exit 1: boom")], [ran(1000.0)])
     assert verdict.targets == {"top finding and rank": None, "cost within 5 points": None}
@@ -114,3 +129,24 @@ def test_stability_compares_sets_of_loud_kinds_and_optionally_their_ranks() -> N
     assert agreement([["straggler[1]"], ["straggler[0]"]], with_ranks=True) is False  # ...on another rank
     assert agreement([["straggler[1]", "low_overlap[0]"], ["straggler[1]"]]) is False
     assert agreement([["straggler[1]"], None]) is None
+
+
+def test_a_cells_faulty_runs_are_judged_against_the_counterfactuals_that_bracket_them() -> None:
+    from benchmarks.diagnosis_accuracy import bracket, judge_draw
+    from benchmarks.diagnosis_matrix import Draw
+
+    before = RunResult(True, 1000.0, 1000.0, 0.1)
+    after = RunResult(True, 800.0, 900.0, 0.12)  # the box slowed down during the cell
+    base = bracket(before, after)
+    assert (base.throughput, base.mean_throughput, base.step_s) == pytest.approx((900.0, 950.0, 0.11))
+    assert bracket(RunResult(False, error="x"), after) is after
+    slow = Draw("ddp", "backward", 1, 0.5, "user")
+    found = RunResult(True, 600.0, 665.0, findings=[finding("straggler", [1], "critical", cost=0.33)])
+    verdict = judge_draw(slow, 0.1, [found], [base])
+    assert verdict.measured_cost == pytest.approx(0.30)  # on the mean throughput: 1 - 665 / 950
+    assert verdict.targets == {"top finding and rank": True, "cost within 7 points": True}
+    # Under a pipeline, the layout's bubble may lead when the injected input stall follows it, loud.
+    piped = Draw("megatron-pp2", "data-all", None, 0.3, "builtin")
+    run = RunResult(True, 700.0, 700.0, findings=[finding("pipeline_bubble", [0, 1], "critical", cost=0.4),
+                                                  finding("input_bound", [0, 1], cost=0.28)])  # fmt: skip
+    assert judge_draw(piped, 0.1, [run], [base]).targets["top finding and rank"] is True
