@@ -65,11 +65,21 @@ class Draw:
 
     @property
     def inherent(self) -> tuple[str, ...]:
-        """Findings the layout raises with or without a fault: a 2-stage pipeline at its default micro-batches."""
-        return ("pipeline_bubble",) if "strategy.pp=2" in STRATEGIES[self.strategy] else ()
+        """Findings the layout raises with or without a fault, which no counterfactual here removes: a 2-stage
+        pipeline's bubble at its default micro-batches, and the communication of every layout but DDP (only DDP's
+        gradients can be kept local, ``+data.local_grads``, to measure what its communication costs)."""
+        bubble = ("pipeline_bubble",) if "strategy.pp=2" in STRATEGIES[self.strategy] else ()
+        comm = () if self.strategy == "ddp" else ("low_overlap", "comm_bound")
+        return bubble + comm
 
     def counterfactual(self) -> list[str]:
-        """The run without the fault: strategy, model and the plug-in data every draw uses."""
+        """The run without the fault: strategy, model and the plug-in data every draw uses. A healthy DDP draw's is
+        the same run without its gradient all-reduce: a healthy run is one with less than HEALTHY_GAIN to gain,
+        communication included."""
+        local = ["+data.local_grads=true"] if self.fault == "none" and self.strategy == "ddp" else []
+        return [*self._base(), *local]
+
+    def _base(self) -> list[str]:
         return [
             *STRATEGIES[self.strategy],
             *MODEL_OVERRIDES[self.model],
@@ -83,7 +93,7 @@ class Draw:
         ranks = [] if self.rank is None else [f"+data.slow_ranks=[{self.rank}]"]
         model_ranks = [] if self.rank is None else [f"+model.slow_ranks=[{self.rank}]"]
         every = [f"+data.stall_every={self.every}"] if self.every > 1 else []
-        base = self.counterfactual()
+        base = self._base()
         if self.fault in ("forward", "backward") or (self.fault == "stall" and self.model == "user"):
             phase = "forward" if self.fault == "stall" else self.fault
             stall = [f"+model.stall_every={self.every}"] if self.every > 1 else []

@@ -14,6 +14,12 @@ Phase order within a step as the collector times it: other (hooks and logging af
 transfer), data (``next(dataloader)``), forward, backward compute, comm wait (DDP's wait for the last buckets),
 optimizer. Data never contains a collective; a data-slow rank is reported by input_bound, not here.
 
+Pipeline stages do different work inside their schedule by design (the first stage ends it a backward later than
+the last; the bubble is idle by design), so the schedule is one segment in which a stage is never blamed: it is
+where a stage waits for a late peer (its activations or gradients arrive late) and is caught up with. What a
+stage does outside the schedule (its optimizer step, hooks) is compared like any rank's: a stage slow there makes
+the others wait in their next schedule, which would otherwise read as a larger bubble.
+
 Where a phase calls collectives itself (FSDP2: an all-gather before every block's forward and backward), a fast
 rank waits for a slow one *inside* that phase, and both ranks end the phase at the same moment: no order of
 arrival to see at its end. The collector times those collectives (``forward_comm_s``, ``backward_comm_s``), and
@@ -49,22 +55,29 @@ SEGMENTS = (
     ("backward_comm", "backward_comm"),
     ("comm_wait", "comm_wait"),
     ("optimizer", "optimizer"),
+    ("schedule", "schedule"),
 )
 # A rank that falls behind inside a collective: its own transfer is slow, in the phase that issued it.
 NAMED = {"comm_wait": "backward", "forward_comm": "forward", "backward_comm": "backward"}
 
 
 def segments(s: StepRecord) -> list[float] | None:
-    """The step's phases in time order (seconds), or None if the record lacks what the order needs."""
+    """The step's phases in time order (seconds), or None if the record lacks what the order needs. A pipeline
+    stage's schedule (its forward and backward compute and the waits between them) is the last segment: where it
+    sits in the step does not change whose lateness grows outside it."""
     if s.start_t is None or s.step_s is None or s.forward_s is None or s.backward_s is None:
         return None
     data, wait, optimizer = s.data_wait_s or 0.0, s.comm_wait_s or 0.0, s.optimizer_s or 0.0
+    if s.bubble_fraction is not None:
+        schedule = s.forward_s + s.backward_s + s.bubble_fraction * s.step_s
+        other = max(0.0, s.step_s - data - schedule - optimizer)
+        return [other, data, 0.0, 0.0, 0.0, 0.0, 0.0, optimizer, schedule]
     other = max(0.0, s.step_s - data - s.forward_s - s.backward_s - optimizer)
     backward = max(0.0, s.backward_s - wait)
     forward_comm = min(s.forward_comm_s or 0.0, s.forward_s)
     backward_comm = min(s.backward_comm_s or 0.0, backward)
     return [other, data, s.forward_s - forward_comm, forward_comm, backward - backward_comm, backward_comm, wait,
-            optimizer]  # fmt: skip
+            optimizer, 0.0]  # fmt: skip
 
 
 def lateness_growth(run: RunTelemetry) -> list[tuple[float, dict[int, list[float]]]]:
@@ -73,8 +86,7 @@ def lateness_growth(run: RunTelemetry) -> list[tuple[float, dict[int, list[float
     by_step: dict[int, dict[int, StepRecord]] = {}
     for rank, tele in run.ranks.items():
         for s in steady(tele.steps):
-            if s.bubble_fraction is None:  # pipeline stages do different work by design
-                by_step.setdefault(s.step, {})[rank] = s
+            by_step.setdefault(s.step, {})[rank] = s
     out: list[tuple[float, dict[int, list[float]]]] = []
     previous_end: float | None = None
     previous_step: int | None = None
@@ -105,10 +117,16 @@ def _by_phase(per_step: list[list[float]]) -> dict[str, float]:
     return out
 
 
+def _slowest_phase(growth: dict[str, float]) -> str:
+    """The phase a rank fell behind most in; a pipeline's schedule is never one (see the module docstring)."""
+    return max((p for p in growth if p != "schedule"), key=lambda p: growth[p])
+
+
 def _fell_behind(row: list[float], data: bool = False) -> float:
     """Seconds a rank fell behind in one step, over every phase but data (input_bound's, with its own levers)
-    unless ``data``."""
-    return sum(max(0.0, g) for g, (_, name) in zip(row, SEGMENTS, strict=True) if data or name != "data")
+    unless ``data``, and but a pipeline's schedule (whose stages differ by design)."""
+    counted = [name != "schedule" and (data or name != "data") for _, name in SEGMENTS]
+    return sum(max(0.0, g) for g, keep in zip(row, counted, strict=True) if keep)
 
 
 def _excess(
@@ -140,7 +158,7 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         per_step = [step[rank] for _, step in steps if rank in step]
         growth = _by_phase(per_step)
         table[rank] = {p: rounded(v) or 0.0 for p, v in growth.items()}
-        phase = NAMED.get(top := max(growth, key=lambda p: growth[p]), top)
+        phase = NAMED.get(top := _slowest_phase(growth), top)
         excess = _excess(steps, rank)
         seconds = sum(e for e, _ in excess) / len(excess)
         share = sum(1 for e, _ in excess if e > 0) / len(excess)
@@ -220,7 +238,7 @@ def _stalls(
     excess = _excess(steps, worst, data=True)
     rows = [steps[i][1][worst] for i in stall_idx if worst in steps[i][1]]
     growth = _by_phase(rows)
-    phase = NAMED.get(top := max(growth, key=lambda p: growth[p]), top)
+    phase = NAMED.get(top := _slowest_phase(growth), top)
     kind_note = "loading its batches" if phase == "data" else phase
     per_stall = mean(excess[i][0] for i in stall_idx) or 0.0
     every = len(steps) / len(stall_idx)

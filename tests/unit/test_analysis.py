@@ -410,3 +410,64 @@ def test_low_mfu_against_a_calibrated_peak_is_a_hint_without_a_cost(tmp_path: Pa
     assert cpu.severity == "info" and cpu.cost["fraction"] == 0.0 and "not estimated" in cpu.cost["basis"]
     gpu = findings_of(tmp_path / "gpu", "low_mfu")["low_mfu"]  # 5% of a datasheet peak: 75% would go at 20%
     assert gpu.severity == "critical" and gpu.cost["fraction"] == pytest.approx(0.75, abs=0.01)
+
+
+def _pipeline_steps(steps: int, slow_rank: int | None, where: str, slow_s: float) -> list[list[dict]]:
+    """Per rank, the step records of a 2-stage pipeline on one clock: the stages meet at the start of the schedule
+    (the last stage needs the first one's activations), each computes 0.2 s inside a 0.3 s schedule (its bubble),
+    the first stage ends its schedule 0.02 s after the last one (its final backward), then each steps its own
+    optimizer (0.01 s; ``where="optimizer"`` adds ``slow_s`` on ``slow_rank``) or computes longer inside the
+    schedule (``where="schedule"``: the other stage idles longer)."""
+    start, records = [T0_PIPE, T0_PIPE], [[], []]
+    for step in range(1, steps + 1):
+        ready = [start[r] + 0.001 + 0.002 for r in (0, 1)]  # other, data
+        begin = max(ready)
+        extra = [slow_s if r == slow_rank and where == "schedule" else 0.0 for r in (0, 1)]
+        schedule_end = begin + 0.3 + max(extra)
+        for r in (0, 1):
+            ends = schedule_end + (0.02 if r == 0 else 0.0)
+            compute = 0.2 + extra[r]
+            optimizer = 0.01 + (slow_s if r == slow_rank and where == "optimizer" else 0.0)
+            end = ends + optimizer
+            step_s = end - start[r]
+            wall = ends - ready[r]
+            records[r].append({"kind": "step", "step": step, "t": end, "step_s": step_s, "start_t": start[r],
+                               "data_wait_s": 0.002, "forward_s": compute / 3, "backward_s": 2 * compute / 3,
+                               "optimizer_s": optimizer, "bubble_fraction": (wall - compute) / step_s,
+                               "tokens": 8192})  # fmt: skip
+            start[r] = end
+    return records
+
+
+T0_PIPE = 1_700_000_000.0
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_a_pipeline_stage_slow_outside_its_schedule_is_the_straggler_and_its_wait_is_not_bubble(
+    tmp_path: Path, slow_rank: int
+) -> None:
+    run_dir = write_run(tmp_path / "pp", "bubble_megatron", steps=30)
+    for rank, steps in enumerate(_pipeline_steps(30, slow_rank, "optimizer", 0.15)):
+        path = telemetry_path(run_dir, rank)
+        kept = [json.loads(line) for line in path.read_text().splitlines()]
+        kept = [r for r in kept if r["kind"] != "step"]
+        path.write_text("".join(json.dumps(r) + "\n" for r in [*kept, *steps]))
+    found = {f.kind: f for f in analyse(run_dir).findings}
+    straggler = found["straggler"]
+    assert straggler.ranks == [slow_rank] and straggler.evidence["slow_phase"] == "optimizer"
+    assert straggler.severity == "critical" and straggler.cost["fraction"] == pytest.approx(0.15 / 0.48, abs=0.03)
+    # The bubble is what every stage idles (0.1-0.12 s of the 0.48 s step), not the waiting stage's 0.15 s on top.
+    bubble = found["pipeline_bubble"]
+    assert bubble.cost["fraction"] == pytest.approx(0.11 / 0.48, abs=0.03)
+    assert max(bubble.evidence["bubble_fraction"].values()) >= 0.25 / 0.48
+
+
+def test_pipeline_stages_that_differ_only_inside_the_schedule_raise_no_straggler(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "pp", "bubble_megatron", steps=30)
+    for rank, steps in enumerate(_pipeline_steps(30, 1, "schedule", 0.1)):
+        path = telemetry_path(run_dir, rank)
+        kept = [r for line in path.read_text().splitlines() if (r := json.loads(line))["kind"] != "step"]
+        path.write_text("".join(json.dumps(r) + "\n" for r in [*kept, *steps]))
+    found = {f.kind: f for f in analyse(run_dir).findings}
+    assert "straggler" not in found and "pipeline_bubble" in found
+    assert "waiting for rank 1" in found["pipeline_bubble"].message  # the busier stage: the rest is imbalance

@@ -49,3 +49,14 @@ def test_the_expected_finding_follows_the_measured_cost() -> None:
     assert Draw("ddp", "data-all", None, 1.0, "hf").expected(0.3) == ("input_bound", [0, 1])
     fault = Draw("ddp", "optimizer", 1, 0.5, "builtin").fault_overrides(0.4)
     assert "+data.optimizer_sleep_s=0.2" in fault and "+data.slow_ranks=[1]" in fault
+
+
+def test_a_healthy_ddp_draw_is_measured_against_local_gradients_and_other_layouts_own_comm_is_not_judged() -> None:
+    healthy = Draw("ddp", "none", None, 0.0, "user")
+    assert "+data.local_grads=true" in healthy.counterfactual()
+    assert "+data.local_grads=true" not in healthy.fault_overrides(0.1)  # the run judged keeps its all-reduce
+    assert "+data.local_grads=true" not in Draw("ddp", "backward", 1, 0.5, "user").counterfactual()
+    assert healthy.inherent == ()
+    assert set(Draw("fsdp", "none", None, 0.0, "user").inherent) == {"low_overlap", "comm_bound"}
+    assert set(Draw("megatron-pp2", "data-all", None, 0.3, "builtin").inherent) == {
+        "pipeline_bubble", "low_overlap", "comm_bound"}  # fmt: skip
