@@ -578,6 +578,8 @@ def run_matrix(seed: int, size: int, repeats: int, keep: Path | None, json_path:
         for members in cells.values():
             print(", ".join(d.name for d in members), flush=True)
             verdicts.extend(measure_cell(members, repeats, root))
+            if json_path:  # after every cell: an interrupted matrix keeps what it measured
+                json_path.write_text(json.dumps([asdict(v) for v in verdicts], indent=2) + "\n")
     print()
     print(format_table(verdicts))
     if json_path:

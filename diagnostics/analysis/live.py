@@ -35,6 +35,10 @@ class RanksWindow:
     local_compute_s: list[float]
     data_wait_s: list[float]
     comm_wait_s: list[float]
+    # Per rank, the node it runs on and its device's newest NVML reading (DEVICE_FIELDS; NaN where a rank has
+    # none, e.g. on a CPU): the same all-gather carries them, so the logger shows every node, not rank 0's GPU.
+    node: list[int] | None = None
+    device: list[dict[str, float]] | None = None
 
     def busy_s(self, rank: int) -> float:
         """Time the rank spent on its own work before it reached the step's collective."""
@@ -105,6 +109,26 @@ def step_metrics(step_s: list[float], data_wait_s: list[float], local_compute_s:
         "time/data_wait_share": _share(sum(data_wait_s), total),
         "time/compute_share": _share(sum(local_compute_s), total),
     }
+
+
+DEVICE_FIELDS = ("util_pct", "power_w", "sm_clock_mhz", "temp_c")
+
+
+def node_device_metrics(window: RanksWindow) -> dict[str, float]:
+    """``gpu/node{n}/...``: per node, the mean over its devices of each NVML field, and the lowest utilization
+    (one idle GPU on a node is what a mean hides). Ranks without a reading (NaN) are left out."""
+    if window.node is None or window.device is None:
+        return {}
+    out: dict[str, float] = {}
+    for node in sorted(set(window.node)):
+        rows = [d for n, d in zip(window.node, window.device, strict=True) if n == node]
+        for field in DEVICE_FIELDS:
+            values = [v for d in rows if (v := d.get(field)) is not None and v == v]  # NaN != NaN
+            if values:
+                out[f"gpu/node{node}/{field}"] = sum(values) / len(values)
+                if field == "util_pct":
+                    out[f"gpu/node{node}/min_util_pct"] = min(values)
+    return out
 
 
 def ranks_metrics(window: RanksWindow) -> dict[str, float]:

@@ -20,7 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from diagnostics.analysis.live import RanksWindow
+from diagnostics.analysis.live import DEVICE_FIELDS, RanksWindow
 from diagnostics.collect.calibrate import (
     collective_bandwidth,
     comm_overlap,
@@ -321,22 +321,30 @@ class DiagnosticsCallback(pl.Callback):
             self.guarded("rank_gather", lambda: self._gather(trainer, step))
 
     def _gather(self, trainer: pl.Trainer, step: int) -> None:
-        """All-gather four floats per rank: the window's mean local compute, step time, data wait and comm wait
-        (the last for the logger's exposed-communication and waiting shares, riding in the same collective)."""
+        """All-gather a few floats per rank: the window's mean local compute, step time, data wait and comm wait
+        (the last for the logger's exposed-communication and waiting shares), its node and its device's newest
+        NVML reading (for the logger's per-node GPU figures), all riding in the one collective."""
         n = max(1, len(self.window))
+        sample = self.sampler.latest if self.sampler is not None else None
+        nvml = sample if sample and sample.get("source") == "nvml" else {}
+        nan = float("nan")
+        device = [float(v) if (v := nvml.get(f)) is not None else nan for f in DEVICE_FIELDS]
         local = torch.tensor(
             [
                 sum(p.local_compute_s for p in self.window) / n,
                 sum(p.step_s for p in self.window) / n,
                 sum(p.data_wait_s for p in self.window) / n,
                 sum(p.comm_wait_s for p in self.window) / n,
+                float(trainer.node_rank),
+                *device,
             ],
             dtype=torch.float64,
             device=trainer.strategy.root_device,
         )
-        gathered = trainer.strategy.all_gather(local).reshape(-1, 4).cpu().tolist()
+        width = local.numel()
+        gathered = trainer.strategy.all_gather(local).reshape(-1, width).cpu().tolist()
         if trainer.is_global_zero:
-            columns = [[row[i] for row in gathered] for i in range(4)]
+            columns = [[row[i] for row in gathered] for i in range(width)]
             self.write(
                 "ranks",
                 step=step,
@@ -346,7 +354,11 @@ class DiagnosticsCallback(pl.Callback):
                 data_wait_s=columns[2],
                 comm_wait_s=columns[3],
             )
-            self.rank_windows.append(RanksWindow(step, columns[1], columns[0], columns[2], columns[3]))
+            devices = [dict(zip(DEVICE_FIELDS, row[5:], strict=True)) for row in gathered]
+            nodes = [int(v) for v in columns[4]]
+            self.rank_windows.append(
+                RanksWindow(step, columns[1], columns[0], columns[2], columns[3], node=nodes, device=devices)
+            )
         self.window = []
 
     def on_validation_start(self, *args: Any) -> None:

@@ -79,3 +79,22 @@ def test_input_bound_needs_a_visible_wait_and_a_warning_becomes_critical_once() 
     assert seen.new([warning]) == []
     assert seen.new([critical]) == [critical]  # worse than what was shown: shown again
     assert seen.new([warning, critical]) == []
+
+
+def test_gpu_figures_per_node_are_means_over_its_devices_with_the_least_busy_one() -> None:
+    from diagnostics.analysis.live import node_device_metrics
+
+    nan = float("nan")
+    devices = [
+        {"util_pct": 90.0, "power_w": 600.0, "sm_clock_mhz": 1980.0, "temp_c": 60.0},
+        {"util_pct": 30.0, "power_w": 300.0, "sm_clock_mhz": 1980.0, "temp_c": 50.0},
+        {"util_pct": 80.0, "power_w": 500.0, "sm_clock_mhz": 1800.0, "temp_c": 70.0},
+        {"util_pct": nan, "power_w": nan, "sm_clock_mhz": nan, "temp_c": nan},  # no reading yet
+    ]
+    w = RanksWindow(10, [0.1] * 4, [0.05] * 4, [0.0] * 4, [0.0] * 4, node=[0, 0, 1, 1], device=devices)
+    got = node_device_metrics(w)
+    assert got["gpu/node0/util_pct"] == pytest.approx(60.0) and got["gpu/node0/min_util_pct"] == 30.0
+    assert got["gpu/node0/power_w"] == pytest.approx(450.0) and got["gpu/node0/temp_c"] == pytest.approx(55.0)
+    assert got["gpu/node1/util_pct"] == 80.0 and got["gpu/node1/sm_clock_mhz"] == 1800.0  # the NaN rank left out
+    cpu = RanksWindow(10, [0.1] * 2, [0.05] * 2, [0.0] * 2, [0.0] * 2, node=[0, 0], device=[devices[3]] * 2)
+    assert node_device_metrics(cpu) == {} and node_device_metrics(window(1, [0.1], [0.0], [0.0])) == {}

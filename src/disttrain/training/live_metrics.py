@@ -22,6 +22,7 @@ from diagnostics.analysis.live import (
     FindingsSeen,
     LiveFinding,
     live_findings,
+    node_device_metrics,
     ranks_metrics,
     step_metrics,
     window_rate_metrics,
@@ -158,6 +159,7 @@ class LiveMetrics(pl.Callback):
             return []
         self._last_gather = windows[-1].step
         metrics.update(ranks_metrics(windows[-1]))
+        metrics.update(node_device_metrics(windows[-1]))
         previous = windows[-2] if len(windows) > 1 else None
         return self.seen.new(live_findings(previous, windows[-1]))
 
