@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from disttrain.launch.env import process_role
+from disttrain.training.wandb_sweep import attach_sweep_report, sweep_group
 
 FAILURE_FILE = "failure.json"
 TRACEBACK_CHARS = 6000
@@ -82,13 +83,22 @@ class SweepCallback(Callback):
 
 
 def write_report_quietly(sweep_dir: Path, say: bool = False) -> None:
-    """Write the sweep report; a failure to do so is printed, never raised (the runs themselves are done)."""
+    """Write the sweep report; a failure to do so is printed, never raised (the runs themselves are done).
+    ``say``: the sweep has ended: print the report's summary and attach it to the sweep's wandb group."""
     try:
         from diagnostics.report.sweep import build_sweep_report, write_sweep_report
 
         report = build_sweep_report(sweep_dir)
-        write_sweep_report(report)
+        out = write_sweep_report(report)
         if say:
             print(report.text_summary(), flush=True)
     except Exception as err:
         print(f"disttrain: could not write the sweep report of {sweep_dir}: {type(err).__name__}: {err}", flush=True)
+        return
+    if say:
+        try:
+            where = attach_sweep_report(sweep_dir, out, report.text_summary())
+            if where:
+                print(f"sweep report attached to wandb group {sweep_group(sweep_dir)}: {where}", flush=True)
+        except Exception as err:
+            print(f"disttrain: could not attach the sweep report to wandb: {type(err).__name__}: {err}", flush=True)

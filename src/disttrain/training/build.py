@@ -42,6 +42,7 @@ from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
 from disttrain.training.pruning import TrialPruning
+from disttrain.training.wandb_sweep import run_group
 
 
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
@@ -65,7 +66,12 @@ def build_loggers(cfg: LoggerConfig, run_dir: Path, run_name: str) -> list[Logge
         # Offline unless asked: an online run with a bad key blocks for minutes before failing.
         os.environ.setdefault("WANDB_MODE", cfg.mode)
         logger: Logger = WandbLogger(
-            project=cfg.project, entity=cfg.entity, name=run_name, save_dir=str(run_dir), offline=cfg.mode == "offline"
+            project=cfg.project,
+            entity=cfg.entity,
+            name=run_name,
+            group=run_group(run_dir),  # a sweep's jobs in one group, where its report lands too
+            save_dir=str(run_dir),
+            offline=cfg.mode == "offline",
         )
     elif cfg.name == "tensorboard":
         logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="")
