@@ -47,9 +47,12 @@ def hybrid_mesh(dp_mesh: DeviceMesh, replicas: int) -> DeviceMesh:
 def apply_fsdp(
     model: nn.Module, mesh: object, cfg: FSDPConfig, precision: PrecisionConfig, apply_checkpointing: object
 ) -> None:
+    from disttrain.strategies.expert_parallel import apply_expert_parallel, expert_modules
+
     dp_mesh = mesh["data_parallel"]  # type: ignore[index]
     if cfg.dp_replicate > 1:
         dp_mesh = hybrid_mesh(dp_mesh, cfg.dp_replicate)
+    expert_mesh = apply_expert_parallel(model, dp_mesh, cfg.ep)
     if cfg.activation_checkpointing:
         apply_checkpointing(model)  # type: ignore[operator]
     options = {
@@ -60,6 +63,9 @@ def apply_fsdp(
     options = {k: v for k, v in options.items() if v is not None}
     blocks = getattr(model, "blocks", None)
     for block in blocks if blocks is not None else ():
+        # Expert-parallel experts first, on their own mesh: the block's unit then leaves their parameters alone.
+        for experts in expert_modules(block) if expert_mesh is not None else ():
+            fully_shard(experts, reshard_after_forward=cfg.reshard_after_forward, **{**options, "mesh": expert_mesh})
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
     # The root's parameters (embeddings, final norm, head) are needed right after the last block in backward,
     # so resharding them after forward would only add an all-gather.
