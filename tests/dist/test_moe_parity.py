@@ -63,3 +63,11 @@ def test_expert_parallel_matches_one_process_and_counts_every_routed_token(
     layout = [r for r in map(json.loads, (run_dir / "telemetry" / "rank0001.jsonl").read_text().splitlines())]
     layout = [r for r in layout if r.get("kind") == "expert_layout"]
     assert layout and layout[0]["ep"] == 2 and layout[0]["first_expert"] == 2 and layout[0]["num_local"] == 2
+
+
+def test_expert_parallel_composes_with_fsdp_over_four_ranks(reference: dict[int, float], tmp_path: Path) -> None:
+    """ep=2 x 2 expert-data-parallel groups: experts FSDP-sharded over 2 ranks, dense parts over 4."""
+    args = [*COMMON, "strategy=fsdp", "strategy.ep=2", "hw.devices_per_node=4", "trainer.micro_batch_size=2"]
+    losses = train_losses(run(tmp_path, "ep2x4", [*args, "diagnostics=off"]))
+    worst = max(abs(losses[s] - reference[s]) for s in reference)
+    assert worst < 1e-4, f"ep=2 x fsdp on 4 ranks drifts from one process by {worst:.2e}"

@@ -14,7 +14,7 @@ from disttrain.config.schema import ModelConfig
 from disttrain.config.validate import validate_run
 from disttrain.models.accounting import count_active_parameters, count_parameters, flops_per_token, matmul_parameters
 from disttrain.models.moe import MoE, auxiliary_loss, moe_layers, regroup
-from disttrain.models.transformer import build_model
+from disttrain.models.transformer import apply_activation_checkpointing, build_model
 from tests.conftest import compose_train, model_preset
 
 MOE = ModelConfig(
@@ -193,3 +193,12 @@ def test_impossible_expert_layouts_are_refused_with_key_and_fix(overrides: list[
 def test_expert_parallel_layout_that_fits_is_accepted() -> None:
     validate_run(parse_run_config(compose_train([*FSDP_EP, "strategy.ep=2"])))
     validate_expert_parallel(4, model_preset("moe-micro"), 8, 0)
+
+
+def test_recomputed_forward_does_not_count_tokens_twice() -> None:
+    cfg = model_preset("moe-micro")
+    model = build_model(cfg, seed=0)
+    apply_activation_checkpointing(model)
+    model(torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))).float().pow(2).mean().backward()
+    routed, _ = moe_layers(model)[0].take_counts()
+    assert sum(routed) == 2 * cfg.seq_len * cfg.top_k

@@ -133,7 +133,9 @@ class MoE(nn.Module):
         return routed, dropped
 
     def _count(self, row: int, experts: torch.Tensor) -> None:
-        if not self.training:  # validation batches are not part of a step's load
+        # Validation batches are not part of a step's load, and activation checkpointing's recomputation (a forward
+        # run by the autograd engine, inside backward) would count the same tokens twice.
+        if not self.training or torch._C._current_graph_task_id() != -1:
             return
         if self.tokens_per_expert.device != experts.device:
             self.tokens_per_expert = self.tokens_per_expert.to(experts.device)
