@@ -36,3 +36,13 @@ def test_skewed_experts_name_the_rank_holding_them_with_the_cost_of_its_extra_wo
 def test_balanced_experts_raise_nothing(tmp_path: Path) -> None:
     analysis = analyse(write_run(tmp_path / "even", "expert_imbalance", expert_shares=(0.26, 0.25, 0.25, 0.24)))
     assert analysis.findings == []
+
+
+def test_report_plots_expert_load_by_rank_and_leaves_dense_runs_without_it(tmp_path: Path) -> None:
+    from diagnostics.report.plots import all_plots, expert_load
+
+    plot_id, _, svg = expert_load(analyse(write_run(tmp_path / "skewed", "expert_imbalance")))
+    assert plot_id == "expert-load" and svg is not None
+    # Rank 0 computes experts 0-1: 70% of every layer's assignments.
+    assert "layer 0 ep rank 0: 0.7 share" in svg and "layer 1 ep rank 1: 0.3 share" in svg
+    assert "expert-load" not in [p[0] for p in all_plots(analyse(write_run(tmp_path / "dense", "healthy")))]
