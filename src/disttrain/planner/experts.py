@@ -11,13 +11,12 @@ already does, so MFU of an MoE run is against what a token computes, not against
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from disttrain.config.hardware import HardwareProfile
 from disttrain.planner.comm import LinkBytes, OpTraffic, link_time
 from disttrain.planner.memory import compute_bytes
-from disttrain.planner.shapes import ModelShape, model_flops_per_token
+from disttrain.planner.shapes import ModelShape, expert_shard_dim, fsdp_shard_numel, model_flops_per_token
 from disttrain.planner.spec import Workload
 
 # fp32 master weights, fp32 gradients, Adam's two fp32 moments: bytes of training state per parameter (FSDP2 here).
@@ -49,14 +48,14 @@ class ExpertLayout:
 
 
 def expert_parameters_per_rank(shape: ModelShape, ep: int, world: int) -> int:
-    """Routed-expert elements FSDP2 allocates on one rank: each ``[E / ep, ...]`` tensor chunked on dim 0 over
-    ``world / ep`` ranks (padded like ``torch.chunk``: a rank holds at least one whole expert's slice)."""
+    """Routed-expert elements FSDP2 allocates on one rank: each ``[E / ep, ...]`` tensor sharded over the
+    ``world / ep`` ranks holding the same experts (on dim 0, or dim 1 with fewer experts than ranks)."""
     shards = world // ep
     per_layer = 0
     for t in shape.block:
         if t.kind == "expert":
             local = (t.shape[0] // ep, *t.shape[1:])
-            per_layer += math.ceil(local[0] / shards) * math.prod(local[1:])
+            per_layer += fsdp_shard_numel(local, shards, expert_shard_dim(local, shards))
     return shape.n_layers * per_layer
 
 

@@ -52,8 +52,24 @@ class ParamTensor:
         return math.ceil(shape[0] / shards) * math.prod(shape[1:])
 
     def fsdp_numel(self, shards: int) -> int:
-        """Elements FSDP2 allocates per rank: dim 0 chunked like ``torch.chunk``, every rank padded to chunk 0."""
-        return math.ceil(self.shape[0] / shards) * (self.numel // self.shape[0])
+        """Elements FSDP2 allocates per rank: dim 0 chunked like ``torch.chunk``, every rank padded to chunk 0 (stacked
+        expert weights with fewer experts than ranks: dim 1, see ``expert_shard_dim``)."""
+        return fsdp_shard_numel(
+            self.shape, shards, expert_shard_dim(self.shape, shards) if self.kind == "expert" else 0
+        )
+
+
+def expert_shard_dim(shape: tuple[int, ...], shards: int) -> int:
+    """The dim FSDP2 shards a stacked expert weight ``[experts, ...]`` on over ``shards`` ranks: dim 0 (whole experts)
+    unless there are fewer experts than ranks, where dim-0 chunks would leave every rank a whole expert's worth of
+    padding (Mixtral's 8 experts on 64 ranks: 8x the even share); then dim 1 if it divides evenly (FSDP2 shards
+    other dims only evenly)."""
+    return 1 if shape[0] < shards and len(shape) > 1 and shape[1] % shards == 0 else 0
+
+
+def fsdp_shard_numel(shape: tuple[int, ...], shards: int, dim: int = 0) -> int:
+    """Elements of one rank's FSDP2 shard of a ``shape`` tensor sharded on ``dim`` (chunked, padded to chunk 0)."""
+    return math.ceil(shape[dim] / shards) * (math.prod(shape) // shape[dim])
 
 
 @dataclass(frozen=True)
