@@ -8,10 +8,11 @@ Stacked expert weights make expert parallelism a slice along dim 0 (``shard_expe
 ``[offset, offset + E_local)``. Tokens then travel to the rank holding their expert and back by all-to-all
 (gloo implements ``all_to_all_single`` with uneven splits on CPU, NCCL on GPU).
 
-The load-balancing loss is computed from the expert counts of the whole data-parallel batch when a
-``balance_group`` is set (the counts are all-reduced, a few floats per layer): the mean of the ranks' losses is
-then exactly the loss of the global batch, so N ranks train what one process would (Qwen's global-batch
-balancing). Without a group (one process, DDP) the counts are this rank's.
+In training, the load-balancing loss is computed from the expert counts of the whole data-parallel batch (the
+counts are all-reduced over ``balance_group``, by default every rank: data parallelism spans the world under every
+strategy that runs MoE layers; a few floats per layer): the mean of the ranks' losses is then exactly the loss of
+the global batch, so N ranks train what one process would (Qwen's global-batch balancing). Evaluation forwards,
+which need not run on every rank, use this rank's counts.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ class MoE(nn.Module):
         self.shared = MLP(replace(cfg, ffn_hidden=shared_hidden)) if cfg.num_shared_experts else None
         self.ep_group: object | None = None  # set by shard_experts
         self.ep_size = 1
-        self.balance_group: object | None = None  # the data-parallel group whose batch the balancing loss sees
+        self.balance_group: object | None = (
+            None  # the data-parallel group whose batch the balancing loss sees (None: all)
+        )
         self.aux_loss: torch.Tensor | None = None  # this forward's balancing + z-loss, weighted
         # Cheap counters, read and reset by the diagnostics once per optimizer step: per global expert, the
         # assignments routed from this rank's tokens (before dropping) and those dropped over capacity. Kept on the
@@ -158,8 +161,8 @@ class MoE(nn.Module):
         if self.aux_loss_coef:
             # Per-expert assignments, then the token count: one all-reduce for both.
             assigned = torch.cat([counts.float(), counts.new_tensor([scores.shape[0]], dtype=torch.float32)])
-            if self.balance_group is not None:
-                torch.distributed.all_reduce(assigned, group=self.balance_group)
+            if self.training and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(assigned, group=self.balance_group)  # None: the world
             # f_e: share of the (global) assignments expert e got, x E (1 everywhere when balanced); P_e: this
             # rank's mean routing probability. Linear in P, so the ranks' mean is the global batch's loss.
             share = assigned[:-1] * self.num_experts / (assigned[-1] * self.top_k)
