@@ -15,6 +15,7 @@ from typing import Any
 
 from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis.context import RunContext, hydra_value
+from diagnostics.analysis.finding import pct
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
 # cost host memory; the target is the cores each rank has, at least 2 so that one batch loads while one waits.
@@ -522,7 +523,49 @@ def _safer_precision(ctx: RunContext) -> list[Recommendation]:
     return []
 
 
+# Where a capacity limit is suggested: Switch Transformer's and GShard's usual training value.
+CAPACITY_FACTOR = 1.25
+AUX_LOSS_DEFAULT = 0.01  # the load-balancing weight Switch, Mixtral (0.02) and OLMoE train with, order of magnitude
+AUX_LOSS_MAX = 0.1  # beyond it the balancing term competes with the LM loss (Switch: quality drops past ~0.1)
+
+
+def for_expert_imbalance(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    ev = finding.evidence
+    recs: list[Recommendation] = []
+    coef = float(ev.get("aux_loss_coef") or 0.0)
+    stronger = AUX_LOSS_DEFAULT if coef <= 0 else min(AUX_LOSS_MAX, 10 * coef)
+    if stronger > coef:
+        why = (
+            f"the load-balancing loss (model.aux_loss_coef={coef:g}) leaves expert {ev.get('hottest_expert')} with "
+            f"{pct(float(ev.get('hottest_expert_share') or 0))} of layer {ev.get('layer')}'s assignments"
+        )
+        effect = "the router spreads tokens more evenly over training; a larger share of the loss is balancing"
+        recs.append(
+            _rec("model.aux_loss_coef", stronger, why, effect).gaining(
+                gain(finding, HALF, "assumed: a stronger balancing loss removes about half of the excess over a run")
+            )
+        )
+    capacity = ev.get("capacity_factor")
+    excess = float(ev.get("load_excess") or 0.0)
+    if (capacity is None or float(capacity) > CAPACITY_FACTOR) and excess > CAPACITY_FACTOR - 1.0:
+        # Each expert computes at most capacity_factor x its even share, so the busiest rank's excess over the mean
+        # shrinks to about capacity_factor - 1 of it.
+        share = 1.0 - (CAPACITY_FACTOR - 1.0) / excess
+        why = (
+            f"the busiest rank computes {pct(excess)} more expert work than the mean of its group; a capacity of "
+            f"{CAPACITY_FACTOR}x the even share caps it"
+        )
+        effect = "assignments beyond capacity are dropped (those tokens skip the expert): check the loss"
+        recs.append(
+            _rec("model.capacity_factor", CAPACITY_FACTOR, why, effect).gaining(
+                gain(finding, share, f"the excess capped at {CAPACITY_FACTOR - 1:.2f} of the mean load")
+            )
+        )
+    return recs
+
+
 RECOMMENDERS = {
+    "expert_imbalance": for_expert_imbalance,
     "crash": for_crash,
     "nonfinite": for_nonfinite,
     "input_bound": for_input_bound,

@@ -38,6 +38,10 @@ Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
 - ``hang``: the watchdog fired: no step completed within the timeout.
 - ``nonfinite``: a step had a non-finite loss or gradient (``what``); ``action`` is ``skipped`` (its update was
   dropped, ``skipped_total`` so far) or ``stopped`` (``trainer.nan_policy``).
+- ``expert_layout``: once, mixture-of-experts models only: experts, top-k, the ``ep`` degree, the experts this rank
+  computes (``first_expert``, ``num_local``), capacity factor, balancing weight, routed FLOPs per token.
+- ``experts``: every optimizer step, MoE models only: per layer and expert, the assignments this rank's tokens were
+  routed to (``routed``) and those dropped over capacity (``dropped``).
 - ``end``: the rank finished cleanly; ``collectors_s`` is the time the always-on collectors took on the training
   thread over the whole run (their direct cost; the profiler window is not included).
 """
@@ -91,6 +95,11 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
     "nonfinite": ("step", "what", "action", "skipped_total"),
+    "expert_layout": (
+        "layers", "num_experts", "top_k", "ep", "first_expert", "num_local", "capacity_factor", "aux_loss_coef",
+        "routed_flops_per_token",
+    ),
+    "experts": ("step", "routed", "dropped"),
     "end": ("steps", "wall_s", "collectors_s"),
 }  # fmt: skip
 

@@ -82,6 +82,10 @@ class Scenario:
     comm_ops: tuple[str, ...] = ("gloo:all_reduce",)  # profiled communication, split evenly over these ops
     grad_hook: bool = True  # False: as under FSDP2, backward's communication wait is timed as compute
     config_patch: dict = field(default_factory=dict)  # written into run.json's config (e.g. hostile strings)
+    # Mixture of experts: every rank routes its tokens over the experts in these shares (each layer alike); the
+    # model's ep degree and experts come from the overrides; the routed experts make this share of the FLOPs.
+    expert_shares: tuple[float, ...] | None = None
+    expert_flops_share: float = 0.5
 
     @property
     def gpu(self) -> bool:
@@ -110,6 +114,11 @@ SCENARIOS: dict[str, Scenario] = {
         profile_comm=0.1,
         overlap=0.05,
         comm_ops=("gloo:send", "gloo:recv"),
+    ),
+    # moe-micro under ep=2 on 2 ranks: expert 0 (on rank 0) gets 55% of the assignments, rank 0 70% of the load.
+    "expert_imbalance": Scenario(
+        overrides=("model=moe-micro", "strategy=fsdp", "strategy.ep=2", "trainer.ckpt_every_n_steps=0"),
+        expert_shares=(0.55, 0.15, 0.15, 0.15),
     ),
     "hang": Scenario(hang_after=7),
     "crash": Scenario(crash=(1, 8, "forward")),
@@ -309,6 +318,21 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
         )
         if not sc.gpu:
             w.write("calibration", t=T0, dtype="fp32", matrix_size=1024, flops_per_s=calibrated, seconds=0.5)
+        if sc.expert_shares is not None:
+            ep, experts = config["strategy"]["ep"], len(sc.expert_shares)
+            w.write(
+                "expert_layout",
+                t=T0,
+                layers=config["model"]["n_layers"],
+                num_experts=experts,
+                top_k=2,
+                ep=ep,
+                first_expert=rank % ep * experts // ep,
+                num_local=experts // ep,
+                capacity_factor=None,
+                aux_loss_coef=0.01,
+                routed_flops_per_token=sc.expert_flops_share * flops_per_token,
+            )
     t = T0
     window: list[list[tuple[float, float, float]]] = []
     for step, rows in enumerate(timeline, start=1):
@@ -343,6 +367,12 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                 ),
             )
             _sample(writers[rank], sc, rank, step, t)
+            if sc.expert_shares is not None:
+                routed = [round(share * tokens_per_step / world * 2) for share in sc.expert_shares]  # top-2
+                layers = config["model"]["n_layers"]
+                writers[rank].write(
+                    "experts", t=t, step=step, routed=[routed] * layers, dropped=[[0] * len(routed)] * layers
+                )
         window.append(measured)
         if step % 5 == 0:
             means = [[sum(v[r][k] for v in window) / len(window) for r in range(world)] for k in range(3)]

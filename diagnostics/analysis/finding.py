@@ -17,6 +17,7 @@ KINDS = (
     "memory_pressure",
     "throttling",
     "pipeline_bubble",
+    "expert_imbalance",
     "low_overlap",
     "host_overhead",
     "low_mfu",

@@ -10,6 +10,7 @@ from diagnostics.analysis.detect_devices import (
     detect_memory_pressure,
     detect_throttling,
 )
+from diagnostics.analysis.detect_experts import detect_expert_imbalance
 from diagnostics.analysis.detect_nonfinite import detect_nonfinite
 from diagnostics.analysis.detect_ranks import detect_straggler
 from diagnostics.analysis.detect_steps import (
@@ -55,6 +56,7 @@ def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> l
     stop comes first, and the other findings of a run that ended early are graded on the little it measured."""
     findings = one_per_cause([f for detect in PHASE_DETECTORS for f in detect(run, phases)])
     findings += detect_low_mfu(run, summary)
+    findings += detect_expert_imbalance(run)
     nonfinite = detect_nonfinite(run)
     stopped = [f for f in nonfinite if f.evidence.get("action") == "stopped"]
     ended = detect_crash(run) + stopped

@@ -109,6 +109,10 @@ class RankTelemetry:
     errors: list[dict[str, Any]] = field(default_factory=list)
     hang: dict[str, Any] | None = None
     nonfinite: list[dict[str, Any]] = field(default_factory=list)  # the non-finite guard's verdicts, in order
+    # Mixture-of-experts models: which experts this rank computes (once), and per step the assignments routed
+    # from this rank's tokens and dropped, per layer and expert (collect/experts.py).
+    expert_layout: dict[str, Any] | None = None
+    experts: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
     first_t: float | None = None
 
@@ -219,7 +223,9 @@ def _add(tele: RankTelemetry, rec: dict[str, Any], windows: list[RanksWindow]) -
         tele.errors.append(rec)
     elif kind == "nonfinite":
         tele.nonfinite.append(rec)
-    elif kind in ("meta", "memory", "throughput", "hang", "end"):
+    elif kind == "experts":
+        tele.experts.append(rec)
+    elif kind in ("meta", "memory", "throughput", "hang", "end", "expert_layout"):
         setattr(tele, kind, rec)
 
 

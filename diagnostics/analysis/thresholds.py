@@ -98,3 +98,8 @@ BUBBLE_FRACTION = 0.15
 # info only; with more, at most as warnings: the crash is the thing to fix, the rest is measured on a run
 # that did not finish.
 CRASHED_RUN_MIN_STEPS = 10
+
+# expert_imbalance: the most loaded expert-parallel rank computes this much more than the mean rank of its group
+# (over the run's steady steps, summed over layers). Top-k routing of a freshly initialised router spreads tokens
+# within a few percent of even (moe-micro on 2 ranks: 1-4%); 10% is outside that band.
+EXPERT_IMBALANCE_MIN = 0.10

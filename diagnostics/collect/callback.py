@@ -32,6 +32,7 @@ from diagnostics.collect.calibrate import (
     tp_model_overhead,
 )
 from diagnostics.collect.deepspeed_comm import time_deepspeed_collectives
+from diagnostics.collect.experts import expert_layers, expert_layout, take_expert_load
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
@@ -117,6 +118,7 @@ class DiagnosticsCallback(pl.Callback):
         # FSDP2's and DeepSpeed's collectives are timed per phase (collect/fsdp_comm, collect/deepspeed_comm).
         self.times_collectives = False
         self._untime_deepspeed: Callable[[], None] | None = None
+        self.expert_layers: list[Any] = []  # a mixture-of-experts model's layers, whose load is read every step
         self._disabled: set[str] = set()
         # For the user's logger (disttrain.training.live_metrics), on rank 0 only: its steps since the logger last
         # took them (bounded: a logger that never takes them costs a fixed few hundred kB), the last two gathers,
@@ -189,6 +191,9 @@ class DiagnosticsCallback(pl.Callback):
                 "deepspeed_comm", lambda: time_deepspeed_collectives(self.timer.collective_ran)
             )
         self.times_collectives = bool(wrapped) or self._untime_deepspeed is not None
+        self.expert_layers = self.guarded("experts", lambda: expert_layers(pl_module)) or []
+        if self.expert_layers:
+            self.guarded("experts", lambda: self.write("expert_layout", **expert_layout(self.expert_layers)))
         if self.sampler is not None:
             self.sampler.start()
         if self.settings.profile:
@@ -270,6 +275,8 @@ class DiagnosticsCallback(pl.Callback):
             self.timed(self.timer.batch_end)
             return
         self._last_step = step
+        if self.expert_layers:  # every step: the counters hold this step's load only
+            self.guarded("experts", lambda: self.write("experts", step=step, **take_expert_load(self.expert_layers)))
         if self.training_state is None and step >= 2:
             # Once, right after an optimizer step: gradients and optimizer states all exist (the next step's
             # zero_grad frees the gradients; at train end they may be gone).

@@ -103,5 +103,42 @@ def step_times(analysis: Analysis) -> Plot:
     return "step-time", caption, lines("step-time", "Step time", "step", "seconds", series)
 
 
+MAX_EXPERT_SERIES = 8  # experts drawn one by one under ep=1; the rest are summed as "other experts"
+
+
+def expert_load(analysis: Analysis) -> Plot:
+    """Mixture-of-experts runs: each layer's computed assignments (all steps, all ranks' tokens) by the expert-parallel
+    rank that computes them (ep > 1: a taller share is the rank every all-to-all waits for), or by expert (ep = 1)."""
+    caption = "Expert load per layer: share of the computed token assignments, by expert-parallel rank (or expert)"
+    run = analysis.run
+    layout = next((t.expert_layout for _, t in sorted(run.ranks.items()) if t.expert_layout), None)
+    records = [rec for t in run.ranks.values() for rec in t.experts]
+    if layout is None or not records:
+        return "expert-load", caption, None
+    layers = len(records[0]["routed"])
+    per_expert = [[0] * layout["num_experts"] for _ in range(layers)]
+    for rec in records:
+        for layer, (routed, dropped) in enumerate(zip(rec["routed"], rec["dropped"], strict=True)):
+            per_expert[layer] = [n + r - d for n, r, d in zip(per_expert[layer], routed, dropped, strict=True)]
+    ep, local = int(layout.get("ep") or 1), int(layout["num_local"])
+    if ep > 1:
+        names = [f"ep rank {j}" for j in range(ep)]
+        groups = [[sum(counts[j * local : (j + 1) * local]) for j in range(ep)] for counts in per_expert]
+    else:
+        busiest = sorted(range(layout["num_experts"]), key=lambda e: -sum(c[e] for c in per_expert))
+        shown = sorted(busiest[:MAX_EXPERT_SERIES])
+        names = [f"expert {e}" for e in shown] + (["other experts"] if len(busiest) > len(shown) else [])
+        groups = [
+            [c[e] for e in shown] + ([sum(c) - sum(c[e] for e in shown)] if len(names) > len(shown) else [])
+            for c in per_expert
+        ]
+    shares = [[n / sum(g) if sum(g) else 0.0 for n in g] for g in groups]
+    series = [Series(name, [row[k] for row in shares]) for k, name in enumerate(names)]
+    categories = [f"layer {layer}" for layer in range(layers)]
+    return "expert-load", caption, stacked_bars("expert-load", "Expert load", "share", categories, series)
+
+
 def all_plots(analysis: Analysis) -> list[Plot]:
-    return [plot(analysis) for plot in (step_phases, comm_compute, utilization, memory, step_times)]
+    plots = [plot(analysis) for plot in (step_phases, comm_compute, utilization, memory, step_times)]
+    experts = expert_load(analysis)
+    return plots + ([experts] if experts[2] is not None else [])  # dense runs: no empty expert chart

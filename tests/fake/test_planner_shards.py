@@ -116,3 +116,21 @@ def test_tensor_parallel_shard_matches_planner(cfg: ModelConfig, tp: int) -> Non
         parallelize_module(model, mesh, tensor_parallel_plan(cfg.n_layers, cfg.mlp == "swiglu"))
         held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
         assert held == model_shape(cfg).stage_parameters(tp, pp=1, stage=0)
+
+
+@pytest.mark.parametrize(("world_size", "ep"), [(8, 1), (8, 8), (16, 2), (64, 1), (64, 8)])
+def test_expert_parallel_shards_match_planner(world_size: int, ep: int) -> None:
+    """strategy.ep: experts FSDP2-sharded over world/ep ranks (on dim 1 where fewer experts than ranks), the rest
+    over the world; with 8 experts on 64 ranks dim-0 chunks would give every rank a whole expert of padding."""
+    from disttrain.planner.experts import dense_parameters_per_rank, expert_parameters_per_rank
+
+    cfg = preset("mixtral-8x7b")
+    shape = model_shape(cfg)
+    with fake_world(world_size, rank=world_size - 1):
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+        model = build_model(cfg, seed=0, device="meta")
+        apply_fsdp(model, mesh, FSDPConfig(ep=ep), PrecisionConfig(name="bf16-mixed"), apply_checkpointing=None)
+        expected = expert_parameters_per_rank(shape, ep, world_size) + dense_parameters_per_rank(shape, world_size)
+        assert fsdp_allocated(model) == expected
+        # Every layout holds its even share of the whole model (to padding): experts are never duplicated.
+        assert fsdp_allocated(model) == pytest.approx(shape.num_parameters / world_size, rel=0.01)

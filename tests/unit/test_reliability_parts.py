@@ -294,8 +294,9 @@ def test_fault_specs() -> None:
     assert parse_fault("sigkill@save=6,attempt=1") == Fault("save", 6, attempt=1)
     assert parse_fault("enospc@save=6,rank=1") == Fault("save", 6, rank=1, kind="enospc")
     assert parse_fault("nan_grad@step=3") == Fault("step", 3, kind="nan_grad")
+    assert parse_fault("hot_expert@step=2,layer=1") == Fault("step", 2, kind="hot_expert", layer=1)
     bad_specs = ("sigterm@step=1", "sigkill@rank=1", "sigkill@step=1,save=2", "sigkill@step=x", "enospc@step=2")
-    for bad in (*bad_specs, "raise@save=3", "hang@step=1,rank=-1"):
+    for bad in (*bad_specs, "raise@save=3", "hang@step=1,rank=-1", "sigkill@step=1,layer=0"):
         with pytest.raises(ValueError, match="DISTTRAIN_FAULT"):
             parse_fault(bad)
 
@@ -371,3 +372,23 @@ def test_redaction_of_environment_credentials_and_credential_keys() -> None:
     # Whole words only: token counts and tokenizers are not credentials (resume re-reads these overrides).
     harmless = ["data.num_train_tokens=65536", "trainer.keep_last_n=2", "+model.tokenizer=bpe"]
     assert redact(harmless, secrets) == harmless
+
+
+def test_hot_expert_fault_sends_every_token_of_its_layer_to_expert_0_from_its_step() -> None:
+    from disttrain.models import build_model
+    from disttrain.models.moe import moe_layers
+    from disttrain.reliability.faults import FaultInjection
+    from tests.conftest import model_preset
+
+    cfg = model_preset("moe-micro")
+    model = build_model(cfg, seed=0)
+    injection = FaultInjection([parse_fault("hot_expert@step=2,layer=1")])
+    injection.rank = 0
+    injection.on_train_start(None, model)  # type: ignore[arg-type]
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    first, second = moe_layers(model)
+    for step, hot in ((1, False), (2, True)):
+        injection.step = step
+        model(tokens)
+        assert (second.take_counts()[0][0] == 2 * cfg.seq_len) is hot  # every token's top-2 holds expert 0
+        assert first.take_counts()[0][0] < 2 * cfg.seq_len  # the other layer routes as trained

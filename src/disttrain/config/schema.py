@@ -16,10 +16,12 @@ from disttrain.config.hardware import HardwareProfile
 Norm = Literal["layernorm", "rmsnorm"]
 Mlp = Literal["gelu", "swiglu"]
 PosEmb = Literal["learned", "rope"]
+RouterGate = Literal["softmax", "sigmoid"]
 Objective = Literal["val_loss", "tokens_per_s"]  # what a job returns to a Hydra sweeper
 NORMS: tuple[str, ...] = get_args(Norm)
 MLPS: tuple[str, ...] = get_args(Mlp)
 POS_EMBS: tuple[str, ...] = get_args(PosEmb)
+ROUTER_GATES: tuple[str, ...] = get_args(RouterGate)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,28 @@ class ModelConfig:
     # Rows of a learned position table when they are not seq_len: an HF model's own table (GPT-2's n_positions,
     # 1024, whatever seq_len it trains at). The reference model's table has seq_len rows; it leaves this null.
     position_rows: int | None = None
+    # Mixture of experts (models/moe.py): num_experts > 0 replaces every block's MLP by a routed MoE layer of
+    # num_experts experts (each an MLP of expert_ffn_hidden, no biases), top_k of them per token, plus
+    # num_shared_experts that every token uses (DeepSeek). 0 experts: a dense model.
+    num_experts: int = 0
+    top_k: int = 2
+    expert_ffn_hidden: int | None = None  # None: ffn_hidden; smaller with more experts = fine-grained experts
+    num_shared_experts: int = 0
+    router_gate: RouterGate = "softmax"  # softmax (Mixtral, OLMoE) | sigmoid (DeepSeek-V3) scores per expert
+    router_norm_topk: bool = True  # renormalise the top-k gate weights to sum to 1
+    aux_loss_coef: float = 0.01  # load-balancing loss (Switch/GShard: E * sum_e f_e P_e) weight in the objective
+    z_loss_coef: float = 0.001  # router z-loss (ST-MoE: mean logsumexp(logits)^2) weight
+    # Expert capacity = capacity_factor x tokens x top_k / num_experts per expert and rank; assignments beyond it
+    # are dropped (the token keeps its residual). None: dropless, every assignment is computed.
+    capacity_factor: float | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.ffn_hidden if self.expert_ffn_hidden is None else self.expert_ffn_hidden
 
     @property
     def learned_position_rows(self) -> int:
@@ -223,6 +247,9 @@ class FSDPConfig:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     dp_replicate: int = 1  # HSDP: replica groups (e.g. nodes); parameters are sharded within each group
+    # Expert parallelism (MoE models): experts sharded over groups of ep consecutive ranks, tokens exchanged by
+    # all-to-all; the dense parts stay FSDP-sharded over every rank, experts FSDP-sharded over world / ep.
+    ep: int = 1
 
 
 @dataclass(frozen=True)

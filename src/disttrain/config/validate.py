@@ -15,6 +15,7 @@ from disttrain.config.schema import (
     MLPS,
     NORMS,
     POS_EMBS,
+    ROUTER_GATES,
     CustomDataConfig,
     CustomModelConfig,
     HFDataConfig,
@@ -94,6 +95,39 @@ def validate_hf_model(m: HFModelConfig) -> None:
         )
 
 
+def validate_moe(m: ModelConfig) -> None:
+    """The mixture-of-experts fields; a dense model (num_experts 0) must not set the MoE-only ones."""
+    if m.num_experts < 0:
+        raise ConfigError("model.num_experts", f"must be >= 0, got {m.num_experts}", "use 0 for a dense model")
+    if not m.is_moe:
+        if m.num_shared_experts:
+            raise ConfigError(
+                "model.num_shared_experts",
+                "a dense model has no experts",
+                "set model.num_experts (e.g. 8) or remove it",
+            )
+        return
+    if not 1 <= m.top_k <= m.num_experts:
+        raise ConfigError(
+            "model.top_k",
+            f"{m.top_k} experts per token out of model.num_experts={m.num_experts}",
+            f"use 1 <= model.top_k <= {m.num_experts}",
+        )
+    require_positive("model.expert_ffn_hidden", m.expert_hidden)
+    require_one_of("model.router_gate", m.router_gate, ROUTER_GATES)
+    if m.num_shared_experts < 0:
+        raise ConfigError("model.num_shared_experts", f"must be >= 0, got {m.num_shared_experts}", "use 0 or more")
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}", f"must be >= 0, got {getattr(m, key)}", f"use e.g. model.{key}=0.01")
+    if m.capacity_factor is not None and m.capacity_factor <= 0:
+        raise ConfigError(
+            "model.capacity_factor",
+            f"must be > 0, got {m.capacity_factor}",
+            "use e.g. model.capacity_factor=1.25 (tokens over capacity are dropped) or null for dropless",
+        )
+
+
 def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
     if isinstance(m, HFModelConfig):
         validate_hf_model(m)
@@ -130,6 +164,7 @@ def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {m.dropout}", "use e.g. model.dropout=0.0")
     require_positive("model.init_std", m.init_std)
+    validate_moe(m)
 
 
 def data_vocab_size(cfg: RunConfig) -> int | None:

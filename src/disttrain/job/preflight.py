@@ -10,6 +10,7 @@ exits with code 2 and one line, before any directory is created or any existing 
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,10 +114,11 @@ def check_group_option(conf_dir: Path, override: Override) -> None:
     options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
     for value in values_of(override):
         if value != "null" and value not in options:
+            close = difflib.get_close_matches(value, options, n=1, cutoff=0.6)
             raise ConfigError(
                 group,
                 f"unknown option '{value}'{did_you_mean(value, options)}",
-                f"choose one of {options} (conf/{group}/), e.g. {group}={options[0]}",
+                f"choose one of {options} (conf/{group}/), e.g. {group}={(close or options)[0]}",
             )
 
 

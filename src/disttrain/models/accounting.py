@@ -23,16 +23,35 @@ def _attention_parameters(cfg: ModelConfig) -> int:
     return weights + biases
 
 
-def _mlp_parameters(cfg: ModelConfig) -> int:
+def _dense_mlp_parameters(cfg: ModelConfig, hidden: int, bias: bool) -> int:
     n_in = 2 if cfg.mlp == "swiglu" else 1  # SwiGLU has two input projections (w1 gate, w3 up)
-    weights = (n_in + 1) * cfg.d_model * cfg.ffn_hidden
-    biases = (n_in * cfg.ffn_hidden + cfg.d_model) if cfg.bias else 0
+    weights = (n_in + 1) * cfg.d_model * hidden
+    biases = (n_in * hidden + cfg.d_model) if bias else 0
     return weights + biases
 
 
+def expert_parameters(cfg: ModelConfig) -> int:
+    """One routed expert of an MoE layer (an MLP of ``expert_hidden``, no biases)."""
+    return _dense_mlp_parameters(cfg, cfg.expert_hidden, bias=False)
+
+
+def _mlp_parameters(cfg: ModelConfig, experts: int | None = None) -> int:
+    """The FFN of one block; an MoE layer with ``experts`` routed experts (default all): router, experts, shared."""
+    if not cfg.is_moe:
+        return _dense_mlp_parameters(cfg, cfg.ffn_hidden, cfg.bias)
+    shared = _dense_mlp_parameters(cfg, cfg.num_shared_experts * cfg.expert_hidden, cfg.bias)
+    routed = cfg.num_experts if experts is None else experts
+    return cfg.d_model * cfg.num_experts + routed * expert_parameters(cfg) + (shared if cfg.num_shared_experts else 0)
+
+
 def block_parameters(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block (two norms, attention, MLP)."""
+    """Parameters of one transformer block (two norms, attention, MLP or all of an MoE layer's experts)."""
     return 2 * _norm_parameters(cfg) + _attention_parameters(cfg) + _mlp_parameters(cfg)
+
+
+def active_block_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token uses in a block: an MoE layer's router, its top_k experts and the shared ones."""
+    return 2 * _norm_parameters(cfg) + _attention_parameters(cfg) + _mlp_parameters(cfg, cfg.top_k)
 
 
 def count_embedding_parameters(cfg: ModelConfig) -> int:
@@ -47,15 +66,20 @@ def count_parameters(cfg: ModelConfig) -> int:
     return count_embedding_parameters(cfg) + cfg.n_layers * block_parameters(cfg) + _norm_parameters(cfg) + lm_head
 
 
+def count_active_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token uses (``count_parameters`` for a dense model; top_k of the experts for MoE)."""
+    return count_parameters(cfg) - cfg.n_layers * (block_parameters(cfg) - active_block_parameters(cfg))
+
+
 def matmul_parameters(cfg: ModelConfig) -> int:
-    """N' of the FLOPs formula: the parameters each token multiplies with.
+    """N' of the FLOPs formula: the parameters each token multiplies with (an MoE layer: only its active experts).
 
     All parameters minus the position embedding and the token-embedding lookup (a gather, no FLOPs). The LM
     head is a matmul, so its ``vocab * d_model`` matrix counts once whether it is tied to the token embedding
     (the shared matrix is then counted for its matmul use) or separate. Norm weights and biases are included
     (as in PaLM's and nanoGPT's "non-embedding" counts); they are a negligible share.
     """
-    return cfg.n_layers * block_parameters(cfg) + _norm_parameters(cfg) + cfg.vocab_size * cfg.d_model
+    return cfg.n_layers * active_block_parameters(cfg) + _norm_parameters(cfg) + cfg.vocab_size * cfg.d_model
 
 
 def _attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -87,5 +111,5 @@ def hardware_flops_per_token(
     flops = flops_per_token(cfg, t)
     if activation_checkpointing:
         # One extra forward of every block: 2 FLOPs per block parameter plus the forward attention matmuls.
-        flops += 2.0 * cfg.n_layers * block_parameters(cfg) + _attention_flops_per_token(cfg, t) / 3.0
+        flops += 2.0 * cfg.n_layers * active_block_parameters(cfg) + _attention_flops_per_token(cfg, t) / 3.0
     return flops

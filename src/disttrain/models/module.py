@@ -86,6 +86,7 @@ class LanguageModelModule(pl.LightningModule):
         self.compile_loss = compile_loss
         self._micro_losses: list[torch.Tensor] = []
         self.model: nn.Module | None = None
+        self._moe_layers: list = []  # a mixture-of-experts model's MoE layers (their auxiliary losses)
 
     def configure_model(self) -> None:
         # Lightning may call this more than once (fit, then validate): build and shard only once.
@@ -96,6 +97,9 @@ class LanguageModelModule(pl.LightningModule):
         if self.parallelize is not None:
             mesh = getattr(self, "_device_mesh", None)
             self.parallelize(self.model, mesh)
+        from disttrain.models.moe import moe_layers
+
+        self._moe_layers = moe_layers(self.model)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         assert self.model is not None, "configure_model() builds the model"
@@ -121,7 +125,16 @@ class LanguageModelModule(pl.LightningModule):
                 step_loss = torch.stack(self._micro_losses).mean()
                 self._micro_losses = []
                 self.log("train/loss", step_loss, on_step=True, on_epoch=False, sync_dist=True)
-        return loss
+        return self.with_auxiliary_loss(loss)
+
+    def with_auxiliary_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The objective: the LM loss (what ``train/loss`` reports) plus an MoE model's balancing and z-losses."""
+        if not self._moe_layers:
+            return loss
+        from disttrain.models.moe import auxiliary_loss
+
+        aux = auxiliary_loss(self._moe_layers)
+        return loss if aux is None else loss + aux.to(loss.dtype)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("val/loss", self.loss(batch), on_step=False, on_epoch=True, prog_bar=True, sync_dist=True)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.config.schema import MLPS, NORMS, POS_EMBS, ModelConfig
+from disttrain.models.moe import GroupedExperts, MoE
 
 # Prefixes inserted into parameter names by wrappers; stripped so init seeds depend on the model, not on
 # which wrappers (activation checkpointing, torch.compile, FSDP1) were applied before init_weights.
@@ -38,6 +39,8 @@ def _check_config(cfg: ModelConfig) -> None:
         raise ValueError(f"model.n_heads={cfg.n_heads} is not divisible by model.n_kv_heads={cfg.kv_heads}")
     if cfg.pos_emb == "rope" and cfg.head_dim % 2:
         raise ValueError(f"rope needs an even head_dim, got d_model/n_heads={cfg.head_dim}")
+    if cfg.is_moe and not 1 <= cfg.top_k <= cfg.num_experts:
+        raise ValueError(f"model.top_k={cfg.top_k} must be in [1, model.num_experts={cfg.num_experts}]")
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -135,7 +138,7 @@ class Block(nn.Module):
         self.norm1 = build_norm(cfg)
         self.attn = Attention(cfg)
         self.norm2 = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | MoE = MoE(cfg) if cfg.is_moe else MLP(cfg)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
@@ -249,6 +252,7 @@ class Transformer(nn.Module):
         std = self.cfg.init_std
         residual_out = {id(m.wo) for m in self.modules() if isinstance(m, Attention)}
         residual_out |= {id(m.w2) for m in self.modules() if isinstance(m, MLP)}
+        residual_scale = (2 * self.cfg.n_layers) ** -0.5
         seen: set[int] = set()
         for mod_name, module in self._init_names():
             for p_name, param in module.named_parameters(recurse=False):
@@ -259,8 +263,10 @@ class Transformer(nn.Module):
                     value = torch.zeros(param.shape, dtype=torch.float32, device="cpu")
                 elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                     value = torch.ones(param.shape, dtype=torch.float32, device="cpu")
+                elif isinstance(module, GroupedExperts):
+                    value = _expert_init(seed, f"{mod_name}.{p_name}", module, param, std, residual_scale)
                 elif isinstance(module, (nn.Linear, nn.Embedding)):
-                    scale = (2 * self.cfg.n_layers) ** -0.5 if id(module) in residual_out else 1.0
+                    scale = residual_scale if id(module) in residual_out else 1.0
                     name = f"{mod_name}.{p_name}"
                     if name == "lm_head.weight" and self.cfg.tie_embeddings:
                         # A last pipeline stage holds its own copy of the tied weight: start it equal to tok_emb.
@@ -302,6 +308,19 @@ def canonical_name(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "").replace(prefix.rstrip("."), "")
     return name.replace("..", ".").strip(".")
+
+
+def _expert_init(
+    seed: int, name: str, experts: GroupedExperts, param: torch.Tensor, std: float, residual_scale: float
+) -> torch.Tensor:
+    """Each expert drawn from its own seed (name + global expert id): a rank holding experts ``[offset, ...)``
+    under expert parallelism draws exactly the values the whole model has there. ``w2`` is a residual output."""
+    scale = residual_scale if name.endswith(".w2") else 1.0
+    rows = []
+    for j in range(param.shape[0]):
+        gen = torch.Generator().manual_seed(_param_seed(seed, f"{name}.{experts.offset + j}"))
+        rows.append(torch.empty(param.shape[1:], dtype=torch.float32).normal_(0.0, std * scale, generator=gen))
+    return torch.stack(rows)
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -18,8 +18,9 @@ from disttrain.config.schema import ModelConfig
 # (input dim 1), vocab-parallel (dim 0, Megatron pads the vocabulary to a multiple of tp), or replicated.
 TP_SPLITS = ("col", "row", "vocab", "rep")
 # What a tensor does per token: a matmul operand (Linear), a norm scale/shift, an embedding lookup (a
-# gather, no FLOPs) or the token embedding tied to the LM head (a lookup and a matmul).
-KINDS = ("linear", "norm", "lookup", "tied")
+# gather, no FLOPs), the token embedding tied to the LM head (a lookup and a matmul), or the stacked weights of
+# an MoE layer's routed experts (``[E, ...]``: a token multiplies with top_k / E of them).
+KINDS = ("linear", "norm", "lookup", "tied", "expert")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class ParamTensor:
     @property
     def in_flops(self) -> bool:
         """Counted in N' of 6N' (everything a token multiplies with, norms included as PaLM/nanoGPT count)."""
-        return self.kind != "lookup"
+        return self.kind not in ("lookup", "expert")
 
     def tp_numel(self, tp: int, shards: int = 1) -> int:
         """Elements one tensor-parallel rank holds; with ``shards``, its FSDP2 dim-0 chunk of that slice."""
@@ -51,8 +52,24 @@ class ParamTensor:
         return math.ceil(shape[0] / shards) * math.prod(shape[1:])
 
     def fsdp_numel(self, shards: int) -> int:
-        """Elements FSDP2 allocates per rank: dim 0 chunked like ``torch.chunk``, every rank padded to chunk 0."""
-        return math.ceil(self.shape[0] / shards) * (self.numel // self.shape[0])
+        """Elements FSDP2 allocates per rank: dim 0 chunked like ``torch.chunk``, every rank padded to chunk 0 (stacked
+        expert weights with fewer experts than ranks: dim 1, see ``expert_shard_dim``)."""
+        return fsdp_shard_numel(
+            self.shape, shards, expert_shard_dim(self.shape, shards) if self.kind == "expert" else 0
+        )
+
+
+def expert_shard_dim(shape: tuple[int, ...], shards: int) -> int:
+    """The dim FSDP2 shards a stacked expert weight ``[experts, ...]`` on over ``shards`` ranks: dim 0 (whole experts)
+    unless there are fewer experts than ranks, where dim-0 chunks would leave every rank a whole expert's worth of
+    padding (Mixtral's 8 experts on 64 ranks: 8x the even share); then dim 1 if it divides evenly (FSDP2 shards
+    other dims only evenly)."""
+    return 1 if shape[0] < shards and len(shape) > 1 and shape[1] % shards == 0 else 0
+
+
+def fsdp_shard_numel(shape: tuple[int, ...], shards: int, dim: int = 0) -> int:
+    """Elements of one rank's FSDP2 shard of a ``shape`` tensor sharded on ``dim`` (chunked, padded to chunk 0)."""
+    return math.ceil(shape[dim] / shards) * (math.prod(shape) // shape[dim])
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,20 @@ class ModelShape:
     block: tuple[ParamTensor, ...] = ()  # one transformer block (an FSDP unit)
     embedding: tuple[ParamTensor, ...] = ()  # first pipeline stage: token (+ learned position) embedding
     head: tuple[ParamTensor, ...] = ()  # last pipeline stage: final norm (+ LM head when untied)
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
+    top_k: int = 0  # routed experts per token
+
+    @cached_property
+    def expert_parameters(self) -> int:
+        """Routed-expert parameters of one block (all experts; 0 for a dense model)."""
+        return sum(t.numel for t in self.block if t.kind == "expert")
+
+    @cached_property
+    def active_block_parameters(self) -> int:
+        """Parameters one token uses in a block: all but the routed experts it is not sent to."""
+        if not self.num_experts:
+            return self.block_parameters
+        return self.block_parameters - self.expert_parameters + self.expert_parameters * self.top_k // self.num_experts
 
     @property
     def known(self) -> bool:
@@ -97,7 +128,8 @@ class ModelShape:
         if not self.known:
             return self.num_parameters
         tensors = self.block * self.n_layers + self.embedding + self.head
-        return sum(t.numel for t in tensors if t.in_flops)
+        active_experts = self.n_layers * self.expert_parameters * self.top_k // max(1, self.num_experts)
+        return sum(t.numel for t in tensors if t.in_flops) + active_experts
 
     @cached_property
     def linear_parameters(self) -> int:
@@ -193,6 +225,26 @@ def _norm(name: str, cfg: ModelConfig) -> tuple[ParamTensor, ...]:
     return (weight,)
 
 
+def _mlp(name: str, hidden: int, cfg: ModelConfig) -> tuple[ParamTensor, ...]:
+    return (
+        *_linear(f"{name}.w1", hidden, cfg.d_model, cfg.bias, "col"),
+        *_linear(f"{name}.w2", cfg.d_model, hidden, cfg.bias, "row"),
+        *(_linear(f"{name}.w3", hidden, cfg.d_model, cfg.bias, "col") if cfg.mlp == "swiglu" else ()),
+    )
+
+
+def _moe(cfg: ModelConfig) -> tuple[ParamTensor, ...]:
+    """An MoE layer (models/moe.py): router, stacked routed experts (no biases), shared experts as one MLP."""
+    e, d, h = cfg.num_experts, cfg.d_model, cfg.expert_hidden
+    experts = (
+        ParamTensor("mlp.experts.w1", (e, d, h), "rep", "expert"),
+        ParamTensor("mlp.experts.w2", (e, h, d), "rep", "expert"),
+        *((ParamTensor("mlp.experts.w3", (e, d, h), "rep", "expert"),) if cfg.mlp == "swiglu" else ()),
+    )
+    shared = _mlp("mlp.shared", cfg.num_shared_experts * h, cfg) if cfg.num_shared_experts else ()
+    return (ParamTensor("mlp.router.weight", (e, d), "rep", "linear"), *experts, *shared)
+
+
 def model_shape(cfg: ModelConfig, head_dim: int | None = None) -> ModelShape:
     """The reference transformer's tensors for ``cfg``: the same names and shapes ``Transformer(cfg)`` has.
 
@@ -208,9 +260,7 @@ def model_shape(cfg: ModelConfig, head_dim: int | None = None) -> ModelShape:
         *_linear("attn.wv", kv_dim, cfg.d_model, cfg.bias, "col"),
         *_linear("attn.wo", cfg.d_model, q_dim, cfg.bias, "row"),
         *_norm("norm2", cfg),
-        *_linear("mlp.w1", cfg.ffn_hidden, cfg.d_model, cfg.bias, "col"),
-        *_linear("mlp.w2", cfg.d_model, cfg.ffn_hidden, cfg.bias, "row"),
-        *(_linear("mlp.w3", cfg.ffn_hidden, cfg.d_model, cfg.bias, "col") if cfg.mlp == "swiglu" else ()),
+        *(_moe(cfg) if cfg.is_moe else _mlp("mlp", cfg.ffn_hidden, cfg)),
     )
     tok_kind = "tied" if cfg.tie_embeddings else "lookup"
     embedding: tuple[ParamTensor, ...] = (
@@ -241,6 +291,8 @@ def model_shape(cfg: ModelConfig, head_dim: int | None = None) -> ModelShape:
         block=block,
         embedding=embedding,
         head=head,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k if cfg.is_moe else 0,
     )
 
 
@@ -266,7 +318,7 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) ->
     flops = model_flops_per_token(shape.matmul_parameters, shape.n_layers, shape.n_heads, shape.head_dim, seq_len)
     attention_forward = 4.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
     if recompute == "full":
-        flops += 2.0 * shape.n_layers * shape.block_parameters + attention_forward
+        flops += 2.0 * shape.n_layers * shape.active_block_parameters + attention_forward
     elif recompute == "selective":
         flops += attention_forward
     return flops

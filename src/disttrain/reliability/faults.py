@@ -14,7 +14,10 @@ Kinds, and where they strike:
 - ``nan_grad@step=N``: one gradient element turns +inf after the backward of step N (as autograd accumulates it,
   where the module runs backward itself), the loss stays finite;
 - ``hang@step=N``: the forward of step N blocks forever outside any collective (the hang watchdog's case);
-- ``enospc@save=N``: the checkpoint write of step N fails with ``OSError(ENOSPC)`` naming the file.
+- ``enospc@save=N``: the checkpoint write of step N fails with ``OSError(ENOSPC)`` naming the file;
+- ``hot_expert@step=N[,layer=L]``: from step N on, this rank's router of MoE layer L (default 0) favours expert 0
+  (its logit raised by ``HOT_EXPERT_BIAS``): every token picks it, the load imbalance ``expert_imbalance`` reports
+  (not a failure: the diagnosis benchmarks' injected skew).
 
 Steps count from 1, as the step records and crash records number them (step N runs while ``global_step`` is
 N-1; the non-finite guard's messages give that ``global_step``). ``rank=R`` is the global rank (default 0);
@@ -46,7 +49,9 @@ KINDS = {  # kind -> where it can strike
     "nan_grad": ("step",),
     "hang": ("step",),
     "enospc": ("save",),
+    "hot_expert": ("step",),
 }
+HOT_EXPERT_BIAS = 10.0  # router logits of a fresh model are ~0.1: a bias of 10 wins every token's top-1
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Fault:
     rank: int = 0
     attempt: int = 0
     kind: str = "sigkill"
+    layer: int = 0  # hot_expert only: the MoE layer whose router is skewed
 
 
 def parse_fault(spec: str) -> Fault:
@@ -66,7 +72,7 @@ def parse_fault(spec: str) -> Fault:
     fields: dict[str, int] = {}
     for item in filter(None, args.split(",")):
         key, _, value = item.partition("=")
-        if key not in (*WHERE, "rank", "attempt") or not value.isdigit():
+        if key not in (*WHERE, "rank", "attempt", *(("layer",) if kind == "hot_expert" else ())) or not value.isdigit():
             raise ValueError(f"{FAULT_ENV}: cannot read '{item}' in '{spec}'")
         fields[key] = int(value)
     where = [w for w in WHERE if w in fields]
@@ -74,7 +80,9 @@ def parse_fault(spec: str) -> Fault:
         raise ValueError(f"{FAULT_ENV}: give exactly one of step=N or save=N in '{spec}'")
     if where[0] not in KINDS[kind]:
         raise ValueError(f"{FAULT_ENV}: {kind} strikes at {' or '.join(f'{w}=N' for w in KINDS[kind])}, in '{spec}'")
-    return Fault(where[0], fields[where[0]], fields.get("rank", 0), fields.get("attempt", 0), kind)
+    return Fault(
+        where[0], fields[where[0]], fields.get("rank", 0), fields.get("attempt", 0), kind, fields.get("layer", 0)
+    )
 
 
 def faults_from_env(attempt: int) -> list[Fault]:
@@ -106,6 +114,8 @@ class FaultInjection(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         mine = {f.kind for f in self.faults if f.rank == self.rank}
+        for fault in (f for f in self.faults if f.kind == "hot_expert" and f.rank == self.rank):
+            self._skew_router(pl_module, fault)
         if "nan_grad" in mine and not pl_module.automatic_optimization:
             # The module runs backward itself (Megatron's pipeline engine): no after-backward hook is called, so the
             # gradient turns non-finite as autograd accumulates it (later micro-batches add to an inf: it stays).
@@ -119,6 +129,22 @@ class FaultInjection(pl.Callback):
         for module in (model, *model.children()):
             module.register_forward_pre_hook(self._before_forward)
             module.register_forward_hook(self._after_forward)
+
+    def _skew_router(self, pl_module: pl.LightningModule, fault: Fault) -> None:
+        routers = [m.router for m in pl_module.modules() if hasattr(m, "router") and hasattr(m, "take_counts")]
+        if fault.layer >= len(routers):
+            raise ValueError(
+                f"{FAULT_ENV}: hot_expert layer={fault.layer}, but the model has {len(routers)} MoE layers"
+            )
+
+        def favour_expert_0(module: torch.nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor | None:
+            if not module.training or self.step < fault.step:
+                return None
+            bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            bias[0] = HOT_EXPERT_BIAS
+            return logits + bias
+
+        routers[fault.layer].register_forward_hook(favour_expert_0)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         step = trainer.global_step + 1

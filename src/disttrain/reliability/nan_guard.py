@@ -104,6 +104,9 @@ def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     Sharded gradients (FSDP2 DTensors) give a norm reduced over the ranks once, held replicated, so the clip that
     reuses it needs no second reduction.
     """
+    meshes = {id(mesh): mesh for mesh in (getattr(g, "device_mesh", None) for g in grads)}
+    if len(meshes) > 1:
+        return _norm_over_meshes(grads, list(meshes.values()))
     norm = torch.nn.utils.get_total_norm(grads)
     full_tensor = getattr(norm, "full_tensor", None)
     if not callable(full_tensor):
@@ -112,6 +115,34 @@ def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
     mesh = norm.device_mesh  # type: ignore[attr-defined]
     return DTensor.from_local(full_tensor(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _norm_over_meshes(grads: list[torch.Tensor], meshes: list[object]) -> torch.Tensor:
+    """The global norm where gradients live on several meshes (expert parallelism: dense parameters sharded over
+    every rank, experts over ``world / ep`` ranks). A mesh smaller than the world holds parameters that the ranks
+    outside it hold other ones of (other experts): its squared norm, the same on each of its ranks, is summed over
+    the world divided by its size. Returned as a plain replicated scalar, which scales DTensors of any mesh."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    squares = []
+    for mesh in meshes:
+        norm = torch.nn.utils.get_total_norm([g for g in grads if getattr(g, "device_mesh", None) is mesh])
+        full_tensor = getattr(norm, "full_tensor", None)
+        square = (full_tensor() if callable(full_tensor) else norm).square()
+        size = mesh.size() if mesh is not None else 1  # type: ignore[attr-defined]
+        if size < world:
+            square = square / size
+            torch.distributed.all_reduce(square)
+        squares.append(square)
+    return torch.stack(squares).sum().sqrt()
+
+
+def clip_with_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """``clip_grads_with_norm_`` per device mesh: one foreach multiply cannot mix DTensors of two meshes."""
+    by_mesh: dict[int, list[torch.Tensor]] = {}
+    for param in params:
+        by_mesh.setdefault(id(getattr(param, "device_mesh", None)), []).append(param)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
 
 
 def cast_vote(flags: list[torch.Tensor]) -> torch.Tensor:
@@ -246,7 +277,7 @@ class NonFiniteGuard(pl.Callback):
             found = torch.ones((), device=device) if stop_now else verdict[:2].max()
             optimizer.found_inf = found.to(torch.float32)
             if norm is not None:  # a non-finite norm makes the clipped gradients NaN: that update is skipped anyway
-                torch.nn.utils.clip_grads_with_norm_(params, self.clip_norm, norm)
+                clip_with_norm(params, self.clip_norm, norm)
             self._pending = PendingVerdict.start(trainer.global_step, verdict)
             return
         loss_vote, norm_vote, norm_value, *verdicts = verdict.tolist()
@@ -260,7 +291,7 @@ class NonFiniteGuard(pl.Callback):
         if not (loss_bad or grad_bad):
             self._scaler_overflows_in_a_row = 0
             if norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(params, self.clip_norm, norm)
+                clip_with_norm(params, self.clip_norm, norm)
             return
         if not loss_bad and self._loss_scaler_overflow(trainer):
             return

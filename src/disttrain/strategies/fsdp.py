@@ -7,6 +7,7 @@ block (so only one block's full parameters are live at a time), then the root fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -15,8 +16,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from disttrain.config.schema import FSDPConfig, PrecisionConfig
+from disttrain.planner.shapes import expert_shard_dim
 from disttrain.strategies.checkpointing import UniversalCheckpointing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -47,9 +50,12 @@ def hybrid_mesh(dp_mesh: DeviceMesh, replicas: int) -> DeviceMesh:
 def apply_fsdp(
     model: nn.Module, mesh: object, cfg: FSDPConfig, precision: PrecisionConfig, apply_checkpointing: object
 ) -> None:
+    from disttrain.strategies.expert_parallel import apply_expert_parallel, expert_modules
+
     dp_mesh = mesh["data_parallel"]  # type: ignore[index]
     if cfg.dp_replicate > 1:
         dp_mesh = hybrid_mesh(dp_mesh, cfg.dp_replicate)
+    expert_mesh = apply_expert_parallel(model, dp_mesh, cfg.ep)
     if cfg.activation_checkpointing:
         apply_checkpointing(model)  # type: ignore[operator]
     options = {
@@ -58,13 +64,35 @@ def apply_fsdp(
         "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else None,
     }
     options = {k: v for k, v in options.items() if v is not None}
+    expert_weights = {id(p) for experts in expert_modules(model) for p in experts.parameters()}
     blocks = getattr(model, "blocks", None)
     for block in blocks if blocks is not None else ():
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **options)
+        # Expert-parallel experts first, on their own mesh: the block's unit then leaves their parameters alone.
+        for experts in expert_modules(block) if expert_mesh is not None else ():
+            place = expert_placement(expert_weights, expert_mesh.size())
+            fully_shard(
+                experts,
+                reshard_after_forward=cfg.reshard_after_forward,
+                shard_placement_fn=place,
+                **{**options, "mesh": expert_mesh},
+            )
+        place = expert_placement(expert_weights, dp_mesh.size()) if expert_weights else None
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, shard_placement_fn=place, **options)
     # The root's parameters (embeddings, final norm, head) are needed right after the last block in backward,
     # so resharding them after forward would only add an all-gather.
     fully_shard(model, reshard_after_forward=False, **options)
     maybe_materialize_shards(model, dp_mesh)
+
+
+def expert_placement(expert_weights: set[int], shards: int) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP2's shard dim for stacked expert weights (``planner.shapes.expert_shard_dim``); other parameters: dim 0."""
+
+    def place(param: nn.Parameter) -> Shard | None:
+        if id(param) not in expert_weights:
+            return None
+        return Shard(expert_shard_dim(tuple(param.shape), shards))
+
+    return place
 
 
 def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:

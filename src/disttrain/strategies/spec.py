@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from disttrain.config.degrees import megatron_degrees, validate_megatron
 from disttrain.config.errors import ConfigError, did_you_mean, require_one_of
+from disttrain.config.experts import refuse_moe, validate_expert_parallel
 from disttrain.config.schema import (
     COMM_HOOKS,
     AutoStrategyConfig,
@@ -212,6 +213,12 @@ class FSDPSpec(StrategySpec):
                 f"{replicas} replica groups do not divide the world size {world}",
                 f"use one of {ok} (hw.num_nodes={cfg.hw.num_nodes} shards within each node)",
             )
+        validate_expert_parallel(fsdp.ep, cfg.model, world, cfg.trainer.ckpt_every_n_steps)
+        if fsdp.ep > 1 and replicas > 1:
+            raise ConfigError(
+                "strategy.ep", "expert parallelism with HSDP (strategy.dp_replicate > 1) is not built yet",
+                "use strategy.dp_replicate=1 with strategy.ep",
+            )  # fmt: skip
 
     @property
     def recomputes_activations(self) -> bool:
@@ -333,6 +340,7 @@ class MegatronSpec(StrategySpec):
         return self.config.num_microbatches
 
     def validate(self, cfg: RunConfig) -> None:
+        refuse_moe("megatron", cfg.model)
         validate_megatron(self.config, cfg.model, cfg.hw.world_size, cfg.precision.name)
 
     @property

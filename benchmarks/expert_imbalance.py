@@ -1,0 +1,101 @@
+"""Does ``expert_imbalance`` name the injected hot expert's rank and layer, at the cost the skew really has?
+
+Two arms on 2 CPU ranks, moe-micro under ``strategy=fsdp strategy.ep=2`` (rank 0 computes experts 0-1, rank 1
+experts 2-3), interleaved (skewed, balanced, skewed, ...) so drift on a shared machine hits both:
+
+- skewed: ``DISTTRAIN_FAULT=hot_expert@step=1,layer=1`` on both ranks: layer 1's router favours expert 0, so every
+  token's top-2 holds it and rank 0 computes about two thirds of that layer's assignments;
+- balanced (the counterfactual): the same run without the fault.
+
+measured cost = 1 - throughput(skewed) / throughput(balanced), throughput from rank 0's median steady step
+(``diagnosis_accuracy.load_run``). Target (issue 33): the top ``expert_imbalance`` finding on rank 0, layer 1, its
+cost within 7 points of the measured one, and no warning for it on the balanced arm. A measurement: prints and
+exits 0 whatever the outcome; quote ``uptime``'s load average with its figures.
+
+    python benchmarks/expert_imbalance.py [--repeats 2] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from diagnosis_accuracy import SHORT, RunResult, run_train  # noqa: E402
+
+TOLERANCE = 0.07
+BASE = [
+    "model=moe-micro",
+    "strategy=fsdp",
+    "strategy.ep=2",
+    "hw.devices_per_node=2",
+    "trainer.ckpt_every_n_steps=0",  # expert-parallel checkpoints are refused
+    "optimizer.lr=1e-3",  # a gentle lr: the balanced arm's router stays near even
+]
+FAULT = ";".join(f"hot_expert@step=1,layer=1,rank={rank}" for rank in (0, 1))
+
+
+def imbalance(result: RunResult) -> dict | None:
+    return next((f for f in result.findings if f["kind"] == "expert_imbalance"), None)
+
+
+def run_arm(skewed: bool, run_dir: Path) -> RunResult:
+    if skewed:
+        os.environ["DISTTRAIN_FAULT"] = FAULT
+    try:
+        return run_train(BASE, run_dir, base=SHORT)
+    finally:
+        os.environ.pop("DISTTRAIN_FAULT", None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    args = parser.parse_args()
+    root = args.keep or Path(tempfile.mkdtemp(prefix="expert-imbalance-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for repeat in range(args.repeats):
+        skewed = run_arm(True, root / f"skewed{repeat}")
+        balanced = run_arm(False, root / f"balanced{repeat}")
+        rows.append((skewed, balanced))
+    print(f"load average: {os.getloadavg()[0]:.1f} (1 min)   runs in {root}")
+    print("repeat  skewed-top                     layer  rank  reported  measured  balanced-arm")
+    reported, measured = [], []
+    for repeat, (skewed, balanced) in enumerate(rows):
+        if not (skewed.ok and balanced.ok):
+            print(f"{repeat:>6}  failed: {skewed.error or balanced.error}")
+            continue
+        finding = imbalance(skewed)
+        top = skewed.findings[0] if skewed.findings else None
+        top_text = f"{top['kind']}{top['ranks']} {top['severity']}" if top else "none"
+        cost = (finding or {}).get("cost", {}).get("fraction")
+        real = 1.0 - skewed.throughput / balanced.throughput if skewed.throughput and balanced.throughput else None
+        calm = imbalance(balanced)
+        calm_text = "silent" if calm is None else f"{calm['severity']} {calm['cost']['fraction']:.1%}"
+        ev = (finding or {}).get("evidence", {})
+        print(
+            f"{repeat:>6}  {top_text:<30} {ev.get('layer', '-')!s:>5}  {ev.get('hot_rank', '-')!s:>4}  "
+            f"{'-' if cost is None else f'{cost:.1%}':>8}  {'-' if real is None else f'{real:.1%}':>8}  {calm_text}"
+        )
+        if cost is not None and real is not None:
+            reported.append(cost)
+            measured.append(real)
+    if reported:
+        apart = 100 * (statistics.median(reported) - statistics.median(measured))
+        spread = f"{min(measured):.1%}..{max(measured):.1%}"
+        verdict = "within" if abs(apart) <= 100 * TOLERANCE else "outside"
+        print(
+            f"median reported {statistics.median(reported):.1%} vs measured {statistics.median(measured):.1%} "
+            f"(spread {spread}): {apart:+.1f} points, {verdict} the {100 * TOLERANCE:.0f}-point target"
+        )
+
+
+if __name__ == "__main__":
+    main()

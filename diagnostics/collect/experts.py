@@ -1,0 +1,46 @@
+"""Expert load counters of a mixture-of-experts model: tokens per expert per layer per step, and dropped ones.
+
+The MoE layers count on the device as they route (models/moe.py); here they are read once per optimizer step (one
+small device-to-host copy per layer) into this rank's telemetry. Found by duck typing (``take_counts``), so the
+collectors stay independent of the model code. The layout record says which experts this rank computes and what
+an expert costs per token, which is what the ``expert_imbalance`` analysis turns load into time with.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+
+def expert_layers(model: nn.Module) -> list[Any]:
+    """The model's MoE layers in layer order (modules with ``take_counts``); empty for a dense model."""
+    return [m for m in model.modules() if callable(getattr(m, "take_counts", None))]
+
+
+def expert_layout(layers: list[Any]) -> dict[str, Any]:
+    """Static facts: experts, top-k, the ep degree, this rank's experts and the routed FLOPs per token."""
+    first = layers[0]
+    experts = first.experts
+    weights = [w for w in (experts.w1, experts.w2, getattr(experts, "w3", None)) if w is not None]
+    # Parameters of one expert (stacked weights [E_local, ...]: the shape of a DTensor is its global one).
+    per_expert = sum(math.prod(w.shape[1:]) for w in weights)
+    return {
+        "layers": len(layers),
+        "num_experts": first.num_experts,
+        "top_k": first.top_k,
+        "ep": first.ep_size,
+        "first_expert": experts.offset,
+        "num_local": int(experts.w1.shape[0]),
+        "capacity_factor": first.capacity_factor,
+        "aux_loss_coef": first.aux_loss_coef,
+        # Training FLOPs (6 per parameter) of the routed experts for one token, over all layers.
+        "routed_flops_per_token": 6.0 * first.top_k * per_expert * len(layers),
+    }
+
+
+def take_expert_load(layers: list[Any]) -> dict[str, list[list[int]]]:
+    """This step's routed and dropped assignments per layer and expert (from this rank's tokens), counters reset."""
+    taken = [layer.take_counts() for layer in layers]
+    return {"routed": [routed for routed, _ in taken], "dropped": [dropped for _, dropped in taken]}

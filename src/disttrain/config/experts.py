@@ -1,0 +1,63 @@
+"""Compose-time rules of expert parallelism (pure: no torch, no processes).
+
+``strategy.ep`` groups ``ep`` consecutive ranks; each group holds every expert once (``num_experts / ep`` per
+rank) and exchanges tokens by all-to-all; ranks with the same index in different groups hold the same experts
+and average their gradients (FSDP over ``world / ep`` ranks).
+"""
+
+from __future__ import annotations
+
+from disttrain.config.errors import ConfigError
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, ModelConfig
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_expert_parallel(
+    ep: int, model: ModelConfig | CustomModelConfig | HFModelConfig, world_size: int, ckpt_every_n_steps: int
+) -> None:
+    """Refuse an ``ep`` that cannot shard this model's experts over this world."""
+    if ep < 1:
+        raise ConfigError("strategy.ep", f"must be >= 1, got {ep}", "use strategy.ep=1 (no expert parallelism)")
+    if ep == 1:
+        return
+    if not isinstance(model, ModelConfig) or not model.is_moe:
+        what = "a dense model" if isinstance(model, ModelConfig) else f"model={model.name} (not the built-in MoE)"
+        raise ConfigError(
+            "strategy.ep",
+            f"ep={ep} shards experts, and {what} has none",
+            "use a mixture-of-experts model (e.g. model=moe-micro, or model.num_experts=8) or strategy.ep=1",
+        )
+    if world_size % ep:
+        raise ConfigError(
+            "strategy.ep",
+            f"ep={ep} does not divide the world size {world_size}",
+            f"use a divisor of {world_size}: {_divisors(world_size)}",
+        )
+    if model.num_experts % ep:
+        ok = [d for d in _divisors(model.num_experts) if world_size % d == 0]
+        raise ConfigError(
+            "strategy.ep",
+            f"model.num_experts={model.num_experts} experts cannot be split evenly over ep={ep} ranks",
+            f"use an ep dividing both the experts and the world size: {ok}",
+        )
+    if ckpt_every_n_steps > 0:
+        raise ConfigError(
+            "trainer.ckpt_every_n_steps",
+            f"{ckpt_every_n_steps}: checkpoints of expert-parallel runs (strategy.ep={ep}) are not written yet "
+            "(each rank holds different experts under the same names)",
+            "set trainer.ckpt_every_n_steps=0, or strategy.ep=1",
+        )
+
+
+def refuse_moe(strategy: str, model: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
+    """Strategies whose parallel plans do not know the MoE layer yet."""
+    if isinstance(model, ModelConfig) and model.is_moe:
+        raise ConfigError(
+            "strategy",
+            f"strategy={strategy} has no plan for mixture-of-experts layers yet"
+            f" (model.num_experts={model.num_experts})",
+            "use strategy=fsdp (with strategy.ep=... for expert parallelism) or strategy=ddp",
+        )

@@ -1,0 +1,246 @@
+"""The mixture-of-experts FFN of the reference transformer: a top-k router, routed experts, optional shared ones.
+
+Parameter names (what the init, the EP plan and the accounting rely on): ``blocks.<i>.mlp.router.weight``
+``[E, d]``, ``blocks.<i>.mlp.experts.{w1,w2[,w3]}`` stacked over experts (``[E_local, d, h]``, ``[E_local, h, d]``),
+``blocks.<i>.mlp.shared.{w1,w2[,w3]}`` (one MLP of ``num_shared_experts x expert_hidden``, DeepSeek's layout).
+
+Stacked expert weights make expert parallelism a slice along dim 0 (``shard_experts``): a rank holds experts
+``[offset, offset + E_local)``. Tokens then travel to the rank holding their expert and back by all-to-all
+(gloo implements ``all_to_all_single`` with uneven splits on CPU, NCCL on GPU).
+
+In training, the load-balancing loss is computed from the expert counts of the whole data-parallel batch (the
+counts are all-reduced over ``balance_group``, by default every rank: data parallelism spans the world under every
+strategy that runs MoE layers; a few floats per layer): the mean of the ranks' losses is then exactly the loss of
+the global batch, so N ranks train what one process would (Qwen's global-batch balancing). Evaluation forwards,
+which need not run on every rank, use this rank's counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disttrain.config.schema import ModelConfig
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward, gradient times ``scale`` backward: an expert's gradient sums the tokens of all ``ep``
+    ranks (all-to-all backward), while the dense parameters' gradients are averaged; ``1 / ep`` makes both means."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None  # type: ignore[attr-defined]
+
+
+class GroupedExperts(nn.Module):
+    """``num_local`` expert MLPs with stacked weights; ``forward`` takes tokens sorted by expert and the counts."""
+
+    def __init__(self, cfg: ModelConfig, num_local: int, offset: int = 0) -> None:
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        self.offset = offset  # global id of the first local expert (expert parallelism)
+        self.grad_scale = 1.0  # 1 / ep under expert parallelism (see ScaleGrad)
+        d, h = cfg.d_model, cfg.expert_hidden
+        self.w1 = nn.Parameter(torch.empty(num_local, d, h))
+        self.w2 = nn.Parameter(torch.empty(num_local, h, d))
+        self.w3 = nn.Parameter(torch.empty(num_local, d, h)) if self.swiglu else None
+
+    @property
+    def num_local(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        weights = [self.w1, self.w2] + ([self.w3] if self.w3 is not None else [])
+        if self.grad_scale != 1.0:
+            weights = [ScaleGrad.apply(w, self.grad_scale) for w in weights]
+        w1, w2 = weights[0], weights[1]
+        w3 = weights[2] if self.swiglu else None
+        outputs, start = [], 0
+        # Every expert runs, even on zero tokens: its weights then get a zero gradient instead of none, so the
+        # gradient reduction sees the same parameters on every rank.
+        for j, n in enumerate(counts):
+            h = x[start : start + n]
+            a = h @ w1[j]
+            a = F.silu(a) * (h @ w3[j]) if w3 is not None else F.gelu(a, approximate="tanh")
+            outputs.append(a @ w2[j])
+            start += n
+        return torch.cat(outputs) if outputs else x[:0]
+
+
+def cumsum_exclusive(x: torch.Tensor) -> torch.Tensor:
+    return x.cumsum(0) - x
+
+
+def regroup(counts: torch.Tensor) -> torch.Tensor:
+    """Gather indices turning rows laid out in ``counts``' row-major segments into column-major segment order.
+
+    ``counts [a, b]``: segment (i, j) holds ``counts[i, j]`` consecutive rows. After an all-to-all the rows arrive
+    ordered by (source rank, local expert); the experts want them by (local expert, source rank).
+    """
+    flat = counts.reshape(-1)
+    starts = cumsum_exclusive(flat).view_as(counts).t().reshape(-1)
+    sizes = counts.t().reshape(-1)
+    total = int(flat.sum())
+    return torch.arange(total, device=counts.device) + torch.repeat_interleave(starts - cumsum_exclusive(sizes), sizes)
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object) -> torch.Tensor:
+    from torch.distributed.nn.functional import all_to_all_single  # differentiable: backward is the reverse exchange
+
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return all_to_all_single(out, x, out_splits, in_splits, group=group)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) replacing a block's MLP; records its auxiliary loss and token counts."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        from disttrain.models.transformer import MLP  # transformer.py imports this module
+
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.gate = cfg.router_gate
+        self.norm_topk = cfg.router_norm_topk
+        self.aux_loss_coef = cfg.aux_loss_coef
+        self.z_loss_coef = cfg.z_loss_coef
+        self.capacity_factor = cfg.capacity_factor
+        self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg, cfg.num_experts)
+        shared_hidden = cfg.num_shared_experts * cfg.expert_hidden
+        self.shared = MLP(replace(cfg, ffn_hidden=shared_hidden)) if cfg.num_shared_experts else None
+        self.ep_group: object | None = None  # set by shard_experts
+        self.ep_size = 1
+        self.balance_group: object | None = (
+            None  # the data-parallel group whose batch the balancing loss sees (None: all)
+        )
+        self.aux_loss: torch.Tensor | None = None  # this forward's balancing + z-loss, weighted
+        # Cheap counters, read and reset by the diagnostics once per optimizer step: per global expert, the
+        # assignments routed from this rank's tokens (before dropping) and those dropped over capacity. Kept on the
+        # compute device (no sync per forward); not on meta, where the model is first built.
+        self.tokens_per_expert = torch.zeros(2, cfg.num_experts, dtype=torch.int64, device="cpu")
+
+    def take_counts(self) -> tuple[list[int], list[int]]:
+        """(routed, dropped) assignments per expert since the last call, then zeroed (one device-to-host copy)."""
+        routed, dropped = self.tokens_per_expert.tolist()
+        self.tokens_per_expert.zero_()
+        return routed, dropped
+
+    def _count(self, row: int, experts: torch.Tensor) -> None:
+        # Validation batches are not part of a step's load, and activation checkpointing's recomputation (a forward
+        # run by the autograd engine, inside backward) would count the same tokens twice.
+        if not self.training or torch._C._current_graph_task_id() != -1:
+            return
+        if self.tokens_per_expert.device != experts.device:
+            self.tokens_per_expert = self.tokens_per_expert.to(experts.device)
+        self.tokens_per_expert[row] += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids and gate weights ``[N, k]`` of tokens ``x [N, d]``; sets ``aux_loss``."""
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        self._count(0, experts)
+        self.aux_loss = self._aux_loss(logits, scores, counts)
+        return experts, weights.to(x.dtype)
+
+    def _aux_loss(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        loss = None
+        if self.aux_loss_coef:
+            # Per-expert assignments, then the token count: one all-reduce for both.
+            assigned = torch.cat([counts.float(), counts.new_tensor([scores.shape[0]], dtype=torch.float32)])
+            if self.training and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                torch.distributed.all_reduce(assigned, group=self.balance_group)  # None: the world
+            # f_e: share of the (global) assignments expert e got, x E (1 everywhere when balanced); P_e: this
+            # rank's mean routing probability. Linear in P, so the ranks' mean is the global batch's loss.
+            share = assigned[:-1] * self.num_experts / (assigned[-1] * self.top_k)
+            probs = scores if self.gate == "softmax" else scores / scores.sum(-1, keepdim=True)
+            loss = self.aux_loss_coef * (share * probs.mean(0)).sum()
+        if self.z_loss_coef:
+            z = self.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+            loss = z if loss is None else loss + z
+        return loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n = x.shape[0]
+        experts, weights = self.route(x)
+        # Choice-major order (all first choices, then all second ones): capacity keeps first choices first.
+        flat_expert = experts.t().reshape(-1)
+        flat_token = torch.arange(n, device=x.device).repeat(self.top_k)
+        flat_weight = weights.t().reshape(-1)
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * n * self.top_k / self.num_experts)
+            one_hot = F.one_hot(flat_expert, self.num_experts)
+            position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+            keep = position < capacity
+            self._count(1, flat_expert[~keep])
+            flat_expert, flat_token, flat_weight = flat_expert[keep], flat_token[keep], flat_weight[keep]
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        routed = self._run_experts(x[flat_token[order]], counts)
+        out = torch.zeros_like(x).index_add_(0, flat_token[order], routed * flat_weight[order, None])
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+    def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for tokens sorted by expert; under EP via all-to-all to the ranks holding the experts."""
+        if self.ep_size == 1:
+            return self.experts(x, counts.tolist())
+        local = self.experts.num_local
+        received = torch.empty_like(counts)
+        torch.distributed.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
+        received = received.view(self.ep_size, local)
+        send_splits = counts.view(self.ep_size, local).sum(1).tolist()
+        recv_splits = received.sum(1).tolist()
+        tokens = _all_to_all(x, recv_splits, send_splits, self.ep_group)
+        by_expert = regroup(received)
+        out = self.experts(tokens[by_expert], received.sum(0).tolist())
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        return _all_to_all(out[back], send_splits, recv_splits, self.ep_group)
+
+
+def shard_experts(model: nn.Module, ep_rank: int, ep_size: int, ep_group: object, balance_group: object) -> int:
+    """Keep experts ``[ep_rank * E / ep, ...)`` of every MoE layer (a slice of the stacked weights) and route through
+    ``ep_group``; the balancing statistics come from ``balance_group``. Returns the MoE layers changed."""
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.balance_group = balance_group
+        if ep_size == 1:
+            continue
+        experts = layer.experts
+        local = layer.num_experts // ep_size
+        keep = slice(ep_rank * local, (ep_rank + 1) * local)
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(experts, name)
+            if weight is not None:
+                setattr(experts, name, nn.Parameter(weight.detach()[keep].clone()))
+        experts.offset = ep_rank * local
+        experts.grad_scale = 1.0 / ep_size
+        layer.ep_group, layer.ep_size = ep_group, ep_size
+    return len(layers)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def auxiliary_loss(layers: list[MoE]) -> torch.Tensor | None:
+    """The sum of the layers' weighted balancing and z-losses from their last forward (None for a dense model)."""
+    losses = [layer.aux_loss for layer in layers if layer.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None

@@ -1,0 +1,48 @@
+"""expert_imbalance on synthetic telemetry: the hot rank and layer, the cost by hand, and the levers offered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diagnostics.analysis import analyse
+from diagnostics.recommend import recommend_all
+from tests.diag_fixtures import write_run
+
+
+def test_skewed_experts_name_the_rank_holding_them_with_the_cost_of_its_extra_work(tmp_path: Path) -> None:
+    analysis = analyse(write_run(tmp_path / "skewed", "expert_imbalance"))
+    [finding] = [f for f in analysis.findings if f.kind == "expert_imbalance"]
+    ev = finding.evidence
+    assert finding.ranks == [0] and ev["hot_rank"] == 0 and ev["hottest_expert"] == 0
+    # Rank 0 computes experts 0-1 (0.55 + 0.15 = 70% of the load), rank 1 30%: 0.7 / 0.5 - 1 = 40% over the mean.
+    assert ev["load_excess"] == pytest.approx(0.4, abs=1e-3)
+    assert ev["layer_load_ratio"] == [pytest.approx(1.4, abs=1e-3)] * 2
+    # By hand: experts make half the FLOPs (s = 0.5), X = 0.4: of the compute C, C s X / (1 + s X) = C / 6 is lost.
+    steady = [s for r in analysis.run.ranks.values() for s in r.steps if s.step > 2]
+    compute = sum(s.local_compute_s for s in steady) / len(steady)
+    step = sum(s.step_s for s in steady) / len(steady)
+    assert finding.cost_fraction == pytest.approx(compute / 6 / step, abs=1e-3)
+    assert finding.severity == "warning"
+
+    [recs] = [r for f, r in zip(analysis.findings, recommend_all(analysis), strict=True) if f is finding]
+    overrides = [r.override for r in recs]
+    assert overrides == ["model.aux_loss_coef=0.1", "model.capacity_factor=1.25"]
+    # A capacity of 1.25 leaves 0.25 of the 0.4 excess: 37.5% of the cost recovered.
+    assert recs[1].expected_gain["fraction"] == pytest.approx(finding.cost_fraction * 0.375, abs=1e-4)
+
+
+def test_balanced_experts_raise_nothing(tmp_path: Path) -> None:
+    analysis = analyse(write_run(tmp_path / "even", "expert_imbalance", expert_shares=(0.26, 0.25, 0.25, 0.24)))
+    assert analysis.findings == []
+
+
+def test_report_plots_expert_load_by_rank_and_leaves_dense_runs_without_it(tmp_path: Path) -> None:
+    from diagnostics.report.plots import all_plots, expert_load
+
+    plot_id, _, svg = expert_load(analyse(write_run(tmp_path / "skewed", "expert_imbalance")))
+    assert plot_id == "expert-load" and svg is not None
+    # Rank 0 computes experts 0-1: 70% of every layer's assignments.
+    assert "layer 0 ep rank 0: 0.7 share" in svg and "layer 1 ep rank 1: 0.3 share" in svg
+    assert "expert-load" not in [p[0] for p in all_plots(analyse(write_run(tmp_path / "dense", "healthy")))]
