@@ -184,3 +184,16 @@ def test_incomplete_parts_records_are_left_out() -> None:
     assert MeasuredParts.from_figures({"block_forward_s": 0.1}) is None
     other_shape = _parts_record(d_model=384, block_forward_s=9.0)
     assert parts_figures([_parts_record(), other_shape])["block_forward_s"] == 0.010
+
+
+def test_python_m_plan_says_where_the_compute_comes_from() -> None:
+    from disttrain.planner.render import compute_line, json_payload
+
+    hw = hw_profile("8xh100")
+    measured = plan(NANO, hw, precision="fp32", micro_batch_size=16, global_batch_size=128, parts=PARTS)
+    assert compute_line(measured).startswith("compute: the measured parts of this model")
+    scaled = plan(NANO, hw, precision="fp32", micro_batch_size=8, global_batch_size=64, parts=PARTS)
+    assert "scaled by FLOPs" in compute_line(scaled) and "micro-batch 16 x 128" in compute_line(scaled)
+    datasheet = plan(NANO, hw, precision="bf16-mixed", micro_batch_size=16, parts=PARTS)  # parts in fp32: unused
+    assert "compute_efficiency 0.55 (an assumption" in compute_line(datasheet)
+    assert json_payload(measured, None)["compute_basis"].startswith("the measured parts")
