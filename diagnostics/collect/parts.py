@@ -76,7 +76,10 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
     optimizer_s = _median_seconds(optimizer.step, device, repeats)
     del optimizer
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # the probe's activations are not the run's: give the allocator's blocks back
+        # The probe's activations are not the run's: give the allocator's blocks back, and keep its peak (a pipeline's
+        # first stage never holds logits in training) out of the run's measured allocator peak.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     return {
         "micro_batch": micro_batch,
         "seq_len": seq,
