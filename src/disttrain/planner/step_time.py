@@ -186,8 +186,8 @@ def estimate_step(
     backward = tokens * hardware_per_token / rate - forward
     optimizer = optimizer_step_seconds(shape, layout, workload, hw)
     basis = "flops"
-    if parts_basis(parts, shape, workload) is not None:
-        measured = parts_compute(parts, shape, layout, workload, gpu_optimizer_parameters(shape, layout))  # type: ignore[arg-type]
+    if parts is not None and parts_basis(parts, shape, workload) is not None:
+        measured = parts_compute(parts, shape, layout, workload, gpu_optimizer_parameters(shape, layout))
         forward, backward, optimizer, basis = (
             measured.forward_s,
             measured.backward_s,
