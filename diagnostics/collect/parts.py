@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from diagnostics.collect.calibrate import compute_clock
+
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -35,6 +37,8 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
     one ``parts["optimizer"]()`` step over the block's parameters (``disttrain.models.probe_parts.model_parts``).
     The block's input requires grad, as inside the model (its backward computes the input gradient too)."""
     start = time.perf_counter()
+    _, clock = compute_clock(device)
+    cpu_start = clock()
     block, edges, autocast = parts["block"], parts["edges"], parts["autocast"]
     seq, d, vocab = parts["seq_len"], parts["d_model"], parts["vocab_size"]
     rope = parts["rope"] or ()
@@ -94,4 +98,8 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
         "repeats": repeats,
         "clock": "wall",
         "wall_s": time.perf_counter() - start,
+        # The cores this rank's compute threads got while it probed (on a CPU; ~1 when the host is the run's alone):
+        # a run's wall-clock step stretches by about the inverse of its share, so a share that differs between the
+        # probe and the run is what its prediction error follows (benchmarks/plan_accuracy.py prints both).
+        "cpu_share": (clock() - cpu_start) / max(time.perf_counter() - start, 1e-9) if device.type == "cpu" else None,
     }
