@@ -55,6 +55,11 @@ class Calibration:
     # ``fsdp_unit_overhead_us`` and ``fsdp_copy_ns_per_byte``.
     fsdp_unit_overhead_us: float | None = None
     fsdp_copy_ns_per_byte: float | None = None
+    # The run's own parts, timed at start-up (``diagnostics.collect.parts``): seconds of one block's and of the
+    # edges' (embedding, final norm, head, loss) forward and backward at the run's micro-batch, sequence length and
+    # precision, and of one optimizer step over a block's parameters (median over ranks), with the shape and
+    # precision they were measured at (``PARTS_SHAPE_KEYS``). The planner composes each layout's step from them.
+    parts: dict[str, float | int | str] | None = None
     ranks: int = 0
     source: str = ""  # the run dir it was measured in
 
@@ -66,7 +71,7 @@ class Calibration:
 
     @property
     def empty(self) -> bool:
-        return not (self.matmul_flops_per_s or self.memory_bandwidth_gbps or self.links)
+        return not (self.matmul_flops_per_s or self.memory_bandwidth_gbps or self.links or self.parts)
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -85,6 +90,7 @@ def _records(run_dir: Path) -> list[dict]:
                 "overlap_calibration",
                 "tp_calibration",
                 "fsdp_calibration",
+                "parts_calibration",
             ):
                 records.append(record)
     return records
@@ -130,6 +136,29 @@ def sync_figures(segment_s: float, latency_s: float, waits: list[list[float]]) -
     return overhead, extra / (math.sqrt(segment_s) * expected_max_of_normals(n))
 
 
+# What a parts record says about the model, micro-batch and precision it timed (equal on every rank).
+PARTS_SHAPE_KEYS = ("micro_batch", "seq_len", "d_model", "vocab_size", "block_numel", "precision")
+PARTS_SECONDS_KEYS = (
+    "block_forward_s",
+    "block_backward_s",
+    "edges_forward_s",
+    "edges_backward_s",
+    "optimizer_step_s",
+)
+
+
+def parts_figures(records: list[dict]) -> dict[str, float | int | str] | None:
+    """The ranks' parts records as one: each time the median over ranks; the shape of the first complete record
+    (records of another shape, which a rank cannot have measured in the same run, are left out). None without a
+    complete record."""
+    complete = [r for r in records if all(_positive(r.get(k)) for k in PARTS_SECONDS_KEYS)]
+    if not complete:
+        return None
+    shape = {k: complete[0].get(k) for k in PARTS_SHAPE_KEYS}
+    same = [r for r in complete if all(r.get(k) == v for k, v in shape.items())]
+    return {**shape, **{k: statistics.median(float(r[k]) for r in same) for k in PARTS_SECONDS_KEYS}}
+
+
 def calibration_from_telemetry(run_dir: Path) -> Calibration:
     """Each rank's best matmul rate (start or end: load only ever lowers it), then the median over ranks."""
     best: dict[tuple[str, int], float] = {}
@@ -143,6 +172,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     tp_edges: list[float] = []
     fsdp_fixed: list[float] = []
     fsdp_per_byte: list[float] = []
+    parts: list[dict] = []
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
@@ -173,6 +203,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             for key, values in (("fixed_us", fsdp_fixed), ("ns_per_byte", fsdp_per_byte)):
                 if (value := _fraction(r.get(key), upper=math.inf)) is not None:
                     values.append(value)
+        elif r["kind"] == "parts_calibration":
+            parts.append(r)
         elif r["kind"] == "sync_calibration" and (segment := _positive(r.get("segment_s"))):
             waits = r.get("waits_s")
             if isinstance(waits, list) and all(_positive(w) for w in waits) and _positive(r.get("latency_s")):
@@ -204,6 +236,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         tp_edge_overhead_us=statistics.median(tp_edges) if tp_edges else None,
         fsdp_unit_overhead_us=statistics.median(fsdp_fixed) if fsdp_fixed else None,
         fsdp_copy_ns_per_byte=statistics.median(fsdp_per_byte) if fsdp_per_byte else None,
+        parts=parts_figures(parts),
         ranks=len(ranks),
         source=str(run_dir),
     )

@@ -92,6 +92,11 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     # probe "pair": *_pair_s; probe "model": *_block_s, *_edges_s, modules_per_block, edge_overhead_us
     "tp_calibration": ("probe", "ranks", "tokens", "width", "collective_s", "overhead_us"),
     "fsdp_calibration": ("ranks", "overhead_s", "unit_numel", "fixed_us", "ns_per_byte"),
+    # the run's own block, edges and a block's optimizer step at its micro-batch and precision (collect/parts.py)
+    "parts_calibration": (
+        "precision", "micro_batch", "seq_len", "d_model", "vocab_size", "block_numel", "block_forward_s",
+        "block_backward_s", "edges_forward_s", "edges_backward_s", "optimizer_step_s", "wall_s",
+    ),
     "error": ("source", "message"),
     "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
     "nonfinite": ("step", "what", "action", "skipped_total"),

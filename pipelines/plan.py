@@ -43,6 +43,7 @@ def plan_request(request: PlanRequest) -> Plan:
             sequence_parallel=request.sequence_parallel,
             # fp8 composes with DDP and FSDP2 only (config/validate.py): plan what it can launch.
             strategies=("ddp", "fsdp") if request.precision.fp8 else None,
+            parts=request.parts,
         )
     except ValueError as err:
         raise ConfigError(

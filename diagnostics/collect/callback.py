@@ -34,6 +34,7 @@ from diagnostics.collect.calibrate import (
 from diagnostics.collect.deepspeed_comm import time_deepspeed_collectives
 from diagnostics.collect.experts import expert_layers, expert_layout, take_expert_load
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
+from diagnostics.collect.parts import time_model_parts
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
 from diagnostics.collect.state_bytes import training_state_bytes
@@ -83,6 +84,9 @@ class RunFacts:
     # Collectives issued off the training and autograd threads (DDP's PowerSGD hook, from gloo's future callbacks):
     # only then does the profiler window profile every thread.
     collectives_off_thread: bool = False
+    # The run's own block, edges and block optimizer for the parts probe (``parts(device)``, see
+    # ``diagnostics.collect.parts``): the reference transformer's; None (a user or HF model): not probed.
+    parts_probe: Callable[[torch.device], dict] | None = None
 
 
 class DiagnosticsCallback(pl.Callback):
@@ -182,6 +186,9 @@ class DiagnosticsCallback(pl.Callback):
         if self.settings.calibrate:
             self.calibrate(device, "start")
             self.calibrate_links(trainer, device)
+            # After the links' barriers: every rank times its parts at once, as every rank computes in a step (on
+            # a host whose cores the ranks share, a rank probing alone would see a core to itself).
+            self.calibrate_parts(device)
         self.sampler = DeviceSampler(reader, self.write, self.settings.sample_interval_s)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -413,6 +420,17 @@ class DiagnosticsCallback(pl.Callback):
         if result:
             self.calibrated = max(self.calibrated or 0.0, result["flops_per_s"])
             self.write("calibration", when=when, **result)
+
+    def calibrate_parts(self, device: torch.device) -> None:
+        """Time the run's own block, edges and block optimizer step (what the planner composes each layout's step
+        from). Per rank, no collectives: a rank whose probe fails records the error and the others go on."""
+        f = self.facts
+        if f.parts_probe is None:
+            return
+        probe = f.parts_probe
+        result = self.guarded("parts_calibration", lambda: time_model_parts(device, probe(device), f.micro_batch_size))
+        if result:
+            self.write("parts_calibration", precision=f.precision, **result)
 
     def calibrate_links(self, trainer: pl.Trainer, device: torch.device) -> None:
         """Bus bandwidth of each collective over the run's links, and this device's memory bandwidth: what the

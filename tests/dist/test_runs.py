@@ -88,6 +88,14 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     assert calibration["compute_jitter"] is not None  # the ranks' drift, from the sync rounds at start-up
     prediction = read_manifest(run_dir)["prediction"]
     assert prediction["basis"]["peak_tflops"] == "measured" == prediction["basis"]["intra_node_bandwidth_gbps"]
+    # The step is composed from the run's own parts, timed on every rank at start-up at its micro-batch (16 x 128).
+    assert prediction["basis"]["block_forward_backward"] == "measured" == prediction["basis"]["optimizer_step"]
+    parts = calibration["parts"]
+    assert (parts["micro_batch"], parts["seq_len"], parts["d_model"], parts["precision"]) == (16, 128, 192, "fp32")
+    assert parts["block_backward_s"] > 0 and parts["edges_forward_s"] > 0 and parts["optimizer_step_s"] > 0
+    # Four blocks and the edges at least: forward + backward of the whole model on one rank, per micro-batch.
+    whole = 4 * (parts["block_forward_s"] + parts["block_backward_s"]) + parts["edges_forward_s"]
+    assert prediction["predicted"]["compute_s"] == pytest.approx(whole + parts["edges_backward_s"])
     assert set(prediction["error"]) >= {"step_time_s", "tokens_per_s", "mfu", "comm_s", "state_bytes"}
     for key, error in prediction["error"].items():
         measured, predicted = prediction["measured"][key], prediction["predicted"][key]

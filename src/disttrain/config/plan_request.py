@@ -21,6 +21,7 @@ from disttrain.config.schema import PrecisionConfig, TrainerConfig
 from disttrain.config.validate import validate_model
 from disttrain.planner import Assumptions, ModelShape, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
+from disttrain.planner.measured import MeasuredParts
 from disttrain.planner.spec import assumption_problems, parse_parameter_count
 
 OUTPUTS = ("table", "json")
@@ -36,6 +37,7 @@ class PlanRequest:
     sequence_parallel: bool | None  # None: the planner tries both
     seq_len: int
     sources: dict[str, str]  # hw figure -> measured | datasheet | none
+    parts: MeasuredParts | None = None  # calibration=RUN_DIR's measured block, edges and optimizer step
 
 
 def _check_hw(hw: HardwareProfile, precision: PrecisionConfig) -> None:
@@ -125,6 +127,7 @@ def parse_plan_request(cfg: DictConfig) -> PlanRequest:
         sequence_parallel,
         model.seq_len,
         profile.sources,
+        profile.parts,
     )
 
 

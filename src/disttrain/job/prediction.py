@@ -34,13 +34,13 @@ def predict_run(
     shape, work = model_shape(reference), workload(cfg, batch)
     layout = layout_of(cfg.strategy, world, batch)
     record: dict[str, Any] = {
-        "basis": profile.sources,
+        "basis": profile.basis(shape, work),
         "calibration": calibration.source if calibration is not None else None,
         "layout": layout.label(),
     }
     predicted: dict[str, Any] = {}
     try:
-        candidate = plan_layout(shape, layout, work, profile.hw, assumptions)
+        candidate = plan_layout(shape, layout, work, profile.hw, assumptions, profile.parts)
     except ValueError as err:  # no peak FLOP/s or no bandwidth for a link this layout uses
         record["unpredicted"] = str(err)
         memory = memory_per_gpu(shape, layout, work, assumptions.flash_attention)

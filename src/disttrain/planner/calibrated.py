@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 from diagnostics.calibration import Calibration
 from disttrain.config.hardware import HardwareProfile
+from disttrain.planner.measured import MeasuredParts, parts_basis
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
-from disttrain.planner.spec import Assumptions
+from disttrain.planner.shapes import ModelShape
+from disttrain.planner.spec import Assumptions, Workload
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,24 @@ class CalibratedProfile:
     hw: HardwareProfile
     sources: dict[str, str]  # field -> measured | datasheet | none
     calibration: Calibration | None = None
+
+    @property
+    def parts(self) -> MeasuredParts | None:
+        """The calibration's measured block, edges and optimizer step (``planner.measured``), if it took them."""
+        return MeasuredParts.from_figures(self.calibration.parts) if self.calibration is not None else None
+
+    def basis(self, shape: ModelShape, workload: Workload) -> dict[str, str]:
+        """``sources`` plus where a prediction's compute comes from for ``shape`` at ``workload``: the parts
+        (``measured``: this model and micro-batch; ``scaled``: another's, by FLOPs) or ``flops`` (FLOPs over the
+        matmul rate x the assumed efficiency), and likewise its optimizer step (``measured``/``scaled`` or
+        ``memory_bandwidth``, Adam's state bytes over ``hbm_bandwidth_gbps``)."""
+        how = parts_basis(self.parts, shape, workload)
+        return {
+            **self.sources,
+            "block_forward_backward": how or "flops",
+            "edges_forward_backward": how or "flops",
+            "optimizer_step": how or "memory_bandwidth",
+        }
 
     @property
     def measured(self) -> bool:

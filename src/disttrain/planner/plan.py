@@ -14,6 +14,7 @@ from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
 from disttrain.planner.candidates import candidate_layouts
 from disttrain.planner.comm import LinkBytes, comm_plan
+from disttrain.planner.measured import MeasuredParts
 from disttrain.planner.memory import MemoryBreakdown, memory_per_gpu
 from disttrain.planner.shapes import ModelShape, count_shape, model_shape
 from disttrain.planner.spec import Assumptions, Layout, Workload
@@ -98,6 +99,7 @@ class Plan:
     memory_limit_bytes: float | None  # usable memory per GPU after headroom; None when the profile has none
     candidates: tuple[CandidatePlan, ...]  # ranked
     sequence_parallel: bool | None = True  # Megatron TP layouts planned with SP (True), without (False), both (None)
+    parts: MeasuredParts | None = None  # a run's measured parts every layout's compute was composed from
 
     @property
     def recommended(self) -> CandidatePlan | None:
@@ -179,12 +181,13 @@ def plan_layout(
     workload: Workload,
     hw: HardwareProfile,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+    parts: MeasuredParts | None = None,
 ) -> CandidatePlan:
-    """Predictions for one layout."""
+    """Predictions for one layout (its compute from ``parts`` where a run measured them, ``planner.measured``)."""
     memory = memory_per_gpu(shape, layout, workload, assumptions.flash_attention)
     limit = memory_limit(hw, assumptions.headroom)
     traffic = comm_plan(shape, layout, workload, hw)
-    estimate = estimate_step(shape, layout, workload, hw, traffic, assumptions)
+    estimate = estimate_step(shape, layout, workload, hw, traffic, assumptions, parts)
     overrides = layout.overrides()
     if layout.microbatches > 1:  # train derives global = micro x dp unless told: keep the planned batch
         overrides.append(f"trainer.global_batch_size={workload.global_batch_size}")
@@ -239,12 +242,14 @@ def plan(
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     sequence_parallel: bool | None = True,
     strategies: tuple[str, ...] | None = None,
+    parts: MeasuredParts | None = None,
 ) -> Plan:
     """Predict and rank every candidate layout of ``model`` on ``hw`` (of ``strategies`` only, when given).
 
     ``global_batch_size`` defaults to ``micro_batch_size x world size`` (what DDP would train), and is held
     fixed across layouts; ``seq_len`` defaults to the model's. ``sequence_parallel`` picks Megatron's TP
-    layouts: with it (True), without it (False) or both (None).
+    layouts: with it (True), without it (False) or both (None). ``parts``: a run's measured block, edges and
+    optimizer step (``calibration=RUN_DIR``), which every layout's compute is composed from.
     """
     shape = resolve_shape(model, seq_len)
     if micro_batch_size < 1:
@@ -264,9 +269,11 @@ def plan(
             f"no layout of {hw.world_size} devices splits a global batch of {workload.global_batch_size} sequences "
             f"into micro-batches of {micro_batch_size}"
         )
-    planned = sorted((plan_layout(shape, layout, workload, hw, assumptions) for layout in layouts), key=_rank_key)
+    planned = sorted(
+        (plan_layout(shape, layout, workload, hw, assumptions, parts) for layout in layouts), key=_rank_key
+    )
     limit = memory_limit(hw, assumptions.headroom)
-    return Plan(shape, hw, workload, assumptions, limit, tuple(planned), sequence_parallel)
+    return Plan(shape, hw, workload, assumptions, limit, tuple(planned), sequence_parallel, parts)
 
 
 def suggest_micro_batch(result: Plan) -> int | None:
@@ -284,6 +291,7 @@ def suggest_micro_batch(result: Plan) -> int | None:
                 seq_len=w.seq_len,
                 assumptions=result.assumptions,
                 sequence_parallel=result.sequence_parallel,
+                parts=result.parts,
             )
         except ValueError:  # this micro-batch does not split the global batch over any layout
             smaller = None

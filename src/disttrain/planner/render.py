@@ -125,6 +125,7 @@ def throughput_line(result: Plan, tokens_per_s: float) -> str:
 def json_payload(result: Plan, tokens_per_s: float | None) -> dict[str, Any]:
     """``Plan.to_json`` plus, when nothing fits, the micro-batch that would, and a measured rate's MFU/HFU."""
     payload = result.to_json()
+    payload["compute_basis"] = compute_line(result).removeprefix("compute: ")
     if result.recommended is None:
         payload["suggested_micro_batch_size"] = suggest_micro_batch(result)
     if tokens_per_s is not None:
@@ -150,6 +151,24 @@ def sources_line(sources: dict[str, str]) -> str:
     return f"hw numbers: {named or 'none given'}" + (f"; not modelled: {missing}" if missing else "")
 
 
+def compute_line(result: Plan) -> str:
+    """Where the step times' compute comes from: a run's measured parts, those scaled to this model by FLOPs, or
+    FLOPs over the peak x the assumed efficiency (each an assumption of its own, said so)."""
+    basis = result.candidates[0].estimate.compute_basis if result.candidates else "flops"
+    parts = result.parts
+    if basis == "measured" and parts is not None:
+        return "compute: the measured parts of this model (one block, the edges, a block's optimizer step)"
+    if basis == "scaled" and parts is not None:
+        return (
+            f"compute: measured parts of another model or workload (d_model {parts.d_model}, micro-batch "
+            f"{parts.micro_batch} x {parts.seq_len}) scaled by FLOPs (assumes this device's time per FLOP carries over)"
+        )
+    return (
+        f"compute: FLOPs over the peak x compute_efficiency {result.assumptions.compute_efficiency:g} (an assumption; "
+        "pass calibration=RUN_DIR of a run of this model on this device class to measure it)"
+    )
+
+
 def print_plan(
     console: Console,
     result: Plan,
@@ -163,6 +182,7 @@ def print_plan(
     lines = summary_lines(result, train_prefix, limit)
     if sources:
         lines.insert(1, sources_line(sources))
+    lines.insert(2 if sources else 1, compute_line(result))
     if tokens_per_s is not None:
         lines.append(throughput_line(result, tokens_per_s))
     for line in lines:

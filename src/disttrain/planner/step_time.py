@@ -12,6 +12,10 @@ collective's threads need the compute's cores) replaces the assumption, every te
 costs the host ``hw.tp_linear_overhead_us`` per micro-batch on top of its FLOPs, and every FSDP2 unit
 ``hw.fsdp_unit_overhead_us`` plus ``hw.fsdp_copy_ns_per_byte`` for each byte it copies into or out of its
 collective buffers.
+
+Where the run measured its own parts (one block, the edges, a block's optimizer step: ``planner.measured``), a
+layout's forward, backward and optimizer step are composed from them instead of FLOPs over a matmul rate x an
+assumed efficiency; communication, waits and the bubble are modelled around them the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import PrecisionConfig
 from disttrain.planner.bubble import bubble_fraction
 from disttrain.planner.comm import CommPlan, Sync, link_time
+from disttrain.planner.measured import MeasuredParts, parts_basis, parts_compute
 from disttrain.planner.memory import rank_parameters
 from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token
 from disttrain.planner.spec import Assumptions, Layout, Workload
@@ -49,6 +54,9 @@ class StepEstimate:
     tokens_per_s: float
     mfu: float
     hfu: float
+    # Where forward, backward and the optimizer step came from: measured (the run's own parts), scaled (parts of
+    # another model or workload, by FLOPs) or flops (FLOPs over the matmul rate x the assumed efficiency).
+    compute_basis: str = "flops"
 
 
 @dataclass(frozen=True)
@@ -163,8 +171,10 @@ def estimate_step(
     hw: HardwareProfile,
     comm: CommPlan,
     assumptions: Assumptions,
+    parts: MeasuredParts | None = None,
 ) -> StepEstimate:
-    """Step time of ``layout``: pipelined micro-batches, then what the step itself adds."""
+    """Step time of ``layout``: pipelined micro-batches, then what the step itself adds. With ``parts`` (the
+    run's measured block, edges and optimizer step) the compute and the optimizer step are composed from them."""
     peak = peak_flops(hw, workload.precision)
     rate = peak * assumptions.compute_efficiency
     seq = workload.seq_len
@@ -174,6 +184,16 @@ def estimate_step(
     tokens = workload.micro_batch_size * seq / (layout.tp * layout.pp)
     forward = tokens * model_per_token / 3.0 / rate  # 2N of the 6N; recomputation belongs to backward
     backward = tokens * hardware_per_token / rate - forward
+    optimizer = optimizer_step_seconds(shape, layout, workload, hw)
+    basis = "flops"
+    if parts is not None and parts_basis(parts, shape, workload) is not None:
+        measured = parts_compute(parts, shape, layout, workload, gpu_optimizer_parameters(shape, layout))
+        forward, backward, optimizer, basis = (
+            measured.forward_s,
+            measured.backward_s,
+            measured.optimizer_step_s,
+            measured.basis,
+        )
     # A measured share (``hw.comm_overlap``, calibration) over the assumption: gloo on a CPU hides ~none of it.
     overlap = assumptions.comm_overlap if hw.comm_overlap is None else hw.comm_overlap
     dispatch = tp_dispatch_seconds(
@@ -199,7 +219,6 @@ def estimate_step(
         + seconds(comm.step_exposed)
     )
     host_optimizer = comm.host_optimizer_parameters / assumptions.cpu_optimizer_params_per_s
-    optimizer = optimizer_step_seconds(shape, layout, workload, hw)
     syncs = [Sync(s.group, s.calls * m) for s in comm.mb_syncs] + list(comm.step_syncs)
     overhead = (hw.sync_overhead_us or 0.0) * 1e-6
     sync_wait = sync_wait_seconds(m * (forward + backward), syncs, hw.compute_jitter, overhead)
@@ -220,4 +239,5 @@ def estimate_step(
         tokens_per_s=tokens_per_s,
         mfu=util.mfu,
         hfu=util.hfu,
+        compute_basis=basis,
     )

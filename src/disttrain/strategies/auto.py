@@ -187,7 +187,7 @@ def resolve_auto(
     scored = []
     for option, layout in [*layouts, *megatron]:
         try:
-            predicted = plan_layout(shape, layout, work, profile.hw, assumptions)
+            predicted = plan_layout(shape, layout, work, profile.hw, assumptions, profile.parts)
         except ValueError:
             continue  # a link this layout needs has no bandwidth (datasheet or measured): it cannot be timed
         scored.append((not predicted.fits, predicted.estimate.step_time_s, option, predicted))

@@ -106,6 +106,16 @@ def tp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     return functools.partial(tp_probe_parts, cfg.model, loss_parallel=cfg.strategy.loss_parallel)
 
 
+def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
+    """The parts probe's layers (one block, the edges, the run's optimizer over a block) for a run of the reference
+    transformer in its precision; None for a model whose layers the probe cannot build (HF, user models)."""
+    if type(cfg.model) is not ModelConfig:
+        return None
+    from disttrain.models.probe_parts import model_parts
+
+    return functools.partial(model_parts, cfg.model, cfg.optimizer, cfg.precision.name)
+
+
 def fsdp_shard_ranks(cfg: RunConfig, plan: BatchPlan) -> int:
     """Ranks the run's FSDP2 units shard over: strategy=fsdp's, and strategy=megatron's data parallelism, which
     wraps its chunks in FSDP2 whatever its degree (1 under tp- or pp-only layouts); 0 for runs without FSDP2."""
@@ -154,6 +164,7 @@ def build_diagnostics(
         tp=getattr(cfg.strategy, "tp", 1) if cfg.strategy.name == "megatron" else 1,
         d_model=shape.d_model if shape is not None else 0,
         tp_probe=tp_probe(cfg),
+        parts_probe=parts_probe(cfg),
         collectives_off_thread=collectives_off_thread(cfg),
         fsdp_shard_ranks=fsdp_shard_ranks(cfg, plan),
     )

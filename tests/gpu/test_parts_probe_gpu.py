@@ -1,0 +1,25 @@
+"""The start-up parts probe on a GPU: gpt2-124m's block, edges and block optimizer step in bf16-mixed are timed, and
+the allocator's peak is reset after it (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diagnostics.collect.parts import time_model_parts
+from disttrain.config.schema import OptimizerConfig
+from disttrain.models.probe_parts import model_parts
+from tests.conftest import model_preset
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_gpt2_parts_are_timed_in_bf16_and_leave_no_peak_behind() -> None:
+    device = torch.device("cuda", 0)
+    parts = model_parts(model_preset("gpt2-124m"), OptimizerConfig(), "bf16-mixed", device)
+    result = time_model_parts(device, parts, micro_batch=4)
+    seconds = [result[k] for k in ("block_forward_s", "block_backward_s", "edges_forward_s", "edges_backward_s")]
+    assert all(0 < s < 1.0 for s in seconds), result
+    assert result["block_backward_s"] > result["block_forward_s"]  # backward runs about twice the matmuls
+    assert 0 < result["optimizer_step_s"] < 0.1 and result["block_numel"] == 7_087_872
+    assert torch.cuda.max_memory_allocated(device) < 2 * 2**30  # the probe's 4 x 1024 x 50257 logits are gone
