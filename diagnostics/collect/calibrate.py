@@ -201,12 +201,11 @@ def comm_overlap(group: object | None, nbytes: int, device: torch.device, local_
 
     On a CPU host a collective is work for the host's cores (gloo's threads copy and reduce the bytes): compute
     hides it only where a core is left over beside each rank's compute threads, so the share is the spare cores per
-    rank, clipped to [0, 1] (0 on this box: 2 cores, 2 ranks of 1 thread). Counted, not timed: a wall-clock probe
-    read 0.0-0.08 at load 7 and 0.92-1.0 at load 10 (descheduled compute leaves the collective free cores), while
-    the ranks' CPU time says what FSDP's collectives cost (+7% process over training-thread CPU, the same at any
-    load). On a GPU: a matmul segment alone, an all-reduce of ``nbytes`` alone, then both at once (issued
-    asynchronously), each the median of ``rounds`` after a barrier: hidden = (compute + comm - both) /
-    min(compute, comm). Every rank of ``group`` must call it with the same arguments."""
+    rank, clipped to [0, 1]. Counted, not timed: a wall-clock probe reads whatever the machine's load leaves free,
+    while the ranks' CPU time says what the collectives cost (figures: benchmarks/RESULTS.md). On a GPU: a matmul
+    segment alone, an all-reduce of ``nbytes`` alone, then both at once (issued asynchronously), each the median
+    of ``rounds`` after a barrier: hidden = (compute + comm - both) / min(compute, comm). Every rank of ``group``
+    must call it with the same arguments."""
     if device.type != "cuda":
         try:
             cores = len(os.sched_getaffinity(0))

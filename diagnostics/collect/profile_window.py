@@ -98,8 +98,7 @@ def release_cupti_after_window() -> None:
     """Have Kineto detach CUPTI when a profiling session stops (``TEARDOWN_CUPTI=1``; a value already set wins).
 
     By default Kineto leaves CUPTI attached once it has profiled, and every kernel launch after the window pays
-    for it: on one H200 (gpt-nano, bf16, 220 steps) the median step with the window was 14.1-15.8 ms against
-    10.3-12.4 without it, and 10.8-12.9 with the window and this variable set (2 interleaved repeats). Kineto
+    for it (the H200 A/B that showed it: benchmarks/RESULTS.md, "On one GPU"). Kineto
     reads it when it first initialises and when a session stops, so each process sets it before its first
     profiler. torch.compile's CUDA-graph mode sets it to 0 (CUPTI teardown breaks CUDA graphs on older CUDA):
     that setting stands.

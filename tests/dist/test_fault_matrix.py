@@ -220,7 +220,13 @@ def test_a_nonfinite_stop_from_any_rank_ends_every_rank_with_exit_4(layout: str,
     ]
     manifest = read_manifest(run_dir)
     assert (manifest["status"], manifest.get("failure"), manifest.get("failed_rank")) == ("stopped", None, None)
-    nonfinite = {"policy": "stop", "skipped_steps": [], "scaler_skipped_steps": [], "stopped_at_step": step, "stop_reason": reason}
+    nonfinite = {
+        "policy": "stop",
+        "skipped_steps": [],
+        "scaler_skipped_steps": [],
+        "stopped_at_step": step,
+        "stop_reason": reason,
+    }
     assert manifest["nonfinite"] == {**nonfinite, "last_good_checkpoint": str(last_good)}
     for rank in (0, 1):  # every rank voted and recorded the same verdict
         records = [json.loads(line) for line in telemetry_path(run_dir, rank).open()]

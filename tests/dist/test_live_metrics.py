@@ -65,7 +65,9 @@ def test_every_group_is_in_the_csv_with_the_reports_numbers(straggler_run: tuple
     assert all(0 <= v <= 1 for series in shares for v in series)
 
     rss = metric_series(rows, "memory/host_rss_gib")
-    assert rss and all(0.05 < v < 64 for v in rss) and all(0 < v < 100 for v in metric_series(rows, "memory/host_rss_pct"))
+    assert (
+        rss and all(0.05 < v < 64 for v in rss) and all(0 < v < 100 for v in metric_series(rows, "memory/host_rss_pct"))
+    )
     assert not any(key.startswith(("gpu/", "memory/allocated")) for key in rows[0])  # a CPU run: RSS, no NVML
 
     norms = metric_series(rows, "optim/grad_norm")
@@ -79,7 +81,9 @@ def test_the_ranks_gap_names_the_sleeping_rank_and_the_finding_appears_once(stra
     gaps = metric_series(rows, "ranks/busy_gap_s")
     assert len(slowest) >= 4 and set(slowest) == {1.0}
     assert all(0.6 * SLEEP_S < g < 4 * SLEEP_S for g in gaps), gaps  # the sleep, seen through DDP's equal steps
-    assert all(0 <= v <= 1 for v in metric_series(rows, "comm/exposed_share") + metric_series(rows, "comm/waiting_share"))
+    assert all(
+        0 <= v <= 1 for v in metric_series(rows, "comm/exposed_share") + metric_series(rows, "comm/waiting_share")
+    )
     # Rank 0 waits for rank 1 at the all-reduce: its comm wait beyond the transfer is waiting.
     assert max(metric_series(rows, "comm/waiting_share")) > 0.1
 
