@@ -34,7 +34,7 @@ def _fractions(phases: list[RankPhases], key: str) -> dict[int, float]:
 def _persistence(run: RunTelemetry, rank: int, key: str, fraction: float) -> float:
     """Share of a rank's steady steps in which ``key`` is at least ``fraction`` of the step."""
     steps = [s for s in steady(run.ranks[rank].steps) if s.step_s and getattr(s, key) is not None]
-    return sum(1 for s in steps if getattr(s, key) >= fraction * s.step_s) / len(steps) if steps else 0.0
+    return sum(1 for s in steps if getattr(s, key) >= fraction * (s.step_s or 0.0)) / len(steps) if steps else 0.0
 
 
 def detect_input_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
@@ -239,7 +239,7 @@ def training_samples(tele: RankTelemetry) -> list[Sample]:
     steps = [s for s in steady(tele.steps) if s.start_t and s.step_s is not None]
     if not steps:
         return tele.samples
-    first, last = steps[0].start_t, max(s.start_t + s.step_s for s in steps)  # type: ignore[operator]
+    first, last = steps[0].start_t or 0.0, max((s.start_t or 0.0) + (s.step_s or 0.0) for s in steps)
     inside = [s for s in tele.samples if first <= s.t <= last]
     return inside or tele.samples
 

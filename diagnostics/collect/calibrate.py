@@ -8,8 +8,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -369,7 +374,11 @@ def tp_model_overhead(
     }
 
 
-def _group_mesh(device: torch.device, size: int) -> object:
+def _output_sum(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).sum()
+
+
+def _group_mesh(device: torch.device, size: int) -> DeviceMesh:
     """A one-dimensional mesh over groups of ``size`` consecutive ranks (the run's TP or FSDP2 group shape); every
     rank must call it."""
     import torch.distributed as dist
@@ -457,7 +466,7 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
         fully_shard(wrapped[0], mesh=mesh, reshard_after_forward=True)
         fully_shard(wrapped, mesh=mesh)
         x = torch.randn(8, width, device=device)  # 2-D: a 3-D input makes Linear return a view, which FSDP2 warns of
-        passes = _paired_passes(plain, wrapped, lambda m, x=x: m(x).sum(), device, repeats)
+        passes = _paired_passes(plain, wrapped, partial(_output_sum, x=x), device, repeats)
         overhead[width] = max(0.0, passes["extra_s"])
         numel[width] = sum(p.numel() for p in plain.parameters())
     small, large = FSDP_PROBE_WIDTHS

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def split_events(events: list[Event], window: Interval) -> dict:
     # Annotations on CPU (FSDP::, gloo:) are host events even on a GPU run: count them as comm too.
     if use_device:
         comm += [(e.start_s, e.end_s) for e in events if not e.on_device and e.name.startswith("FSDP::")]
-    result = split_window(compute, comm, window)
+    result: dict = split_window(compute, comm, window)
     result["comm_by_op"] = dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:10])
     result["backend"] = "device kernels" if use_device else "host ops"
     return result
@@ -115,7 +116,7 @@ class ProfilerWindow:
         active: int,
         trace_dir: Path,
         rank: int,
-        write: object,
+        write: Callable[..., None],
         use_cuda: bool,
         all_threads: bool = True,
     ) -> None:
