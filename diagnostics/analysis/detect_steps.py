@@ -221,8 +221,7 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
 def _low_util(run: RunTelemetry, phases: list[RankPhases]) -> dict[int, float]:
     """Mean NVML utilization over the training steps of ranks whose idle device neither data wait nor communication
     explains. Only without a profile window: the window times the kernels themselves, and NVML's mean over a short
-    run is mostly start-up (an H200 compiling llama-1b for 40 s then training for 15 s read 44% busy while its
-    profiled steps were 99% busy)."""
+    run is mostly start-up, compile time included (an H200 case: benchmarks/RESULTS.md)."""
     out = {}
     for p in phases:
         if p.profile_total_s is not None:
