@@ -175,7 +175,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     parts: list[dict] = []
     ranks: set[int] = set()
     for r in _records(run_dir):
-        rank = r.get("rank") if isinstance(r.get("rank"), int) else -1
+        rank = found if isinstance(found := r.get("rank"), int) else -1
         ranks.add(rank)
         if r["kind"] == "calibration" and (rate := _positive(r.get("flops_per_s"))) and isinstance(r.get("dtype"), str):
             key = (r["dtype"], rank)
@@ -200,8 +200,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             if (edges := _fraction(r.get("edge_overhead_us"), upper=math.inf)) is not None:
                 tp_edges.append(edges)
         elif r["kind"] == "fsdp_calibration":
-            for key, values in (("fixed_us", fsdp_fixed), ("ns_per_byte", fsdp_per_byte)):
-                if (value := _fraction(r.get(key), upper=math.inf)) is not None:
+            for name, values in (("fixed_us", fsdp_fixed), ("ns_per_byte", fsdp_per_byte)):
+                if (value := _fraction(r.get(name), upper=math.inf)) is not None:
                     values.append(value)
         elif r["kind"] == "parts_calibration":
             parts.append(r)

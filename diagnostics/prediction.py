@@ -80,8 +80,8 @@ def measured_from_analysis(analysis: Analysis, predicted: dict[str, Any]) -> dic
     s, phases = analysis.summary, analysis.phases
     measured: dict[str, Any] = {"step_time_s": s.step_time.get("p50"), "tokens_per_s": s.tokens_per_s}
     p_tps, p_mfu = _number(predicted.get("tokens_per_s")), _number(predicted.get("mfu"))
-    if p_tps and p_mfu and _number(s.tokens_per_s):
-        measured["mfu"] = p_mfu * s.tokens_per_s / p_tps  # the same FLOPs per token and peak as the prediction
+    if p_tps and p_mfu and (tokens_per_s := _number(s.tokens_per_s)):
+        measured["mfu"] = p_mfu * tokens_per_s / p_tps  # the same FLOPs per token and peak as the prediction
     comm = [p.profile_comm_s for p in phases if p.profile_comm_s is not None]
     if comm:
         measured["comm_s"] = min(comm)

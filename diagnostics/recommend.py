@@ -98,7 +98,7 @@ def _bigger_global(ctx: RunContext, why: str, effect: str) -> list[Recommendatio
 
 
 def _smaller_micro(ctx: RunContext) -> list[Recommendation]:
-    micro = ctx.micro()
+    micro = ctx.micro() or 0
     divisors = [d for d in range(micro - 1, 0, -1) if micro % d == 0] if micro and micro > 1 else []
     if not divisors or not ctx.global_batch():
         return []

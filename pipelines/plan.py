@@ -1,4 +1,4 @@
-"""``python -m plan``: predict memory, communication, bubble and step time of every layout (see README).
+"""``python -m plan``: predict memory, communication, bubble and step time of every layout (see docs/planner.md).
 
 Kept thin: Hydra in, typed request out, ``disttrain.planner`` does the math. A user's mistake becomes one line
 and exit code 2, as in ``python -m train``. Nothing imports torch, and nothing is written to disk.

@@ -1,4 +1,4 @@
-"""A user's own model and datamodule, plugged in by ``_target_`` (see README, "Your own model or data")."""
+"""A user's own model and datamodule, plugged in by ``_target_`` (docs/configuration.md, "Your own model or data")."""
 
 from __future__ import annotations
 

@@ -127,8 +127,9 @@ def _memory_fractions(run: RunTelemetry, phases: list[RankPhases]) -> tuple[dict
             hosts.setdefault(p.hostname or "host", []).append(p)
     for group in hosts.values():
         total = _host_memory_total(run, group[0].rank)
-        share = ratio(sum(p.peak_rss_bytes or 0.0 for p in group), total)
-        for p in group if share is not None else []:
+        if (share := ratio(sum(p.peak_rss_bytes or 0.0 for p in group), total)) is None:
+            continue
+        for p in group:
             fractions[p.rank] = share
             basis[p.rank] = f"sum of RSS of {len(group)} rank(s) / host memory"
     return fractions, basis
@@ -180,7 +181,7 @@ def detect_throttling(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
         return []
     worst = max(shares[r] for r in flagged)
     # A synchronous job runs at its slowest device: the worst device's clock loss is the job's.
-    lost = {r: shares[r] * (clocks[r]["clock_lost"] if clocks[r]["clock_lost"] is not None else 1.0) for r in flagged}
+    lost = {r: shares[r] * (1.0 if (c := clocks[r]["clock_lost"]) is None else c) for r in flagged}
     rated = {r: limit for r in flagged if (limit := at_rated_power(training_samples(run.ranks[r]), reasons[r]))}
     if len(rated) == len(flagged):
         # The cap the board ships with, reached under full load: how every such GPU runs, not a fault to fix.

@@ -35,7 +35,7 @@ def _fractions(phases: list[RankPhases], key: str) -> dict[int, float]:
 def _persistence(run: RunTelemetry, rank: int, key: str, fraction: float) -> float:
     """Share of a rank's steady steps in which ``key`` is at least ``fraction`` of the step."""
     steps = [s for s in steady(run.ranks[rank].steps) if s.step_s and getattr(s, key) is not None]
-    return sum(1 for s in steps if getattr(s, key) >= fraction * s.step_s) / len(steps) if steps else 0.0
+    return sum(1 for s in steps if getattr(s, key) >= fraction * (s.step_s or 0.0)) / len(steps) if steps else 0.0
 
 
 def detect_input_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
@@ -222,8 +222,7 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
 def _low_util(run: RunTelemetry, phases: list[RankPhases]) -> dict[int, float]:
     """Mean NVML utilization over the training steps of ranks whose idle device neither data wait nor communication
     explains. Only without a profile window: the window times the kernels themselves, and NVML's mean over a short
-    run is mostly start-up (an H200 compiling llama-1b for 40 s then training for 15 s read 44% busy while its
-    profiled steps were 99% busy)."""
+    run is mostly start-up, compile time included (an H200 case: benchmarks/RESULTS.md)."""
     out = {}
     for p in phases:
         if p.profile_total_s is not None:
@@ -240,7 +239,7 @@ def training_samples(tele: RankTelemetry) -> list[Sample]:
     steps = [s for s in steady(tele.steps) if s.start_t and s.step_s is not None]
     if not steps:
         return tele.samples
-    first, last = steps[0].start_t, max(s.start_t + s.step_s for s in steps)  # type: ignore[operator]
+    first, last = steps[0].start_t or 0.0, max((s.start_t or 0.0) + (s.step_s or 0.0) for s in steps)
     inside = [s for s in tele.samples if first <= s.t <= last]
     return inside or tele.samples
 

@@ -171,7 +171,7 @@ def _window(rec: dict[str, Any]) -> RanksWindow | None:
         return None
     steps = rec.get("window_steps")
     return RanksWindow(
-        step=rec.get("step") if isinstance(rec.get("step"), int) else -1,
+        step=step if isinstance(step := rec.get("step"), int) else -1,
         window_steps=steps if isinstance(steps, int) else None,
         local_compute_s=local,
         step_s=_num_list(rec.get("step_s")),
@@ -191,7 +191,7 @@ def _sample(rec: dict[str, Any]) -> Sample:
 
 
 def _profile(rec: dict[str, Any]) -> ProfileWindow:
-    by_op = rec.get("comm_by_op") if isinstance(rec.get("comm_by_op"), dict) else {}
+    by_op = found if isinstance(found := rec.get("comm_by_op"), dict) else {}
     steps = rec.get("steps")
     if isinstance(steps, list) and len(steps) == 2 and all(isinstance(s, int) for s in steps):
         steps = steps[1] - steps[0] + 1  # [first, last] step of the window

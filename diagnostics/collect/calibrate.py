@@ -8,8 +8,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -201,12 +206,11 @@ def comm_overlap(group: object | None, nbytes: int, device: torch.device, local_
 
     On a CPU host a collective is work for the host's cores (gloo's threads copy and reduce the bytes): compute
     hides it only where a core is left over beside each rank's compute threads, so the share is the spare cores per
-    rank, clipped to [0, 1] (0 on this box: 2 cores, 2 ranks of 1 thread). Counted, not timed: a wall-clock probe
-    read 0.0-0.08 at load 7 and 0.92-1.0 at load 10 (descheduled compute leaves the collective free cores), while
-    the ranks' CPU time says what FSDP's collectives cost (+7% process over training-thread CPU, the same at any
-    load). On a GPU: a matmul segment alone, an all-reduce of ``nbytes`` alone, then both at once (issued
-    asynchronously), each the median of ``rounds`` after a barrier: hidden = (compute + comm - both) /
-    min(compute, comm). Every rank of ``group`` must call it with the same arguments."""
+    rank, clipped to [0, 1]. Counted, not timed: a wall-clock probe reads whatever the machine's load leaves free,
+    while the ranks' CPU time says what the collectives cost (figures: benchmarks/RESULTS.md). On a GPU: a matmul
+    segment alone, an all-reduce of ``nbytes`` alone, then both at once (issued asynchronously), each the median
+    of ``rounds`` after a barrier: hidden = (compute + comm - both) / min(compute, comm). Every rank of ``group``
+    must call it with the same arguments."""
     if device.type != "cuda":
         try:
             cores = len(os.sched_getaffinity(0))
@@ -370,7 +374,11 @@ def tp_model_overhead(
     }
 
 
-def _group_mesh(device: torch.device, size: int) -> object:
+def _output_sum(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).sum()
+
+
+def _group_mesh(device: torch.device, size: int) -> DeviceMesh:
     """A one-dimensional mesh over groups of ``size`` consecutive ranks (the run's TP or FSDP2 group shape); every
     rank must call it."""
     import torch.distributed as dist
@@ -458,7 +466,7 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
         fully_shard(wrapped[0], mesh=mesh, reshard_after_forward=True)
         fully_shard(wrapped, mesh=mesh)
         x = torch.randn(8, width, device=device)  # 2-D: a 3-D input makes Linear return a view, which FSDP2 warns of
-        passes = _paired_passes(plain, wrapped, lambda m, x=x: m(x).sum(), device, repeats)
+        passes = _paired_passes(plain, wrapped, partial(_output_sum, x=x), device, repeats)
         overhead[width] = max(0.0, passes["extra_s"])
         numel[width] = sum(p.numel() for p in plain.parameters())
     small, large = FSDP_PROBE_WIDTHS

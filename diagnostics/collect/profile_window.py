@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def split_events(events: list[Event], window: Interval) -> dict:
     # Annotations on CPU (FSDP::, gloo:) are host events even on a GPU run: count them as comm too.
     if use_device:
         comm += [(e.start_s, e.end_s) for e in events if not e.on_device and e.name.startswith("FSDP::")]
-    result = split_window(compute, comm, window)
+    result: dict = split_window(compute, comm, window)
     result["comm_by_op"] = dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:10])
     result["backend"] = "device kernels" if use_device else "host ops"
     return result
@@ -98,8 +99,7 @@ def release_cupti_after_window() -> None:
     """Have Kineto detach CUPTI when a profiling session stops (``TEARDOWN_CUPTI=1``; a value already set wins).
 
     By default Kineto leaves CUPTI attached once it has profiled, and every kernel launch after the window pays
-    for it: on one H200 (gpt-nano, bf16, 220 steps) the median step with the window was 14.1-15.8 ms against
-    10.3-12.4 without it, and 10.8-12.9 with the window and this variable set (2 interleaved repeats). Kineto
+    for it (the H200 A/B that showed it: benchmarks/RESULTS.md, "On one GPU"). Kineto
     reads it when it first initialises and when a session stops, so each process sets it before its first
     profiler. torch.compile's CUDA-graph mode sets it to 0 (CUPTI teardown breaks CUDA graphs on older CUDA):
     that setting stands.
@@ -116,7 +116,7 @@ class ProfilerWindow:
         active: int,
         trace_dir: Path,
         rank: int,
-        write: object,
+        write: Callable[..., None],
         use_cuda: bool,
         all_threads: bool = True,
     ) -> None:

@@ -52,7 +52,7 @@ class NvmlReader:
     def read(self) -> dict:
         n, h = self.nvml, self.handle
         memory = n.nvmlDeviceGetMemoryInfo(h)
-        reasons = self._optional(lambda: n.nvmlDeviceGetCurrentClocksThrottleReasons(h)) or 0
+        reasons = int(self._optional(lambda: n.nvmlDeviceGetCurrentClocksThrottleReasons(h)) or 0)
         pcie = {
             "pcie_tx_bytes_per_s": self._optional(lambda: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_TX_BYTES)),
             "pcie_rx_bytes_per_s": self._optional(lambda: n.nvmlDeviceGetPcieThroughput(h, n.NVML_PCIE_UTIL_RX_BYTES)),

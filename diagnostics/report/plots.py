@@ -97,7 +97,7 @@ def step_times(analysis: Analysis) -> Plot:
     for rank in sorted(analysis.run.ranks):
         steps = [s for s in analysis.run.ranks[rank].steps if s.step_s is not None]
         if steps:
-            series.append(Series(f"rank {rank}", [s.step_s for s in steps], [float(s.step) for s in steps]))
+            series.append(Series(f"rank {rank}", [s.step_s or 0.0 for s in steps], [float(s.step) for s in steps]))
     if not series:
         return "step-time", caption, None
     return "step-time", caption, lines("step-time", "Step time", "step", "seconds", series)

@@ -21,7 +21,10 @@ from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import build_model_factory
 from disttrain.models.hf import SafetensorsWeights
 
-ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
 PLACEMENTS = {"zero3": "deferred", "fsdp": "deferred", "ddp": "rank0", "zero2": "rank0"}  # spec.py's, for 2 ranks
 
 
@@ -66,7 +69,9 @@ def _fsdp(model: nn.Module) -> dict[str, Any]:
     from disttrain.strategies.fsdp import apply_fsdp
 
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("data_parallel",))
-    apply_fsdp(model, mesh, FSDPConfig(activation_checkpointing=True), PrecisionConfig(), apply_activation_checkpointing)
+    apply_fsdp(
+        model, mesh, FSDPConfig(activation_checkpointing=True), PrecisionConfig(), apply_activation_checkpointing
+    )
     held = sum(p.to_local().numel() for p in model.parameters())
     return {"params": {name: p.full_tensor() for name, p in model.named_parameters()}, "held": held}
 
@@ -81,7 +86,11 @@ def _zero2(model: nn.Module) -> dict[str, Any]:
 
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+    }
     optimizer = torch.optim.AdamW(model.parameters())
     args = argparse.Namespace(device_rank=torch.distributed.get_rank())  # as CPUCapableDeepSpeedStrategy passes
     engine, *_ = deepspeed.initialize(args=args, model=model, optimizer=optimizer, config=config)

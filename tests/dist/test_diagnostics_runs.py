@@ -9,10 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.conftest import REPO, run_cli
+
+if TYPE_CHECKING:
+    from tests.dist.conftest import FinishedRun
 
 pytestmark = pytest.mark.dist
 
@@ -57,8 +61,9 @@ def test_slow_datamodule_is_input_bound_with_a_workers_override(tmp_path: Path) 
     assert not findings(report, "straggler")
 
 
-def test_sleeping_rank_is_named_as_straggler_although_ddp_equalizes_step_times(tmp_path: Path) -> None:
-    report = report_of([*SHORT, *USER_MODEL, "+model._target_=tests.plugins.SleepyRankModel"], tmp_path)
+def test_sleeping_rank_is_named_as_straggler_although_ddp_equalizes_step_times(sleepy_rank_run: FinishedRun) -> None:
+    """Rank 1 sleeps in forward (tests/dist/conftest.py's shared run, 30 steps)."""
+    report = json.loads((sleepy_rank_run.run_dir / "report" / "report.json").read_text())
     (finding,) = findings(report, "straggler")
     assert finding["ranks"] == [1]
     per_rank = report["per_rank"]

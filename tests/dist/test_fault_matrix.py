@@ -1,4 +1,4 @@
-"""The fault matrix (README, "Reliability"): each fault on rank 0 and on a non-zero rank ends as documented.
+"""The fault matrix (docs/reliability.md): each fault on rank 0 and on a non-zero rank ends as documented.
 
 Faults come from ``DISTTRAIN_FAULT`` (``disttrain/reliability/faults.py``). Every launch costs CI time, so runs
 are shared: a ``nan_policy=skip`` run per layout takes a non-finite loss and a non-finite gradient on each rank,
@@ -7,8 +7,8 @@ checkpoints are then cut short (a file, a shard of rank 0, a shard of rank 1) an
 run ends with another fault. The agreed non-finite stop (``nan_policy=stop``) gets a run under DDP (from rank 0)
 and Megatron pp=2 (from rank 1); Megatron's stopped run is then the resume source of its rank-1 cells (SIGKILL,
 hang, ENOSPC). The other faults that end a run get one run per cell not covered elsewhere (see the matrix in
-README: the other cells, and FSDP's stop, are in test_reliability.py and test_diagnostics_runs.py). Every case
-asserts the exit code, the rank named on the console, in run.json and in the report, that no process is left
+docs/reliability.md: the other cells, and FSDP's stop, are in test_reliability.py and test_diagnostics_runs.py). Each
+case asserts the exit code, the rank named on the console, in run.json and in the report, that no process is left
 behind and which checkpoints are complete.
 """
 
@@ -220,7 +220,13 @@ def test_a_nonfinite_stop_from_any_rank_ends_every_rank_with_exit_4(layout: str,
     ]
     manifest = read_manifest(run_dir)
     assert (manifest["status"], manifest.get("failure"), manifest.get("failed_rank")) == ("stopped", None, None)
-    nonfinite = {"policy": "stop", "skipped_steps": [], "scaler_skipped_steps": [], "stopped_at_step": step, "stop_reason": reason}
+    nonfinite = {
+        "policy": "stop",
+        "skipped_steps": [],
+        "scaler_skipped_steps": [],
+        "stopped_at_step": step,
+        "stop_reason": reason,
+    }
     assert manifest["nonfinite"] == {**nonfinite, "last_good_checkpoint": str(last_good)}
     for rank in (0, 1):  # every rank voted and recorded the same verdict
         records = [json.loads(line) for line in telemetry_path(run_dir, rank).open()]

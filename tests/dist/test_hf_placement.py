@@ -110,5 +110,5 @@ def test_only_rank_zero_reads_model_path(case: str, built: tuple) -> None:
         assert rank0["loads"] == [cases[case]["model"]["path"]] and rank0["reads"] == []
         return
     with safe_open(str(Path(cases[case]["model"]["path"]) / "model.safetensors"), framework="pt") as handle:
-        stored = sorted(handle.keys())  # noqa: SIM118 (not a dict)
+        stored = sorted(handle.keys())
     assert rank0["loads"] == [] and sorted(rank0["reads"]) == stored  # each tensor once

@@ -1,44 +1,27 @@
 """The user's logger gets what the console and the report know, while the run goes: one 2-rank CSV run with a
-straggler (rank 1 sleeps in its forward) read back from metrics.csv. The TensorBoard and wandb loggers' runs are
-in test_runs.py (their launches are shared with the data-kind tests)."""
+straggler (rank 1 sleeps in its forward: tests/dist/conftest.py's sleepy_rank_run, shared with the straggler's
+diagnosis and the plug-in model test) read back from metrics.csv. The TensorBoard and wandb loggers' runs are in
+test_runs.py (their launches are shared with the data-kind tests)."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
-from tests.dist.test_diagnostics_runs import SHORT, USER_MODEL
+from tests.dist.conftest import SLEEP_S, FinishedRun
 
 pytestmark = pytest.mark.dist
-
-SLEEP_S = 0.05
 
 
 def metric_series(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(row[key]) for row in rows if row.get(key) not in (None, "")]
 
 
-@pytest.fixture(scope="module")
-def straggler_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list[dict[str, str]]]:
-    tmp = tmp_path_factory.mktemp("live")
-    run_dir = tmp / "run"
-    args = [*SHORT, "trainer.max_steps=30", *USER_MODEL, "+model._target_=tests.plugins.SleepyRankModel",
-            f"+model.sleep_s={SLEEP_S}", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    result = run_cli(args, cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    with (run_dir / "metrics" / "metrics.csv").open() as handle:
-        rows = list(csv.DictReader(handle))
-    return run_dir, result.stdout + result.stderr, rows
-
-
-def test_every_group_is_in_the_csv_with_the_reports_numbers(straggler_run: tuple[Path, str, list]) -> None:
-    run_dir, out, rows = straggler_run
+def test_every_group_is_in_the_csv_with_the_reports_numbers(sleepy_rank_run: FinishedRun) -> None:
+    run_dir, out, rows = sleepy_rank_run.run_dir, sleepy_rank_run.console, sleepy_rank_run.metrics
     report = json.loads((run_dir / "report" / "report.json").read_text())
     summary = report["summary"]
     # The run's rate and MFU, logged once at the end, are the report's; the console's summary line says the same.
@@ -65,7 +48,9 @@ def test_every_group_is_in_the_csv_with_the_reports_numbers(straggler_run: tuple
     assert all(0 <= v <= 1 for series in shares for v in series)
 
     rss = metric_series(rows, "memory/host_rss_gib")
-    assert rss and all(0.05 < v < 64 for v in rss) and all(0 < v < 100 for v in metric_series(rows, "memory/host_rss_pct"))
+    assert (
+        rss and all(0.05 < v < 64 for v in rss) and all(0 < v < 100 for v in metric_series(rows, "memory/host_rss_pct"))
+    )
     assert not any(key.startswith(("gpu/", "memory/allocated")) for key in rows[0])  # a CPU run: RSS, no NVML
 
     norms = metric_series(rows, "optim/grad_norm")
@@ -73,13 +58,15 @@ def test_every_group_is_in_the_csv_with_the_reports_numbers(straggler_run: tuple
     assert set(metric_series(rows, "optim/skipped_steps")) == {0.0}
 
 
-def test_the_ranks_gap_names_the_sleeping_rank_and_the_finding_appears_once(straggler_run: tuple) -> None:
-    run_dir, out, rows = straggler_run
+def test_the_ranks_gap_names_the_sleeping_rank_and_the_finding_appears_once(sleepy_rank_run: FinishedRun) -> None:
+    run_dir, out, rows = sleepy_rank_run.run_dir, sleepy_rank_run.console, sleepy_rank_run.metrics
     slowest = metric_series(rows, "ranks/slowest_rank")
     gaps = metric_series(rows, "ranks/busy_gap_s")
     assert len(slowest) >= 4 and set(slowest) == {1.0}
     assert all(0.6 * SLEEP_S < g < 4 * SLEEP_S for g in gaps), gaps  # the sleep, seen through DDP's equal steps
-    assert all(0 <= v <= 1 for v in metric_series(rows, "comm/exposed_share") + metric_series(rows, "comm/waiting_share"))
+    assert all(
+        0 <= v <= 1 for v in metric_series(rows, "comm/exposed_share") + metric_series(rows, "comm/waiting_share")
+    )
     # Rank 0 waits for rank 1 at the all-reduce: its comm wait beyond the transfer is waiting.
     assert max(metric_series(rows, "comm/waiting_share")) > 0.1
 

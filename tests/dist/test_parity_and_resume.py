@@ -62,7 +62,11 @@ LAYOUTS = {
     "fsdp": ["strategy=fsdp", "trainer.micro_batch_size=4"],
     # 2 ranks x micro 2 x 2 accumulated micro-batches: the same 8 samples per step.
     "ddp-accumulation": ["strategy=ddp", "trainer.micro_batch_size=2", "trainer.global_batch_size=8"],
-    "fsdp-activation-checkpointing": ["strategy=fsdp", "strategy.activation_checkpointing=true", "trainer.micro_batch_size=4"],
+    "fsdp-activation-checkpointing": [
+        "strategy=fsdp",
+        "strategy.activation_checkpointing=true",
+        "trainer.micro_batch_size=4",
+    ],
     # HSDP with 2 replica groups of 1: each rank keeps whole parameters, gradients all-reduced across groups.
     "fsdp-hybrid": ["strategy=fsdp", "strategy.dp_replicate=2", "trainer.micro_batch_size=4"],
 }

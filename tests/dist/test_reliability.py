@@ -1,4 +1,4 @@
-"""Runs that get killed, lose a rank, or hit a NaN: they recover exactly or stop cleanly (README, "Reliability").
+"""Runs that get killed, lose a rank, or hit a NaN: they recover exactly or stop cleanly (docs/reliability.md).
 
 Kills are SIGKILL (nothing can catch or clean up after it) delivered at seeded points by DISTTRAIN_FAULT
 (disttrain/reliability/faults.py): after an optimizer step, or inside a checkpoint save between writing and publishing.

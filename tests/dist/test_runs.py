@@ -10,6 +10,7 @@ import yaml
 
 from diagnostics.telemetry import telemetry_path
 from tests.conftest import TINY_MODEL, read_manifest, run_cli
+from tests.dist.conftest import FinishedRun
 from tests.logged import tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.dist
@@ -234,22 +235,12 @@ def test_bf16_runs_train(overrides: list[str], strategy: str, precision: str, tm
     assert manifest["result"]["val_loss"] < 3.5  # from ~5.5 at init (ln 256)
 
 
-def test_user_model_and_datamodule_by_target(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    args = [
-        *SHORT[:5],
-        "optimizer.lr=0.05",
-        "optimizer.warmup_steps=1",
-        "~model",
-        "+model._target_=tests.plugins.BigramModel",
-        "+model.vocab_size=10",
-        "+model.seq_len=16",
-        "~data",
-        "+data._target_=tests.plugins.CountingData",
-        f"hydra.run.dir={run_dir}",
-    ]
-    run_ok(args, cwd=Path(__file__).resolve().parents[2])
-    manifest = read_manifest(run_dir)
+def test_user_model_and_datamodule_by_target(sleepy_rank_run: FinishedRun) -> None:
+    """``+model._target_`` / ``+data._target_``: a BigramModel (SleepyRankModel: rank 1 also sleeps in forward) over
+    CountingData, the launch shared with the straggler tests (tests/dist/conftest.py)."""
+    manifest = read_manifest(sleepy_rank_run.run_dir)
+    assert manifest["config"]["model"]["_target_"] == "tests.plugins.SleepyRankModel"
+    assert manifest["config"]["data"]["_target_"] == "tests.plugins.CountingData"
     assert manifest["num_parameters"] == 10 * 32 + 32 * 10 + 10
     assert manifest["flops_per_token"] == 6.0 * 320
     assert manifest["result"]["val_loss"] < 1.0  # ln 10 = 2.3 at chance

@@ -1,6 +1,6 @@
 """strategy=deepspeed on CUDA (NCCL, DeepSpeed's bf16 path, its CPU Adam under offload); skipped without a GPU.
 
-The one-GPU cases ran on an H200 (README "What runs where"); the NCCL case needs two GPUs and has not run. The
+The one-GPU cases ran on an H200 (benchmarks/RESULTS.md, "GPU runs"); the NCCL case needs two GPUs and has not run. The
 CPU (gloo) paths are proven in tests/dist/test_deepspeed.py.
 """
 

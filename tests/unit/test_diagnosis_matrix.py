@@ -27,6 +27,7 @@ def test_every_draw_composes_with_the_real_config(tmp_path) -> None:
     from disttrain.config.validate import validate_run
     from tests.conftest import compose_train
 
+    commands: set[tuple[str, ...]] = set()  # a counterfactual is shared by every fault of its cell: composed once
     for strategy in STRATEGIES:
         for fault in FAULTS:
             for model in ("builtin", "user", "hf"):
@@ -34,8 +35,9 @@ def test_every_draw_composes_with_the_real_config(tmp_path) -> None:
                     continue
                 rank = None if fault == "data-all" else 1
                 draw = Draw(strategy, fault, rank, 0.5, model, 5 if fault == "stall" else 1)
-                for overrides in (draw.counterfactual(), draw.fault_overrides(0.2)):
-                    validate_run(parse_run_config(compose_train(overrides)))
+                commands.update(tuple(overrides) for overrides in (draw.counterfactual(), draw.fault_overrides(0.2)))
+    for overrides in sorted(commands):
+        validate_run(parse_run_config(compose_train(list(overrides))))
 
 
 def test_the_expected_finding_follows_the_measured_cost() -> None:

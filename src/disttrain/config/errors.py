@@ -35,6 +35,6 @@ def require_positive(key: str, value: float, *, allow_zero: bool = False) -> Non
         raise ConfigError(key, f"must be {bound}, got {value}", f"set {key} to a value {bound}")
 
 
-def require_one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
+def require_one_of(key: str, value: str | None, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(key, f"'{value}' is not one of {list(choices)}", f"use {key}={choices[0]}")

@@ -234,7 +234,7 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
             f"unknown objective {top['objective']!r}{did_you_mean(str(top['objective']), OBJECTIVES)}",
             f"use one of {list(OBJECTIVES)} (what the job returns to hydra/sweeper=optuna)",
         )
-    strategy = build_dataclass(strategy_cls, groups["strategy"], "strategy")
+    strategy: Any = build_dataclass(strategy_cls, groups["strategy"], "strategy")  # one of STRATEGY_KINDS' classes
     if isinstance(strategy, DDPConfig):  # gradient_as_bucket_view: null is decided by the device
         strategy = strategy.for_accelerator(hw.accelerator)
     return with_compile_decided(

@@ -218,12 +218,12 @@ class DDPConfig:
     find_unused_parameters: bool = False
     # null: on for GPUs, where the views save a gradient-sized copy; off on CPU hosts, where the optimizer and
     # zero_grad over bucket views measured 3-5% slower per step than over DDP's own gradients
-    # (benchmarks/overhead.py, README "Framework overhead"). true/false force it.
+    # (benchmarks/overhead.py; benchmarks/RESULTS.md). true/false force it.
     gradient_as_bucket_view: bool | None = None
     bucket_cap_mb: int = 25
     static_graph: bool = False
     # DDP broadcasts rank 0's buffers before every forward (torch's default). Constant buffers (rotary caches) do
-    # not need it; two A/Bs of false on 2 CPU ranks disagreed (24% slower, 2-6% faster; README): A/B it where you run.
+    # not need it; two A/Bs of false on 2 CPU ranks disagreed (benchmarks/RESULTS.md): A/B it where you run.
     forward_sync_buffers: bool = True
     comm_hook: str = "none"  # none | bf16 | fp16 | powersgd
     powersgd_rank: int = 4  # rank of the P, Q factors: (rows + cols) x rank values per matrix instead of rows x cols

@@ -172,11 +172,11 @@ def load_texts(cfg: HFDataConfig, paths: list[Path], key: str) -> Any:
             f"'{column}' is not a column of {key} (columns: {loaded.column_names})",
             f"set data.text_column to one of {loaded.column_names}",
         )
-    kind = getattr(loaded.features[column], "dtype", None)
-    if kind not in ("string", "large_string"):
+    dtype = getattr(loaded.features[column], "dtype", None)
+    if dtype not in ("string", "large_string"):
         raise ConfigError(
             "data.text_column",
-            f"'{column}' holds {kind or type(loaded.features[column]).__name__} values, not text",
+            f"'{column}' holds {dtype or type(loaded.features[column]).__name__} values, not text",
             f"set data.text_column to a text column of {loaded.column_names}",
         )
     return loaded

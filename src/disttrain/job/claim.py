@@ -110,7 +110,7 @@ def refuse_taken(key: str, path: Path, marker: str, sweep: bool = False) -> Conf
 def claim_launch_dir(launch: LaunchDir) -> Path:
     """Claim the launch's dir (a timestamped one: the first free of it and its suffixed siblings); ConfigError
     when it cannot be claimed."""
-    taken = ""
+    taken: str | None = ""
     for path in candidates(launch):
         try:
             if launch.continues_study and (path / STUDY_RECORD).is_file() and not launch.timestamped:

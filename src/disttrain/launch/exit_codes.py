@@ -1,4 +1,4 @@
-"""Exit codes of ``python -m train`` (README, "Reliability"), and the exception that carries one out."""
+"""Exit codes of ``python -m train`` (docs/reliability.md), and the exception that carries one out."""
 
 from __future__ import annotations
 

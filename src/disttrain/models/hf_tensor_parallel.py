@@ -101,8 +101,8 @@ def apply_hf_tensor_parallel(
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     for key, layer in base.layers.named_children():
         prefix = f"layers.{key}" + ("._checkpoint_wrapped_module" if layer is not _inner(layer) else "")
-        for part, style in _layer_plan(sequence_parallel).items():
-            layout[f"{prefix}.{part}"] = style
+        for part, part_style in _layer_plan(sequence_parallel).items():
+            layout[f"{prefix}.{part}"] = part_style
     if embedding is not None:
         layout["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if sequence_parallel and not isinstance(base.norm, nn.Identity):
@@ -129,7 +129,7 @@ def apply_hf_tensor_parallel(
                 )
             },
         )
-        if tied:
+        if tied and embedding is not None:
             # Both layers shard the (vocab, hidden) weight on dim 0: share the embedding's DTensor again.
             hf.lm_head.weight = embedding.weight
     if sequence_parallel:

@@ -54,7 +54,8 @@ def use_fused_adamw(params: list[torch.Tensor], fused: bool | None) -> bool:
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices (ndim >= 2) decay; biases and norm weights do not (they have no scale to regularise)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             # A ZeRO-3 partitioned parameter is an empty placeholder; ``ds_shape`` is its real shape.

@@ -89,7 +89,7 @@ def apply_tensor_parallel(
     tied = model.cfg.tie_embeddings and model.tok_emb is not None and model.lm_head is not None
     if top:
         parallelize_module(model, tp_mesh, top)
-    if tied:
+    if tied and model.lm_head is not None and model.tok_emb is not None:
         # Both layers shard the (vocab, d_model) weight on dim 0: share the embedding's DTensor again.
         model.lm_head.weight = model.tok_emb.weight
     if sequence_parallel:

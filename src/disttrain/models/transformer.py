@@ -186,9 +186,14 @@ class Transformer(nn.Module):
         The constructor ties them; ``to_empty`` (materializing a meta model) replaces each module's parameters
         separately and so unties them, which is why ``init_weights`` (run by ``build_model``) calls this again.
         """
-        tied_modules = self.cfg.tie_embeddings and self.tok_emb is not None and self.lm_head is not None
-        if tied_modules and self.lm_head.weight is not self.tok_emb.weight:
-            self.lm_head.weight = self.tok_emb.weight
+        head, embedding = self.lm_head, self.tok_emb
+        if (
+            self.cfg.tie_embeddings
+            and head is not None
+            and embedding is not None
+            and head.weight is not embedding.weight
+        ):
+            head.weight = embedding.weight
 
     def reset_rope_cache(self) -> None:
         """Recompute the RoPE tables in fp32 on the buffers' current device (after ``to_empty`` or a cast)."""

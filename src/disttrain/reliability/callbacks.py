@@ -1,7 +1,7 @@
 """The callbacks that make a run survivable: atomic step checkpoints, RNG capture, the non-finite guard.
 
 Strategy-neutral: they only use ``trainer.save_checkpoint``, ``torch.distributed`` collectives and the
-parameters' gradients, so every strategy gets them (see README, "Reliability").
+parameters' gradients, so every strategy gets them (see docs/reliability.md).
 """
 
 from __future__ import annotations

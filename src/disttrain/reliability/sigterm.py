@@ -40,7 +40,7 @@ class SigtermInVote(pl.Callback):
         connector = getattr(trainer, "_signal_connector", None)
         loop = trainer.fit_loop.epoch_loop
         broadcast = getattr(loop, "_broadcast_sigterm_tensor", None)
-        if stage != "fit" or broadcast is None or not hasattr(connector, "_sigterm_notifier_fn"):
+        if stage != "fit" or broadcast is None or connector is None or not hasattr(connector, "_sigterm_notifier_fn"):
             return  # another Lightning: its own mechanism, untouched
         self._connector = connector
         connector._sigterm_notifier_fn = self._notify

@@ -32,6 +32,8 @@ def unwrap(optimizer: Optimizer) -> Optimizer:
 class UniversalCheckpointing:
     """Mixin for a Lightning ``Strategy``: save and load the universal layout (see the module docstring)."""
 
+    lightning_module: Any  # the Strategy's, which this mixin is combined with
+
     # Set by the launch when resume_weights_only=true: the optimizer starts afresh (its moments are not read).
     resume_weights_only: bool = False
     _universal_loaded: bool = False

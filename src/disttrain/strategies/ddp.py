@@ -6,8 +6,8 @@ them on every device, and keeps a stateful hook's state (PowerSGD) in each check
 
 ``strategy.forward_sync_buffers`` is DDP's broadcast of rank 0's buffers before every forward (torch's default,
 true). A model whose buffers never change (rotary caches, masks) does not need it, but turning it off is not a
-sure gain: on 2 CPU ranks one A/B read it 24% slower, another 2-6% faster (README, "Tests and benchmarks"). Left
-at torch's default, for an A/B on the user's hardware.
+sure gain (two A/Bs on 2 CPU ranks disagreed: benchmarks/RESULTS.md). Left at torch's default, for an A/B on
+the user's hardware.
 """
 
 from __future__ import annotations

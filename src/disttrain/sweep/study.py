@@ -185,6 +185,7 @@ def load_trial(link: TrialConfig) -> optuna.Trial:
     """The running trial ``link`` names, with the study's pruner (as the sweeper stored it)."""
     import optuna
 
+    assert link.storage is not None and link.study is not None, "load_trial needs a linked trial (trial.*)"
     storage = open_storage(link.storage)
     spec = storage.get_study_user_attrs(storage.get_study_id_from_name(link.study)).get(PRUNER_ATTR) or {}
     study = optuna.load_study(study_name=link.study, storage=storage, pruner=build_pruner(spec))

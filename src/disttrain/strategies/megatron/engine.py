@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -197,7 +198,7 @@ class MegatronEngine:
             chunk.init_weights(self.settings.seed)
         return chunk
 
-    def _build_schedule(self, num_stages: int) -> object:
+    def _build_schedule(self, num_stages: int) -> Any:
         from torch.distributed.pipelining import PipelineStage
 
         stages = [
