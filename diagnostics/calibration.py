@@ -12,6 +12,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from diagnostics.files import write_text_atomic
 from diagnostics.telemetry import TELEMETRY_DIR
@@ -147,7 +148,7 @@ PARTS_SECONDS_KEYS = (
 )
 
 
-def parts_figures(records: list[dict]) -> dict[str, float | int | str] | None:
+def parts_figures(records: list[dict]) -> dict[str, Any] | None:
     """The ranks' parts records as one: each time the median over ranks; the shape of the first complete record
     (records of another shape, which a rank cannot have measured in the same run, are left out). None without a
     complete record."""

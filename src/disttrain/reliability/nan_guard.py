@@ -136,8 +136,11 @@ def _norm_over_meshes(grads: list[torch.Tensor], meshes: list[object]) -> torch.
     return torch.stack(squares).sum().sqrt()
 
 
-def clip_with_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
-    """``clip_grads_with_norm_`` per device mesh: one foreach multiply cannot mix DTensors of two meshes."""
+def clip_with_norm(params: list[torch.Tensor], max_norm: float | None, norm: torch.Tensor) -> None:
+    """``clip_grads_with_norm_`` per device mesh: one foreach multiply cannot mix DTensors of two meshes. Nothing
+    without a ``max_norm`` (no clipping configured)."""
+    if max_norm is None:
+        return
     by_mesh: dict[int, list[torch.Tensor]] = {}
     for param in params:
         by_mesh.setdefault(id(getattr(param, "device_mesh", None)), []).append(param)

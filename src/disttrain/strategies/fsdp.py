@@ -68,16 +68,16 @@ def apply_fsdp(
     blocks = getattr(model, "blocks", None)
     for block in blocks if blocks is not None else ():
         # Expert-parallel experts first, on their own mesh: the block's unit then leaves their parameters alone.
-        for experts in expert_modules(block) if expert_mesh is not None else ():
-            place = expert_placement(expert_weights, expert_mesh.size())
-            fully_shard(
-                experts,
-                reshard_after_forward=cfg.reshard_after_forward,
-                shard_placement_fn=place,
-                **{**options, "mesh": expert_mesh},
-            )
-        place = expert_placement(expert_weights, dp_mesh.size()) if expert_weights else None
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, shard_placement_fn=place, **options)
+        if expert_mesh is not None:
+            for experts in expert_modules(block):
+                fully_shard(
+                    experts,
+                    reshard_after_forward=cfg.reshard_after_forward,
+                    shard_placement_fn=expert_placement(expert_weights, expert_mesh.size()),
+                    **{**options, "mesh": expert_mesh},
+                )
+        block_place = expert_placement(expert_weights, dp_mesh.size()) if expert_weights else None
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, shard_placement_fn=block_place, **options)
     # The root's parameters (embeddings, final norm, head) are needed right after the last block in backward,
     # so resharding them after forward would only add an all-gather.
     fully_shard(model, reshard_after_forward=False, **options)
