@@ -130,6 +130,15 @@ def test_ab_run_interleaves_the_arms_and_writes_a_verdict_each(tmp_path: Path) -
     html = (run_dir / "report" / "report.html").read_text()
     assert "<h2>A/B verdicts</h2>" in html
     assert '<strong class="ab" data-verdict="confirmed">A/B-tested: confirmed +20.3%' in html
+    # Both tests went to the advice ledger of the output root (the run dir's parent here), scored per finding kind.
+    entries = [json.loads(line) for line in (tmp_path / "advice_ledger.jsonl").read_text().splitlines()]
+    assert [(e["source"], e["finding"], e["override"], e["verdict"]) for e in entries] == [
+        ("diagnose --ab", "memory_pressure", b1["override"], "confirmed"),
+        ("diagnose --ab", "memory_pressure", "strategy=fsdp", "failed"),
+    ]
+    assert entries[0]["measured_change"] == b1["change"] and entries[0]["context"]["hw"] == "8xh100"
+    advice = diagnose(["advice", str(tmp_path)], cwd=tmp_path).stdout
+    assert "memory_pressure      2         1" in advice
 
 
 def test_ab_run_adds_rounds_while_unresolved_and_a_new_set_each_time(tmp_path: Path) -> None:
