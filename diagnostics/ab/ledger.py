@@ -27,13 +27,11 @@ SCHEMA_VERSION = 1
 
 
 def output_root(run_dir: Path) -> Path:
-    """Where the ledger of ``run_dir`` lives: the nearest ancestor already holding one, else the parent of the
-    run's date dir (``outputs/`` for ``outputs/2026-11-27/08-17-43``), else the run dir's parent."""
+    """Where the ledger of ``run_dir`` lives: the parent of the run's date dir (``outputs/`` for
+    ``outputs/2026-11-27/08-17-43`` and anything below it), else the run dir's parent. Never a search upwards for
+    an existing ledger: a stray one in /tmp or $HOME would collect every unrelated run below it."""
     path = Path(run_dir).resolve()
-    for parent in path.parents:
-        if (parent / LEDGER).is_file():
-            return parent
-    for parent in path.parents:
+    for parent in [path, *path.parents]:
         if DATE_DIR.match(parent.name):
             return parent.parent
     return path.parent

@@ -155,8 +155,8 @@ def test_ledger_lives_in_the_output_root_and_scores_advice_per_kind(tmp_path: Pa
     entries = [ledger.entry(t, k, {"strategy": "ddp"}, "tune", run) for t, k in zip(tested, kinds, strict=True)]
     path = ledger.append(ledger.output_root(run), entries)
     assert ledger.find_ledger(run) == path and ledger.find_ledger(tmp_path / "outputs") == path
-    # A later run under a nested dir still finds the root's ledger.
-    assert ledger.output_root(tmp_path / "outputs" / "x" / "y") == (tmp_path / "outputs").resolve()
+    # A tune's runs (outputs/<date>/<time>/round1/01-A) share the ledger of their output root too.
+    assert ledger.output_root(run / "round1" / "01-A") == (tmp_path / "outputs").resolve()
     comm, inp = ledger.score_by_kind(ledger.read(path))
     assert (comm.finding, comm.tests, comm.confirmed, comm.scored) == ("comm_bound", 2, 1, 2)
     assert comm.median_abs_error == pytest.approx((0.20 + 0.10) / 2)
