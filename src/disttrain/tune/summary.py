@@ -114,6 +114,7 @@ class TuneSummary:
         if self.error:
             lines.append(f"tune: {self.error}")
         lines += [f"tune: no config lever: {n['finding']} on rank(s) {n['ranks']}: {n['why']}" for n in self.no_lever]
+        lines += [f"tune: not tried: {s['override']} ({s['finding']}): {s['reason']}" for s in self.skipped]
         if self.changes():
             kept = ", ".join(self.changes())
             lines.append(f"tune: kept {kept}: x{self.speedup:.3f} tokens/s over the starting config (measured)")
