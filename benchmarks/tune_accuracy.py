@@ -59,8 +59,8 @@ class Scenario:
 SCENARIOS = [
     Scenario(
         "input-bound",
-        "every batch takes 0.15 s to load (waiting, as on a remote store): loader workers hide it",
-        [*DATA, "+data.delay_s=0.15"],
+        "every batch takes 1 s to load (waiting, as on a remote store): loader workers hide it",
+        [*DATA, "trainer.micro_batch_size=8", "+data.delay_s=1.0"],
     ),
     Scenario(
         "small-micro",
@@ -102,6 +102,7 @@ def brute_force(scenario: Scenario, summary: dict, out: Path, steps: int, repeat
     configs = {"start": (*start, *pins), "tune": (*summary["final_overrides"], *pins)}
     configs.update({c.override: c.test.recommended for c in found})
     measured: dict[str, list[float]] = {name: [] for name in configs}
+    out.mkdir(parents=True, exist_ok=True)
     for round_no in range(1, repeats + 1):
         for i, (name, overrides) in enumerate(configs.items()):
             outcome = launch_train(Arm(str(i), name, tuple(overrides)), out / f"{round_no:02d}-{i}")

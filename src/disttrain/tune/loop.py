@@ -88,7 +88,6 @@ class Tuner:
         self.summary.start_tokens_per_s = base.tokens_per_s
         self.say(f"tune: round 0 (start): {base.tokens_per_s:,.0f} tokens/s [{base.seconds:.0f} s]; {base.run_dir}")
         report, run_s = build_report(base.run_dir), base.seconds
-        self.say(table_header())
         speedup = 1.0
         while True:
             found, skipped = candidates(
@@ -107,6 +106,8 @@ class Tuner:
             if stop is not None:
                 self._explain(skipped, stop)
                 break
+            if not self.summary.rows:
+                self.say(table_header())  # once, above the first A/B's lines
             row, ab = self._test(found[0], len(self.summary.rows) + 1, fit, speedup, report)
             self.summary.rows.append(row)
             self.say(table_row(row))
