@@ -46,6 +46,8 @@ SHORT = [
     "diagnostics.sample_interval_s=0.5",
 ]
 DATA = ["~data", "+data._target_=benchmarks.injected.RandomTokens"]
+# A 2-layer gpt-nano: the injected bottleneck, not a loaded box's matmuls, sets the step time.
+TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.ffn_hidden=128", "model.seq_len=64"]
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,13 @@ class Scenario:
 SCENARIOS = [
     Scenario(
         "input-bound",
-        "every batch takes 1 s to load (waiting, as on a remote store): loader workers hide it",
-        [*DATA, "trainer.micro_batch_size=8", "+data.delay_s=1.0"],
+        "every batch takes 0.3 s to load (waiting, as on a remote store): loader workers hide it",
+        [*TINY, *DATA, "trainer.micro_batch_size=8", "+data.delay_s=0.3"],
     ),
     Scenario(
         "small-micro",
         "micro-batch 2 x accumulation 8 (global 32): per-micro-batch overhead, a larger micro-batch amortizes it",
-        [*DATA, "trainer.micro_batch_size=2", "trainer.global_batch_size=32"],
+        [*TINY, *DATA, "trainer.micro_batch_size=2", "trainer.global_batch_size=32"],
     ),
     Scenario(
         "comm-bound",
@@ -74,8 +76,8 @@ SCENARIOS = [
     ),
     Scenario(
         "straggler",
-        "rank 1's optimizer step sleeps 0.2 s: no config lever",
-        [*DATA, "+data.optimizer_sleep_s=0.2", "+data.slow_ranks=[1]"],
+        "rank 1's optimizer step sleeps 0.3 s: no config lever",
+        [*TINY, *DATA, "+data.optimizer_sleep_s=0.3", "+data.slow_ranks=[1]"],
         no_lever=("straggler", 1),
     ),
 ]
