@@ -41,39 +41,31 @@ def _number(cfg: dict[str, Any], key: str, kind: type) -> Any:
     return kind(value)
 
 
+def _at_least(cfg: dict[str, Any], key: str, low: int, why: str) -> int:
+    value = _number(cfg, key, int)
+    if value < low:
+        raise ConfigError(f"tune.{key}", f"{value} {why}", f"set tune.{key}={low} or more")
+    return value
+
+
+def _share(cfg: dict[str, Any], key: str, example: str) -> float:
+    value = _number(cfg, key, float)
+    if not 0 < value < 1:
+        raise ConfigError(f"tune.{key}", f"must lie in (0, 1), got {value:g}", f"set tune.{key}={example}")
+    return value
+
+
 def parse_tune_settings(cfg: dict[str, Any]) -> TuneSettings:
     """The ``tune`` node of conf/tune.yaml (a plain dict) as settings; ConfigError on an impossible value."""
     budget = _number(cfg, "budget_min", float)
     if budget <= 0:
         raise ConfigError("tune.budget_min", f"must be > 0 minutes, got {budget:g}", "set tune.budget_min=30")
-    steps = _number(cfg, "steps", int)
-    if steps < MIN_STEPS:
-        raise ConfigError(
-            "tune.steps",
-            f"{steps} steps leave too few steady steps to diagnose",
-            f"set tune.steps={MIN_STEPS} or more",
-        )
-    rounds = _number(cfg, "max_rounds", int)
-    if rounds < 1:
-        raise ConfigError("tune.max_rounds", f"must be >= 1, got {rounds}", "set tune.max_rounds=1 or more")
-    repeats = _number(cfg, "repeats", int)
-    if repeats < MIN_REPEATS:
-        raise ConfigError(
-            "tune.repeats",
-            f"{repeats} rounds cannot resolve a 3% change",
-            f"set tune.repeats={MIN_REPEATS} or more",
-        )
-    most = _number(cfg, "max_repeats", int)
-    if most < repeats:
-        raise ConfigError("tune.max_repeats", f"{most} is below tune.repeats={repeats}", f"set it to {repeats} or more")
-    tolerance = _number(cfg, "loss_tolerance", float)
-    if not 0 < tolerance < 1:
-        raise ConfigError(
-            "tune.loss_tolerance", f"must lie in (0, 1), got {tolerance:g}", "set tune.loss_tolerance=0.02 (2%)"
-        )
-    min_cost = _number(cfg, "min_cost", float)
-    if not 0 < min_cost < 1:
-        raise ConfigError("tune.min_cost", f"must lie in (0, 1), got {min_cost:g}", "set tune.min_cost=0.05 (5%)")
+    steps = _at_least(cfg, "steps", MIN_STEPS, "steps leave too few steady steps to diagnose")
+    rounds = _at_least(cfg, "max_rounds", 1, "A/B tests would test nothing")
+    repeats = _at_least(cfg, "repeats", MIN_REPEATS, "rounds cannot resolve a 3% change")
+    most = _at_least(cfg, "max_repeats", repeats, f"is below tune.repeats={repeats}")
+    tolerance = _share(cfg, "loss_tolerance", "0.02 (2%)")
+    min_cost = _share(cfg, "min_cost", "0.05 (5%)")
     allow = cfg.get("allow") or []
     if isinstance(allow, str):
         allow = [allow]
