@@ -177,7 +177,8 @@ def _report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diagnose",
         description="Rebuild RUN_DIR/report/ from RUN_DIR/telemetry and print the bottleneck summary.",
-        epilog="Compare two runs: python -m diagnose compare RUN_A RUN_B; a whole sweep: python -m diagnose sweep DIR",
+        epilog="Compare two runs: python -m diagnose compare RUN_A RUN_B; a whole sweep: python -m diagnose sweep DIR; "
+        "how the tested advice scored: python -m diagnose advice [DIR]",
     )
     parser.add_argument("run_dir", help="a training run directory (holds telemetry/ and run.json)")
     parser.add_argument("--ab", action="store_true", help="print the A/B arms of the top recommendations")

@@ -210,3 +210,5 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert sweep.returncode == 2 and "is a multirun with jobs ['0']" in sweep.stderr
     compare = diagnose(["compare", str(tmp_path / "empty"), str(tmp_path / "nope")], cwd=tmp_path)
     assert compare.returncode == 2 and compare.stderr.startswith("diagnose: error:")
+    advice = diagnose(["advice", str(tmp_path / "empty")], cwd=tmp_path)
+    assert advice.returncode == 2 and advice.stderr.count("\n") == 1 and "no advice ledger" in advice.stderr
