@@ -96,20 +96,27 @@ def run_tune(scenario: Scenario, out: Path, steps: int, budget_min: float) -> tu
 
 
 def brute_force(scenario: Scenario, summary: dict, out: Path, steps: int, repeats: int) -> dict[str, list[float]]:
-    """Tokens/s of the start, tune's final config and every math-preserving candidate, interleaved per round."""
+    """Tokens/s of the start, tune's final config and every math-preserving candidate, interleaved per round. A
+    config is its set of overrides: one that tune's final config (or the start) equals is measured once, under
+    every name it has, so the ratio compares configs, not two samples of one config."""
     start = [*SHORT, *scenario.overrides]
     pins = measurement_pins(start, steps)
     report = build_report(Path(summary["tune_dir"]) / "round0")
     found, _ = candidates(report.analysis, report.recommendations, [*start, *pins], allow=(), min_cost=0.0)
-    configs = {"start": (*start, *pins), "tune": (*summary["final_overrides"], *pins)}
-    configs.update({c.override: c.test.recommended for c in found})
-    measured: dict[str, list[float]] = {name: [] for name in configs}
+    named = {"start": (*start, *pins), "tune": (*summary["final_overrides"], *pins)}
+    named.update({c.override: c.test.recommended for c in found})
+    configs: dict[frozenset[str], list[str]] = {}
+    for name, overrides in named.items():
+        configs.setdefault(frozenset(overrides), []).append(name)
+    measured: dict[str, list[float]] = {name: [] for name in named}
     out.mkdir(parents=True, exist_ok=True)
     for round_no in range(1, repeats + 1):
-        for i, (name, overrides) in enumerate(configs.items()):
-            outcome = launch_train(Arm(str(i), name, tuple(overrides)), out / f"{round_no:02d}-{i}")
-            measured[name].append(outcome.tokens_per_s or 0.0)
-            print(f"  {scenario.name} round {round_no} {name}: {outcome.tokens_per_s or 0:,.0f} tokens/s", flush=True)
+        for i, names in enumerate(configs.values()):
+            outcome = launch_train(Arm(str(i), names[0], named[names[0]]), out / f"{round_no:02d}-{i}")
+            for name in names:
+                measured[name].append(outcome.tokens_per_s or 0.0)
+            label = " = ".join(names)
+            print(f"  {scenario.name} round {round_no} {label}: {outcome.tokens_per_s or 0:,.0f} tokens/s", flush=True)
     return measured
 
 
