@@ -13,7 +13,7 @@ from diagnostics.analysis import analyse
 from diagnostics.recommend import recommend_all
 from disttrain.tune.levers import classify, global_pin
 from disttrain.tune.losses import read_losses
-from disttrain.tune.rules import candidates, decide, loss_gap, repeats_that_fit, stop_reason
+from disttrain.tune.rules import candidates, carried_over, decide, loss_gap, repeats_that_fit, retarget, stop_reason
 from tests.diag_fixtures import write_run
 
 KEEP_GLOBAL = ("trainer.global_batch_size=32",)
@@ -164,3 +164,23 @@ def test_ledger_lives_in_the_output_root_and_scores_advice_per_kind(tmp_path: Pa
     assert (inp.scored, inp.median_measured, inp.median_abs_error) == (0, 0.3, None)
     text = ledger.advice_text(ledger.read(path), path)
     assert "comm_bound" in text and "-15.0pt" in text
+
+
+def test_an_untested_lever_of_an_earlier_diagnosis_is_carried_over_against_the_current_config(tmp_path: Path) -> None:
+    analysis = analyse(write_run(tmp_path / "comm", "comm_bound"))
+    found, _ = candidates(analysis, recommend_all(analysis), ["trainer.max_steps=30"], allow=(), min_cost=0.05)
+    first, second = found[0], found[1]
+    carried = carried_over([second], found, tried={first.override})
+    assert [c.override for c in carried] == [c.override for c in found[2:]]  # neither tested nor found again
+    current = ["trainer.max_steps=30", "+data.num_workers=2", "strategy.bucket_cap_mb=5"]
+    fsdp = retarget(found[-1], current)
+    assert found[-1].override == "strategy=fsdp" and fsdp.test.original == tuple(current)
+    # The new strategy's overrides replace the old strategy's keys (bucket_cap_mb is DDP's); the rest is kept.
+    assert fsdp.test.recommended == (
+        "trainer.max_steps=30",
+        "+data.num_workers=2",
+        "strategy=fsdp",
+        "trainer.global_batch_size=32",
+    )
+    hook = retarget(found[1], [*current, "strategy.comm_hook=bf16"])
+    assert hook.test.recommended == (*current, "strategy.comm_hook=powersgd")

@@ -22,7 +22,17 @@ from diagnostics.report import Report, build_report
 from disttrain.tune.experiment import experiment_yaml
 from disttrain.tune.levers import key_of
 from disttrain.tune.losses import read_losses
-from disttrain.tune.rules import Candidate, Skipped, candidates, decide, loss_gap, repeats_that_fit, stop_reason
+from disttrain.tune.rules import (
+    Candidate,
+    Skipped,
+    candidates,
+    carried_over,
+    decide,
+    loss_gap,
+    repeats_that_fit,
+    retarget,
+    stop_reason,
+)
 from disttrain.tune.settings import TuneSettings
 from disttrain.tune.summary import Row, TuneSummary, table_header, table_row
 
@@ -89,6 +99,7 @@ class Tuner:
         self.say(f"tune: round 0 (start): {base.tokens_per_s:,.0f} tokens/s [{base.seconds:.0f} s]; {base.run_dir}")
         report, run_s = build_report(base.run_dir), base.seconds
         speedup = 1.0
+        earlier: list[Candidate] = []  # untested candidates of earlier diagnoses
         while True:
             found, skipped = candidates(
                 report.analysis,
@@ -98,6 +109,8 @@ class Tuner:
                 self.settings.min_cost,
                 self.tried,
             )
+            found += [retarget(c, self.current) for c in carried_over(found, earlier, self.tried)]
+            earlier = found
             fit = repeats_that_fit(self.remaining_s(), run_s, self.settings.repeats, self.settings.max_repeats)
             costly = sum(f.cost_fraction >= self.settings.min_cost for f in report.findings)
             stop = stop_reason(

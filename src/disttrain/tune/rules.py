@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from diagnostics.analysis import Analysis
 from diagnostics.analysis.context import RunContext
 from diagnostics.recommend import AbTest, Recommendation, ab_test
-from disttrain.tune.levers import Lever, classify, global_pin
+from disttrain.tune.levers import Lever, classify, global_pin, key_of
 
 ARMS = 2  # the current best and one candidate per A/B
 
@@ -84,6 +84,35 @@ def candidates(
             candidate = Candidate(finding.kind, finding.cost_fraction, rec.override, lever, _gain(rec), test)
             found.append((-candidate.expected_gain, len(found), candidate))
     return [c for _, _, c in sorted(found, key=lambda x: x[:2])], skipped
+
+
+def retarget(candidate: Candidate, current: list[str]) -> Candidate:
+    """``candidate`` A/B-tested against ``current`` instead of the config it was found on: the lever's own overrides
+    (those its recommended arm adds) replace whatever ``current`` sets for the same keys (or, for a group option,
+    inside that group)."""
+    test = candidate.test
+    lever = [o for o in test.recommended if o not in test.original]
+    keys = {key_of(o) for o in lever}
+    groups = {k for k in keys if "." not in k}  # a new group option (strategy=fsdp) drops the old one's keys too
+
+    def replaced(override: str) -> bool:
+        key = key_of(override)
+        return key in keys or key.split(".", 1)[0] in groups
+
+    recommended = (*(o for o in current if not replaced(o)), *lever)
+    return replace(candidate, test=replace(test, original=tuple(current), recommended=recommended))
+
+
+def carried_over(found: list[Candidate], earlier: list[Candidate], tried: Iterable[str]) -> list[Candidate]:
+    """Untested candidates of earlier diagnoses after this diagnosis's own: one short run's finding near the cost
+    threshold can drop below it after an unrelated change, and a lever worth testing then is worth testing still."""
+    seen = set(tried) | {c.override for c in found}
+    kept = []
+    for candidate in earlier:
+        if candidate.override not in seen:
+            seen.add(candidate.override)
+            kept.append(candidate)
+    return kept
 
 
 def loss_gap(pairs: Iterable[tuple[dict[int, float], dict[int, float]]]) -> float | None:
