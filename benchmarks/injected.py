@@ -114,6 +114,7 @@ class RandomTokens(pl.LightningDataModule):
         link_bytes_per_s: float = 0.0,
         num_sequences: int = 2048,
         stall_every: int = 1,
+        num_workers: int = 0,
     ) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(0)
@@ -123,6 +124,7 @@ class RandomTokens(pl.LightningDataModule):
         self.delay_s = delay_s
         self.slow_ranks = slow_ranks
         self.stall_every = stall_every  # the delay only on every N-th batch: an intermittent stall
+        self.num_workers = num_workers  # loader processes: the lever of an input-bound run (tune_accuracy.py)
         if optimizer_sleep_s:
             sleep_in_optimizer_step(optimizer_sleep_s, slow_ranks, stall_every)
         if local_grads:
@@ -140,7 +142,10 @@ class RandomTokens(pl.LightningDataModule):
                 time.sleep(delay_s)
             return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
-        return DataLoader(self.data, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, collate_fn=collate)
+        workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+        return DataLoader(
+            self.data, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, collate_fn=collate, **workers
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.micro_batch_size, drop_last=True)

@@ -656,6 +656,7 @@ class AbTest:
     override: str = ""
     # The share of the step the recommendation expects to save: stored beside the measured change in the verdict.
     expected_gain: float | None = None
+    finding: str | None = None  # the kind of the finding it answers (the advice ledger scores advice per kind)
 
     def shell(self) -> str:
         return f"# {self.note}\npython -m train " + " ".join(shlex.quote(a) for a in self.argv)
@@ -707,12 +708,12 @@ def ab_tests(analysis: Analysis, recommendations: list[list[Recommendation]], to
     ctx = RunContext.from_run(analysis.run)
     original = _original_overrides(analysis)
     tests: list[AbTest] = []
-    for recs in recommendations:
+    for finding, recs in zip(analysis.findings, recommendations, strict=False):
         for rec in recs:
             if len(tests) >= top_k:
                 return tests
             if any(t.key == rec.key for t in tests) or not rec.ab_testable:
                 continue
             if (test := ab_test(rec, ctx, original, analysis.run.run_dir)) is not None:
-                tests.append(test)
+                tests.append(replace(test, finding=finding.kind))
     return tests

@@ -4,6 +4,7 @@
     python -m diagnose RUN_DIR --ab [--run]  the A/B arms of the top recommendations (and run them: a verdict each)
     python -m diagnose compare RUN_A RUN_B   config diff, metric deltas, findings gone/new, and why
     python -m diagnose sweep MULTIRUN_DIR    every run of a sweep compared: MULTIRUN_DIR/report/sweep.{md,html,json}
+    python -m diagnose advice [DIR]          how the tested recommendations' expected gains compared with measured ones
 
 Pure Python over the run directory (no torch): works on a laptop over a directory copied from a cluster.
 """
@@ -13,12 +14,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
-from diagnostics.ab import claim_set_dir, next_set_dir, plan_arms, run_ab, write_verdict
+from diagnostics.ab import claim_set_dir, ledger, next_set_dir, plan_arms, run_ab, write_verdict
 from diagnostics.ab.stats import METHOD
 from diagnostics.ab.verdict import VERDICT_JSON, VERDICT_MD, text_table
 from diagnostics.crash import read_crash_records
-from diagnostics.recommend import ab_tests
+from diagnostics.recommend import AbTest, ab_tests
 from diagnostics.report import AB_TOP_K, Report, build_report, diagnose_run, write_report
 from diagnostics.report.compare import compare_reports
 from diagnostics.telemetry import TELEMETRY_DIR
@@ -84,6 +86,7 @@ def report_command(args: argparse.Namespace) -> int:
         return 0
     ab = run_ab(report.run_dir, tests, args.repeats, args.max_repeats, set_dir=set_dir)
     verdict = write_verdict(ab, report.run_dir)
+    record_advice(report, tests, verdict, ab.set_dir.name)
     # The original run's report now shows each tested recommendation with its verdict.
     write_report(build_report(report.run_dir))
     print(f"ab verdict after {ab.rounds} rounds ({ab.set_dir}); change: {METHOD}")
@@ -91,6 +94,19 @@ def report_command(args: argparse.Namespace) -> int:
     ab_dir = ab.set_dir.parent
     print(f"verdict: {ab_dir / VERDICT_MD} (also {VERDICT_JSON}); report: {report.run_dir / 'report' / 'report.md'}")
     return 0
+
+
+def record_advice(report: Report, tests: list[AbTest], verdict: dict[str, Any], set_name: str) -> None:
+    """Append this set's tested recommendations to the advice ledger of the run's output root."""
+    findings = {t.override: t.finding for t in tests}
+    costs = {f.kind: f.cost_fraction for f in report.findings}
+    context = ledger.context_json(report.analysis)
+    entries = []
+    for tested in (v for v in verdict["recommendations"] if v.get("set") == set_name):
+        kind = findings.get(tested["override"])
+        entries.append(ledger.entry(tested, kind, context, "diagnose --ab", report.run_dir, costs.get(kind or "")))
+    path = ledger.append(ledger.output_root(report.run_dir), entries)
+    print(f"advice ledger: {len(entries)} test(s) appended to {path} (python -m diagnose advice {path.parent})")
 
 
 def _check_repeats(args: argparse.Namespace) -> None:
@@ -135,11 +151,34 @@ def sweep_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def advice_command(args: argparse.Namespace) -> int:
+    path = ledger.find_ledger(Path(args.dir))
+    if path is None:
+        raise UserError(
+            f"no advice ledger ({ledger.LEDGER}) in '{args.dir}' or its output root; it is written by "
+            "python -m diagnose RUN --ab --run and python -m tune: pass their output root (e.g. outputs)"
+        )
+    print(ledger.advice_text(ledger.read(path), path))
+    return 0
+
+
+def _advice_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diagnose advice",
+        description="Per finding kind: the tested recommendations' expected tokens/s change against the measured one.",
+    )
+    parser.add_argument(
+        "dir", nargs="?", default="outputs", help="the output root holding advice_ledger.jsonl (default: outputs)"
+    )
+    return parser
+
+
 def _report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diagnose",
         description="Rebuild RUN_DIR/report/ from RUN_DIR/telemetry and print the bottleneck summary.",
-        epilog="Compare two runs: python -m diagnose compare RUN_A RUN_B; a whole sweep: python -m diagnose sweep DIR",
+        epilog="Compare two runs: python -m diagnose compare RUN_A RUN_B; a whole sweep: python -m diagnose sweep DIR; "
+        "how the tested advice scored: python -m diagnose advice [DIR]",
     )
     parser.add_argument("run_dir", help="a training run directory (holds telemetry/ and run.json)")
     parser.add_argument("--ab", action="store_true", help="print the A/B arms of the top recommendations")
@@ -187,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             return compare_command(_compare_parser().parse_args(argv[1:]))
         if argv[:1] == ["sweep"]:
             return sweep_command(_sweep_parser().parse_args(argv[1:]))
+        if argv[:1] == ["advice"]:
+            return advice_command(_advice_parser().parse_args(argv[1:]))
         return report_command(_report_parser().parse_args(argv))
     except UserError as err:
         print(f"diagnose: error: {err}", file=sys.stderr)

@@ -4,6 +4,7 @@
 functions), ``verdict`` writes ``RUN/ab/verdict.{md,json}`` and reads them back for the run's report.
 """
 
+from diagnostics.ab import ledger
 from diagnostics.ab.runner import AbSet, Arm, RunOutcome, claim_set_dir, next_set_dir, plan_arms, run_ab
 from diagnostics.ab.stats import VERDICTS, judge
 from diagnostics.ab.verdict import phrase, read_verdict, verdicts_by_override, write_verdict
@@ -15,6 +16,7 @@ __all__ = [
     "RunOutcome",
     "claim_set_dir",
     "judge",
+    "ledger",
     "next_set_dir",
     "phrase",
     "plan_arms",

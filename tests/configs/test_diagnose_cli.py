@@ -130,6 +130,15 @@ def test_ab_run_interleaves_the_arms_and_writes_a_verdict_each(tmp_path: Path) -
     html = (run_dir / "report" / "report.html").read_text()
     assert "<h2>A/B verdicts</h2>" in html
     assert '<strong class="ab" data-verdict="confirmed">A/B-tested: confirmed +20.3%' in html
+    # Both tests went to the advice ledger of the output root (the run dir's parent here), scored per finding kind.
+    entries = [json.loads(line) for line in (tmp_path / "advice_ledger.jsonl").read_text().splitlines()]
+    assert [(e["source"], e["finding"], e["override"], e["verdict"]) for e in entries] == [
+        ("diagnose --ab", "memory_pressure", b1["override"], "confirmed"),
+        ("diagnose --ab", "memory_pressure", "strategy=fsdp", "failed"),
+    ]
+    assert entries[0]["measured_change"] == b1["change"] and entries[0]["context"]["hw"] == "8xh100"
+    advice = diagnose(["advice", str(tmp_path)], cwd=tmp_path).stdout
+    assert "memory_pressure      2         1" in advice
 
 
 def test_ab_run_adds_rounds_while_unresolved_and_a_new_set_each_time(tmp_path: Path) -> None:
@@ -201,3 +210,5 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert sweep.returncode == 2 and "is a multirun with jobs ['0']" in sweep.stderr
     compare = diagnose(["compare", str(tmp_path / "empty"), str(tmp_path / "nope")], cwd=tmp_path)
     assert compare.returncode == 2 and compare.stderr.startswith("diagnose: error:")
+    advice = diagnose(["advice", str(tmp_path / "empty")], cwd=tmp_path)
+    assert advice.returncode == 2 and advice.stderr.count("\n") == 1 and "no advice ledger" in advice.stderr
