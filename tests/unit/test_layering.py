@@ -29,6 +29,7 @@ ORDER = [
     "sweep",
     "training",
     "job",
+    "tune",  # drives whole runs and their A/B tests (diagnostics.ab) from above
 ]
 KNOWN_UPWARD = {
     ("config", "data"),  # validation tokenizes the corpus: a named step of prepare instead
@@ -70,6 +71,11 @@ def imports(path: Path, top_level_only: bool = False) -> Iterator[str]:
 def folder(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if parts[0] == "disttrain" and len(parts) > 1 and parts[1] in ORDER else None
+
+
+def test_every_disttrain_folder_has_its_place_in_the_order() -> None:
+    folders = {p.name for p in (REPO / "src" / "disttrain").iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(ORDER), f"place a new folder in ORDER (or drop a gone one): {sorted(folders ^ set(ORDER))}"
 
 
 def test_disttrain_folders_import_only_downward() -> None:
