@@ -474,26 +474,29 @@ def bracket(before: RunResult, after: RunResult) -> RunResult:
     )
 
 
-def measure_cell(draws: list[Draw], repeats: int, root: Path) -> list[Verdict]:
+def measure_cell(draws: list[Draw], repeats: int, root: Path, cell: str = "") -> list[Verdict]:
     """The generated scenarios that share one counterfactual (strategy and model): per repeat, the counterfactual
     (the first one sizes every fault) and then each draw's faulty run; one more counterfactual closes the last
     round, and each faulty run is judged against the two that bracket it."""
     counterfactual = draws[0].counterfactual()
-    cell = f"{draws[0].strategy}-{draws[0].model}"
+    cell = cell or f"{draws[0].strategy}-{draws[0].model}"
+    # A seed may draw the same scenario twice: each draw's runs get a directory of their own.
+    names = [f"{d.name}-{k}" if [x.name for x in draws].count(d.name) > 1 else d.name for k, d in enumerate(draws)]
     first = run_train(counterfactual, root / f"{cell}-counterfactual-0", base=MATRIX_BASE)
     if not first.ok or not first.step_s:
         failed = Scenario(cell, cell, [], counterfactual, None, on_mean=True, tolerance=MATRIX_TOLERANCE)
         return [replace(judge(failed, [], [first]), name=d.name) for d in draws]
-    bases, faults = [first], {d: [] for d in draws}
+    bases: list[RunResult] = [first]
+    faults: list[list[RunResult]] = [[] for _ in draws]
     for i in range(repeats):
-        for d in draws:
-            faults[d].append(run_train(d.fault_overrides(first.step_s), root / f"{d.name}-fault-{i}", MATRIX_BASE))
+        for k, d in enumerate(draws):
+            faults[k].append(run_train(d.fault_overrides(first.step_s), root / f"{names[k]}-fault-{i}", MATRIX_BASE))
         bases.append(run_train(counterfactual, root / f"{cell}-counterfactual-{i + 1}", base=MATRIX_BASE))
     baselines = [bracket(bases[i], bases[i + 1]) for i in range(repeats)]
     drift = [b.mean_throughput for b in bases if b.ok and b.mean_throughput]
     if len(drift) > 1:
         print(f"  {cell} counterfactual: {min(drift):,.0f}..{max(drift):,.0f} tokens/s over the cell", flush=True)
-    return [judge_draw(d, first.step_s, faults[d], baselines) for d in draws]
+    return [judge_draw(d, first.step_s, faults[k], baselines) for k, d in enumerate(draws)]
 
 
 def judge_draw(draw: Draw, step_s: float, faults: list[RunResult], baselines: list[RunResult]) -> Verdict:
@@ -575,9 +578,10 @@ def run_matrix(seed: int, size: int, repeats: int, keep: Path | None, json_path:
         for draw in draws:
             cells.setdefault(tuple(draw.counterfactual()), []).append(draw)
         verdicts = []
-        for members in cells.values():
+        for n, members in enumerate(cells.values()):
             print(", ".join(d.name for d in members), flush=True)
-            verdicts.extend(measure_cell(members, repeats, root))
+            cell = f"cell{n:02d}-{members[0].strategy}-{members[0].model}"  # a healthy DDP draw's cell is its own
+            verdicts.extend(measure_cell(members, repeats, root, cell))
             if json_path:  # after every cell: an interrupted matrix keeps what it measured
                 json_path.write_text(json.dumps([asdict(v) for v in verdicts], indent=2) + "\n")
     print()

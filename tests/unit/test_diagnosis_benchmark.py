@@ -150,3 +150,24 @@ def test_a_cells_faulty_runs_are_judged_against_the_counterfactuals_that_bracket
     run = RunResult(True, 700.0, 700.0, findings=[finding("pipeline_bubble", [0, 1], "critical", cost=0.4),
                                                   finding("input_bound", [0, 1], cost=0.28)])  # fmt: skip
     assert judge_draw(piped, 0.1, [run], [base]).targets["top finding and rank"] is True
+
+
+def test_a_cell_gives_every_draw_its_own_run_directories(tmp_path, monkeypatch) -> None:
+    """A seed may draw one scenario twice, and two cells may share strategy and model (a healthy DDP draw's
+    counterfactual keeps its gradients local): no two runs of a matrix share a run directory."""
+    import benchmarks.diagnosis_accuracy as accuracy
+    from benchmarks.diagnosis_matrix import Draw
+
+    used: list[str] = []
+
+    def fake_run(overrides: list[str], run_dir, base=None) -> RunResult:
+        assert run_dir.name not in used, run_dir.name
+        used.append(run_dir.name)
+        return RunResult(True, 1000.0, 1000.0, 0.1)
+
+    monkeypatch.setattr(accuracy, "run_train", fake_run)
+    twice = [Draw("ddp", "data-one", 1, 0.5, "hf"), Draw("ddp", "data-one", 1, 0.5, "hf")]
+    assert len(accuracy.measure_cell(twice, 1, tmp_path, "cell00-ddp-hf")) == 2
+    healthy = [Draw("ddp", "none", None, 0.0, "hf")]
+    accuracy.measure_cell(healthy, 1, tmp_path, "cell01-ddp-hf")
+    assert len(used) == len(set(used)) == 7  # 2 counterfactuals + 2 faults, then 2 + 1
