@@ -54,6 +54,9 @@ class Scenario:
     # there ends the phase with the slow one. ``timed_collectives``: the records carry that time inside forward and
     # backward (forward_comm_s, backward_comm_s) as the FSDP collector writes it; False: an older collector.
     sync_in_phases: bool = False
+    # Ranks meet at the end of the optimizer step too, as ZeRO-3's step gathers and reduces: a rank that waits
+    # there for a slower one ends its optimizer step with it (optimizer_comm_s holds that wait when timed).
+    sync_in_optimizer: bool = False
     timed_collectives: bool = True
     rank0_hold: tuple[int, float] | None = None  # (every, seconds): rank 0 is held between steps (writing logs)
     # (rank, every, phase, seconds): that rank (None: every rank) stalls that long in that phase every N-th step
@@ -204,6 +207,7 @@ class RankStep:
     optimizer: float
     forward_comm: float = 0.0  # of forward: time inside collectives (FSDP2 all-gathers), waits included
     backward_comm: float = 0.0  # of backward compute, likewise
+    optimizer_comm: float = 0.0  # of optimizer, likewise (ZeRO-3's step)
 
     @property
     def local_compute(self) -> float:
@@ -265,12 +269,17 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
         release = max(arrive) + sc.comm
         if sc.comm_spike is not None and sc.comm_spike[0] == index + 1:
             release += sc.comm_spike[1]
+        in_optimizer = [0.0] * world
+        if sc.sync_in_optimizer:
+            done = max(seg["optimizer"] for seg in rows)
+            in_optimizer = [done - seg["optimizer"] + sc.comm / 4 for seg in rows]
         step = []
         for rank, seg in enumerate(rows):
-            end = release + seg["optimizer"]
+            optimizer = seg["optimizer"] + in_optimizer[rank]
+            end = release + optimizer
             wait = release - arrive[rank]
-            times = (seg["other"], seg["data"], seg["forward"], seg["backward"], wait, seg["optimizer"])
-            comm = (in_phase[rank]["forward"], in_phase[rank]["backward"])
+            times = (seg["other"], seg["data"], seg["forward"], seg["backward"], wait, optimizer)
+            comm = (in_phase[rank]["forward"], in_phase[rank]["backward"], in_optimizer[rank])
             step.append(RankStep(start[rank], end - start[rank], *times, *comm))
             start[rank] = end
         steps.append(step)
@@ -365,6 +374,7 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                     if sc.sync_in_phases and sc.timed_collectives
                     else {}
                 ),
+                **({"optimizer_comm_s": r.optimizer_comm} if sc.sync_in_optimizer and sc.timed_collectives else {}),
             )
             _sample(writers[rank], sc, rank, step, t)
             if sc.expert_shares is not None:

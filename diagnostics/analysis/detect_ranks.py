@@ -55,10 +55,11 @@ SEGMENTS = (
     ("backward_comm", "backward_comm"),
     ("comm_wait", "comm_wait"),
     ("optimizer", "optimizer"),
+    ("optimizer_comm", "optimizer_comm"),
     ("schedule", "schedule"),
 )
 # A rank that falls behind inside a collective: its own transfer is slow, in the phase that issued it.
-NAMED = {"comm_wait": "backward", "forward_comm": "forward", "backward_comm": "backward"}
+NAMED = {"comm_wait": "backward", "forward_comm": "forward", "backward_comm": "backward", "optimizer_comm": "optimizer"}
 
 
 def segments(s: StepRecord) -> list[float] | None:
@@ -71,13 +72,14 @@ def segments(s: StepRecord) -> list[float] | None:
     if s.bubble_fraction is not None:
         schedule = s.forward_s + s.backward_s + s.bubble_fraction * s.step_s
         other = max(0.0, s.step_s - data - schedule - optimizer)
-        return [other, data, 0.0, 0.0, 0.0, 0.0, 0.0, optimizer, schedule]
+        return [other, data, 0.0, 0.0, 0.0, 0.0, 0.0, optimizer, 0.0, schedule]
     other = max(0.0, s.step_s - data - s.forward_s - s.backward_s - optimizer)
     backward = max(0.0, s.backward_s - wait)
     forward_comm = min(s.forward_comm_s or 0.0, s.forward_s)
     backward_comm = min(s.backward_comm_s or 0.0, backward)
+    optimizer_comm = min(s.optimizer_comm_s or 0.0, optimizer)
     return [other, data, s.forward_s - forward_comm, forward_comm, backward - backward_comm, backward_comm, wait,
-            optimizer, 0.0]  # fmt: skip
+            optimizer - optimizer_comm, optimizer_comm, 0.0]  # fmt: skip
 
 
 def lateness_growth(run: RunTelemetry) -> list[tuple[float, dict[int, list[float]]]]:

@@ -50,6 +50,7 @@ class StepRecord:
     # of backward_s before the comm wait; only where the collector timed them.
     forward_comm_s: float | None = None
     backward_comm_s: float | None = None
+    optimizer_comm_s: float | None = None  # ZeRO-3's optimizer-step collectives, part of optimizer_s
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def _step(rec: dict[str, Any]) -> StepRecord | None:
     if not isinstance(step, int) or isinstance(step, bool):
         return None
     keys = ("data_wait_s", "data_cpu_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s", "comm_wait_s",
-            "tokens", "forward_comm_s", "backward_comm_s")  # fmt: skip
+            "tokens", "forward_comm_s", "backward_comm_s", "optimizer_comm_s")  # fmt: skip
     return StepRecord(
         step=step,
         step_s=num(rec.get("step_s")),

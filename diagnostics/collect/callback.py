@@ -326,7 +326,11 @@ class DiagnosticsCallback(pl.Callback):
                 tokens=self.facts.tokens_per_step,
                 **({"bubble_fraction": phases.bubble_fraction} if phases.pipelined else {}),
                 **(
-                    {"forward_comm_s": phases.forward_comm_s, "backward_comm_s": phases.backward_comm_s}
+                    {
+                        "forward_comm_s": phases.forward_comm_s,
+                        "backward_comm_s": phases.backward_comm_s,
+                        "optimizer_comm_s": phases.optimizer_comm_s,
+                    }
                     if self.times_collectives and phases.phase_comm_known
                     else {}
                 ),

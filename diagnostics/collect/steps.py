@@ -36,6 +36,9 @@ class StepPhases:
     # a slow one lands here, not in its own work. Zero where nothing times them (DDP, or FSDP on a GPU stream).
     forward_comm_s: float = 0.0
     backward_comm_s: float = 0.0
+    # ZeRO-3's optimizer step gathers and reduces too (gradient norm, overflow check, parameter gathers): a fast
+    # rank's wait for a slow one's step lands here.
+    optimizer_comm_s: float = 0.0
     # False when an engine ran the step's micro-batches itself (schedule_ran): Lightning's phase hooks did not
     # bracket its forward and backward, so which phase a collective fell in is unknown.
     phase_comm_known: bool = True
@@ -137,6 +140,8 @@ class PhaseTimer:
             self.current.forward_comm_s += seconds
         elif self.phase == "backward" and self._grad_ready is None:
             self.current.backward_comm_s += seconds
+        elif self.phase == "optimizer" and self._optimizer_start is not None:
+            self.current.optimizer_comm_s += seconds
 
     def before_optimizer_step(self) -> None:
         self._optimizer_start = self.now()

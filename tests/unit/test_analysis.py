@@ -148,6 +148,26 @@ def test_under_fsdp_the_rank_that_waits_inside_the_phase_is_told_apart_by_its_ti
     assert not [f for f in found.values() if f.severity != "info" and f.ranks == [1 - rank]]
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_zero3_a_rank_slow_in_its_optimizer_step_is_told_apart_from_the_one_waiting_in_it(
+    tmp_path: Path, rank: int
+) -> None:
+    """ZeRO-3's optimizer step gathers and reduces: the fast rank waits for the slow one inside its own optimizer
+    step, and both end it together. Its time inside those collectives (optimizer_comm_s) is the wait."""
+    found = findings_of(
+        tmp_path, "healthy", slow_rank=rank, slow_phase="optimizer", slow_s=0.06, sync_in_phases=True,
+        sync_in_optimizer=True, grad_hook=False,
+    )  # fmt: skip
+    finding = found["straggler"]
+    assert finding.ranks == [rank] and finding.evidence["slow_phase"] == "optimizer", finding.message
+    growth = finding.evidence["lateness_growth_s_per_step"]
+    assert growth[rank]["optimizer"] == pytest.approx(0.06, rel=0.15)
+    assert growth[rank]["optimizer_comm"] < -0.05  # caught up with inside the step's collectives
+    assert max(growth[1 - rank].values()) < 0.005
+    assert finding.cost["fraction"] == pytest.approx(0.06 / (0.408 + 0.06), rel=0.15)
+    assert not [f for f in found.values() if f.severity != "info" and f.ranks == [1 - rank]]
+
+
 def test_under_fsdp_without_timed_collectives_the_waiting_rank_is_still_never_blamed(tmp_path: Path) -> None:
     """Older collectors: the wait inside forward cannot be told from work; nothing is named rather than the wrong
     rank."""

@@ -113,9 +113,14 @@ def test_phase_timer_counts_collectives_in_the_phase_that_issued_them() -> None:
     timer.collective_ran(0.3)  # the root's reduce-scatter after this rank's compute: comm wait already
     clock.advance(0.3)
     timer.after_backward()
+    timer.collective_ran(0.7)  # after backward, before the optimizer step's clock starts: in no timed phase
+    timer.before_optimizer_step()
+    timer.collective_ran(0.05)  # ZeRO-3's step gathering the others' partitions
+    clock.advance(0.1)
     phases = timer.finish_step()
     assert phases is not None
     assert (phases.forward_comm_s, phases.backward_comm_s) == (pytest.approx(0.25), pytest.approx(0.1))
+    assert phases.optimizer_comm_s == pytest.approx(0.05) and phases.optimizer_s == pytest.approx(0.1)
     assert phases.comm_wait_s == pytest.approx(0.3) and phases.phase_comm_known
     timer.batch_start()
     timer.collective_ran(0.2)  # inside an engine's schedule: its backward ran under Lightning's "forward" phase
