@@ -474,10 +474,16 @@ def bracket(before: RunResult, after: RunResult) -> RunResult:
     )
 
 
+# Faulty runs between two counterfactual runs: each is judged against the two around it, so a shared box's drift
+# over a cell (up to 26% on seed 0, whose cells had up to 5 faulty runs between their two baselines) reaches the
+# ground truth only for as long as two faulty runs take.
+BRACKET_EVERY = 2
+
+
 def measure_cell(draws: list[Draw], repeats: int, root: Path, cell: str = "") -> list[Verdict]:
-    """The generated scenarios that share one counterfactual (strategy and model): per repeat, the counterfactual
-    (the first one sizes every fault) and then each draw's faulty run; one more counterfactual closes the last
-    round, and each faulty run is judged against the two that bracket it."""
+    """The generated scenarios that share one counterfactual (strategy and model): per repeat, each draw's faulty
+    run, with a counterfactual run before the first (it sizes every fault) and after every ``BRACKET_EVERY``
+    faulty runs; each faulty run is judged against the two counterfactuals that bracket it."""
     counterfactual = draws[0].counterfactual()
     cell = cell or f"{draws[0].strategy}-{draws[0].model}"
     # A seed may draw the same scenario twice: each draw's runs get a directory of their own.
@@ -487,16 +493,22 @@ def measure_cell(draws: list[Draw], repeats: int, root: Path, cell: str = "") ->
         failed = Scenario(cell, cell, [], counterfactual, None, on_mean=True, tolerance=MATRIX_TOLERANCE)
         return [replace(judge(failed, [], [first]), name=d.name) for d in draws]
     bases: list[RunResult] = [first]
-    faults: list[list[RunResult]] = [[] for _ in draws]
-    for i in range(repeats):
-        for k, d in enumerate(draws):
-            faults[k].append(run_train(d.fault_overrides(first.step_s), root / f"{names[k]}-fault-{i}", MATRIX_BASE))
-        bases.append(run_train(counterfactual, root / f"{cell}-counterfactual-{i + 1}", base=MATRIX_BASE))
-    baselines = [bracket(bases[i], bases[i + 1]) for i in range(repeats)]
+    faults: list[list[tuple[RunResult, int]]] = [[] for _ in draws]  # (run, index of the baseline before it)
+    order = [(i, k) for i in range(repeats) for k in range(len(draws))]
+    for n, (i, k) in enumerate(order, start=1):
+        run = run_train(draws[k].fault_overrides(first.step_s), root / f"{names[k]}-fault-{i}", MATRIX_BASE)
+        faults[k].append((run, len(bases) - 1))
+        if n % BRACKET_EVERY == 0 or n == len(order):
+            bases.append(run_train(counterfactual, root / f"{cell}-counterfactual-{len(bases)}", base=MATRIX_BASE))
     drift = [b.mean_throughput for b in bases if b.ok and b.mean_throughput]
     if len(drift) > 1:
         print(f"  {cell} counterfactual: {min(drift):,.0f}..{max(drift):,.0f} tokens/s over the cell", flush=True)
-    return [judge_draw(d, first.step_s, faults[k], baselines) for k, d in enumerate(draws)]
+    return [
+        judge_draw(
+            d, first.step_s, [run for run, _ in faults[k]], [bracket(bases[b], bases[b + 1]) for _, b in faults[k]]
+        )
+        for k, d in enumerate(draws)
+    ]
 
 
 def judge_draw(draw: Draw, step_s: float, faults: list[RunResult], baselines: list[RunResult]) -> Verdict:

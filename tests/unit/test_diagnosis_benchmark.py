@@ -171,3 +171,30 @@ def test_a_cell_gives_every_draw_its_own_run_directories(tmp_path, monkeypatch) 
     healthy = [Draw("ddp", "none", None, 0.0, "hf")]
     accuracy.measure_cell(healthy, 1, tmp_path, "cell01-ddp-hf")
     assert len(used) == len(set(used)) == 7  # 2 counterfactuals + 2 faults, then 2 + 1
+
+
+def test_each_faulty_run_is_judged_against_the_counterfactuals_just_before_and_after_it(tmp_path, monkeypatch) -> None:
+    """A cell of three draws: counterfactual, two faulty runs, counterfactual, one faulty run, counterfactual.
+    The box speeds up over the cell: the third draw's baseline is the mean of the last two counterfactuals, not
+    of the cell's first and last."""
+    import benchmarks.diagnosis_accuracy as accuracy
+    from benchmarks.diagnosis_matrix import Draw
+
+    speeds = iter([1000.0, 1400.0, 2000.0])  # the three counterfactual runs, in order
+    runs: list[str] = []
+
+    def fake_run(overrides: list[str], run_dir, base=None) -> RunResult:
+        runs.append(run_dir.name)
+        if "counterfactual" in run_dir.name:
+            v = next(speeds)
+            return RunResult(True, v, v, 0.1)
+        return RunResult(True, 850.0, 850.0, 0.1)
+
+    monkeypatch.setattr(accuracy, "run_train", fake_run)
+    draws = [Draw("ddp", "data-one", 1, 0.5, "builtin"), Draw("ddp", "data-all", None, 0.5, "builtin"),
+             Draw("ddp", "data-one", 0, 0.5, "builtin")]  # fmt: skip
+    verdicts = accuracy.measure_cell(draws, 1, tmp_path, "cell00-ddp-builtin")
+    assert [n.split("-")[-2] for n in runs] == ["counterfactual", "fault", "fault", "counterfactual", "fault",
+                                                "counterfactual"]  # fmt: skip
+    assert verdicts[0].measured_cost == pytest.approx(1 - 850 / 1200)
+    assert verdicts[2].measured_cost == pytest.approx(1 - 850 / 1700)
