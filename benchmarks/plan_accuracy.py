@@ -7,7 +7,7 @@ each error (predicted / measured - 1) with its spread. Target (issue: close the 
 
     python benchmarks/plan_accuracy.py                      # ddp, fsdp, deepspeed-2, megatron tp2, megatron pp2
     python benchmarks/plan_accuracy.py --repeats 3 --steps 80
-    python benchmarks/plan_accuracy.py --layouts ddp fsdp --extra model=gpt-micro
+    python benchmarks/plan_accuracy.py --layouts ddp fsdp --extra model.n_layers=2 model.d_model=128
     python benchmarks/plan_accuracy.py --keep DIR           # keep every run dir (DIR/<layout>-<n>/)
     python benchmarks/plan_accuracy.py --from DIR           # re-predict kept runs with today's planner, no training
 
