@@ -23,23 +23,21 @@ if TYPE_CHECKING:
 
 # Resolved through the real path so an editable install finds conf/ from any working directory.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-# The job preflight prepared in this process (None for a multirun): Hydra's main takes no other arguments.
-preflighted: Prepared | None = None
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """One job; returns its objective (final val loss or tokens/s, ``objective=``) for a sweeper such as Optuna."""
+def run_job(cfg: DictConfig, prepared: Prepared | None) -> float | None:
+    """One job; returns its objective (final val loss or tokens/s, ``objective=``) for a sweeper such as Optuna.
+    ``prepared``: what preflight checked in this process (None for a multirun's jobs: each prepares its own)."""
     from disttrain.job.early_start import discard_unclaimed, maybe_start_local_ranks
 
     try:
         # The local ranks import torch/Lightning while this process does (early_start.py), not after it.
         hydra_cfg = HydraConfig.get()
         run_dir = Path(hydra_cfg.runtime.output_dir)
-        maybe_start_local_ranks(preflighted, "train", list(hydra_cfg.overrides.task), run_dir)
+        maybe_start_local_ranks(prepared, "train", list(hydra_cfg.overrides.task), run_dir)
         from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
 
-        return run_from_hydra(cfg, module_name="train", prepared=preflighted)
+        return run_from_hydra(cfg, module_name="train", prepared=prepared)
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
@@ -53,6 +51,17 @@ def main(cfg: DictConfig) -> float | None:
         discard_unclaimed()  # ranks started early for a job that ended before run.spawn took them
 
 
+def hydra_app(prepared: Prepared | None) -> None:
+    """Hydra's app over sys.argv, running ``run_job`` with what preflight prepared (Hydra's task function takes
+    the config only, so the preflight's result rides in this closure)."""
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+    def train(cfg: DictConfig) -> float | None:
+        return run_job(cfg, prepared)
+
+    train()
+
+
 def cli(argv: list[str] | None = None) -> None:
     """Check the command before Hydra creates a run dir (see disttrain.job.preflight), claim the dir (a launch in
     the same second gets another: disttrain.job.claim), then run it there."""
@@ -60,7 +69,6 @@ def cli(argv: list[str] | None = None) -> None:
     from disttrain.job.export import export_arguments, run_export
     from disttrain.job.preflight import cluster_rank_job, preflight
 
-    global preflighted
     argv = sys.argv[1:] if argv is None else argv
     if joining := cluster_rank_job(argv):  # Hydra's main reads sys.argv
         sys.argv[1:] = argv = [*argv, *joining]
@@ -70,13 +78,12 @@ def cli(argv: list[str] | None = None) -> None:
                 print(f"exported {path}")
             return
         checked = preflight(argv, CONF_DIR)
-        preflighted = checked.prepared
         if (launch := checked.launch_dir) is not None:  # Hydra's main reads sys.argv: it runs in the claimed dir
             sys.argv[1:] = [*argv, as_override(launch.key, claim_launch_dir(launch))]
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
-    main()
+    hydra_app(checked.prepared)
 
 
 if __name__ == "__main__":

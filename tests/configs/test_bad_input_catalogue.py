@@ -147,10 +147,10 @@ def test_bad_input_gives_one_line_naming_key_and_fix(
 ) -> None:
     import train  # pipelines/train.py, installed as a top-level module
 
-    def must_not_start() -> None:
+    def must_not_start(prepared: object) -> None:
         pytest.fail("the preflight let a bad command through to Hydra")
 
-    monkeypatch.setattr(train, "main", must_not_start)
+    monkeypatch.setattr(train, "hydra_app", must_not_start)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     argv = [a.format(**{k: str(v) for k, v in world.items()}) for a in args]

@@ -42,7 +42,6 @@ KNOWN_CYCLES = {
     frozenset({"disttrain.config.hf", "disttrain.config.schema"}),
     frozenset({"disttrain.models.moe", "disttrain.models.transformer"}),
     frozenset({"diagnostics.report.sweep", "diagnostics.report.sweep_render"}),
-    frozenset({"disttrain.job.failure", "disttrain.job.run"}),
 }
 FRAMEWORKS = ("torch", "lightning", "pytorch_lightning")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from hydra import initialize_config_dir
 
-from disttrain.checkpoint.resume import find_resume_point, run_dir_of
+from disttrain.checkpoint.resume import find_resume_point, newest_complete, run_dir_of
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import RunConfig
+from disttrain.config.schema import HFModelConfig, RunConfig
 
 KEYS = ("export", "export_to")
 
@@ -38,7 +38,6 @@ def export_arguments(argv: list[str]) -> dict[str, str] | None:
 def run_export(args: dict[str, str], conf_dir: Path) -> list[Path]:
     """Write the export files; returns their paths."""
     from disttrain.checkpoint.export import export_hf, export_state_dict
-    from disttrain.config.schema import HFModelConfig
 
     try:
         checkpoint = find_resume_point(args["export"]).checkpoint
@@ -73,3 +72,15 @@ def recorded_run_config(target: str, conf_dir: Path) -> RunConfig | None:
         return None
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         return parse_run_config(compose_for_resume(target, []))
+
+
+def export_final_hf(run_cfg: RunConfig, ckpt_dir: Path, run_dir: Path) -> Path | None:
+    """A model=hf run ends with its final weights in HF format under RUN_DIR/hf_model."""
+    if not isinstance(run_cfg.model, HFModelConfig):
+        return None
+    last = newest_complete(ckpt_dir)
+    if last is None:
+        return None
+    from disttrain.checkpoint.export import export_hf  # torch and transformers: only for an HF run's end
+
+    return export_hf(last.checkpoint, run_cfg.model, run_dir / "hf_model", run_cfg.trainer.seed)

@@ -17,7 +17,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from diagnostics.crash import (
     describe_site,
@@ -29,10 +29,18 @@ from diagnostics.crash import (
     write_crash_record,
 )
 from diagnostics.manifest import RunManifest
+from disttrain.config.errors import ConfigError
+from disttrain.job.report import say_report
 from disttrain.job.sweeps import TRACEBACK_CHARS, write_failure
 from disttrain.launch.env import process_role, say
 from disttrain.launch.exit_codes import FAILED, RunStopped
-from disttrain.launch.local import LocalRanks, describe_exit
+from disttrain.launch.local import LocalRanks, await_parent_death, describe_exit
+from disttrain.reliability.sigterm import signalled_rank
+
+# How long a spawned rank whose peer connection broke waits for rank 0's exit to be seen before it gives up: under
+# load a SIGKILLed rank 0 can take seconds to finish exiting. Costs nothing when the lost peer was another rank
+# (rank 0 then ends this rank itself, at once).
+PEER_LOSS_WAIT_S = 15.0
 
 if TYPE_CHECKING:
     from disttrain.training.build import TrainerParts
@@ -88,8 +96,6 @@ def stop_for_failure(
     """Name the rank whose error stopped the job, from the ranks' crash records; record it in run.json and
     failure.json, write the report, print that rank's traceback once (the others' echoes go to their logs) and
     return the stop whose one-line message ends the console."""
-    from disttrain.job.run import say_report
-
     run_dir, manifest = failure_reporting.run_dir, failure_reporting.manifest
     own_rank = process_role().global_rank
     if ranks is not None:
@@ -110,11 +116,12 @@ def stop_for_failure(
         failure = f"rank {rank} died ({error})"
     else:
         assert own_error is not None, "a failure without a dead rank is this process's own error"
-        rank, cause = own_rank, reported_error(own_error)
-        error, details = first_line(cause), {"exception": type(cause).__name__}
+        rank, raised = own_rank, reported_error(own_error)
+        error, details = first_line(raised), {"exception": type(raised).__name__}
         trace = "".join(traceback.format_exception(own_error))
         failure = f"rank {rank} raised {error}"
-    if own_error is not None and (cause is None or cause["rank"] != own_rank):
+    echo = cause["rank"] != own_rank if cause is not None else bool(dead)  # else the failure is this rank's own
+    if own_error is not None and echo:
         log_to_own_file(run_dir, "".join(traceback.format_exception(own_error)))  # an echo of the failure
     with contextlib.suppress(Exception):  # the job must end whatever happens here
         manifest.failed(failure, rank, **details).write(run_dir)
@@ -148,8 +155,6 @@ def stop_for_signal(failure_reporting: FailureReporting, signum: signal.Signals,
     """A run ended by a signal it could catch (a 1-process run's, or the one ``rank`` of a local launch received
     and every rank agreed to stop for): record it as that rank's failure (run.json, failure.json, the report) and
     end with 128+N, the status a shell gives a process that signal ended."""
-    from disttrain.job.run import say_report
-
     run_dir, manifest = failure_reporting.run_dir, failure_reporting.manifest
     failure = f"rank {rank} stopped by {signum.name}"
     record = {"error": f"stopped by {signum.name}", "source": f"rank {rank}", "rank": rank, "traceback": ""}
@@ -184,3 +189,44 @@ def rank_died(run_dir: Path, manifest: RunManifest, rank: int, code: int) -> str
         with contextlib.suppress(Exception):  # the job must end whatever happens here
             dataclasses.replace(manifest, status="failed", failure=failure).write(run_dir)
     return f"disttrain: {failure}; stopping the job"
+
+
+def stop_fit(
+    err: BaseException, failures: FailureReporting, ranks: LocalRanks | None, parts: TrainerParts | None, child: bool
+) -> NoReturn:
+    """What ends a fit that raised ``err``, raised: the crash recorded and the failing rank named once (a spawned
+    rank leaves that to the launcher), a caught signal recorded as one, a dead local rank named as the cause;
+    a user's config error or an agreed stop passes through as it is."""
+    run_dir, manifest = failures.run_dir, failures.manifest
+    crashed = isinstance(err, Exception) and not isinstance(err, ConfigError | RunStopped)
+    if crashed:
+        record_crash(run_dir, err, parts)
+    if crashed and child:
+        # The launcher prints the error of the rank that caused the failure, once: this one's goes to its log.
+        log_to_own_file(run_dir, "".join(traceback.format_exception(err)))
+        # The lost peer may be rank 0: its death is recorded first. An error not known as a peer's loss still
+        # waits a moment, so that no wording of a lost connection leaves rank 0's death unrecorded.
+        await_parent_death(timeout_s=PEER_LOSS_WAIT_S if is_peer_failure(type(err).__name__, str(err)) else 1.0)
+        raise RunStopped(FAILED) from None
+    if crashed and failures.reports:
+        failures.lock.acquire()  # if the rank watcher holds it, it is ending this process
+        raise stop_for_failure(failures, ranks, None, err) from None
+    if ranks is None and failures.reports and (signum := interrupting_signal(err)) is not None:
+        raise stop_for_signal(failures, signum) from None  # else SIGTERM would exit 0 with run.json "running"
+    signalled = signalled_rank(parts.nonfinite.riders) if parts is not None and parts.nonfinite else None
+    if ranks is not None and failures.reports and signalled is not None and interrupting_signal(err) == signal.SIGTERM:
+        ranks.wait()  # every rank agreed in the same vote and stops after the same batch
+        raise stop_for_signal(failures, signal.SIGTERM, signalled) from None
+    if ranks is None:
+        raise err
+    # A rank that died makes rank 0's next collective fail at once ("connection reset"): name the cause.
+    dead = [] if isinstance(err, KeyboardInterrupt) else ranks.dead(wait_s=3.0)
+    ranks.kill()
+    if not dead:
+        raise err
+    message = rank_died(run_dir, manifest, *dead[0])
+    if dead[0][1] > 0:  # it raised an exception of its own (printed above): rank 0's may be the same bug
+        say(message, file=sys.stderr)
+        raise err
+    seen = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    raise RunStopped(1, f"{message} (rank 0 then failed with {seen})") from None

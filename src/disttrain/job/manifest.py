@@ -1,4 +1,4 @@
-"""What run.json records about the code and the machine (its schema: ``diagnostics.manifest.RunManifest``)."""
+"""What run.json records about the run, the code and the machine (its schema: ``diagnostics.manifest.RunManifest``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
+
+from diagnostics.manifest import RunManifest, read_manifest
+from disttrain.config.schema import HFDataConfig, RunConfig
+from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.data.hf import tokenizer_sha256
+from disttrain.job.redaction import redact, redact_yaml_files
+from disttrain.models.factory import ModelFacts
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +55,60 @@ def git_commit(root: Path = PROJECT_ROOT) -> dict[str, Any] | None:
 
 def command_line() -> list[str]:
     return [sys.executable, *sys.argv]
+
+
+def record_start(
+    manifest: RunManifest,
+    config: dict,
+    run_cfg: RunConfig,
+    world: tuple[WorldLayout, BatchPlan],
+    facts: ModelFacts,
+    checkpoint: Path | None,
+    attempt: int,
+    run_dir: Path,
+) -> None:
+    """Fill run.json's record of a run about to fit: its command and resolved ``config`` (credentials redacted:
+    redaction.py), hardware, world, batch, model, code, where it resumed from and every attempt so far."""
+    layout, plan = world
+    manifest.status = "running"
+    manifest.command = redact(command_line())
+    manifest.config = redact(config)
+    manifest.hw, manifest.world, manifest.batch = run_cfg.hw, layout, plan
+    manifest.num_parameters, manifest.flops_per_token = facts.num_parameters, facts.flops_per_token
+    manifest.versions, manifest.git = versions(), git_commit()
+    manifest.resumed_from = str(checkpoint) if checkpoint else None
+    manifest.restart_attempt = attempt
+    manifest.attempts = [*attempts_so_far(run_dir, attempt), this_attempt(attempt, layout, plan)]
+    manifest.strategy_resolved = run_cfg.strategy
+    if isinstance(run_cfg.data, HFDataConfig):
+        manifest.tokenizer_sha256 = tokenizer_sha256(run_cfg.data.tokenizer)
+    # The warmup the run uses (a default too long for max_steps was shortened by prepare).
+    manifest.config["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
+    if "compile" in manifest.config["model"]:  # null decided by the device and strategy (schema.py)
+        manifest.config["model"]["compile"] = run_cfg.model.compile
+
+
+def write_start(manifest: RunManifest, run_dir: Path) -> None:
+    """Rank 0 writes the run's resolved config.yaml and run.json; Hydra's own copies lose their credentials."""
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest.config)))
+    redact_yaml_files([run_dir / ".hydra" / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml")])
+    manifest.write(run_dir)
+
+
+def this_attempt(attempt: int, layout: WorldLayout, plan: BatchPlan) -> dict[str, int]:
+    return {
+        "attempt": attempt,
+        "world_size": layout.world_size,
+        "global_batch": plan.global_batch_size,
+        "accumulation": plan.accumulation,
+    }
+
+
+def attempts_so_far(run_dir: Path, attempt: int) -> list[dict]:
+    """The earlier attempts' records from run.json (a restart trains in the same run dir; an elastic one on
+    another world size), so run.json lists every attempt's world size."""
+    if attempt == 0:
+        return []
+    earlier, _ = read_manifest(run_dir)
+    records = earlier.attempts if earlier is not None else []
+    return [a for a in records if isinstance(a, dict) and a.get("attempt", attempt) < attempt]

@@ -7,18 +7,22 @@ per number. The comparison itself (``diagnostics.prediction``) is shared with th
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from diagnostics.calibration import Calibration
+from diagnostics.calibration import Calibration, write_calibration
 from diagnostics.prediction import compare
 from disttrain.config.hf import reference_shape
-from disttrain.config.schema import RunConfig
+from disttrain.config.schema import AutoStrategyConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.planner import memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.comm import link_time
 from disttrain.planner.plan import plan_layout
 from disttrain.strategies.auto import layout_of, workload
+
+if TYPE_CHECKING:
+    from disttrain.training.build import TrainerParts
 
 
 def predict_run(
@@ -27,7 +31,7 @@ def predict_run(
     """Predicted memory, step time, communication, tokens/s and MFU of this run; None for a user model (the
     planner cannot see its shape). Step-time figures are absent, with the reason, when no peak is known."""
     reference = reference_shape(cfg.model)
-    if reference is None or cfg.strategy.name == "auto":
+    if reference is None or isinstance(cfg.strategy, AutoStrategyConfig):
         return None
     profile = calibrated_profile(cfg.hw, calibration, cfg.precision.compute_dtype)
     assumptions = assumptions_for(profile)
@@ -80,3 +84,37 @@ def with_measurement(record: dict[str, Any], measured: dict[str, Any]) -> dict[s
     if "datasheet" in record:
         record["datasheet_error"] = compare(record["datasheet"], measured)
     return record
+
+
+def predict_and_measure(
+    run_cfg: RunConfig,
+    parts: TrainerParts,
+    run_dir: Path,
+    planned: tuple[WorldLayout, BatchPlan, Calibration | None],
+    peak_memory_bytes: int,
+) -> dict | None:
+    """The planner's prediction for this run (with this run's own start-up calibration, else ``calibration=``,
+    else datasheet numbers) beside what rank 0 measured; writes RUN_DIR/calibration.json when it measured any."""
+    layout, plan, given = planned
+    own = write_calibration(run_dir) if run_cfg.diagnostics.enabled and run_cfg.diagnostics.calibrate else None
+    record = predict_run(run_cfg, layout, plan, own or given)
+    if record is None:
+        return None
+    measured: dict = {}
+    tokens_per_step = plan.global_batch_size * run_cfg.model.seq_len
+    # The median step, as the telemetry's figure is (the report replaces this one): a whole-run mean carries
+    # every burst of other work on a shared machine.
+    step_time_s = parts.throughput.step_time_p50_s
+    if step_time_s is None and parts.throughput.tokens_per_s:
+        step_time_s = tokens_per_step / parts.throughput.tokens_per_s
+    if step_time_s:
+        tokens_per_s = tokens_per_step / step_time_s
+        measured.update(tokens_per_s=tokens_per_s, step_time_s=step_time_s)
+        predicted = record["predicted"]
+        if predicted.get("mfu") and predicted.get("tokens_per_s"):
+            measured["mfu"] = predicted["mfu"] * tokens_per_s / predicted["tokens_per_s"]
+    if parts.diagnostics is not None and parts.diagnostics.training_state:
+        measured["state_bytes"] = parts.diagnostics.training_state  # rank 0's; the report takes every rank's
+    if run_cfg.hw.accelerator == "gpu":
+        measured["memory_bytes"] = peak_memory_bytes
+    return with_measurement(record, measured)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hydra import compose
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.calibration import Calibration
 from diagnostics.manifest import read_manifest
@@ -48,6 +48,11 @@ class Prepared:
     warmup_note: str | None = None  # said at launch when the default warmup was shortened to fit max_steps
     calibration: Calibration | None = None  # calibration=RUN_DIR: measured speeds for auto and the prediction
     elastic_note: str | None = None  # said at launch when a restart found another world size and adapted to it
+
+    def resolved_config(self) -> dict:
+        """The composed config as plain data, interpolations resolved (what run.json and config.yaml record): below
+        prepare nothing handles the DictConfig itself."""
+        return OmegaConf.to_container(self.cfg, resolve=True)  # type: ignore[return-value]
 
     def with_hydra_config(self, cfg: DictConfig) -> Prepared:
         """This job as the Hydra app composed it: preflight's config carried Hydra's own node (and a resumed
