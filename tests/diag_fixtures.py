@@ -176,7 +176,7 @@ def _stopped_at(sc: Scenario) -> int | None:
 
 
 def _nonfinite_manifest(man: dict, sc: Scenario, run_dir: Path) -> None:
-    """run.json of a run with non-finite steps, as job/run.py's finish writes it."""
+    """run.json of a run with non-finite steps, as job/finish.py writes it."""
     stop = _stopped_at(sc)
     man["status"] = "stopped" if stop is not None else "completed"
     man["result"] = {"steps": stop + 1 if stop is not None else sc.steps}
