@@ -42,21 +42,26 @@ def compose_train(overrides: list[str] | None = None) -> DictConfig:
 
 
 def compose_train_each(base: list[str], variants: list[list[str]]) -> list[DictConfig]:
-    """``compose_train([*base, *variant])`` for every variant, composing once per choice of config groups: the
-    plain ``key=value`` overrides are then applied the way Hydra applies them (parsed by its override grammar,
-    ``OmegaConf.update`` under the composed config's struct flag, so an unknown key still fails). A full Hydra
-    compose costs ~0.1 s; checking the planner's hundreds of layouts one compose each cost half a minute."""
+    """``compose_train([*base, *variant])`` for every variant, composing once per structural part: the overrides
+    that choose a config group or add/delete a key. The plain ``key=value`` overrides are then applied the way
+    Hydra applies them (parsed by its override grammar, ``OmegaConf.update`` under the composed config's struct
+    flag, so an unknown key still fails). A full Hydra compose costs ~0.1 s: hundreds of them, half a minute."""
     parser = OverridesParser.create()
-    by_groups: dict[tuple[str, ...], DictConfig] = {}
+    by_structure: dict[tuple[str, ...], DictConfig] = {}
     composed = []
     for variant in variants:
-        groups = tuple(o for o in variant if (CONF / o.split("=", 1)[0].lstrip("+~")).is_dir())
-        if groups not in by_groups:
-            by_groups[groups] = compose_train([*base, *groups])
-        cfg = by_groups[groups].copy()
-        for override in parser.parse_overrides([o for o in variant if o not in groups]):
-            assert not (override.is_add() or override.is_delete() or override.is_force_add()), override.input_line
-            OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
+        parsed = parser.parse_overrides(variant)
+        structural = tuple(
+            o.input_line or ""
+            for o in parsed
+            if o.is_add() or o.is_delete() or o.is_force_add() or (CONF / o.key_or_group).is_dir()
+        )
+        if structural not in by_structure:
+            by_structure[structural] = compose_train([*base, *structural])
+        cfg = by_structure[structural].copy()
+        for override in parsed:
+            if override.input_line not in structural:
+                OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
         composed.append(cfg)
     return composed
 
