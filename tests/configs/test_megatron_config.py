@@ -11,7 +11,7 @@ from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import MegatronConfig
 from disttrain.config.validate import validate_run, world_layout
 from disttrain.planner.plan import plan
-from tests.conftest import compose_train, hw_profile, model_preset
+from tests.conftest import compose_train, compose_train_each, hw_profile, model_preset
 
 
 def validated(overrides: list[str]):
@@ -127,13 +127,20 @@ def test_every_planned_megatron_layout_is_a_valid_config(model: str, hw: str) ->
     assert len(megatron) > 20
     hybrid = [c for c in result.candidates if c.layout.strategy == "fsdp" and c.layout.dp_replicate > 1]
     assert bool(hybrid) == (hw == "2x8xh100")  # FSDP2 hybrid is planned only across nodes
-    for candidate in hybrid:
-        overrides = [f"model={model}", f"hw={hw}", "precision=bf16-mixed", "trainer.micro_batch_size=1"]
-        cfg, _ = validated([*overrides, "trainer.global_batch_size=64", *candidate.layout.overrides()])
+    base = [f"model={model}", f"hw={hw}", "precision=bf16-mixed", "trainer.micro_batch_size=1"]
+    base.append("trainer.global_batch_size=64")
+    variants = [c.layout.overrides() for c in [*hybrid, *megatron]]
+    composed = compose_train_each(base, variants)
+    # The shared compose is Hydra's own: for the first layout of each kind, the same config as a full compose.
+    for first in {0, len(hybrid)} - {len(variants)}:
+        assert composed[first] == compose_train([*base, *variants[first]])
+    for candidate, raw in zip(hybrid, composed[: len(hybrid)], strict=True):
+        cfg = parse_run_config(raw)
+        validate_run(cfg)
         assert cfg.strategy.dp_replicate == candidate.layout.dp_replicate
-    for candidate in megatron:
-        overrides = [f"model={model}", f"hw={hw}", "precision=bf16-mixed", "trainer.micro_batch_size=1"]
-        cfg, batch = validated([*overrides, "trainer.global_batch_size=64", *candidate.layout.overrides()])
+    for candidate, raw in zip(megatron, composed[len(hybrid) :], strict=True):
+        cfg = parse_run_config(raw)
+        batch = validate_run(cfg)
         s, layout = cfg.strategy, candidate.layout
         assert (s.tp, s.pp, world_layout(cfg).data_parallel_size) == (layout.tp, layout.pp, layout.dp)
         assert batch.accumulation == layout.microbatches

@@ -36,7 +36,7 @@ def run(tmp: Path, name: str, args: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def single_process_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     tmp = tmp_path_factory.mktemp("reference")
-    args = [*COMMON, "hw.devices_per_node=1", "trainer.micro_batch_size=8"]
+    args = [*COMMON, "hw.devices_per_node=1", "trainer.micro_batch_size=8", *UNDIAGNOSED]
     return train_losses(run(tmp, "single", args))
 
 
@@ -72,6 +72,13 @@ LAYOUTS = {
 }
 
 
+# The parity runs assert nothing about diagnostics, so they run without (a launch ~2.5 s shorter); the DDP run and
+# its resume keep them on: start-up calibration and the step records must change neither the losses nor the
+# bitwise resume.
+UNDIAGNOSED = ["diagnostics=off"]
+DIAGNOSED = {"ddp"}
+
+
 class LayoutRuns:
     """Each layout's 20-step run, made once per module: the parity test and the resume test share it."""
 
@@ -81,7 +88,8 @@ class LayoutRuns:
 
     def __getitem__(self, layout: str) -> Path:
         if layout not in self.done:
-            self.done[layout] = run(self.factory.mktemp(layout), layout, [*COMMON, *LAYOUTS[layout]])
+            args = [*COMMON, *LAYOUTS[layout], *([] if layout in DIAGNOSED else UNDIAGNOSED)]
+            self.done[layout] = run(self.factory.mktemp(layout), layout, args)
         return self.done[layout]
 
 
@@ -120,6 +128,9 @@ def test_resume_from_mid_run_checkpoint_ends_with_identical_weights(
     # The resumed run took its configuration from the original run's recorded overrides.
     assert read_manifest(resumed)["config"]["strategy"]["name"] == strategy
     assert read_manifest(resumed)["resumed_from"] == str(mid.resolve())
+    # Diagnostics (calibration included) ran on both legs of the DDP resume, on neither of the FSDP one.
+    assert (uninterrupted / "calibration.json").is_file() == (strategy in DIAGNOSED)
+    assert (resumed / "calibration.json").is_file() == (strategy in DIAGNOSED)
 
     full_losses, resumed_losses = train_losses(uninterrupted), train_losses(resumed)
     assert sorted(resumed_losses) == list(range(10, STEPS))
