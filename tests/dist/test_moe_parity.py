@@ -1,7 +1,8 @@
 """Expert parallelism on real gloo ranks: the built-in MoE model under strategy.ep trains what one process trains.
 
 One single-process reference and one ``ep=2`` run on 2 ranks (dropless, 20 steps); the same ``ep=2`` launch also
-carries the expert-load counters into the per-rank telemetry, checked here against what routing must add up to.
+carries the expert-load counters into the per-rank telemetry, checked here against what routing must add up to,
+and the all-to-alls timed as the phases' communication.
 """
 
 from __future__ import annotations
@@ -63,6 +64,27 @@ def test_expert_parallel_matches_one_process_and_counts_every_routed_token(
     layout = [r for r in map(json.loads, (run_dir / "telemetry" / "rank0001.jsonl").read_text().splitlines())]
     layout = [r for r in layout if r.get("kind") == "expert_layout"]
     assert layout and layout[0]["ep"] == 2 and layout[0]["first_expert"] == 2 and layout[0]["num_local"] == 2
+
+    # The all-to-alls are timed as the phases' communication: per micro-batch and layer, forward exchanges the
+    # counts, dispatches and combines, backward reverses the two token exchanges (2 layers: 6 + 4 calls per step).
+    for rank in (0, 1):
+        steps = step_records(run_dir, rank)
+        assert len(steps) == STEPS - 1  # the first step has no previous end to be timed from
+        for s in steps:
+            assert s["forward_comm_s"] > 0 and s["backward_comm_s"] > 0
+            assert len(s["all_to_all_calls_s"]) == 10 and s["all_to_all_s"] == pytest.approx(
+                sum(s["all_to_all_calls_s"]), abs=1e-5
+            )
+            # Within the phases' collectives (FSDP2's, the balancing all-reduces, the all-to-alls), call by call.
+            assert s["all_to_all_s"] <= s["forward_comm_s"] + s["backward_comm_s"] + 1e-9
+            assert sum(s["comm_calls_s"]) == pytest.approx(s["forward_comm_s"] + s["backward_comm_s"], abs=1e-4)
+    exchange = json.loads((run_dir / "report" / "report.json").read_text())["summary"]["all_to_all"]
+    assert 0 < exchange["transfer"] <= exchange["share"] < 1
+
+
+def step_records(run_dir: Path, rank: int) -> list[dict]:
+    lines = (run_dir / "telemetry" / f"rank{rank:04d}.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == "step"]
 
 
 def test_expert_parallel_composes_with_fsdp_over_four_ranks(reference: dict[int, float], tmp_path: Path) -> None:
