@@ -235,6 +235,7 @@ class FSDPSpec(StrategySpec):
             offload_optimizer=fsdp.cpu_offload,
             offload_params=fsdp.cpu_offload,
             dp_replicate=fsdp.dp_replicate,
+            ep=fsdp.ep,
         )
 
     def build(self, cfg: RunConfig, world_size: int, apply_checkpointing: object) -> StrategyBuild:
