@@ -2,7 +2,8 @@
 
 One single-process reference and one ``ep=2`` run on 2 ranks (dropless, 20 steps); the same ``ep=2`` launch also
 carries the expert-load counters into the per-rank telemetry, checked here against what routing must add up to,
-and the all-to-alls timed as the phases' communication.
+and the all-to-alls timed as the phases' communication. Their step-10 checkpoints resume at the other ep
+(2 -> 1 and one process -> 2).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ COMMON = [
     "trainer.log_every_n_steps=1",
     "trainer.val_every_n_steps=1000",
     "trainer.val_batches=1",
-    "trainer.ckpt_every_n_steps=0",  # expert-parallel checkpoints are refused (not built yet)
+    "trainer.ckpt_every_n_steps=10",  # the ep=2 and one-process runs write step 10, resumed at the other ep
     "optimizer.warmup_steps=2",
     "optimizer.lr=1e-3",
     "precision=fp32",
@@ -33,10 +34,21 @@ GLOBAL_BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("moe-reference")
     args = [*COMMON, "hw.devices_per_node=1", f"trainer.micro_batch_size={GLOBAL_BATCH}", "diagnostics=off"]
-    return train_losses(run(tmp, "single", args))
+    return run(tmp, "single", args)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Path) -> dict[int, float]:
+    return train_losses(reference_run)
+
+
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("moe-ep2")
+    return run(tmp, "ep2", [*COMMON, "strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"])
 
 
 def expert_records(run_dir: Path, rank: int) -> list[dict]:
@@ -45,9 +57,9 @@ def expert_records(run_dir: Path, rank: int) -> list[dict]:
 
 
 def test_expert_parallel_matches_one_process_and_counts_every_routed_token(
-    reference: dict[int, float], tmp_path: Path
+    reference: dict[int, float], ep2_run: Path
 ) -> None:
-    run_dir = run(tmp_path, "ep2", [*COMMON, "strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"])
+    run_dir = ep2_run
     losses = train_losses(run_dir)
     assert sorted(losses) == sorted(reference) == list(range(STEPS))
     worst = max(abs(losses[s] - reference[s]) for s in reference)
@@ -93,3 +105,20 @@ def test_expert_parallel_composes_with_fsdp_over_four_ranks(reference: dict[int,
     losses = train_losses(run(tmp_path, "ep2x4", [*args, "diagnostics=off"]))
     worst = max(abs(losses[s] - reference[s]) for s in reference)
     assert worst < 1e-4, f"ep=2 x fsdp on 4 ranks drifts from one process by {worst:.2e}"
+
+
+def test_checkpoints_resume_across_ep_sizes(reference_run: Path, ep2_run: Path, tmp_path: Path) -> None:
+    """The ep=2 run's step-10 checkpoint resumes at ep=1 (FSDP2 on 2 ranks), and the one-process run's at ep=2:
+    each holds every expert under its one-process name and shape, and both continue the one-process losses."""
+    reference = train_losses(reference_run)
+    resumes = {
+        "ep2-to-ep1": (ep2_run, ["strategy=fsdp", "strategy.ep=1", "trainer.micro_batch_size=4"]),
+        "single-to-ep2": (reference_run, ["strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"]),
+    }
+    for name, (source, layout) in resumes.items():
+        checkpoint = source / "checkpoints" / "step000010.ckpt"
+        args = [*COMMON, f"resume={checkpoint}", *layout, "hw.devices_per_node=2", "diagnostics=off"]
+        losses = train_losses(run(tmp_path, name, args))
+        assert sorted(losses) == list(range(10, STEPS)), name
+        worst = max(abs(losses[s] - reference[s]) for s in losses)
+        assert worst < 1e-4, f"{name} drifts from one process by {worst:.2e}"

@@ -191,8 +191,6 @@ def plan_layout(
     overrides = layout.overrides()
     if layout.microbatches > 1:  # train derives global = micro x dp unless told: keep the planned batch
         overrides.append(f"trainer.global_batch_size={workload.global_batch_size}")
-    if layout.ep > 1:  # strategy.ep refuses step checkpoints (not written for expert-parallel runs yet)
-        overrides.append("trainer.ckpt_every_n_steps=0")
     notes: list[str] = []
     if not shape.known:
         notes.append("raw parameter count: activations and per-layer working buffers are unknown (0)")

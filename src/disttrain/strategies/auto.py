@@ -129,13 +129,12 @@ def auto_candidates(cfg: RunConfig) -> list[StrategyConfig]:
 
 def expert_parallel_candidates(cfg: RunConfig) -> list[StrategyConfig]:
     """FSDP2 with expert parallelism for an MoE model: every ``strategy.ep > 1`` that strategy=fsdp would accept
-    for this run (``validate_expert_parallel``'s rules: ep divides the experts and the world; step checkpoints,
-    not written for expert-parallel runs yet, rule it out), with and without resharding and recomputation, and on
-    GPUs with CPU offload."""
+    for this run (``validate_expert_parallel``'s rules: ep divides the experts and the world), with and without
+    resharding and recomputation, and on GPUs with CPU offload."""
     options: list[StrategyConfig] = []
     for ep in range(2, cfg.hw.world_size + 1):
         try:
-            validate_expert_parallel(ep, cfg.model, cfg.hw.world_size, cfg.trainer.ckpt_every_n_steps)
+            validate_expert_parallel(ep, cfg.model, cfg.hw.world_size)
         except ConfigError:
             continue
         for reshard in (True, False):
