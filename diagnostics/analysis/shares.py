@@ -42,9 +42,9 @@ def step_shares(run: RunTelemetry, phases: list[RankPhases]) -> dict[str, float]
     transfer = step_transfer_fraction(run)
     # Collectives timed inside forward and backward (FSDP2, ZeRO, MoE all-to-alls): block the rank on a host-timed
     # backend, so their transfer is communication and the rest of their time waiting (analysis/phase_comm).
-    timed = timed_comm(run)
-    in_phase, in_phase_waiting = timed.shares() if timed is not None else (0.0, 0.0)
-    if transfer is None and timed is None:  # no comm wait records (one rank, old FSDP): the profile's exposed share
+    phase_comm = timed_comm(run)
+    in_phase, in_phase_waiting = phase_comm.shares() if phase_comm is not None else (0.0, 0.0)
+    if transfer is None and phase_comm is None:  # no comm wait records (one rank, old FSDP): the profile's share
         comm_s = collective_comm_s(phases)
         transfer = min(present(profile_exposed(p, comm_s) for p in phases), default=0.0)
     transfer = transfer or 0.0

@@ -134,12 +134,16 @@ class PhaseTimer:
             self.current.pipeline_wait_s += max(0.0, wall_s - forward_s - backward_s)
             self.current.pipelined = True
 
-    def collective_ran(self, seconds: float) -> bool:
+    def collective_ran(self, seconds: float) -> None:
         """A collective issued inside the current phase took ``seconds`` (transfer plus the wait for the others).
 
         In backward only until this rank's own compute ends: after that the whole rest of backward is already
-        the comm wait (``comm_wait_s``), so counting it again would subtract it twice. Returns whether it counted.
+        the comm wait (``comm_wait_s``), so counting it again would subtract it twice.
         """
+        self._count_collective(seconds)
+
+    def _count_collective(self, seconds: float) -> bool:
+        """``collective_ran``; whether the call counted (it was issued inside forward or backward compute)."""
         if self.phase == "forward":
             self.current.forward_comm_s += seconds
         elif self.phase == "backward" and self._grad_ready is None:
@@ -151,7 +155,7 @@ class PhaseTimer:
 
     def model_collective_ran(self, op: str, seconds: float) -> None:
         """A collective the model issued itself (an MoE layer's ``all_to_all`` or balancing ``all_reduce``)."""
-        if self.collective_ran(seconds) and op == "all_to_all":
+        if self._count_collective(seconds) and op == "all_to_all":
             self.current.all_to_all_s += seconds
             self.current.all_to_all_calls_s.append(seconds)
 
