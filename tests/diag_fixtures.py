@@ -462,7 +462,8 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
         _write_profile(writers, sc, t, mean_step)  # its window ended before the crash
         _write_crash(run_dir, sc.crash, world, t)
     else:
-        _write_end(writers, sc, t, mean_step, tokens_per_s, peak, calibrated, _call_waits(timeline))
+        waits = _call_waits(timeline) if sc.phase_calls else None  # older scenarios' profiles stay as they were
+        _write_end(writers, sc, t, mean_step, tokens_per_s, peak, calibrated, waits)
     for w in writers:
         w.close()
 
