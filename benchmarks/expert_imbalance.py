@@ -34,7 +34,7 @@ BASE = [
     "strategy=fsdp",
     "strategy.ep=2",
     "hw.devices_per_node=2",
-    "trainer.ckpt_every_n_steps=0",  # expert-parallel checkpoints are refused
+    "trainer.ckpt_every_n_steps=0",  # no checkpoint writes inside the timed steps
     "optimizer.lr=1e-3",  # a gentle lr: the balanced arm's router stays near even
 ]
 FAULT = ";".join(f"hot_expert@step=1,layer=1,rank={rank}" for rank in (0, 1))

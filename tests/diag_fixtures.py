@@ -58,6 +58,14 @@ class Scenario:
     # there for a slower one ends its optimizer step with it (optimizer_comm_s holds that wait when timed).
     sync_in_optimizer: bool = False
     timed_collectives: bool = True
+    # With sync_in_phases: each phase meets at this many collectives, recorded call by call (comm_calls_s). At each
+    # call one rank arrives ``call_skew`` late (it computed that much longer before it) and the others wait for it:
+    # ``late_rank`` always, or (None) the ranks in turn, as on a shared host. ``all_to_all``: the calls are an MoE
+    # layer's all-to-alls (all_to_all_s, all_to_all_calls_s), and the profile sees them as gloo:all_to_all.
+    phase_calls: int = 0
+    call_skew: float = 0.0
+    late_rank: int | None = None
+    all_to_all: bool = False
     rank0_hold: tuple[int, float] | None = None  # (every, seconds): rank 0 is held between steps (writing logs)
     # (rank, every, phase, seconds): that rank (None: every rank) stalls that long in that phase every N-th step
     stall: tuple[int | None, int, str, float] | None = None
@@ -122,6 +130,20 @@ SCENARIOS: dict[str, Scenario] = {
     "expert_imbalance": Scenario(
         overrides=("model=moe-micro", "strategy=fsdp", "strategy.ep=2", "trainer.ckpt_every_n_steps=0"),
         expert_shares=(0.55, 0.15, 0.15, 0.15),
+    ),
+    # moe-micro under ep=2, balanced: 5 all-to-alls per phase each moving little, at four of which one rank or the
+    # other (in turn, as the shared host's scheduler has it) arrives 60 ms late. The profile sees the waits inside
+    # gloo:all_to_all: waiting on peers, not communication.
+    "moe_waits": Scenario(
+        overrides=("model=moe-micro", "strategy=fsdp", "strategy.ep=2", "trainer.ckpt_every_n_steps=0"),
+        expert_shares=(0.25, 0.25, 0.25, 0.25),
+        sync_in_phases=True,
+        phase_calls=5,
+        call_skew=0.06,
+        all_to_all=True,
+        comm_ops=("gloo:all_to_all",),
+        overlap=0.05,
+        profile_comm=0.03,
     ),
     "hang": Scenario(hang_after=7),
     "crash": Scenario(crash=(1, 8, "forward")),
@@ -208,6 +230,8 @@ class RankStep:
     forward_comm: float = 0.0  # of forward: time inside collectives (FSDP2 all-gathers), waits included
     backward_comm: float = 0.0  # of backward compute, likewise
     optimizer_comm: float = 0.0  # of optimizer, likewise (ZeRO-3's step)
+    calls: tuple[float, ...] = ()  # those collectives one by one, in order (Scenario.phase_calls)
+    late_work: float = 0.0  # of forward and backward: the computing that made this rank late at some of them
 
     @property
     def local_compute(self) -> float:
@@ -254,16 +278,24 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
             for r in range(world):
                 rows[r]["forward"] += max(ready) - ready[r]
         in_phase = {r: {"forward": 0.0, "backward": 0.0} for r in range(world)}
+        calls: dict[int, list[float]] = {r: [] for r in range(world)}
+        late_work = [0.0] * world
         if sc.sync_in_phases:  # a collective at the end of each phase's own work (the next block's all-gather)
+            _skewed_calls(sc, world, rows, in_phase, calls, late_work, "forward")
             ready = [start[r] + rows[r]["other"] + rows[r]["data"] + rows[r]["forward"] for r in range(world)]
             for r in range(world):
-                in_phase[r]["forward"] = max(ready) - ready[r] + sc.comm / 4
-                rows[r]["forward"] += in_phase[r]["forward"]
+                last_wait = max(ready) - ready[r] + sc.comm / 4
+                in_phase[r]["forward"] += last_wait
+                rows[r]["forward"] += last_wait
+                calls[r].append(last_wait)
+            _skewed_calls(sc, world, rows, in_phase, calls, late_work, "backward")
             ready = [start[r] + rows[r]["other"] + rows[r]["data"] + rows[r]["forward"] + rows[r]["backward"]
                      for r in range(world)]  # fmt: skip
             for r in range(world):
-                in_phase[r]["backward"] = max(ready) - ready[r] + sc.comm / 4
-                rows[r]["backward"] += in_phase[r]["backward"]
+                last_wait = max(ready) - ready[r] + sc.comm / 4
+                in_phase[r]["backward"] += last_wait
+                rows[r]["backward"] += last_wait
+                calls[r].append(last_wait)
         arrive = [start[r] + rows[r]["other"] + rows[r]["data"] + rows[r]["forward"] + rows[r]["backward"]
                   for r in range(world)]  # fmt: skip
         release = max(arrive) + sc.comm
@@ -280,10 +312,33 @@ def _timeline(sc: Scenario, world: int) -> list[list[RankStep]]:
             wait = release - arrive[rank]
             times = (seg["other"], seg["data"], seg["forward"], seg["backward"], wait, optimizer)
             comm = (in_phase[rank]["forward"], in_phase[rank]["backward"], in_optimizer[rank])
-            step.append(RankStep(start[rank], end - start[rank], *times, *comm))
+            step.append(RankStep(start[rank], end - start[rank], *times, *comm, tuple(calls[rank]), late_work[rank]))
             start[rank] = end
         steps.append(step)
     return steps
+
+
+def _skewed_calls(
+    sc: Scenario,
+    world: int,
+    rows: list[dict[str, float]],
+    in_phase: dict[int, dict[str, float]],
+    calls: dict[int, list[float]],
+    late_work: list[float],
+    phase: str,
+) -> None:
+    """A phase's collectives before its last one (Scenario.phase_calls - 1 of them): at each, one rank computed
+    ``call_skew`` longer and arrives late, the others wait for it; each call moves ``comm / 4 / phase_calls``. Every
+    rank's phase grows by the same total, so the calls change who waits where, not when the phase ends."""
+    transfer = sc.comm / 4 / max(1, sc.phase_calls)
+    for i in range(max(0, sc.phase_calls - 1)):
+        late = sc.late_rank if sc.late_rank is not None else i % world
+        for r in range(world):
+            wait = 0.0 if r == late else sc.call_skew
+            rows[r][phase] += sc.call_skew * (r == late) + wait + transfer
+            late_work[r] += sc.call_skew * (r == late)
+            in_phase[r][phase] += wait + transfer
+            calls[r].append(wait + transfer)
 
 
 def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
@@ -375,6 +430,12 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                     else {}
                 ),
                 **({"optimizer_comm_s": r.optimizer_comm} if sc.sync_in_optimizer and sc.timed_collectives else {}),
+                **({"comm_calls_s": list(r.calls)} if sc.phase_calls and sc.timed_collectives else {}),
+                **(
+                    {"all_to_all_s": r.forward_comm + r.backward_comm, "all_to_all_calls_s": list(r.calls)}
+                    if sc.all_to_all and sc.timed_collectives
+                    else {}
+                ),
             )
             _sample(writers[rank], sc, rank, step, t)
             if sc.expert_shares is not None:
@@ -411,7 +472,8 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
         _write_profile(writers, sc, t, mean_step)  # its window ended before the crash
         _write_crash(run_dir, sc.crash, world, t)
     else:
-        _write_end(writers, sc, t, mean_step, tokens_per_s, peak, calibrated)
+        waits = _call_waits(timeline) if sc.phase_calls else None  # older scenarios' profiles stay as they were
+        _write_end(writers, sc, t, mean_step, tokens_per_s, peak, calibrated, waits)
     for w in writers:
         w.close()
 
@@ -448,11 +510,35 @@ def _write_crash(run_dir: Path, crash: tuple[int, int, str], world: int, t: floa
         path.write_text(json.dumps({**json.loads(path.read_text()), "t": t + 1 + offset}))
 
 
-def _write_profile(writers: list[TelemetryWriter], sc: Scenario, t: float, mean_step: float) -> None:
+def _call_waits(timeline: list[list[RankStep]]) -> list[tuple[float, float]]:
+    """Per rank, its mean wait per step inside the phases' collectives recorded call by call (beyond each call's
+    minimum over the ranks), which the profiler sees inside the collectives' events, and its mean work before the
+    calls it was late at (compute the profiler sees)."""
+    world = len(timeline[0]) if timeline else 0
+    waits = [(0.0, 0.0)] * world
+    for rows in timeline:
+        if not rows[0].calls:
+            continue
+        minima = [min(column) for column in zip(*(r.calls for r in rows), strict=True)]
+        for rank, r in enumerate(rows):
+            wait, work = waits[rank]
+            waits[rank] = (wait + (sum(r.calls) - sum(minima)) / len(timeline), work + r.late_work / len(timeline))
+    return waits
+
+
+def _write_profile(
+    writers: list[TelemetryWriter],
+    sc: Scenario,
+    t: float,
+    mean_step: float,
+    call_waits: list[tuple[float, float]] | None = None,
+) -> None:
     for rank, w in enumerate(writers):
         slow = sc.slow_factor if rank == sc.slow_rank else 1.0
-        compute = (sc.forward + sc.backward + sc.optimizer) * slow
-        comm, overlap = sc.profile_comm, sc.profile_comm * sc.overlap
+        wait, late_work = call_waits[rank] if call_waits else (0.0, 0.0)
+        compute = (sc.forward + sc.backward + sc.optimizer) * slow + late_work
+        comm = sc.profile_comm + wait
+        overlap = sc.profile_comm * sc.overlap
         idle = max(0.0, mean_step - (compute + comm - overlap))
         if sc.gpu:
             # The device runs queued kernels while the host waits for them (at a sync, or between steps): it idles
@@ -468,7 +554,7 @@ def _write_profile(writers: list[TelemetryWriter], sc: Scenario, t: float, mean_
             comm_s=3 * comm,
             overlap_s=3 * overlap,
             idle_s=3 * idle,
-            comm_by_op={op: 3 * sc.profile_comm / len(sc.comm_ops) for op in sc.comm_ops},
+            comm_by_op={op: 3 * comm / len(sc.comm_ops) for op in sc.comm_ops},
             trace_file=None,
             backend="gloo",
         )
@@ -482,8 +568,9 @@ def _write_end(
     tokens_per_s: float,
     peak: float | None,
     calibrated: float,
+    call_waits: list[tuple[float, float]] | None = None,
 ) -> None:
-    _write_profile(writers, sc, t, mean_step)
+    _write_profile(writers, sc, t, mean_step, call_waits)
     for w in writers:
         if sc.gpu:
             total = 80 * GIB

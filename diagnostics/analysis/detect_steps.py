@@ -91,9 +91,14 @@ def collective_comm_s(phases: list[RankPhases]) -> float | None:
     moved: the rank that arrives last measures the transfer, every earlier one adds its wait for that rank.
     With one 3-step window per rank, that wait is whatever scheduling noise those steps had (on the README's
     default run: 41 ms on rank 0, 61 ms on rank 1, of the same all-reduce), so only the minimum is the
-    communication itself.
+    communication itself. Where the step records timed the phases' collectives call by call, each rank's measured
+    wait inside them (``collective_wait_s``, analysis/phase_comm) comes off first.
     """
-    values = [p.profile_comm_s * p.profile_collective_share for p in phases if p.profile_comm_s is not None]
+    values = [
+        max(0.0, p.profile_comm_s - (p.collective_wait_s or 0.0)) * p.profile_collective_share
+        for p in phases
+        if p.profile_comm_s is not None
+    ]
     return min(values) if values else None
 
 

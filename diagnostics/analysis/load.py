@@ -51,6 +51,11 @@ class StepRecord:
     forward_comm_s: float | None = None
     backward_comm_s: float | None = None
     optimizer_comm_s: float | None = None  # ZeRO-3's optimizer-step collectives, part of optimizer_s
+    # Of those, expert parallelism's token all-to-alls (MoE dispatch and combine, forward and backward).
+    all_to_all_s: float | None = None
+    # The same collectives' seconds call by call, in the order the rank issued them (analysis/phase_comm).
+    comm_calls_s: list[float] | None = None
+    all_to_all_calls_s: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -152,14 +157,24 @@ def _step(rec: dict[str, Any]) -> StepRecord | None:
     if not isinstance(step, int) or isinstance(step, bool):
         return None
     keys = ("data_wait_s", "data_cpu_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s", "comm_wait_s",
-            "tokens", "forward_comm_s", "backward_comm_s", "optimizer_comm_s")  # fmt: skip
+            "tokens", "forward_comm_s", "backward_comm_s", "optimizer_comm_s", "all_to_all_s")  # fmt: skip
     return StepRecord(
         step=step,
         step_s=num(rec.get("step_s")),
         bubble_fraction=num(rec.get("bubble_fraction")),
         start_t=num(rec.get("start_t")),
+        comm_calls_s=_calls(rec.get("comm_calls_s")),
+        all_to_all_calls_s=_calls(rec.get("all_to_all_calls_s")),
         **{k: num(rec.get(k)) for k in keys},
     )
+
+
+def _calls(value: Any) -> list[float] | None:
+    """A list of call durations, or None where it is missing or any entry is not a number."""
+    if not isinstance(value, list):
+        return None
+    calls = [num(v) for v in value]
+    return None if any(c is None for c in calls) else [c for c in calls if c is not None]
 
 
 def _num_list(value: Any) -> list[float | None]:

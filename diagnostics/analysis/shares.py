@@ -4,7 +4,8 @@ compute + data + communication + waiting + bubble + host = 1. ``communication`` 
 every rank pays (per step the minimum over ranks, see detect_steps.step_transfer_fraction); ``waiting`` is the
 rest of the ranks' comm wait, and of their time between steps beyond what every rank pays (a preemption
 vote or logging sync holds the ranks that reach it first): time a rank waited for a slower one. Compute is
-what remains, so a wait the collectors cannot separate (inside FSDP's per-block backward) counts as compute.
+what remains, so a wait the collectors cannot separate counts as compute; the collectives a phase issues itself
+(FSDP2's per-block ones, MoE all-to-alls) are timed call by call and split the same way (analysis/phase_comm).
 On a GPU ``host`` is the profiled device's idle time that no data or communication wait explains (host clocks
 time kernel launches there, not kernels).
 """
@@ -19,6 +20,7 @@ from diagnostics.analysis.detect_steps import (
     step_transfer_fraction,
 )
 from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.phase_comm import timed_comm
 from diagnostics.analysis.stats import mean, present, ratio, rounded, steady
 from diagnostics.analysis.summary import RankPhases, run_device
 
@@ -38,10 +40,16 @@ def step_shares(run: RunTelemetry, phases: list[RankPhases]) -> dict[str, float]
         host = own_host = device_idle(phases) or 0.0
     waits = present(ratio(p.comm_wait_s, p.step_s) for p in timed if p.comm_wait_s is not None)
     transfer = step_transfer_fraction(run)
-    if transfer is None:  # no comm wait records (FSDP, one rank): the profile's exposed share, if any
+    # Collectives timed inside forward and backward (FSDP2, ZeRO, MoE all-to-alls): block the rank on a host-timed
+    # backend, so their transfer is communication and the rest of their time waiting (analysis/phase_comm).
+    phase_comm = timed_comm(run)
+    in_phase, in_phase_waiting = phase_comm.shares() if phase_comm is not None else (0.0, 0.0)
+    if transfer is None and phase_comm is None:  # no comm wait records (one rank, old FSDP): the profile's share
         comm_s = collective_comm_s(phases)
         transfer = min(present(profile_exposed(p, comm_s) for p in phases), default=0.0)
+    transfer = transfer or 0.0
     waiting = max(0.0, (mean(waits) or 0.0) - transfer) if waits else 0.0
+    transfer, waiting = transfer + in_phase, waiting + in_phase_waiting
     waiting += max(0.0, own_host - host)  # held between steps by a collective that a slower rank reached later
     bubbles = [mean(s.bubble_fraction for s in steady(t.steps)) for t in run.ranks.values()]
     bubble = mean(present(bubbles)) or 0.0

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
 from diagnostics.analysis.load import RankTelemetry, RunTelemetry, StepRecord, num
+from diagnostics.analysis.phase_comm import TimedComm, timed_comm
 from diagnostics.analysis.stats import mean, median, percentile, present, steady
 from diagnostics.mfu import AccountingError, checked_utilization, flops_utilization
 
@@ -41,6 +42,9 @@ class RankPhases:
     # Share of the profiled communication that is collectives: a pipeline stage's sends and receives are its
     # bubble (pipeline_bubble reports them), not communication to hide or shrink. 1.0 without pipelining.
     profile_collective_share: float = 1.0
+    # Mean seconds per step this rank waited for a later rank inside collectives its phases issued (timed by the
+    # collectors, analysis/phase_comm): part of what the profile counts as communication, but waiting.
+    collective_wait_s: float | None = None
     peak_allocated_bytes: float | None = None
     peak_reserved_bytes: float | None = None
     peak_rss_bytes: float | None = None
@@ -69,6 +73,8 @@ class Summary:
     accounting_errors: list[str] = field(default_factory=list)
     step_shares: dict[str, float] | None = None  # where the step goes (analysis.shares), filled by analyse()
     tail: dict[str, Any] | None = None  # the slow-step tail and what explains it (analysis.tail), filled by analyse()
+    # Expert parallelism's all-to-alls: their share of the step, its transfer and waiting (analysis.phase_comm).
+    all_to_all: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,14 +256,24 @@ def _peak_memory(phases: list[RankPhases], run: RunTelemetry) -> dict[str, float
     }
 
 
+def with_collective_waits(phases: list[RankPhases], comm: TimedComm | None) -> list[RankPhases]:
+    """The ranks' phases with their measured waiting inside timed collectives (``collective_wait_s``), which the
+    profile's communication (transfer + waits) must not count as communication."""
+    if comm is None:
+        return phases
+    return [replace(p, collective_wait_s=comm.wait_s.get(p.rank)) for p in phases]
+
+
 def summarize(run: RunTelemetry) -> tuple[Summary, list[RankPhases]]:
     """Headline numbers and per-rank phase means of a loaded run."""
-    phases = [rank_phases(run.ranks[r]) for r in sorted(run.ranks)]
+    comm = timed_comm(run)
+    phases = with_collective_waits([rank_phases(run.ranks[r]) for r in sorted(run.ranks)], comm)
     step_times = job_step_times(run)
     summary = Summary(
         world_size=run.world_size,
         device=run_device(run),
         steps_recorded=max((len(t.steps) for t in run.ranks.values()), default=0),
+        all_to_all=comm.all_to_all() if comm is not None else None,
     )
     summary.tokens_per_s, summary.tokens_per_s_source = _tokens_per_s(run, step_times)
     _utilizations(run, summary)

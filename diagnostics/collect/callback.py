@@ -32,7 +32,13 @@ from diagnostics.collect.calibrate import (
     tp_model_overhead,
 )
 from diagnostics.collect.deepspeed_comm import time_deepspeed_collectives
-from diagnostics.collect.experts import expert_layers, expert_layout, take_expert_load
+from diagnostics.collect.experts import (
+    exchanges_tokens,
+    expert_layers,
+    expert_layout,
+    take_expert_load,
+    time_expert_collectives,
+)
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.parts import time_model_parts
 from diagnostics.collect.profile_window import ProfilerWindow
@@ -121,6 +127,7 @@ class DiagnosticsCallback(pl.Callback):
         self._last_step = -1
         # FSDP2's and DeepSpeed's collectives are timed per phase (collect/fsdp_comm, collect/deepspeed_comm).
         self.times_collectives = False
+        self.times_all_to_all = False  # and expert parallelism's all-to-alls, apart (collect/experts)
         self._untime_deepspeed: Callable[[], None] | None = None
         self.expert_layers: list[Any] = []  # a mixture-of-experts model's layers, whose load is read every step
         self._disabled: set[str] = set()
@@ -197,10 +204,16 @@ class DiagnosticsCallback(pl.Callback):
             self._untime_deepspeed = self.guarded(
                 "deepspeed_comm", lambda: time_deepspeed_collectives(self.timer.collective_ran)
             )
-        self.times_collectives = bool(wrapped) or self._untime_deepspeed is not None
         self.expert_layers = self.guarded("experts", lambda: expert_layers(pl_module)) or []
+        observed = 0
         if self.expert_layers:
             self.guarded("experts", lambda: self.write("expert_layout", **expert_layout(self.expert_layers)))
+            layers = self.expert_layers
+            observed = self.guarded(
+                "expert_comm", lambda: time_expert_collectives(layers, self.timer.model_collective_ran)
+            )
+            self.times_all_to_all = bool(observed) and exchanges_tokens(layers)
+        self.times_collectives = bool(wrapped) or self._untime_deepspeed is not None or bool(observed)
         if self.sampler is not None:
             self.sampler.start()
         if self.settings.profile:
@@ -332,6 +345,19 @@ class DiagnosticsCallback(pl.Callback):
                         "optimizer_comm_s": phases.optimizer_comm_s,
                     }
                     if self.times_collectives and phases.phase_comm_known
+                    else {}
+                ),
+                **(
+                    {"comm_calls_s": [round(c, 6) for c in phases.comm_calls_s]}
+                    if self.times_collectives and phases.phase_comm_known
+                    else {}
+                ),
+                **(
+                    {
+                        "all_to_all_s": phases.all_to_all_s,
+                        "all_to_all_calls_s": [round(c, 6) for c in phases.all_to_all_calls_s],
+                    }
+                    if self.times_all_to_all and phases.phase_comm_known
                     else {}
                 ),
             )

@@ -4,11 +4,16 @@ The MoE layers count on the device as they route (models/moe.py); here they are 
 small device-to-host copy per layer) into this rank's telemetry. Found by duck typing (``take_counts``), so the
 collectors stay independent of the model code. The layout record says which experts this rank computes and what
 an expert costs per token, which is what the ``expert_imbalance`` analysis turns load into time with.
+
+The layers' own collectives (expert parallelism's all-to-alls, the balancing loss's all-reduce) are timed as
+FSDP2's are (collect/fsdp_comm): a rank that waits for the rank holding the hot experts waits inside them, in
+forward or backward, where the wait would otherwise look like its own work.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -44,3 +49,17 @@ def take_expert_load(layers: list[Any]) -> dict[str, list[list[int]]]:
     """This step's routed and dropped assignments per layer and expert (from this rank's tokens), counters reset."""
     taken = [layer.take_counts() for layer in layers]
     return {"routed": [routed for routed, _ in taken], "dropped": [dropped for _, dropped in taken]}
+
+
+def time_expert_collectives(layers: list[Any], report: Callable[[str, float], None]) -> int:
+    """Make every MoE layer tell ``report`` (op, seconds) of each collective it issues; returns the layers that
+    can (those with a ``comm_observer``; a user's MoE layer without one is left alone)."""
+    observed = [layer for layer in layers if hasattr(layer, "comm_observer")]
+    for layer in observed:
+        layer.comm_observer = report
+    return len(observed)
+
+
+def exchanges_tokens(layers: list[Any]) -> bool:
+    """Whether the layers dispatch tokens to other ranks by all-to-all (expert parallelism over more than one)."""
+    return any(getattr(layer, "ep_size", 1) > 1 for layer in layers)

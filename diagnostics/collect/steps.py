@@ -39,6 +39,13 @@ class StepPhases:
     # ZeRO-3's optimizer step gathers and reduces too (gradient norm, overflow check, parameter gathers): a fast
     # rank's wait for a slow one's step lands here.
     optimizer_comm_s: float = 0.0
+    # Of those, the time inside expert parallelism's all-to-alls (token dispatch and combine, forward and backward):
+    # the report's all-to-all share.
+    all_to_all_s: float = 0.0
+    # Each of those collectives' seconds, in the order this rank issued them (every rank issues the same ones in the
+    # same order): the analysis takes each call's minimum over the ranks, the transfer without anyone's wait.
+    comm_calls_s: list[float] = field(default_factory=list)
+    all_to_all_calls_s: list[float] = field(default_factory=list)
     # False when an engine ran the step's micro-batches itself (schedule_ran): Lightning's phase hooks did not
     # bracket its forward and backward, so which phase a collective fell in is unknown.
     phase_comm_known: bool = True
@@ -136,12 +143,26 @@ class PhaseTimer:
         In backward only until this rank's own compute ends: after that the whole rest of backward is already
         the comm wait (``comm_wait_s``), so counting it again would subtract it twice.
         """
+        self._count_collective(seconds)
+
+    def _count_collective(self, seconds: float) -> bool:
+        """``collective_ran``; whether the call counted (it was issued inside forward or backward compute)."""
         if self.phase == "forward":
             self.current.forward_comm_s += seconds
         elif self.phase == "backward" and self._grad_ready is None:
             self.current.backward_comm_s += seconds
-        elif self.phase == "optimizer" and self._optimizer_start is not None:
-            self.current.optimizer_comm_s += seconds
+        else:
+            if self.phase == "optimizer" and self._optimizer_start is not None:
+                self.current.optimizer_comm_s += seconds  # kept apart: phase_comm's calls are forward/backward's
+            return False
+        self.current.comm_calls_s.append(seconds)
+        return True
+
+    def model_collective_ran(self, op: str, seconds: float) -> None:
+        """A collective the model issued itself (an MoE layer's ``all_to_all`` or balancing ``all_reduce``)."""
+        if self._count_collective(seconds) and op == "all_to_all":
+            self.current.all_to_all_s += seconds
+            self.current.all_to_all_calls_s.append(seconds)
 
     def before_optimizer_step(self) -> None:
         self._optimizer_start = self.now()

@@ -163,6 +163,11 @@ class Report:
         if shares:
             shown = [f"{name} {pct(v, 0)}" for name, v in shares.items() if name != "waiting" or v >= 0.005]
             split = "step = " + ", ".join(shown)
+            if (exchange := self.analysis.summary.all_to_all) is not None:
+                split += (
+                    f" (expert all-to-all {pct(exchange['share'], 0)} of the step: {pct(exchange['transfer'], 0)} "
+                    f"transfer, {pct(exchange['waiting'], 0)} waiting)"
+                )
         top = self.top_fix()
         if top is None:
             return f"{split}; nothing costs {pct(COST_WARNING, 0)} of the step or more: no fix worth making"

@@ -1,7 +1,9 @@
 """Expert parallelism on real gloo ranks: the built-in MoE model under strategy.ep trains what one process trains.
 
 One single-process reference and one ``ep=2`` run on 2 ranks (dropless, 20 steps); the same ``ep=2`` launch also
-carries the expert-load counters into the per-rank telemetry, checked here against what routing must add up to.
+carries the expert-load counters into the per-rank telemetry, checked here against what routing must add up to,
+and the all-to-alls timed as the phases' communication. Their step-10 checkpoints resume at the other ep
+(2 -> 1 and one process -> 2).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ COMMON = [
     "trainer.log_every_n_steps=1",
     "trainer.val_every_n_steps=1000",
     "trainer.val_batches=1",
-    "trainer.ckpt_every_n_steps=0",  # expert-parallel checkpoints are refused (not built yet)
+    "trainer.ckpt_every_n_steps=10",  # the ep=2 and one-process runs write step 10, resumed at the other ep
     "optimizer.warmup_steps=2",
     "optimizer.lr=1e-3",
     "precision=fp32",
@@ -32,10 +34,21 @@ GLOBAL_BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("moe-reference")
     args = [*COMMON, "hw.devices_per_node=1", f"trainer.micro_batch_size={GLOBAL_BATCH}", "diagnostics=off"]
-    return train_losses(run(tmp, "single", args))
+    return run(tmp, "single", args)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Path) -> dict[int, float]:
+    return train_losses(reference_run)
+
+
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("moe-ep2")
+    return run(tmp, "ep2", [*COMMON, "strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"])
 
 
 def expert_records(run_dir: Path, rank: int) -> list[dict]:
@@ -44,9 +57,9 @@ def expert_records(run_dir: Path, rank: int) -> list[dict]:
 
 
 def test_expert_parallel_matches_one_process_and_counts_every_routed_token(
-    reference: dict[int, float], tmp_path: Path
+    reference: dict[int, float], ep2_run: Path
 ) -> None:
-    run_dir = run(tmp_path, "ep2", [*COMMON, "strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"])
+    run_dir = ep2_run
     losses = train_losses(run_dir)
     assert sorted(losses) == sorted(reference) == list(range(STEPS))
     worst = max(abs(losses[s] - reference[s]) for s in reference)
@@ -64,6 +77,27 @@ def test_expert_parallel_matches_one_process_and_counts_every_routed_token(
     layout = [r for r in layout if r.get("kind") == "expert_layout"]
     assert layout and layout[0]["ep"] == 2 and layout[0]["first_expert"] == 2 and layout[0]["num_local"] == 2
 
+    # The all-to-alls are timed as the phases' communication: per micro-batch and layer, forward exchanges the
+    # counts, dispatches and combines, backward reverses the two token exchanges (2 layers: 6 + 4 calls per step).
+    for rank in (0, 1):
+        steps = step_records(run_dir, rank)
+        assert len(steps) == STEPS - 1  # the first step has no previous end to be timed from
+        for s in steps:
+            assert s["forward_comm_s"] > 0 and s["backward_comm_s"] > 0
+            assert len(s["all_to_all_calls_s"]) == 10 and s["all_to_all_s"] == pytest.approx(
+                sum(s["all_to_all_calls_s"]), abs=1e-5
+            )
+            # Within the phases' collectives (FSDP2's, the balancing all-reduces, the all-to-alls), call by call.
+            assert s["all_to_all_s"] <= s["forward_comm_s"] + s["backward_comm_s"] + 1e-9
+            assert sum(s["comm_calls_s"]) == pytest.approx(s["forward_comm_s"] + s["backward_comm_s"], abs=1e-4)
+    exchange = json.loads((run_dir / "report" / "report.json").read_text())["summary"]["all_to_all"]
+    assert 0 < exchange["transfer"] <= exchange["share"] < 1
+
+
+def step_records(run_dir: Path, rank: int) -> list[dict]:
+    lines = (run_dir / "telemetry" / f"rank{rank:04d}.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == "step"]
+
 
 def test_expert_parallel_composes_with_fsdp_over_four_ranks(reference: dict[int, float], tmp_path: Path) -> None:
     """ep=2 x 2 expert-data-parallel groups: experts FSDP-sharded over 2 ranks, dense parts over 4."""
@@ -71,3 +105,20 @@ def test_expert_parallel_composes_with_fsdp_over_four_ranks(reference: dict[int,
     losses = train_losses(run(tmp_path, "ep2x4", [*args, "diagnostics=off"]))
     worst = max(abs(losses[s] - reference[s]) for s in reference)
     assert worst < 1e-4, f"ep=2 x fsdp on 4 ranks drifts from one process by {worst:.2e}"
+
+
+def test_checkpoints_resume_across_ep_sizes(reference_run: Path, ep2_run: Path, tmp_path: Path) -> None:
+    """The ep=2 run's step-10 checkpoint resumes at ep=1 (FSDP2 on 2 ranks), and the one-process run's at ep=2:
+    each holds every expert under its one-process name and shape, and both continue the one-process losses."""
+    reference = train_losses(reference_run)
+    resumes = {
+        "ep2-to-ep1": (ep2_run, ["strategy=fsdp", "strategy.ep=1", "trainer.micro_batch_size=4"]),
+        "single-to-ep2": (reference_run, ["strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"]),
+    }
+    for name, (source, layout) in resumes.items():
+        checkpoint = source / "checkpoints" / "step000010.ckpt"
+        args = [*COMMON, f"resume={checkpoint}", *layout, "hw.devices_per_node=2", "diagnostics=off"]
+        losses = train_losses(run(tmp_path, name, args))
+        assert sorted(losses) == list(range(10, STEPS)), name
+        worst = max(abs(losses[s] - reference[s]) for s in losses)
+        assert worst < 1e-4, f"{name} drifts from one process by {worst:.2e}"

@@ -128,6 +128,33 @@ def test_phase_timer_counts_collectives_in_the_phase_that_issued_them() -> None:
     assert not timer.finish_step().phase_comm_known  # type: ignore[union-attr]
 
 
+def test_phase_timer_keeps_an_moe_layers_collectives_call_by_call_and_its_all_to_alls_apart() -> None:
+    """An MoE layer's all-to-alls and balancing all-reduce (collect/experts) count as the phase's collectives, one
+    entry per call in issue order (the analysis takes each call's minimum over the ranks); all-to-alls also apart."""
+    clock = FakeClock()
+    timer = PhaseTimer(clock=clock)
+    timer.finish_step()
+    timer.batch_start()
+    timer.collective_ran(0.25)  # an FSDP2 all-gather
+    timer.model_collective_ran("all_reduce", 0.05)  # the balancing loss's counts
+    timer.model_collective_ran("all_to_all", 0.1)  # dispatch
+    timer.model_collective_ran("all_to_all", 0.2)  # combine
+    clock.advance(1.0)
+    timer.before_backward()
+    timer.model_collective_ran("all_to_all", 0.3)  # combine's reverse
+    clock.advance(1.0)
+    timer.grad_ready()
+    timer.model_collective_ran("all_to_all", 7.0)  # after this rank's compute (not issued by an MoE layer there)
+    timer.after_backward()
+    phases = timer.finish_step()
+    assert phases is not None
+    assert phases.forward_comm_s == pytest.approx(0.6) and phases.backward_comm_s == pytest.approx(0.3)
+    assert phases.all_to_all_s == pytest.approx(0.6)
+    assert phases.comm_calls_s == pytest.approx([0.25, 0.05, 0.1, 0.2, 0.3])
+    assert phases.all_to_all_calls_s == pytest.approx([0.1, 0.2, 0.3])
+    assert timer.finish_step().comm_calls_s == []  # type: ignore[union-attr]  # each step starts empty
+
+
 def test_phase_timer_sums_accumulated_micro_batches() -> None:
     clock = FakeClock()
     timer = PhaseTimer(clock=clock)

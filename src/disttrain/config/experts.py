@@ -15,9 +15,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_expert_parallel(
-    ep: int, model: ModelConfig | CustomModelConfig | HFModelConfig, world_size: int, ckpt_every_n_steps: int
-) -> None:
+def validate_expert_parallel(ep: int, model: ModelConfig | CustomModelConfig | HFModelConfig, world_size: int) -> None:
     """Refuse an ``ep`` that cannot shard this model's experts over this world."""
     if ep < 1:
         raise ConfigError("strategy.ep", f"must be >= 1, got {ep}", "use strategy.ep=1 (no expert parallelism)")
@@ -42,13 +40,6 @@ def validate_expert_parallel(
             "strategy.ep",
             f"model.num_experts={model.num_experts} experts cannot be split evenly over ep={ep} ranks",
             f"use an ep dividing both the experts and the world size: {ok}",
-        )
-    if ckpt_every_n_steps > 0:
-        raise ConfigError(
-            "trainer.ckpt_every_n_steps",
-            f"{ckpt_every_n_steps}: checkpoints of expert-parallel runs (strategy.ep={ep}) are not written yet "
-            "(each rank holds different experts under the same names)",
-            "set trainer.ckpt_every_n_steps=0, or strategy.ep=1",
         )
 
 

@@ -18,9 +18,12 @@ which need not run on every rank, use this rank's counts.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -93,11 +96,60 @@ def regroup(counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=counts.device) + torch.repeat_interleave(starts - cumsum_exclusive(sizes), sizes)
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single  # differentiable: backward is the reverse exchange
+# Reports the seconds of one collective an MoE layer issued: (op, seconds). Set by the diagnostics (a rank that
+# waits for a slower peer waits inside these calls, in the phase that issued them; see diagnostics/collect).
+CommObserver = Callable[[str, float], None]
 
+
+def _timed(
+    observer: CommObserver | None, op: str, collective: Callable[..., object], *args: object, **kw: object
+) -> None:
+    """``collective(*args, **kw)``, its seconds told to ``observer`` (when one is set)."""
+    if observer is None:
+        collective(*args, **kw)
+        return
+    start = time.perf_counter()
+    try:
+        collective(*args, **kw)
+    finally:
+        observer(op, time.perf_counter() - start)
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits, differentiable (backward is the reverse exchange), each exchange
+    timed for ``observer`` (gloo and the host-synchronous backends block for the slowest rank inside the call)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: object,
+        observer: CommObserver | None,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.observer = (out_splits, in_splits), group, observer  # type: ignore[attr-defined]
+        return _exchange(x, out_splits, in_splits, group, observer)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_splits, in_splits = ctx.splits  # type: ignore[attr-defined]
+        back = _exchange(grad, in_splits, out_splits, ctx.group, ctx.observer)  # type: ignore[attr-defined]
+        return back, None, None, None, None
+
+
+def _exchange(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object, observer: CommObserver | None
+) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return all_to_all_single(out, x, out_splits, in_splits, group=group)
+    _timed(observer, "all_to_all", dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object, observer: CommObserver | None
+) -> torch.Tensor:
+    return AllToAll.apply(x, out_splits, in_splits, group, observer)
 
 
 class MoE(nn.Module):
@@ -120,6 +172,7 @@ class MoE(nn.Module):
         self.shared = MLP(replace(cfg, ffn_hidden=shared_hidden)) if cfg.num_shared_experts else None
         self.ep_group: object | None = None  # set by shard_experts
         self.ep_size = 1
+        self.comm_observer: CommObserver | None = None  # told the seconds of each collective (diagnostics)
         self.balance_group: object | None = (
             None  # the data-parallel group whose batch the balancing loss sees (None: all)
         )
@@ -162,7 +215,9 @@ class MoE(nn.Module):
             # Per-expert assignments, then the token count: one all-reduce for both.
             assigned = torch.cat([counts.float(), counts.new_tensor([scores.shape[0]], dtype=torch.float32)])
             if self.training and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-                torch.distributed.all_reduce(assigned, group=self.balance_group)  # None: the world
+                _timed(
+                    self.comm_observer, "all_reduce", dist.all_reduce, assigned, group=self.balance_group
+                )  # None: world
             # f_e: share of the (global) assignments expert e got, x E (1 everywhere when balanced); P_e: this
             # rank's mean routing probability. Linear in P, so the ranks' mean is the global batch's loss.
             share = assigned[:-1] * self.num_experts / (assigned[-1] * self.top_k)
@@ -202,17 +257,18 @@ class MoE(nn.Module):
         if self.ep_size == 1:
             return self.experts(x, counts.tolist())
         local = self.experts.num_local
+        group, observer = self.ep_group, self.comm_observer
         received = torch.empty_like(counts)
-        torch.distributed.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
+        _timed(observer, "all_to_all", dist.all_to_all_single, received, counts, group=group)  # [source, local expert]
         received = received.view(self.ep_size, local)
         send_splits = counts.view(self.ep_size, local).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
-        tokens = _all_to_all(x, recv_splits, send_splits, self.ep_group)
+        tokens = _all_to_all(x, recv_splits, send_splits, group, observer)  # dispatch
         by_expert = regroup(received)
         out = self.experts(tokens[by_expert], received.sum(0).tolist())
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        return _all_to_all(out[back], send_splits, recv_splits, self.ep_group)
+        return _all_to_all(out[back], send_splits, recv_splits, group, observer)  # combine
 
 
 def shard_experts(model: nn.Module, ep_rank: int, ep_size: int, ep_group: object, balance_group: object) -> int:

@@ -13,6 +13,8 @@ Rules (each a hard constraint of the strategy, not a taste):
   Interleaving needs layers divisible by pp x v and micro-batches divisible by pp (Megatron's check); the
   zero-bubble V schedule needs two chunks per rank and at least pp micro-batches.
 - Recomputation: FSDP2 and DeepSpeed offer full activation checkpointing; Megatron none/selective/full.
+- Expert parallelism (an MoE model): FSDP2 full shard with every ``ep > 1`` dividing both the experts and the
+  world (``strategy.ep``'s own rule); not with HSDP.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from disttrain.config.hardware import HardwareProfile
+from disttrain.planner.expert_shapes import expert_parallel_degrees
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, Workload
 
@@ -50,7 +53,9 @@ def _data_parallel(shape: ModelShape, hw: HardwareProfile, workload: Workload, f
     yield Layout("ddp", dp=world, microbatches=m)
     offloads = (False, True) if on_gpu else (False,)
     replicas = [1] + ([hw.num_nodes] if hw.num_nodes > 1 else [])
-    for replicate in replicas if fsdp_ok else ():
+    # Expert parallelism composes with full sharding only (strategy.ep refuses HSDP).
+    shardings = [(replicate, 1) for replicate in replicas] + [(1, ep) for ep in expert_parallel_degrees(shape, world)]
+    for replicate, ep in shardings if fsdp_ok else ():
         for reshard in (True, False):
             for recompute in recomputes:
                 for offload in offloads:
@@ -62,6 +67,7 @@ def _data_parallel(shape: ModelShape, hw: HardwareProfile, workload: Workload, f
                         reshard_after_forward=reshard,
                         recompute=recompute,
                         offload_optimizer=offload,
+                        ep=ep,
                     )
     zero_offloads = {1: [(False, False)], 2: [(False, False)], 3: [(False, False)]}
     if on_gpu:
@@ -112,6 +118,8 @@ def megatron_layouts(
     """
     sp_options = (True, False) if sequence_parallel is None else (sequence_parallel,)
     if not shape.known:  # no layers to split: a raw parameter count answers model-state questions only
+        return
+    if shape.num_experts:  # strategy=megatron has no TP/PP plan for MoE layers yet (config/experts.refuse_moe)
         return
     world = hw.world_size
     for tp in tensor_parallel_degrees(shape, hw):

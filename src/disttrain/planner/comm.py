@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from disttrain.config.hardware import HardwareProfile
+from disttrain.planner.expert_shapes import dense_shape, expert_parameters_per_rank, local_expert_parameters
 from disttrain.planner.memory import compute_bytes, rank_parameters
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import MEGATRON_DP_TYPES, Layout, Workload
@@ -228,6 +229,15 @@ class CommPlan:
         return per_mb.scale(microbatches) + self.step_fwd + self.step_bwd + self.step_exposed
 
 
+def combine(a: CommPlan, b: CommPlan) -> CommPlan:
+    """Two parts of one step's traffic (the dense model's and the experts'), added field by field."""
+    merged = {}
+    for f in dataclasses.fields(CommPlan):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        merged[f.name] = x + y  # LinkBytes, sync tuples and counts all add
+    return CommPlan(**merged)
+
+
 def process_groups(layout: Layout, hw: HardwareProfile) -> dict[str, Group]:
     """Groups in Megatron's rank order (tp fastest, then dp, then pp); FSDP hybrid shards within a node."""
     gpn = hw.devices_per_node
@@ -254,6 +264,11 @@ def _ddp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str
 
 
 def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
+    if layout.ep > 1:  # the experts: their own units, groups and all-to-alls
+        dense = _fsdp(dense_shape(shape), dataclasses.replace(layout, ep=1), workload, groups)
+        gpn = groups["dp"].per_node
+        experts = expert_parallel_comm(shape, layout, workload, gpn)
+        return combine(dense, experts)
     precision, n = workload.precision, layout.dp_shard
     gather = compute_bytes(precision)
     reduce = 4 if precision in ("fp32", "bf16-mixed") else 2
@@ -388,6 +403,69 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         mb_tp_edges=edge_collectives / 2 if tp > 1 else 0.0,
         mb_fsdp_units=fsdp_units,
         mb_fsdp_copy_bytes=fsdp_copies,
+    )
+
+
+# All-to-alls per MoE layer and micro-batch: forward exchanges the counts, dispatches and combines; backward runs
+# the two token exchanges in reverse (the counts are not differentiated).
+ALL_TO_ALL_CALLS = 5
+TOKEN_EXCHANGES = 4  # dispatch + combine, forward and backward
+
+
+def all_to_all_bytes(shape: ModelShape, workload: Workload, ep: int, devices_per_node: int) -> LinkBytes:
+    """Token bytes one rank sends per micro-batch under uniform routing: of its ``tokens x top_k`` assignments
+    (``d_model`` activations each), the ``(ep - 1) / ep`` routed to other ranks, four times per layer; the
+    share for ranks on other nodes goes over the inter-node network."""
+    if ep <= 1 or not shape.num_experts:
+        return LinkBytes()
+    tokens = workload.micro_batch_size * workload.seq_len
+    sent = TOKEN_EXCHANGES * shape.n_layers * tokens * shape.top_k * shape.d_model * compute_bytes(workload.precision)
+    per_node = min(ep, devices_per_node)
+    intra = sent * (per_node - 1) / ep
+    inter = sent * (ep - per_node) / ep
+    calls = ALL_TO_ALL_CALLS * shape.n_layers
+    intra_calls, inter_calls = (calls, 0.0) if inter == 0 else (0.0, calls)
+    op = OpTraffic("all_to_all", intra, inter, intra_calls, inter_calls)
+    return LinkBytes(intra, inter, 0.0, intra_calls, inter_calls, (op,))
+
+
+def expert_group(ep: int, world: int, devices_per_node: int) -> Group:
+    """The ``world / ep`` ranks holding the same experts (every ``ep``-th rank), and how many share a node."""
+    edp = world // ep
+    return Group(edp, max(1, min(edp, devices_per_node // ep)))
+
+
+def expert_parallel_comm(shape: ModelShape, layout: Layout, workload: Workload, devices_per_node: int) -> CommPlan:
+    """What expert parallelism adds to the dense model's FSDP2 traffic per micro-batch (strategy=fsdp shards the
+    dense parts over the world, ``_fsdp`` on ``dense_shape``): every block's experts are an FSDP2 unit of their own
+    over the ``world / ep`` ranks holding them (all-gathered for forward and, resharded, again for backward;
+    gradients reduce-scattered; under CPU offload their shards and optimizer step on the host like the dense
+    parts'), and the token all-to-alls, which the experts wait for: on the critical path, each a sync of the ``ep``
+    group."""
+    ep, world, reshard = layout.ep, layout.dp, layout.reshard_after_forward
+    gather = compute_bytes(workload.precision)
+    reduce = 4 if workload.precision in ("fp32", "bf16-mixed") else 2
+    layers = shape.n_layers
+    experts = layers * local_expert_parameters(shape, ep)
+    group = expert_group(ep, world, devices_per_node)
+    forward = collective_bytes("all_gather", gather * experts, group, layers)
+    backward = collective_bytes("reduce_scatter", reduce * experts, group, layers)
+    regathered = gather * experts if reshard else 0
+    if reshard:
+        backward += collective_bytes("all_gather", regathered, group, layers)
+    host, host_parameters = ZERO, 0
+    if layout.offload_optimizer:  # as _fsdp: shards up for each all-gather, gradients down
+        host_parameters = expert_parameters_per_rank(shape, ep, world)
+        p = 2 if workload.precision == "bf16-true" else 4
+        host = LinkBytes(host=p * host_parameters * ((2 if reshard else 1) + 1))
+    return CommPlan(
+        mb_fwd=forward,
+        mb_bwd=backward,
+        mb_exposed=all_to_all_bytes(shape, workload, ep, devices_per_node) + host,
+        host_optimizer_parameters=host_parameters,
+        mb_syncs=(Sync(ep, ALL_TO_ALL_CALLS * layers),),
+        mb_fsdp_units=layers,
+        mb_fsdp_copy_bytes=experts * (gather + reduce) + regathered,
     )
 
 

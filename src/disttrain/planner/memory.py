@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from disttrain.planner.bubble import last_stage_rank, microbatches_in_flight, stages_of_rank
+from disttrain.planner.expert_shapes import ep_shard_parameters, local_expert_parameters
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import MEGATRON_LM_DP_TYPES, Layout, Workload
 
@@ -211,6 +212,9 @@ def _fsdp_states(shape: ModelShape, layout: Layout, precision: str) -> MemoryBre
     # backward; per block, the gathered current and prefetched unit (or every block without resharding) and one
     # block's unsharded gradient plus its reduce-scatter input.
     block = shape.block_parameters
+    if layout.ep > 1:  # this rank's E / ep experts, sharded over the ranks holding them (planner/experts)
+        shard = ep_shard_parameters(shape, layout.ep, layout.dp)
+        block = block - shape.expert_parameters + local_expert_parameters(shape, layout.ep)
     gathered_blocks = 2 if layout.reshard_after_forward else shape.n_layers
     working = shape.root_parameters * (gather + reduce) + gathered_blocks * block * gather + block * (gather + reduce)
     if not shape.known and not layout.reshard_after_forward:

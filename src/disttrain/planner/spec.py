@@ -45,10 +45,15 @@ class Layout:
     # Megatron only: one of MEGATRON_DP_TYPES (hsdp: ``dp_replicate`` replicas; replicate: dp_replicate == dp) or
     # MEGATRON_LM_DP_TYPES (a reference model, not something strategy=megatron runs).
     dp_type: str = "fsdp"
+    # FSDP2 expert parallelism (``strategy.ep``): groups of ``ep`` ranks each hold every routed expert once and
+    # exchange tokens by all-to-all; 1: every rank holds (its FSDP shard of) every expert.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.dp_type not in MEGATRON_DP_TYPES + MEGATRON_LM_DP_TYPES:
             raise ValueError(f"unknown dp_type {self.dp_type!r}")
+        if self.ep > 1 and (self.strategy != "fsdp" or self.dp_replicate > 1 or self.dp % self.ep):
+            raise ValueError(f"ep={self.ep} runs under FSDP2 full shard over a world it divides, not {self}")
         expected = {"fsdp": 1, "replicate": self.dp}.get(self.dp_type)
         if self.strategy == "megatron" and expected is not None and self.dp_replicate != expected:
             raise ValueError(f"dp_type={self.dp_type} needs dp_replicate={expected}, got {self.dp_replicate}")
@@ -79,6 +84,8 @@ class Layout:
             }
             if self.dp_replicate > 1:
                 options["dp_replicate"] = self.dp_replicate
+            if self.ep > 1:
+                options["ep"] = self.ep
             return options
         if self.strategy == "deepspeed":
             return {
@@ -123,7 +130,8 @@ class Layout:
             kind = f"hybrid {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else "full shard"
             keep = "" if self.reshard_after_forward else " no-reshard"
             offload = " +cpu-offload" if self.offload_optimizer else ""
-            return f"FSDP2 {kind}{keep}{offload}{ckpt}"
+            experts = f" EP{self.ep}" if self.ep > 1 else ""
+            return f"FSDP2 {kind}{experts}{keep}{offload}{ckpt}"
         if self.strategy == "deepspeed":
             where = [name for name, on in (("opt", self.offload_optimizer), ("param", self.offload_params)) if on]
             offload = f" +offload({','.join(where)})" if where else ""

@@ -29,6 +29,7 @@ from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import PrecisionConfig
 from disttrain.planner.bubble import bubble_fraction
 from disttrain.planner.comm import CommPlan, Sync, link_time
+from disttrain.planner.expert_shapes import ep_shard_parameters
 from disttrain.planner.measured import MeasuredParts, parts_basis, parts_compute
 from disttrain.planner.memory import rank_parameters
 from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token
@@ -103,6 +104,8 @@ def gpu_optimizer_parameters(shape: ModelShape, layout: Layout) -> int:
         return 0
     if layout.strategy == "ddp":
         return shape.num_parameters
+    if layout.strategy == "fsdp" and layout.ep > 1:
+        return ep_shard_parameters(shape, layout.ep, layout.dp)
     if layout.strategy == "fsdp":
         return shape.fsdp_shard_parameters(layout.dp_shard)
     if layout.strategy == "deepspeed":

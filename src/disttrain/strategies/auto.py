@@ -2,7 +2,8 @@
 
 ``strategy=auto`` chooses among the layouts ``python -m train`` runs: DDP; FSDP2 full shard with or without
 resharding after forward and activation checkpointing; DeepSpeed ZeRO-1/2/3 with or without activation
-checkpointing; on GPUs also CPU offload; and every Megatron TP x PP x DP layout the planner enumerates
+checkpointing; for a mixture-of-experts model FSDP2 with every expert-parallel degree ``strategy.ep`` accepts; on
+GPUs also CPU offload; and every Megatron TP x PP x DP layout the planner enumerates
 (``python -m plan`` shows the same candidates with their predictions); on several nodes also FSDP2 hybrid
 (HSDP, one replica group per node).
 """
@@ -14,6 +15,7 @@ import dataclasses
 from diagnostics.calibration import Calibration
 from disttrain.config.degrees import validate_megatron
 from disttrain.config.errors import ConfigError
+from disttrain.config.experts import validate_expert_parallel
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     DDPConfig,
@@ -110,6 +112,7 @@ def auto_candidates(cfg: RunConfig) -> list[StrategyConfig]:
                     reshard_after_forward=reshard, activation_checkpointing=checkpointing, dp_replicate=replicas
                 )
                 options.append(option)
+    options += expert_parallel_candidates(cfg)
     for stage in (1, 2, 3):
         for checkpointing in (False, True):
             options.append(DeepSpeedConfig(stage=stage, activation_checkpointing=checkpointing))
@@ -121,6 +124,24 @@ def auto_candidates(cfg: RunConfig) -> list[StrategyConfig]:
         options.append(
             DeepSpeedConfig(stage=3, activation_checkpointing=True, offload_optimizer=True, offload_params=True)
         )
+    return options
+
+
+def expert_parallel_candidates(cfg: RunConfig) -> list[StrategyConfig]:
+    """FSDP2 with expert parallelism for an MoE model: every ``strategy.ep > 1`` that strategy=fsdp would accept
+    for this run (``validate_expert_parallel``'s rules: ep divides the experts and the world), with and without
+    resharding and recomputation, and on GPUs with CPU offload."""
+    options: list[StrategyConfig] = []
+    for ep in range(2, cfg.hw.world_size + 1):
+        try:
+            validate_expert_parallel(ep, cfg.model, cfg.hw.world_size)
+        except ConfigError:
+            continue
+        for reshard in (True, False):
+            for checkpointing in (False, True):
+                options.append(FSDPConfig(reshard_after_forward=reshard, activation_checkpointing=checkpointing, ep=ep))
+        if cfg.hw.accelerator == "gpu":  # as for FSDP2 without experts: offload only together with recomputation
+            options.append(FSDPConfig(activation_checkpointing=True, cpu_offload=True, ep=ep))
     return options
 
 

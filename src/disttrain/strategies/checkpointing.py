@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from disttrain.checkpoint import universal
 from disttrain.checkpoint.loops import restate_fit_loop
+from disttrain.strategies.expert_checkpoint import ExpertViews
 
 
 def unwrap(optimizer: Optimizer) -> Optimizer:
@@ -42,14 +43,18 @@ class UniversalCheckpointing:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.lightning_module, options=StateDictOptions(cpu_offload=True))
+        state = get_model_state_dict(self.lightning_module, options=StateDictOptions(cpu_offload=True))
+        views = ExpertViews(self.lightning_module)
+        return views.model_state(state) if views else state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(
+        state = get_optimizer_state_dict(
             self.lightning_module, unwrap(optimizer), options=universal.flat_optimizer_options()
         )
+        views = ExpertViews(self.lightning_module)
+        return views.optimizer_state(state) if views else state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))  # type: ignore[attr-defined]
@@ -131,7 +136,13 @@ class UniversalCheckpointing:
         model_state = get_model_state_dict(module)
         optimizer_states = [get_optimizer_state_dict(module, o, options=options) for o in optimizers]
         twins = getattr(module, "tied_twins", None)
-        universal.read_into(path, model_state, optimizer_states, twins=twins)
+        # Expert-parallel experts are read as their slice of the one-process tensors (strategies/expert_checkpoint).
+        views = ExpertViews(module)
+        viewed = [views.optimizer_state(s) for s in optimizer_states] if views else optimizer_states
+        universal.read_into(path, views.model_state(model_state) if views else model_state, viewed, twins=twins)
+        for state, loaded in zip(optimizer_states, viewed, strict=True):
+            if views:
+                views.read_back(state, loaded)
         set_model_state_dict(module, model_state, options=StateDictOptions(strict=True))
         for optimizer, state in zip(optimizers, optimizer_states, strict=True):
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)

@@ -213,7 +213,7 @@ class FSDPSpec(StrategySpec):
                 f"{replicas} replica groups do not divide the world size {world}",
                 f"use one of {ok} (hw.num_nodes={cfg.hw.num_nodes} shards within each node)",
             )
-        validate_expert_parallel(fsdp.ep, cfg.model, world, cfg.trainer.ckpt_every_n_steps)
+        validate_expert_parallel(fsdp.ep, cfg.model, world)
         if fsdp.ep > 1 and replicas > 1:
             raise ConfigError(
                 "strategy.ep", "expert parallelism with HSDP (strategy.dp_replicate > 1) is not built yet",
@@ -235,6 +235,7 @@ class FSDPSpec(StrategySpec):
             offload_optimizer=fsdp.cpu_offload,
             offload_params=fsdp.cpu_offload,
             dp_replicate=fsdp.dp_replicate,
+            ep=fsdp.ep,
         )
 
     def build(self, cfg: RunConfig, world_size: int, apply_checkpointing: object) -> StrategyBuild:

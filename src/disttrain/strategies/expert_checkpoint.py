@@ -1,0 +1,102 @@
+"""Expert-parallel weights in the universal checkpoint: each rank's experts as its slice of the one-process tensor.
+
+Under ``strategy.ep=N`` a rank holds ``blocks.<i>.mlp.experts.w1`` as ``[E / N, ...]`` (experts ``[k E / N, ...)``
+of its group), FSDP2-sharded over the ``world / N`` ranks holding the same experts: a DTensor over that mesh whose
+global shape is the group's slice, under the same name on every group. The universal layout stores one-process
+names and shapes (``[E, ...]``), so before DCP sees them, each such tensor (and its Adam moments) is re-described,
+without a copy, as what it is: a shard of the ``[E, ...]`` tensor over the world arranged as an ``(ep, edp)`` mesh,
+split on dim 0 by the expert-parallel rank, then (on dim 0 or dim 1, as FSDP2 chose: ``planner.shapes
+.expert_shard_dim``) by the expert-data-parallel rank. DCP then writes and reads the one-process tensor, and the same
+checkpoint resumes at any ``ep`` (1 included) and under any other strategy. Loading fills the views in place, which
+fills the model's and the optimizer's own shards (the views share their storage).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from disttrain.models.moe import moe_layers
+
+
+def expert_parameter_names(module: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Fully qualified names of expert-parallel expert weights -> (ep, ep rank, experts per rank)."""
+    out: dict[str, tuple[int, int, int]] = {}
+    ids = {}
+    for layer in moe_layers(module):
+        if layer.ep_size > 1:
+            local = layer.num_experts // layer.ep_size
+            for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3):
+                if w is not None:
+                    ids[id(w)] = (layer.ep_size, layer.experts.offset // local, local)
+    for name, param in module.named_parameters():
+        if id(param) in ids:
+            out[name] = ids[id(param)]
+    return out
+
+
+class ExpertViews:
+    """Builds the one-process views of this rank's expert tensors (one world mesh per ``ep``, built once)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.names = expert_parameter_names(module)
+        self._meshes: dict[int, DeviceMesh] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def _mesh(self, ep: int, device_type: str) -> DeviceMesh:
+        if ep not in self._meshes:
+            world = torch.distributed.get_world_size()
+            # Ranks are edp_index x ep + ep_index (strategies/expert_parallel): as an (ep, edp) mesh, dim 0 splits
+            # the experts and dim 1 the FSDP2 shard within them, in that nesting order.
+            ranks = torch.arange(world).view(world // ep, ep).t()
+            # Only a description for DCP's offsets: no process groups (nothing communicates over it).
+            self._meshes[ep] = DeviceMesh(device_type, ranks, mesh_dim_names=("ep", "edp"), _init_backend=False)
+        return self._meshes[ep]
+
+    def view(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """``tensor`` (this rank's experts of ``name``, a DTensor over the edp mesh or plain) as a shard of the
+        one-process ``[E, ...]`` tensor; other tensors (a scalar step count) unchanged."""
+        ep, _, local = self.names[name]
+        whole = tensor.shape  # the group's slice [E / ep, ...] (a DTensor's global shape)
+        if tensor.dim() == 0 or whole[0] != local:
+            return tensor
+        shard = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        fsdp_dim = 0
+        if isinstance(tensor, DTensor) and isinstance(tensor.placements[0], Shard):
+            fsdp_dim = tensor.placements[0].dim
+        shape = torch.Size((local * ep, *whole[1:]))
+        stride = torch.empty(shape, device="meta").stride()
+        mesh = self._mesh(ep, shard.device.type)
+        return DTensor.from_local(shard, mesh, [Shard(0), Shard(fsdp_dim)], run_check=False, shape=shape, stride=stride)
+
+    def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A model state dict (names as ``get_model_state_dict`` gives them) with the expert tensors as views."""
+        return {k: self.view(v, k) if k in self.names else v for k, v in state.items()}
+
+    def optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A flattened optimizer state dict (``state.<name>.<key>``) with the experts' moments as views."""
+        out = {}
+        for key, value in state.items():
+            name = _parameter_of(key)
+            out[key] = self.view(value, name) if name in self.names and torch.is_tensor(value) else value
+        return out
+
+    def read_back(self, state: dict[str, Any], viewed: dict[str, Any]) -> None:
+        """After a load into ``viewed`` (``optimizer_state(state)``): the values a load replaces rather than fills
+        (hyper-parameters, step counts) back into ``state``; the views filled ``state``'s tensors in place."""
+        for key, value in viewed.items():
+            if not (isinstance(value, DTensor) and _parameter_of(key) in self.names):
+                state[key] = value
+
+
+def _parameter_of(key: str) -> str:
+    """``state.<param name>.<key>`` -> the parameter name ('' for param_groups and other entries)."""
+    if not key.startswith("state."):
+        return ""
+    return key[len("state.") :].rsplit(".", 1)[0]

@@ -1,0 +1,77 @@
+"""Collectives timed inside forward and backward, call by call: transfer is what every rank pays, the rest waiting.
+
+Fixture ``moe_waits`` (tests/diag_fixtures): moe-micro under ep=2, balanced experts, 5 all-to-alls per phase each
+moving ``comm / 4 / 5`` (the last one ``comm / 4``), and at the first four of them one rank arrives 60 ms late,
+the ranks in turn, as a shared host's scheduler makes them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diagnostics.analysis import analyse
+from diagnostics.analysis.phase_comm import call_minimum
+from tests.diag_fixtures import SCENARIOS, write_run
+
+SKEW, CALLS = SCENARIOS["moe_waits"].call_skew, SCENARIOS["moe_waits"].phase_calls
+COMM = SCENARIOS["moe_waits"].comm
+
+
+def test_call_minimum_sums_each_calls_fastest_rank_and_refuses_unmatched_calls() -> None:
+    # Rank 0 waits at the first call, rank 1 at the second: 1 + 2 ms of transfer, not min(6, 7) = 6.
+    assert call_minimum([[0.005, 0.002], [0.001, 0.006]]) == pytest.approx(0.003)
+    assert call_minimum([[0.005, 0.002], [0.001]]) is None  # the ranks did not record the same calls
+    assert call_minimum([]) is None
+
+
+def _kinds(run_dir: Path) -> list[str]:
+    return [f.kind for f in analyse(run_dir).findings]
+
+
+def test_balanced_moe_whose_ranks_take_turns_waiting_is_waiting_not_comm_bound(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "waits", "moe_waits")
+    analysis = analyse(run_dir)
+    assert "comm_bound" not in [f.kind for f in analysis.findings]
+    steady = [s for s in analysis.run.ranks[0].steps if s.step > 2]
+    step_s = sum(max(r.steps[s.step - 1].step_s for r in analysis.run.ranks.values()) for s in steady) / len(steady)
+    # By hand: per phase, four small calls of COMM / 4 / CALLS and the last of COMM / 4 (its minimum has no wait).
+    transfer = 2 * ((CALLS - 1) * COMM / 4 / CALLS + COMM / 4)
+    exchange = analysis.summary.all_to_all
+    assert exchange is not None
+    assert exchange["transfer"] == pytest.approx(transfer / step_s, abs=1e-3)
+    # Each rank waits at two of the four skewed calls per phase: 4 x 60 ms per step, beside 18 ms of transfer.
+    for p in analysis.phases:
+        assert p.collective_wait_s == pytest.approx(4 * SKEW, abs=0.005)
+    assert exchange["waiting"] == pytest.approx(4 * SKEW / step_s, abs=0.01)
+    shares = analysis.summary.step_shares
+    assert shares is not None and shares["waiting"] > 5 * shares["communication"]
+
+    # The same run with each rank's per-step sums only: both sums hold the same waits, so their minimum does too,
+    # and the waits read as communication. Call by call is what separates them.
+    for path in (run_dir / "telemetry").glob("*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in records:
+            r.pop("comm_calls_s", None)
+            r.pop("all_to_all_calls_s", None)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "comm_bound" in _kinds(run_dir)
+
+
+def test_rank_holding_the_hot_experts_makes_its_peer_wait_in_the_all_to_alls(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "hot", "moe_waits", late_rank=0, expert_shares=(0.55, 0.15, 0.15, 0.15))
+    analysis = analyse(run_dir)
+    kinds = {f.kind: f for f in analysis.findings}
+    assert "comm_bound" not in kinds
+    assert kinds["expert_imbalance"].ranks == [0]
+    waits = {p.rank: p.collective_wait_s for p in analysis.phases}
+    # Rank 0 arrives last at every skewed call (4 per phase): rank 1 waits 8 x 60 ms, rank 0 not at all.
+    assert waits[1] == pytest.approx(8 * SKEW, abs=0.005) and waits[0] == pytest.approx(0.0, abs=0.005)
+    exchange = analysis.summary.all_to_all
+    assert exchange is not None and exchange["waiting"] > 10 * exchange["transfer"]
+
+
+def test_runs_without_expert_all_to_alls_have_no_all_to_all_share(tmp_path: Path) -> None:
+    assert analyse(write_run(tmp_path / "fsdp", "healthy", sync_in_phases=True)).summary.all_to_all is None
