@@ -58,7 +58,11 @@ class SlowLink:
     The delay is per collective, on the bytes the collective is actually given: a comm hook that compresses
     (bf16/fp16 halve the bytes, PowerSGD sends two low-rank factors) genuinely shortens it, and a bigger bucket
     pays in proportion, as on a real slow network. torch's DDP hooks and PowerSGD issue their collectives as
-    ``torch.distributed.all_reduce``, the call ``metered`` wraps.
+    ``torch.distributed.all_reduce``, the call ``metered`` wraps. Only the gradients cross the link: the
+    all-reduces issued while a comm hook ``carrying`` wraps is running (the run's other collectives, the
+    non-finite guard's vote or the bandwidth probe, keep their speed, as before the link composed with hooks).
+    A count shared by all threads, not a thread-local flag: PowerSGD issues its later all-reduces from gloo's
+    threads, while its hook waits for them (one bucket at a time on gloo, ``disttrain.strategies.powersgd``).
     """
 
     def __init__(self, bytes_per_s: float, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -66,9 +70,22 @@ class SlowLink:
             raise ValueError(f"data.link_bytes_per_s: must be > 0 bytes/s, got {bytes_per_s:g}")
         self.bytes_per_s = bytes_per_s
         self.sleep = sleep
+        self.hooks_running = 0
 
     def delay_s(self, tensor: torch.Tensor) -> float:
         return tensor.numel() * tensor.element_size() / self.bytes_per_s
+
+    def carrying(self, hook: Callable) -> Callable:
+        """``hook`` (a DDP comm hook) whose all-reduces cross the link."""
+
+        def over_link(state, bucket):  # no annotations: DDP reads the signature
+            self.hooks_running += 1
+            try:
+                return hook(state, bucket)
+            finally:
+                self.hooks_running -= 1
+
+        return over_link
 
     def metered(self, all_reduce: Callable) -> Callable:
         """``all_reduce`` whose result arrives ``delay_s(tensor)`` later.
@@ -79,8 +96,10 @@ class SlowLink:
         """
 
         def slow_all_reduce(tensor: torch.Tensor, *args, **kwargs):
-            seconds = self.delay_s(tensor)
+            seconds = self.delay_s(tensor) if self.hooks_running else 0.0
             work = all_reduce(tensor, *args, **kwargs)
+            if not seconds:
+                return work
             if work is None:  # a blocking call has finished its transfer
                 self.sleep(seconds)
                 return None
@@ -112,8 +131,8 @@ class _DelayedWork:
 
 
 def slow_down_gradient_link(link: SlowLink) -> None:
-    """Every all-reduce of this process goes over ``link``, and DDP reduces its gradients through a Python comm
-    hook so that they do: the one ``strategy.comm_hook`` selects, else torch's plain all-reduce hook (DDP's own
+    """DDP's gradient all-reduces go over ``link``: DDP reduces its gradients through a Python comm hook, carried
+    by the link: the one ``strategy.comm_hook`` selects, else torch's plain all-reduce hook (DDP's own
     all-reduce runs in C++, out of the link's reach). The strategy's registration is kept (PowerSGD's state
     binding, checkpointing): the link composes with whatever hook the config chose.
     """
@@ -128,6 +147,7 @@ def slow_down_gradient_link(link: SlowLink) -> None:
     def register(self: HookedDDPStrategy) -> None:
         if self._ddp_comm_hook is None:
             self._ddp_comm_state, self._ddp_comm_hook = None, default_hooks.allreduce_hook
+        self._ddp_comm_hook = link.carrying(self._ddp_comm_hook)
         register_chosen(self)
 
     HookedDDPStrategy._register_ddp_hooks = register  # type: ignore[method-assign]

@@ -66,13 +66,15 @@ def delays_per_step(hook_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     return per_step
 
 
-def test_the_link_delays_every_collective_by_its_own_bytes() -> None:
+def test_the_link_delays_every_collective_of_a_comm_hook_by_its_own_bytes() -> None:
     slept: list[float] = []
     link = SlowLink(RATE, sleep=slept.append)
     blocking = link.metered(lambda tensor, *args, **kwargs: None)
-    blocking(torch.zeros(1000))  # fp32
-    blocking(torch.zeros(1000, dtype=torch.bfloat16))
+    hook = link.carrying(lambda state, tensors: [blocking(t) for t in tensors])
+    hook(None, [torch.zeros(1000), torch.zeros(1000, dtype=torch.bfloat16)])  # fp32, then bf16
     assert slept == [pytest.approx(4000 / RATE), pytest.approx(2000 / RATE)]
+    blocking(torch.zeros(1000))  # outside a comm hook (a metric's or a probe's all-reduce): not over the link
+    assert len(slept) == 2 and link.hooks_running == 0
     with pytest.raises(ValueError, match=r"data.link_bytes_per_s: must be > 0"):
         SlowLink(0.0)
 
