@@ -138,14 +138,14 @@ class Tuner:
         """An unsettled A/B gets one retry with more rounds (at least one more than it had, up to twice as many) if
         an A/B test and the budget are left for it; a lever still unsettled after it, or without one, is dropped
         as inconclusive, with every round it had."""
-        rounds = retry_rounds(first.pairs, self.remaining_s(), run_s)
-        if len(self.summary.rows) >= self.settings.max_rounds:
-            why = f"tune.max_rounds={self.settings.max_rounds} leaves no A/B test for a retry"
-        elif rounds is None:
-            why = "the budget left cannot pay for a retry with more rounds"
-        else:
-            why = ""
-        if why or rounds is None:
+        no_test_left = len(self.summary.rows) >= self.settings.max_rounds
+        rounds = None if no_test_left else retry_rounds(first.pairs, self.remaining_s(), run_s)
+        if rounds is None:
+            why = (
+                f"tune.max_rounds={self.settings.max_rounds} leaves no A/B test for a retry"
+                if no_test_left
+                else "the budget left cannot pay for a retry with more rounds"
+            )
             return self._drop(candidate, first, first.pairs, why), first_ab
         ci = "" if first.ci is None else f" (95% CI {first.ci[0]:+.1%}..{first.ci[1]:+.1%})"
         self.say(
