@@ -1,7 +1,8 @@
 """Injected bottlenecks for ``benchmarks/diagnosis_accuracy.py``: a model and a datamodule plugged in by ``_target_``.
 
 Each injection is a sleep on chosen local ranks in one phase of the step (data, forward, backward, optimizer),
-or DDP's gradient all-reduce over an emulated slow link (``link_bytes_per_s``), switched off by its own argument,
+or DDP's gradient all-reduce over an emulated slow link (``link_bytes_per_s``: a delay per collective in proportion
+to the bytes it sends, on top of whichever ``strategy.comm_hook`` the run uses), switched off by its own argument,
 so a scenario's counterfactual is the same command with the fault off. The communication counterfactual keeps
 every rank's gradients local (``local_grads=true``): the same per-rank work without the gradient all-reduce.
 All of it is benchmark-only: nothing here is imported by the product.
@@ -35,34 +36,119 @@ def local_gradient_hook(state, bucket):  # no annotations: DDP reads the signatu
     return future
 
 
-def slow_link_hook(state, bucket):  # no annotations: DDP reads the signature
-    """DDP's all-reduce followed by ``bytes / state`` seconds, as over a link of ``state`` bytes/s.
-
-    The wait happens in the future's callback (gloo's thread), so it overlaps the rest of the backward and
-    what is left is exposed at its end, as a slow network's transfer would be.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    seconds = bucket.buffer().numel() * bucket.buffer().element_size() / state
-
-    def after_transfer(future):
-        time.sleep(seconds)
-        return future.value()
-
-    return default_hooks.allreduce_hook(None, bucket).then(after_transfer)
-
-
 def use_ddp_comm_hook(hook: Callable, state: object = None) -> None:
     """Make DDP register ``hook`` in this process, whatever ``strategy.comm_hook`` says.
 
     Replaces the strategy's hook registration in this rank's process only (each rank is its own
-    ``python -m train``): the product's code and config are unchanged, and a run without ``local_grads`` or
-    ``link_bytes_per_s`` never calls this.
+    ``python -m train``): the product's code and config are unchanged, and a run without ``local_grads``
+    never calls this.
     """
     from disttrain.strategies.ddp import HookedDDPStrategy
 
     def register(self: HookedDDPStrategy) -> None:
         self.model.register_comm_hook(state=state, hook=hook)
+
+    HookedDDPStrategy._register_ddp_hooks = register  # type: ignore[method-assign]
+
+
+class SlowLink:
+    """An emulated link of ``bytes_per_s``: every all-reduce hands its tensor's bytes over it, so it ends
+    ``bytes / bytes_per_s`` seconds later than the real collective.
+
+    The delay is per collective, on the bytes the collective is actually given: a comm hook that compresses
+    (bf16/fp16 halve the bytes, PowerSGD sends two low-rank factors) genuinely shortens it, and a bigger bucket
+    pays in proportion, as on a real slow network. torch's DDP hooks and PowerSGD issue their collectives as
+    ``torch.distributed.all_reduce``, the call ``metered`` wraps. Only the gradients cross the link: the
+    all-reduces issued while a comm hook ``carrying`` wraps is running (the run's other collectives, the
+    non-finite guard's vote or the bandwidth probe, keep their speed, as before the link composed with hooks).
+    A count shared by all threads, not a thread-local flag: PowerSGD issues its later all-reduces from gloo's
+    threads, while its hook waits for them (one bucket at a time on gloo, ``disttrain.strategies.powersgd``).
+    """
+
+    def __init__(self, bytes_per_s: float, sleep: Callable[[float], None] = time.sleep) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError(f"data.link_bytes_per_s: must be > 0 bytes/s, got {bytes_per_s:g}")
+        self.bytes_per_s = bytes_per_s
+        self.sleep = sleep
+        self.hooks_running = 0
+
+    def delay_s(self, tensor: torch.Tensor) -> float:
+        return tensor.numel() * tensor.element_size() / self.bytes_per_s
+
+    def carrying(self, hook: Callable) -> Callable:
+        """``hook`` (a DDP comm hook) whose all-reduces cross the link."""
+
+        def over_link(state, bucket):  # no annotations: DDP reads the signature
+            self.hooks_running += 1
+            try:
+                return hook(state, bucket)
+            finally:
+                self.hooks_running -= 1
+
+        return over_link
+
+    def metered(self, all_reduce: Callable) -> Callable:
+        """``all_reduce`` whose result arrives ``delay_s(tensor)`` later.
+
+        An async collective's delay runs in its future's callback (gloo's thread), as before the hook's own
+        callbacks: it overlaps the rest of the backward, and what is left is exposed at its end, as a slow
+        network's transfer would be.
+        """
+
+        def slow_all_reduce(tensor: torch.Tensor, *args, **kwargs):
+            seconds = self.delay_s(tensor) if self.hooks_running else 0.0
+            work = all_reduce(tensor, *args, **kwargs)
+            if not seconds:
+                return work
+            if work is None:  # a blocking call has finished its transfer
+                self.sleep(seconds)
+                return None
+            return _DelayedWork(work, seconds, self.sleep)
+
+        return slow_all_reduce
+
+
+class _DelayedWork:
+    """A collective's work handle whose completion comes ``seconds`` after the real one's."""
+
+    def __init__(self, work: object, seconds: float, sleep: Callable[[float], None]) -> None:
+        self.work, self.seconds, self.sleep = work, seconds, sleep
+
+    def get_future(self) -> torch.futures.Future:
+        def after_transfer(future: torch.futures.Future):
+            self.sleep(self.seconds)
+            return future.value()
+
+        return self.work.get_future().then(after_transfer)
+
+    def wait(self, *args, **kwargs):
+        done = self.work.wait(*args, **kwargs)
+        self.sleep(self.seconds)
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+def slow_down_gradient_link(link: SlowLink) -> None:
+    """DDP's gradient all-reduces go over ``link``: DDP reduces its gradients through a Python comm hook, carried
+    by the link: the one ``strategy.comm_hook`` selects, else torch's plain all-reduce hook (DDP's own
+    all-reduce runs in C++, out of the link's reach). The strategy's registration is kept (PowerSGD's state
+    binding, checkpointing): the link composes with whatever hook the config chose.
+    """
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from disttrain.strategies.ddp import HookedDDPStrategy
+
+    dist.all_reduce = link.metered(dist.all_reduce)
+    register_chosen = HookedDDPStrategy._register_ddp_hooks
+
+    def register(self: HookedDDPStrategy) -> None:
+        if self._ddp_comm_hook is None:
+            self._ddp_comm_state, self._ddp_comm_hook = None, default_hooks.allreduce_hook
+        self._ddp_comm_hook = link.carrying(self._ddp_comm_hook)
+        register_chosen(self)
 
     HookedDDPStrategy._register_ddp_hooks = register  # type: ignore[method-assign]
 
@@ -130,7 +216,7 @@ class RandomTokens(pl.LightningDataModule):
         if local_grads:
             use_ddp_comm_hook(local_gradient_hook)
         elif link_bytes_per_s:
-            use_ddp_comm_hook(slow_link_hook, link_bytes_per_s)
+            slow_down_gradient_link(SlowLink(link_bytes_per_s))
 
     def train_dataloader(self) -> DataLoader:
         delay_s = self.delay_s if is_slow_here(self.slow_ranks) else 0.0

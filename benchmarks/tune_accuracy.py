@@ -10,7 +10,9 @@ every finding, whatever its cost: the brute force tune is measured against), and
 
 (target >= 0.90, issue 32) beside tune's wall time and budget. Without a lever (a straggling rank), the target is
 no change and the right finding kind and rank in tune's summary. It is a measurement: it prints the table (and
-the load average, this box is shared) and exits 0 whether the targets are met or not.
+the load average, this box is shared) and exits 0 whether the targets are met or not. Per scenario it also prints
+the gain the reports expected of tune's kept levers beside the gain measured (tune's config over the start in the
+brute force), whether tune's config is the right one (the best measured), and "right lever in N of M".
 
     python benchmarks/tune_accuracy.py [--repeats 3] [--only NAME ...] [--steps 30] [--budget-min 20]
         [--keep DIR] [--json PATH]
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -120,6 +123,21 @@ def brute_force(scenario: Scenario, summary: dict, out: Path, steps: int, repeat
     return measured
 
 
+def judge_levers(summary: dict, medians: dict[str, float]) -> dict:
+    """Tune's kept levers scored against the brute force: the gain the reports expected of them (compounded over the
+    kept rounds) beside the gain measured (tune's final config over the start, both in the brute force's interleaved
+    rounds), and whether tune's config is the best measured one. A config is measured once under all its names, so
+    "right" is an identity when tune's config is the best candidate (or the start, when nothing beats it)."""
+    kept = [r for r in summary["rounds"] if r["kept"]]
+    expected = None
+    if kept and all(r["expected_change"] is not None for r in kept):
+        expected = math.prod(1.0 + r["expected_change"] for r in kept) - 1.0
+    start, tuned = medians.get("start"), medians.get("tune")
+    measured = tuned / start - 1.0 if start and tuned is not None else None
+    best = max(medians, key=lambda name: medians[name])
+    return {"expected_gain": expected, "measured_gain": measured, "right": tuned is not None and tuned >= medians[best]}
+
+
 def judge_no_lever(scenario: Scenario, summary: dict) -> dict:
     kind, rank = scenario.no_lever or ("", -1)
     named = [n for n in summary["no_lever"] if n["finding"] == kind and rank in n["ranks"]]
@@ -130,6 +148,10 @@ def judge_no_lever(scenario: Scenario, summary: dict) -> dict:
         "ok": unchanged and bool(named),
         "stop": summary["stop_reason"],
     }
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.0%}"
 
 
 def main() -> int:
@@ -150,6 +172,7 @@ def main() -> int:
         row["stop"] = summary["stop_reason"]
         if scenario.no_lever:
             row |= judge_no_lever(scenario, summary)
+            row["right"] = row["ok"]  # the right lever where there is none: no change, and the cause named
         else:
             measured = brute_force(scenario, summary, root / scenario.name / "brute", args.steps, args.repeats)
             medians = {name: statistics.median(v) for name, v in measured.items()}
@@ -160,10 +183,14 @@ def main() -> int:
                 for n, v in measured.items()
             }
             row |= {"best": best, "medians": medians, "spread": spread, "ratio": ratio, "ok": ratio >= TARGET}
+            row |= judge_levers(summary, medians)
         results.append(row)
         print(json.dumps(row), flush=True)
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}; runs in {root}; target ratio >= {TARGET:.2f}")
-    print(f"{'scenario':<12} {'tune kept':<34} {'tune min':>8} {'best measured':<34} {'ratio':>6}  ok")
+    print(
+        f"{'scenario':<12} {'tune kept':<34} {'tune min':>8} {'best measured':<34} {'ratio':>6}  {'ok':<5} "
+        f"{'expected':>8} {'measured':>8}  right"
+    )
     for row in results:
         kept = ", ".join(row["kept"]) or "(nothing)"
         minutes = row["tune_wall_s"] / 60
@@ -171,7 +198,16 @@ def main() -> int:
             best, ratio = row["best"], f"{row['ratio']:.2f}"
         else:
             best, ratio = f"no change: {row['unchanged']}, named: {row['named']}", "-"
-        print(f"{row['scenario']:<12} {kept:<34} {minutes:>8.1f} {best:<34} {ratio:>6}  {row['ok']}")
+        gains = f"{_pct(row.get('expected_gain')):>8} {_pct(row.get('measured_gain')):>8}"
+        print(
+            f"{row['scenario']:<12} {kept:<34} {minutes:>8.1f} {best:<34} {ratio:>6}  {row['ok']!s:<5} {gains}  "
+            f"{row['right']}"
+        )
+    right = sum(bool(row["right"]) for row in results)
+    print(
+        f"right lever in {right} of {len(results)} (tune's config is the best measured; no change where there is "
+        "no lever)"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -1,4 +1,5 @@
-"""``python -m tune [python -m train overrides] [tune.key=value ...]``: a run that tunes itself (docs/tune.md).
+"""``python -m tune [python -m train overrides] [tune.key=value ...] [hydra/launcher=slurm]``: a run that tunes
+itself (docs/tune.md); with a launcher, every run is one of its jobs.
 
 Kept thin: the ``tune.*`` keys compose conf/tune.yaml into typed settings, the rest is a train command checked by
 the same preflight as ``python -m train``; both fail with one line and exit code 2 before any run starts.
@@ -16,6 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError, did_you_mean
+from disttrain.tune.arms import LAUNCHER_GROUP, Placement, is_placement, placement
 from disttrain.tune.levers import key_of
 from disttrain.tune.settings import TuneSettings, parse_tune_settings
 
@@ -29,6 +31,13 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(tune overrides without their ``tune.`` prefix kept, train overrides)."""
     tune = [a for a in argv if key_of(a).startswith(TUNE_PREFIX)]
     return tune, [a for a in argv if a not in tune]
+
+
+def arms_placement(argv: list[str]) -> tuple[Placement, list[str]]:
+    """Where the runs go (``hydra/launcher=...`` and its ``hydra.launcher.*`` settings, checked against the options
+    of conf/hydra/launcher) and the train overrides without those."""
+    launchers = [p.stem for p in (CONF_DIR / LAUNCHER_GROUP).glob("*.yaml")]
+    return placement([a for a in argv if is_placement(a)], launchers), [a for a in argv if not is_placement(a)]
 
 
 def tune_settings(overrides: list[str]) -> TuneSettings:
@@ -80,22 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tune_overrides, train_overrides = split_argv(argv)
         settings = tune_settings(tune_overrides)
+        arms, train_overrides = arms_placement(train_overrides)
         check_train_overrides(train_overrides)
         directory = tune_dir(settings)
         from disttrain.job.preflight import preflight  # the train command's own checks, before any run starts
         from disttrain.tune.loop import BASE_DIR, Tuner, measurement_pins
 
         pins = measurement_pins(train_overrides, settings.steps)
-        preflight([*train_overrides, *pins, f"hydra.run.dir={directory / BASE_DIR}"], CONF_DIR)
+        preflight(arms.argv([*train_overrides, *pins], directory / BASE_DIR), CONF_DIR)
     except ConfigError as err:
         print(f"tune: config error: {err}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()} - {"hydra"}
     print(
         f"tune: {directory}: up to {settings.max_rounds} A/B test(s) in {settings.budget_min:g} min, "
-        f"{settings.steps} steps per run"
+        f"{settings.steps} steps per run, run {arms.describe()}"
     )
-    summary = Tuner(train_overrides, settings, directory.resolve(), groups).run()
+    summary = Tuner(train_overrides, settings, directory.resolve(), groups, launch=arms.launch()).run()
     return 1 if summary.error else 0
 
 

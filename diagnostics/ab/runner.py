@@ -115,12 +115,18 @@ def _last_line(log: Path) -> str:
 
 def launch_train(arm: Arm, run_dir: Path) -> RunOutcome:
     """``python -m train`` for one run of ``arm`` into ``run_dir``; its output goes to ``run_dir``.log."""
+    return run_train(arm.argv(run_dir), run_dir)
+
+
+def run_train(argv: list[str], run_dir: Path) -> RunOutcome:
+    """``python -m train ARGV``, a command that runs into ``run_dir`` (here, or as a job it waits for), its output
+    to ``run_dir``.log; the outcome is read from ``run_dir``'s telemetry."""
     log = run_dir.with_name(run_dir.name + ".log")
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     start = time.monotonic()
     with log.open("w", encoding="utf-8") as out:
         code = subprocess.run(
-            [sys.executable, "-m", "train", *arm.argv(run_dir)], stdout=out, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "train", *argv], stdout=out, stderr=subprocess.STDOUT, env=env
         ).returncode
     seconds = time.monotonic() - start
     if code != 0:

@@ -16,6 +16,8 @@ from omegaconf import OmegaConf
 from tune import main, split_argv, tune_settings
 
 from diagnostics.ab import ledger
+from disttrain.config.errors import ConfigError
+from disttrain.tune.arms import Placement, placement
 from disttrain.tune.experiment import experiment_yaml
 from disttrain.tune.settings import TuneSettings
 from tests.conftest import CONF, REPO
@@ -77,6 +79,8 @@ def test_default_settings_compose_from_conf_tune_yaml() -> None:
         (["tune.loss_tolerance=0"], "tune.loss_tolerance: must lie in (0, 1)"),
         (["trainer.max_steps=50"], "trainer.max_steps: is set by tune for every run. Fix: set tune.steps instead"),
         (["hydra.run.dir=x"], "hydra.run.dir: is set by tune for every run. Fix: set tune.output_dir instead"),
+        (["hydra/launcher=slurmm"], "hydra/launcher: unknown launcher 'slurmm' (did you mean 'slurm'?)"),
+        (["hydra.launcher.partition=debug"], "hydra.launcher.partition: sets a launcher, but no launcher is chosen"),
         (
             ["strategy.bucket_cap=5"],
             "strategy.bucket_cap: is not a setting of strategy (did you mean 'bucket_cap_mb'?)",
@@ -161,3 +165,28 @@ def test_a_straggler_changes_nothing_and_names_the_rank_and_the_cause(tmp_path: 
     assert note["finding"] == "straggler" and note["ranks"] == [2] and "rank 2" in note["why"]
     assert "tune: no config lever: straggler on rank(s) [2]: No config lever: rank 2" in result.stdout
     assert "tune: no change kept: the starting config stays" in result.stdout
+
+
+def test_arms_on_slurm_are_one_job_multiruns_whose_job_lands_in_the_run_dir_the_ab_chose(tmp_path: Path) -> None:
+    launchers = [p.stem for p in (CONF / "hydra" / "launcher").glob("*.yaml")]
+    assert placement([], launchers) == Placement()  # no launcher: the runs go here
+    slurm = placement(["hydra/launcher=slurm", "hydra.launcher.partition=debug"], launchers, has_sbatch=True)
+    assert slurm == Placement("slurm", ("hydra.launcher.partition=debug",))
+    with pytest.raises(ConfigError, match=r"hydra/launcher: slurm: no sbatch on PATH .* leave hydra/launcher out"):
+        placement(["hydra/launcher=slurm"], launchers, has_sbatch=False)
+    run_dir = tmp_path / "round1" / "01-A"
+    argv = slurm.argv(["trainer.max_steps=20"], run_dir)
+    assert argv == [
+        "-m",
+        "hydra/launcher=slurm",
+        "hydra.launcher.partition=debug",
+        "trainer.max_steps=20",
+        f"hydra.sweep.dir={run_dir}.slurm",
+        f"hydra.sweep.subdir={run_dir}",
+    ]
+    assert Placement().argv(["trainer.max_steps=20"], run_dir) == ["trainer.max_steps=20", f"hydra.run.dir={run_dir}"]
+    # The job's dir (Hydra joins sweep.dir and subdir) is the run dir itself; the sweep's files go beside it.
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=argv[1:], return_hydra_config=True)
+    assert cfg.hydra.launcher.partition == "debug" and cfg.hydra.launcher.tasks_per_node == 2
+    assert Path(os.path.join(cfg.hydra.sweep.dir, cfg.hydra.sweep.subdir)) == run_dir

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -238,3 +239,22 @@ def test_crashing_job_is_reported_failed_and_the_sweep_still_ends(tmp_path: Path
     failure = json.loads((sweep_dir / crashed["name"] / "failure.json").read_text())
     assert failure["rank"] == 1  # the rank that raised, not the one SLURM stopped after it
     assert "deliberate crash" in (sweep_dir / "report" / "sweep.md").read_text().split("## Failed runs")[1]
+
+
+def test_tune_runs_its_runs_as_slurm_jobs(tmp_path: Path) -> None:
+    """``python -m tune hydra/launcher=slurm``: the start run is a SLURM job that lands in the tune's round0 dir and is
+    diagnosed from there (a budget too short for an A/B ends the tune after it: one short job)."""
+    out = tmp_path / "tune"
+    train = list(TINY)
+    command = [sys.executable, "-m", "tune", "hydra/launcher=slurm", *train, "tune.steps=10", "tune.budget_min=0.05"]
+    result = subprocess.run(
+        [*command, f"tune.output_dir={out}"], cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=400
+    )
+    check(result)
+    assert "run as slurm jobs (hydra/launcher=slurm)" in result.stdout
+    summary = json.loads((out / "tune" / "summary.json").read_text())
+    assert summary["start_tokens_per_s"] > 0 and summary["rounds"] == []
+    assert (out / "round0" / "telemetry").is_dir() and (out / "round0" / "report" / "report.json").is_file()
+    jobs = [p.name for p in (out / "round0.slurm" / ".submitit").iterdir() if p.is_dir()]
+    assert len(jobs) == 1 and jobs[0].split("_")[0].isdigit()  # submitit's folder of the one SLURM job, by its id
+    assert summary["final_overrides"] == train  # the launcher is where the runs went, not part of the config

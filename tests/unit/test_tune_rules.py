@@ -9,11 +9,25 @@ from pathlib import Path
 import pytest
 
 from diagnostics.ab import ledger
+from diagnostics.ab.runner import Arm, Launcher, RunOutcome
 from diagnostics.analysis import analyse
 from diagnostics.recommend import recommend_all
 from disttrain.tune.levers import classify, global_pin
+from disttrain.tune.loop import Tuner
 from disttrain.tune.losses import read_losses
-from disttrain.tune.rules import candidates, carried_over, decide, loss_gap, repeats_that_fit, retarget, stop_reason
+from disttrain.tune.rules import (
+    candidates,
+    carried_over,
+    decide,
+    inconclusive_reason,
+    loss_gap,
+    repeats_that_fit,
+    retarget,
+    retry_rounds,
+    stop_reason,
+    unsettled,
+)
+from disttrain.tune.settings import TuneSettings
 from tests.diag_fixtures import write_run
 
 KEEP_GLOBAL = ("trainer.global_batch_size=32",)
@@ -184,3 +198,76 @@ def test_an_untested_lever_of_an_earlier_diagnosis_is_carried_over_against_the_c
     )
     hook = retarget(found[1], [*current, "strategy.comm_hook=bf16"])
     assert hook.test.recommended == (*current, "strategy.comm_hook=powersgd")
+
+
+def test_only_an_ab_that_settled_nothing_is_retried() -> None:
+    assert unsettled("no measurable effect", resolved=False)  # CI straddles zero, too wide to rule out 3%
+    assert unsettled("inconclusive", resolved=False)  # fewer than 2 complete pairs
+    assert not unsettled("no measurable effect", resolved=True)  # within +-3%: an answer, no effect worth having
+    for verdict in ("confirmed", "worse", "failed"):
+        assert not unsettled(verdict, resolved=True)
+    assert not unsettled("failed", resolved=False)  # a change that breaks runs is not retried
+
+
+def test_a_retry_gets_more_rounds_than_the_first_ab_up_to_twice_as_many_as_the_budget_allows() -> None:
+    assert retry_rounds(3, remaining_s=1000, run_s=50) == (4, 6)  # 10 rounds of 2 x 50 s fit: capped at 2 x 3
+    assert retry_rounds(6, remaining_s=1000, run_s=50) == (7, 10)  # the budget caps it, above the first's 6
+    assert retry_rounds(3, remaining_s=350, run_s=50) is None  # 3 rounds fit: no more than the first had
+    assert retry_rounds(0, remaining_s=1000, run_s=50) == (1, 2)  # the first had no complete pair
+    reason = inconclusive_reason(9, (-0.12, 0.15), "retried once with more rounds")
+    assert reason == "not kept: inconclusive after 9 rounds (last 95% CI -12.0%..+15.0%); retried once with more rounds"
+
+
+def _noisy_launcher(tokens_of_b: list[float], calls: list[str]) -> Launcher:
+    """A launcher writing the recorded comm-bound run (tests.diag_fixtures) for every arm, with the original arm at
+    1,000 tokens/s and the tested arm at the next of ``tokens_of_b``: verdicts chosen by the test, no processes."""
+    b_runs = iter(tokens_of_b)
+
+    def launch(arm: Arm, run_dir: Path) -> RunOutcome:
+        write_run(run_dir, "comm_bound")
+        (run_dir / "metrics").mkdir(exist_ok=True)
+        (run_dir / "metrics" / "metrics.csv").write_text("step,train/loss\n9,2.0\n19,1.0\n")
+        calls.append(arm.name)
+        return RunOutcome(run_dir, 1000.0 if arm.name == "A" else next(b_runs), None, 1.0)  # A: start, original
+
+    return launch
+
+
+def _tune(tmp_path: Path, tokens_of_b: list[float], max_rounds: int) -> tuple[Tuner, list[str], list[str]]:
+    settings = TuneSettings(60.0, 20, max_rounds, (), 3, 3, 0.02, 0.05, None)
+    calls: list[str] = []
+    said: list[str] = []
+    tuner = Tuner([], settings, tmp_path / "tune", set(), _noisy_launcher(tokens_of_b, calls), said.append)
+    tuner.run()
+    return tuner, calls, said
+
+
+def test_an_unsettled_ab_is_retried_once_with_more_rounds_then_dropped_as_inconclusive(tmp_path: Path) -> None:
+    noise = [800.0, 1250.0] * 10  # ln(B/A) = -0.22, +0.22, ...: mean near zero, an interval far wider than 3%
+    tuner, calls, said = _tune(tmp_path, noise, max_rounds=3)
+    first, retry, third = tuner.summary.rows
+    assert (first.pairs, first.retry, retry.pairs, retry.retry) == (3, False, 6, True)  # twice the rounds
+    assert first.override == retry.override and third.override != first.override  # then the next lever
+    assert not first.resolved and not retry.kept and retry.set_dir == "round2"
+    assert retry.reason.startswith("not kept: inconclusive after 9 rounds (last 95% CI ")
+    assert retry.reason.endswith("; retried once with more rounds")
+    # The third lever's A/B is unsettled too, and no A/B test is left for its retry.
+    assert third.reason.startswith("not kept: inconclusive after 3 rounds")
+    assert third.reason.endswith("tune.max_rounds=3 leaves no A/B test for a retry")
+    assert [d["override"] for d in tuner.summary.inconclusive] == [first.override, third.override]
+    assert calls.count("B1") == 3 + 6 + 3
+    assert any(line.startswith(f"tune: retrying {first.override}: inconclusive after 3 rounds") for line in said)
+    assert f"tune: dropped: {first.override} ({first.finding}): inconclusive after 9 rounds" in "\n".join(said)
+    summary = json.loads((tmp_path / "tune" / "tune" / "summary.json").read_text())
+    assert summary["inconclusive"][0]["reason"].startswith("inconclusive after 9 rounds")
+    assert "## Levers dropped unsettled" in (tmp_path / "tune" / "tune" / "summary.md").read_text()
+
+
+def test_a_retry_that_confirms_the_lever_keeps_it(tmp_path: Path) -> None:
+    # Unsettled over the first 3 rounds; the retry's 4 rounds are all 30% faster: confirmed after its minimum.
+    tuner, calls, _ = _tune(tmp_path, [800.0, 1250.0, 1000.0] + [1300.0] * 4, max_rounds=2)
+    first, retry = tuner.summary.rows
+    assert not first.kept and "inconclusive" not in first.reason
+    assert (retry.retry, retry.pairs, retry.verdict, retry.kept) == (True, 4, "confirmed", True)
+    assert tuner.summary.inconclusive == [] and tuner.summary.changes() == [first.override]
+    assert calls.count("B1") == 3 + 4  # the retry stopped at its minimum: settled

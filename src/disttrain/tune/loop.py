@@ -11,7 +11,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from diagnostics.ab import ledger
@@ -28,10 +28,13 @@ from disttrain.tune.rules import (
     candidates,
     carried_over,
     decide,
+    inconclusive_reason,
     loss_gap,
     repeats_that_fit,
     retarget,
+    retry_rounds,
     stop_reason,
+    unsettled,
 )
 from disttrain.tune.settings import TuneSettings
 from disttrain.tune.summary import Row, TuneSummary, table_header, table_row
@@ -119,11 +122,9 @@ class Tuner:
             if stop is not None:
                 self._explain(skipped, stop)
                 break
-            if not self.summary.rows:
-                self.say(table_header())  # once, above the first A/B's lines
-            row, ab = self._test(found[0], len(self.summary.rows) + 1, fit, speedup, report)
-            self.summary.rows.append(row)
-            self.say(table_row(row))
+            row, ab = self._test(found[0], self.settings.repeats, fit, speedup, report)
+            if not row.kept and unsettled(row.verdict, row.resolved):
+                row, ab = self._retry(found[0], row, ab, run_s, speedup, report)
             if row.kept:
                 speedup = row.cumulative
                 self.current = list(found[0].test.recommended)
@@ -131,13 +132,55 @@ class Tuner:
                 report = build_report(diagnosed.run_dir)
         return self._finish()
 
-    def _test(self, candidate: Candidate, round_no: int, fit: int, speedup: float, report: Report) -> tuple[Row, AbSet]:
+    def _retry(
+        self, candidate: Candidate, first: Row, first_ab: AbSet, run_s: float, speedup: float, report: Report
+    ) -> tuple[Row, AbSet]:
+        """An unsettled A/B gets one retry with more rounds (at least one more than it had, up to twice as many) if
+        an A/B test and the budget are left for it; a lever still unsettled after it, or without one, is dropped
+        as inconclusive, with every round it had."""
+        no_test_left = len(self.summary.rows) >= self.settings.max_rounds
+        rounds = None if no_test_left else retry_rounds(first.pairs, self.remaining_s(), run_s)
+        if rounds is None:
+            why = (
+                f"tune.max_rounds={self.settings.max_rounds} leaves no A/B test for a retry"
+                if no_test_left
+                else "the budget left cannot pay for a retry with more rounds"
+            )
+            return self._drop(candidate, first, first.pairs, why), first_ab
+        ci = "" if first.ci is None else f" (95% CI {first.ci[0]:+.1%}..{first.ci[1]:+.1%})"
+        self.say(
+            f"tune: retrying {candidate.override}: inconclusive after {first.pairs} rounds{ci}; "
+            f"{rounds[0]} to {rounds[1]} rounds this time"
+        )
+        row, ab = self._test(candidate, rounds[0], rounds[1], speedup, report, retry=True)
+        if not row.kept and unsettled(row.verdict, row.resolved):
+            return self._drop(candidate, row, first.pairs + row.pairs, "retried once with more rounds"), ab
+        return row, ab
+
+    def _drop(self, candidate: Candidate, row: Row, pairs: int, why: str) -> Row:
+        """``row`` (the last of the lever's tests) with the reason it is dropped unsettled, noted for the summary."""
+        reason = inconclusive_reason(pairs, row.ci, why)
+        dropped = replace(row, reason=reason)
+        self.summary.rows[-1] = dropped
+        self.summary.inconclusive.append(
+            {"finding": candidate.finding, "override": candidate.override, "reason": reason[len("not kept: ") :]}
+        )
+        return dropped
+
+    def _test(
+        self, candidate: Candidate, repeats: int, fit: int, speedup: float, report: Report, retry: bool = False
+    ) -> tuple[Row, AbSet]:
+        """One A/B of ``candidate`` against the current config (``repeats`` to ``fit`` rounds), its row printed and
+        added to the summary, its test to the ledger."""
+        round_no = len(self.summary.rows) + 1
+        if round_no == 1:
+            self.say(table_header())  # once, above the first A/B's lines
         set_dir = self.tune_dir / f"round{round_no}"
         set_dir.mkdir(parents=True, exist_ok=True)
         ab = run_ab(
             self.tune_dir,
             [candidate.test],
-            self.settings.repeats,
+            repeats,
             fit,
             launch=self.launch,
             say=lambda line: self.say("  " + line),
@@ -171,7 +214,11 @@ class Tuner:
             gap,
             speedup * (1.0 + change) if decision.keep and change is not None else speedup,
             set_dir.name,
+            bool(tested.get("resolved")),
+            retry,
         )
+        self.summary.rows.append(row)
+        self.say(table_row(row))
         return row, ab
 
     def _explain(self, skipped: list[Skipped], stop: str) -> None:

@@ -156,6 +156,28 @@ def repeats_that_fit(remaining_s: float, run_s: float, repeats: int, max_repeats
     return min(max_repeats, fit) if fit >= repeats else 0
 
 
+def unsettled(verdict: str, resolved: bool) -> bool:
+    """Whether an A/B settled nothing: fewer than two complete pairs, or an interval that straddles zero and is too
+    wide to exclude a RESOLUTION change either way (``resolved``). A narrow interval around zero is an answer (no
+    effect worth having); a wide one is noise, and more rounds may still find the effect."""
+    return verdict == "inconclusive" or (verdict == "no measurable effect" and not resolved)
+
+
+def retry_rounds(rounds: int, remaining_s: float, run_s: float) -> tuple[int, int] | None:
+    """(minimum, maximum) rounds of the one retry of an unsettled A/B that had ``rounds`` rounds: more than it had,
+    up to twice as many, no more than the budget pays for; None when the budget cannot pay for more than it had
+    (the lever is then dropped as inconclusive)."""
+    most = repeats_that_fit(remaining_s, run_s, rounds + 1, 2 * max(rounds, 1))
+    return (rounds + 1, most) if most else None
+
+
+def inconclusive_reason(pairs: int, ci: tuple[float, float] | None, why: str) -> str:
+    """Why an unsettled lever is dropped: every round it had (a retry's included), its last interval, and ``why``
+    it gets no more (retried once already, or no budget or A/B test left for a retry)."""
+    interval = f" (last 95% CI {ci[0]:+.1%}..{ci[1]:+.1%})" if ci else ""
+    return f"not kept: inconclusive after {pairs} rounds{interval}; {why}"
+
+
 def stop_reason(
     costly: int, candidates_left: int, rounds_done: int, max_rounds: int, rounds_fit: int, min_cost: float
 ) -> str | None:

@@ -32,6 +32,8 @@ class Row:
     loss_gap: float | None
     cumulative: float  # tokens/s of the best config over the starting one, after this round
     set_dir: str
+    resolved: bool = False  # the interval excludes zero or a RESOLUTION change (diagnostics.ab.stats)
+    retry: bool = False  # the one retry, with more rounds, of the previous row's unsettled A/B
 
 
 def _pct(x: float | None) -> str:
@@ -74,6 +76,7 @@ class TuneSummary:
     stop: str = ""
     no_lever: list[dict[str, Any]] = field(default_factory=list)  # costly findings without a config lever
     skipped: list[dict[str, Any]] = field(default_factory=list)  # levers that change the math, not allowed
+    inconclusive: list[dict[str, Any]] = field(default_factory=list)  # levers dropped unsettled (finding, why)
     start_tokens_per_s: float | None = None
     wall_s: float = 0.0
     experiment: str | None = None  # the experiment file, relative to tune_dir
@@ -106,6 +109,7 @@ class TuneSummary:
             "rounds": [asdict(r) for r in self.rows],
             "no_lever": self.no_lever,
             "skipped": self.skipped,
+            "inconclusive": self.inconclusive,
             "wall_s": round(self.wall_s, 1),
         }
 
@@ -115,6 +119,7 @@ class TuneSummary:
             lines.append(f"tune: {self.error}")
         lines += [f"tune: no config lever: {n['finding']} on rank(s) {n['ranks']}: {n['why']}" for n in self.no_lever]
         lines += [f"tune: not tried: {s['override']} ({s['finding']}): {s['reason']}" for s in self.skipped]
+        lines += [f"tune: dropped: {d['override']} ({d['finding']}): {d['reason']}" for d in self.inconclusive]
         if self.changes():
             kept = ", ".join(self.changes())
             lines.append(f"tune: kept {kept}: x{self.speedup:.3f} tokens/s over the starting config (measured)")
@@ -148,6 +153,9 @@ class TuneSummary:
         if self.no_lever:
             lines += ["", "## Findings without a config lever (nothing changed for them)", ""]
             lines += [f"- {n['finding']} on rank(s) {n['ranks']}: {n['why']}" for n in self.no_lever]
+        if self.inconclusive:
+            lines += ["", "## Levers dropped unsettled (neither confirmed nor ruled out)", ""]
+            lines += [f"- `{d['override']}` ({d['finding']}): {d['reason']}" for d in self.inconclusive]
         if self.skipped:
             lines += ["", "## Levers not tried: they change the training math", ""]
             lines += [f"- `{s['override']}` ({s['finding']}): {s['reason']}" for s in self.skipped]
