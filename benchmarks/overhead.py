@@ -46,12 +46,12 @@ from torch.utils.data import DataLoader
 
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import FSDPConfig
-from disttrain.config.validate import validate_run, world_layout
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.data.sampling import ResumableShardedSampler
 from disttrain.launch.local import free_port
 from disttrain.models import build_model
 from disttrain.models.module import lr_lambda, param_groups
+from disttrain.strategies.layout import validate_run, world_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_cli import spread, train_manifest

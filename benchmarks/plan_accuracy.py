@@ -98,8 +98,8 @@ def repredicted(run_dir: Path) -> dict:
 
     from diagnostics.calibration import calibration_from_telemetry
     from disttrain.config.parse import parse_run_config
-    from disttrain.config.validate import batch_plan, world_layout
     from disttrain.job.prediction import predict_run, with_measurement
+    from disttrain.strategies.layout import batch_plan, world_layout
 
     cfg = parse_run_config(OmegaConf.load(run_dir / "config.yaml"))
     recorded = json.loads((run_dir / "run.json").read_text()).get("prediction") or {}

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import REPO, Rates, disttrain_cli, hand_written, run_overrides
 
 from disttrain.config.parse import parse_run_config
-from disttrain.config.validate import world_layout
+from disttrain.strategies.layout import world_layout
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 ARMS = ["hand-written", "diagnostics=off", "diagnostics=default"]

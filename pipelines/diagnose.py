@@ -137,7 +137,8 @@ def compare_command(args: argparse.Namespace) -> int:
 
 
 def sweep_command(args: argparse.Namespace) -> int:
-    from diagnostics.report.sweep import build_sweep_report, write_sweep_report
+    from diagnostics.report.sweep import build_sweep_report
+    from diagnostics.report.sweep_render import write_sweep_report
 
     path = Path(args.sweep_dir)
     if not path.is_dir():

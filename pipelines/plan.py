@@ -15,8 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
-from disttrain.config.plan_request import PlanRequest, measured_tokens_per_s, parse_plan_request
 from disttrain.planner import Plan, plan
+from disttrain.planner.request import PlanRequest, measured_tokens_per_s, parse_plan_request
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Keys of plan.yaml that train does not know: left out of the printed train command.

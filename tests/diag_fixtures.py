@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from diagnostics.crash import crash_path, write_crash_record
 from diagnostics.telemetry import TelemetryWriter
 from disttrain.config.parse import parse_run_config
-from disttrain.config.validate import validate_run, world_layout
+from disttrain.strategies.layout import validate_run, world_layout
 from tests.conftest import compose_train
 
 GIB = 1024**3

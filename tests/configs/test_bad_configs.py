@@ -8,8 +8,8 @@ import pytest
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.validate import validate_run
 from disttrain.job.prepare import check_machine_can_serve
+from disttrain.strategies.layout import validate_run
 from tests.conftest import REPO, compose_train, run_cli
 
 # (overrides, the key the error must name, a fragment of the fix it must give)

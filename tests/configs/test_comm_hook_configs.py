@@ -13,10 +13,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import COMM_HOOKS, DDPConfig
-from disttrain.config.validate import validate_run
 from disttrain.models import apply_activation_checkpointing, build_model
 from disttrain.strategies.comm_hooks import bf16_hook_for_gloo
 from disttrain.strategies.ddp import HookedDDPStrategy, build_ddp
+from disttrain.strategies.layout import validate_run
 from disttrain.strategies.powersgd import PowerSGDComm, powersgd_hook
 from disttrain.strategies.spec import build_strategy
 from tests.conftest import compose_train

@@ -10,11 +10,12 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import MegatronConfig, RunConfig
-from disttrain.config.validate import BatchPlan, batch_plan, validate_run, world_layout
+from disttrain.config.validate import BatchPlan
 from disttrain.job.describe import describe_launch
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import model_facts
 from disttrain.strategies.auto import resolve_auto
+from disttrain.strategies.layout import batch_plan, validate_run, world_layout
 from disttrain.strategies.megatron import MegatronStrategy
 from disttrain.strategies.megatron.module import MegatronModule
 from disttrain.strategies.spec import build_strategy, spec_of

@@ -10,10 +10,10 @@ import pytest
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DeepSpeedConfig
-from disttrain.config.validate import validate_run, world_layout
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import ModelFacts
 from disttrain.planner import Layout
+from disttrain.strategies.layout import validate_run, world_layout
 from disttrain.strategies.spec import build_strategy
 from disttrain.training.build import build_trainer
 from tests.conftest import compose_train

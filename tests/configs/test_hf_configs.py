@@ -13,12 +13,13 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.hf import hf_shape
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import HFDataConfig, HFModelConfig
-from disttrain.config.validate import validate_run
+from disttrain.data.corpus_check import tokenize_corpus
 from disttrain.data.hf import LocalTokenizer, prepare_corpus
 from disttrain.models.accounting import count_parameters
 from disttrain.models.factory import model_facts
 from disttrain.planner import Workload, model_shape
 from disttrain.planner.memory import activation_bytes, layer_activation_bytes
+from disttrain.strategies.layout import validate_run
 from disttrain.strategies.spec import spec_of
 from pipelines.plan import plan_from_config
 from tests.configs.test_plan_cli import compose_plan
@@ -44,8 +45,11 @@ def data_args(local: dict[str, Path], cache: Path) -> list[str]:
 
 
 def validated(overrides: list[str]):
+    """Validation, then prepare's corpus step (data=hf: tokenized and checked against the model)."""
     run_cfg = parse_run_config(compose_train(overrides))
-    return run_cfg, validate_run(run_cfg)
+    plan = validate_run(run_cfg)
+    tokenize_corpus(run_cfg)
+    return run_cfg, plan
 
 
 def error_of(overrides: list[str]) -> ConfigError:

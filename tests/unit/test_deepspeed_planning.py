@@ -11,8 +11,8 @@ from diagnostics.analysis.context import RunContext
 from diagnostics.recommend import recommend
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DDPConfig, DeepSpeedConfig, FSDPConfig
-from disttrain.config.validate import batch_plan, validate_run, world_layout
 from disttrain.strategies.auto import auto_candidates, layout_of, predict_memory, resolve_auto
+from disttrain.strategies.layout import batch_plan, validate_run, world_layout
 from tests.conftest import compose_train
 
 LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]

@@ -24,7 +24,7 @@ def test_a_seed_draws_a_covering_matrix_of_runnable_scenarios(seed: int) -> None
 def test_every_draw_composes_with_the_real_config(tmp_path) -> None:
     """Both arms of every cell (strategy x fault x model) compose and validate as ``python -m train`` would."""
     from disttrain.config.parse import parse_run_config
-    from disttrain.config.validate import validate_run
+    from disttrain.strategies.layout import validate_run
     from tests.conftest import compose_train
 
     commands: set[tuple[str, ...]] = set()  # a counterfactual is shared by every fault of its cell: composed once

@@ -8,8 +8,9 @@ import pytest
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import RunConfig
-from disttrain.config.validate import BatchPlan, validate_run
+from disttrain.config.validate import BatchPlan
 from disttrain.job.prepare import fit_elastic_world, launched_per_node
+from disttrain.strategies.layout import validate_run
 from tests.conftest import TINY_MODEL, compose_train
 
 

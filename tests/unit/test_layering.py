@@ -1,12 +1,12 @@
 """The layering contract (docs/architecture.md, ../shared/DESIGN.md), read from the source's import statements.
 
 - Inside ``disttrain`` a folder imports only folders below it in ``ORDER`` (config at the bottom, job at the top).
-  The upward imports that exist today are listed in ``KNOWN_UPWARD`` as debt (the structural part of issue 31
-  removes them): a new one fails, and so does a listed one that is gone (the list must shrink with the code).
+  ``KNOWN_UPWARD`` would list accepted exceptions (none today): a new one fails, and so does a listed one that is
+  gone (the list must shrink with the code).
 - ``diagnostics`` never imports ``disttrain`` (a run dir is diagnosed on a laptop without it); its pure parts (all
   but ``collect``, which runs inside the ranks) import neither torch nor Lightning, not even inside a function.
-- No import cycle between files through module-level imports; the cycles that go through imports inside
-  functions are listed in ``KNOWN_CYCLES`` (debt too, same rule).
+- No import cycle between files, through module-level imports or imports inside functions (``KNOWN_CYCLES``
+  would list accepted ones: none today).
 """
 
 from __future__ import annotations
@@ -31,18 +31,8 @@ ORDER = [
     "job",
     "tune",  # drives whole runs and their A/B tests (diagnostics.ab) from above
 ]
-KNOWN_UPWARD = {
-    ("config", "data"),  # validation tokenizes the corpus: a named step of prepare instead
-    ("config", "models"),
-    ("config", "planner"),  # plan_request: the planner's request type belongs in planner/
-    ("config", "strategies"),
-    ("sweep", "job"),
-}
-KNOWN_CYCLES = {
-    frozenset({"disttrain.config.hf", "disttrain.config.schema"}),
-    frozenset({"disttrain.models.moe", "disttrain.models.transformer"}),
-    frozenset({"diagnostics.report.sweep", "diagnostics.report.sweep_render"}),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()  # none left: a new one fails
+KNOWN_CYCLES: set[frozenset[str]] = set()  # none left: a new one fails
 FRAMEWORKS = ("torch", "lightning", "pytorch_lightning")
 
 

@@ -11,10 +11,10 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.experts import validate_expert_parallel
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import ModelConfig
-from disttrain.config.validate import validate_run
 from disttrain.models.accounting import count_active_parameters, count_parameters, flops_per_token, matmul_parameters
 from disttrain.models.moe import MoE, auxiliary_loss, moe_layers, regroup
 from disttrain.models.transformer import apply_activation_checkpointing, build_model
+from disttrain.strategies.layout import validate_run
 from tests.conftest import compose_train, model_preset
 
 MOE = ModelConfig(

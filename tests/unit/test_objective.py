@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from disttrain.config.errors import ConfigError
-from disttrain.job.objective import objective_direction, objective_value
 from disttrain.job.preflight import preflight
+from disttrain.sweep.objective import objective_direction, objective_value
 from tests.conftest import CONF
 
 

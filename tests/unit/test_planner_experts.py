@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from disttrain.config.parse import parse_run_config
-from disttrain.config.validate import batch_plan, validate_run, world_layout
 from disttrain.planner.comm import Sync, comm_plan
 from disttrain.planner.expert_shapes import dense_shape
 from disttrain.planner.experts import active_flops_per_token, expert_layouts
@@ -15,6 +14,7 @@ from disttrain.planner.plan import plan, plan_layout
 from disttrain.planner.shapes import model_shape
 from disttrain.planner.spec import Layout, Workload
 from disttrain.strategies.auto import expert_parallel_candidates, layout_of, resolve_auto
+from disttrain.strategies.layout import batch_plan, validate_run, world_layout
 from tests.conftest import compose_train, hw_profile, model_preset
 
 MIXTRAL = model_shape(model_preset("mixtral-8x7b"))

@@ -12,7 +12,6 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.hf import reference_shape
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig
-from disttrain.config.validate import batch_plan, validate_run, world_layout
 from disttrain.job.prediction import predict_run, with_measurement
 from disttrain.planner import model_shape, plan_layout
 from disttrain.strategies.auto import (
@@ -25,6 +24,7 @@ from disttrain.strategies.auto import (
     resolve_auto,
     workload,
 )
+from disttrain.strategies.layout import batch_plan, validate_run, world_layout
 from tests.conftest import compose_train
 
 LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]

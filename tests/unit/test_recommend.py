@@ -13,7 +13,8 @@ from diagnostics.analysis import Finding, analyse
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.recommend import ab_tests, recommend, recommend_all
 from disttrain.config.parse import parse_run_config
-from disttrain.config.validate import BatchPlan, validate_run
+from disttrain.config.validate import BatchPlan
+from disttrain.strategies.layout import validate_run
 from tests.conftest import compose_train
 from tests.diag_fixtures import SCENARIOS, write_run
 

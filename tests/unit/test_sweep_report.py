@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from diagnostics.report.sweep import build_sweep_report, write_sweep_report
+from diagnostics.report.sweep import build_sweep_report
+from diagnostics.report.sweep_render import write_sweep_report
 from tests.conftest import REPO
 
 GIB = 1024**3

@@ -12,11 +12,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from disttrain.config.errors import ConfigError
-from disttrain.job.claim import CLAIM_FILE, STUDY_RECORD, LaunchDir, claim_launch_dir
+from disttrain.job.claim import CLAIM_FILE, LaunchDir, claim_launch_dir
 from disttrain.job.preflight import preflight
-from disttrain.sweep.screen import job_config, screen
+from disttrain.job.screen import job_config, screen
 from disttrain.sweep.space import build_search_space, format_value
-from disttrain.sweep.study import open_study, sweep_settings
+from disttrain.sweep.study import STUDY_RECORD, open_study, sweep_settings
 from disttrain.sweep.trials import counted, screen_out
 from tests.conftest import CONF
 

@@ -9,11 +9,11 @@ terms (layers, hidden, heads, kv heads, ffn, vocab, tied embeddings, norm, MLP, 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from disttrain.config.errors import ConfigError
+from disttrain.config.hf_source import check_source, read_source
 from disttrain.config.schema import HFModelConfig, ModelConfig
 
 # Architectures whose MLP is gate * up -> down (three matrices) rather than up -> down: SiLU-activated MLPs and the
@@ -23,23 +23,7 @@ GATED_MLP_ACTIVATIONS = ("silu", "swish")
 
 def check_hf_source(model: HFModelConfig) -> None:
     """Exactly one of ``path`` / ``config``, and the path a local model directory."""
-    if (model.path is None) == (model.config is None):
-        raise ConfigError(
-            "model.path",
-            "model=hf needs exactly one of model.path (a local model directory) or model.config (inline fields)",
-            "set model.path=/dir/with/config.json, or use a conf/model/hf-*.yaml with a config",
-        )
-    if model.path is not None:
-        path = Path(model.path).expanduser()
-        if not (path / "config.json").is_file():
-            what = "does not exist" if not path.exists() else "has no config.json"
-            raise ConfigError(
-                "model.path",
-                f"'{model.path}' {what} (no hub access: only local directories are read)",
-                "point model.path at a directory written by save_pretrained (config.json + *.safetensors)",
-            )
-    elif "model_type" not in model.config:  # type: ignore[operator]
-        raise ConfigError("model.config.model_type", "is required", "add e.g. model.config.model_type=llama")
+    check_source(model.path, model.config)
 
 
 def check_hf_weights(model: HFModelConfig) -> None:
@@ -82,32 +66,9 @@ def check_hf_weights(model: HFModelConfig) -> None:
         )
 
 
-def _config_key(model: HFModelConfig) -> str:
-    # The cache key: a frozen dataclass holding a dict is not hashable itself.
-    return json.dumps({"path": model.path, "config": model.config}, sort_keys=True)
-
-
-@lru_cache(maxsize=16)
-def _load(key: str) -> Any:
-    from transformers import AutoConfig
-
-    source = json.loads(key)
-    try:
-        if source["path"] is not None:
-            return AutoConfig.from_pretrained(str(Path(source["path"]).expanduser()), local_files_only=True)
-        fields = dict(source["config"])
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    except (ValueError, OSError, KeyError, TypeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        key_name = "model.path" if source["path"] is not None else "model.config"
-        problem = f"transformers cannot read this config ({first})"
-        raise ConfigError(key_name, problem, "check the config fields") from None
-
-
 def load_hf_config(model: HFModelConfig) -> Any:
     """The ``transformers.PretrainedConfig`` (cached per source)."""
-    check_hf_source(model)
-    return _load(_config_key(model))
+    return read_source(model.path, model.config)
 
 
 def _first(config: Any, *names: str, default: Any = None) -> Any:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 from disttrain.config.hardware import HardwareProfile
+from disttrain.config.hf_source import read_source
 
 # The reference transformer's choices: the names the schema, the validation and the model all use.
 Norm = Literal["layernorm", "rmsnorm"]
@@ -125,9 +126,12 @@ class HFModelConfig:
 
     @property
     def vocab_size(self) -> int:
-        from disttrain.config.hf import hf_shape  # the HF config is read (and cached) only where it is needed
+        return int(read_source(self.path, self.config).vocab_size)  # read (and cached) only where it is needed
 
-        return hf_shape(self).vocab_size
+
+# The synthetic source's dense V^order x V table of float64 probabilities: 512 MiB, plus as much again for the
+# sampling table (data/markov.py builds it; validation refuses a shape beyond it before launch).
+MAX_TABLE_ENTRIES = 2**26
 
 
 @dataclass(frozen=True)
@@ -445,7 +449,7 @@ class RunConfig:
     # strategy=auto chooses with them, and the prediction in run.json uses them when this run measured none.
     calibration: str | None = None
     # What the job returns to a Hydra sweeper (hydra/sweeper=optuna): the final validation loss (minimized) or the
-    # training tokens/s (maximized); see disttrain.job.objective.
+    # training tokens/s (maximized); see disttrain.sweep.objective.
     objective: Objective = "val_loss"
     trial: TrialConfig = field(default_factory=TrialConfig)
 

@@ -1,4 +1,5 @@
-"""Cross-field validation and the derived quantities of a run (world layout, batch plan).
+"""Cross-field validation of a run's config, and the types of what a run derives from it (world layout, batch plan:
+derived by the strategy's rules in strategies/layout.py).
 
 Everything here is a pure function of the typed config plus, for file checks, the filesystem: it runs before
 any process is spawned so a mistake costs a second, not a cluster allocation.
@@ -12,6 +13,7 @@ from pathlib import Path
 from disttrain.config.errors import ConfigError, require_one_of, require_positive
 from disttrain.config.hf import check_hf_weights, hf_shape, max_positions
 from disttrain.config.schema import (
+    MAX_TABLE_ENTRIES,
     MLPS,
     NORMS,
     POS_EMBS,
@@ -27,8 +29,6 @@ from disttrain.config.schema import (
     TokensDataConfig,
     TrainerConfig,
 )
-from disttrain.data.markov import MAX_TABLE_ENTRIES
-from disttrain.strategies.spec import spec_of
 
 
 @dataclass(frozen=True)
@@ -49,33 +49,6 @@ class BatchPlan:
     @property
     def samples_per_rank_per_step(self) -> int:
         return self.micro_batch_size * self.accumulation
-
-
-def world_layout(cfg: RunConfig) -> WorldLayout:
-    """DDP, FSDP and DeepSpeed shard data over every process; Megatron over world / (tp x pp) of them."""
-    world = cfg.hw.world_size
-    dp = spec_of(cfg.strategy).data_parallel_size(world)
-    return WorldLayout(cfg.hw.num_nodes, cfg.hw.devices_per_node, world, dp)
-
-
-def batch_plan(cfg: RunConfig) -> BatchPlan:
-    """Global batch = micro x data-parallel size x micro-batches per step (accumulation, or Megatron's pipeline
-    micro-batches times any further accumulation); ``accumulation`` counts micro-batches per rank per step."""
-    t = cfg.trainer
-    dp = world_layout(cfg).data_parallel_size
-    rounds = spec_of(cfg.strategy).schedule_microbatches
-    per_step = t.micro_batch_size * dp * rounds
-    if t.global_batch_size is None:
-        return BatchPlan(per_step, t.micro_batch_size, dp, rounds)
-    if t.global_batch_size % per_step != 0:
-        lower = max(per_step, t.global_batch_size // per_step * per_step)
-        factors = f"{t.micro_batch_size} x {dp}" + (f" x {rounds} microbatches" if rounds > 1 else "")
-        raise ConfigError(
-            "trainer.global_batch_size",
-            f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size = {factors} = {per_step}",
-            f"use a multiple of {per_step} (e.g. trainer.global_batch_size={lower}) or change trainer.micro_batch_size",
-        )
-    return BatchPlan(t.global_batch_size, t.micro_batch_size, dp, t.global_batch_size // per_step * rounds)
 
 
 def validate_hf_model(m: HFModelConfig) -> None:
@@ -224,33 +197,8 @@ def validate_data(cfg: RunConfig, plan: BatchPlan) -> None:
             _check_file("data.val_path", d.val_path)
         if d.vocab_size > 65536:
             raise ConfigError("data.vocab_size", "uint16 token files hold ids < 65536", "use a vocab <= 65536")
-    if isinstance(d, HFDataConfig):
-        validate_hf_data(d, cfg)
     if isinstance(d, TextDataConfig | TokensDataConfig | HFDataConfig) and not 0.0 < d.val_fraction < 1.0:
         raise ConfigError("data.val_fraction", f"must be in (0, 1), got {d.val_fraction}", "use 0.05")
-
-
-def validate_hf_data(d: HFDataConfig, cfg: RunConfig) -> None:
-    """Tokenizes the corpus into its cache (once, before launch: ranks then only map it) and checks it fits."""
-    from disttrain.data.hf import prepare_corpus
-    from disttrain.data.sources import split_stream
-
-    if not 0.0 < d.val_fraction < 1.0:
-        raise ConfigError("data.val_fraction", f"must be in (0, 1), got {d.val_fraction}", "use 0.05")
-    corpus = prepare_corpus(d)
-    model_vocab = cfg.model.vocab_size
-    if corpus.vocab_size > model_vocab:
-        key = "model.config.vocab_size" if isinstance(cfg.model, HFModelConfig) else "model.vocab_size"
-        raise ConfigError(
-            "data.tokenizer",
-            f"the tokenizer has {corpus.vocab_size} ids, more than the model's vocabulary ({model_vocab})",
-            f"set {key}>={corpus.vocab_size}, or use a tokenizer with at most {model_vocab} ids",
-        )
-    train = corpus.open("train")
-    if corpus.val is None:
-        split_stream(train, d.val_fraction, cfg.model.seq_len)
-    elif corpus.open("val").shape[0] < cfg.model.seq_len + 1:
-        raise ConfigError("data.val_files", f"hold fewer than seq_len + 1 = {cfg.model.seq_len + 1} tokens", "add text")
 
 
 def validate_reliability(t: TrainerConfig) -> None:
@@ -267,7 +215,8 @@ FP8_STRATEGIES = ("ddp", "fsdp", "auto")
 
 
 def validate_fp8(cfg: RunConfig) -> None:
-    """precision=fp8 needs fp8 tensor cores, torchao, and a strategy whose model is torch's own nn.Linear layers."""
+    """precision=fp8 needs fp8 tensor cores and a strategy whose model is torch's own nn.Linear layers (torchao being
+    installed is the launching machine's to check: job/prepare.check_launchable)."""
     p = cfg.precision
     if not p.fp8:
         if p.recipe is not None:
@@ -287,15 +236,11 @@ def validate_fp8(cfg: RunConfig) -> None:
             f"fp8 is composed with strategy=ddp and strategy=fsdp here, not strategy={cfg.strategy.name}",
             "use strategy=fsdp (fp8 all-gathers with precision.recipe=tensorwise) or strategy=ddp",
         )
-    from disttrain.models.fp8 import torchao_missing
-
-    missing = torchao_missing()
-    if missing is not None:
-        raise ConfigError("precision", f"fp8 training needs torchao: {missing}", "pip install torchao")
 
 
-def validate_run(cfg: RunConfig) -> BatchPlan:
-    """All cross-field checks; returns the batch plan they imply."""
+def validate_fields(cfg: RunConfig) -> None:
+    """Every config group's own checks and those across groups that need no strategy rule (the strategy's own, and
+    the batch plan they imply, are strategies/layout.py's: ``validate_run``)."""
     validate_model(cfg.model)
     t, o = cfg.trainer, cfg.optimizer
     for key in ("max_steps", "micro_batch_size", "val_every_n_steps", "log_every_n_steps"):
@@ -338,7 +283,6 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             "use precision=bf16-mixed on CPU, or a GPU hw profile for fp16",
         )
     validate_fp8(cfg)
-    spec_of(cfg.strategy).validate(cfg)
     dg = cfg.diagnostics
     for key in ("step_every", "gather_every", "profile_active_steps"):
         require_positive(f"diagnostics.{key}", getattr(dg, key))
@@ -348,7 +292,9 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
     if cfg.logger.name == "wandb":
         require_one_of("logger.mode", cfg.logger.mode, ("offline", "online"))
 
-    plan = batch_plan(cfg)
+
+def validate_data_fits(cfg: RunConfig, plan: BatchPlan) -> None:
+    """The data against the batch plan and the model: enough of it for the plan, ids inside the vocabulary."""
     validate_data(cfg, plan)
     vocab = data_vocab_size(cfg)
     if vocab is not None and vocab > cfg.model.vocab_size:
@@ -357,4 +303,3 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
             f"{cfg.model.vocab_size} is smaller than the data's vocabulary ({vocab})",
             f"set model.vocab_size>={vocab}",
         )
-    return plan

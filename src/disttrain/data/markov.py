@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-MAX_TABLE_ENTRIES = 2**26  # V**k * V float64 probabilities: 512 MiB, plus as much again for the sampling table
+from disttrain.config.schema import MAX_TABLE_ENTRIES
+
 PROB_FLOOR = 1e-12  # Dirichlet draws at low concentration underflow to exact 0; a floor keeps log-probs finite
 STATIONARY_TOL = 1e-14  # L1 change between power iterations at which pi may count as converged
 STATIONARY_ERROR_TOL = 1e-12  # ... if the estimated L1 distance still to go is below this too

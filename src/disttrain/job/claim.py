@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disttrain.config.errors import ConfigError
+from disttrain.sweep.study import STUDY_RECORD
 
 CLAIM_FILE = ".claim.json"
 # How many suffixed siblings of a timestamped dir are tried: more launches than this within one second of one
@@ -31,8 +32,6 @@ MAX_SUFFIX = 999
 # What an earlier run or sweep left that shows the dir is taken even without a claim (dirs written before claims).
 RUN_MARKERS = ("run.json", ".hydra/overrides.yaml")
 SWEEP_MARKERS = ("multirun.yaml",)
-# An Optuna sweep's record of its study (disttrain.sweep.study): a sweep dir holding one is continued, not refused.
-STUDY_RECORD = "optuna_study.json"
 # An override value Hydra's grammar reads as the plain string it is; anything else is quoted.
 PLAIN_VALUE = re.compile(r"[\w./:+@%~-]+")
 

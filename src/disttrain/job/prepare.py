@@ -26,11 +26,13 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import AutoStrategyConfig, HFDataConfig, RunConfig, with_compile_decided
-from disttrain.config.validate import BatchPlan, WorldLayout, validate_run, world_layout
+from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.data.corpus_check import tokenize_corpus
 from disttrain.job.claim import RUN_MARKERS, holder, refuse_taken
 from disttrain.launch.env import process_role
 from disttrain.planner import MemoryBreakdown
 from disttrain.strategies.auto import check_fits, predict_memory, resolve_auto
+from disttrain.strategies.layout import validate_run, world_layout
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,7 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
         # A restart continues its own run, whose optimizer state is this run's: resume_weights_only was for the start.
         run_cfg = dataclasses.replace(run_cfg, resume_weights_only=False)
     plan = validate_run(run_cfg)
+    tokenize_corpus(run_cfg)  # data=hf: once, before launch; the ranks then only map the cache
     calibration = load_calibration(run_cfg.calibration)
     run_cfg, plan, auto_reason = resolve_strategy(run_cfg, plan, calibration)
     layout = world_layout(run_cfg)
@@ -292,6 +295,12 @@ def check_launchable(prepared: Prepared, here: bool = True, memory: bool = True)
         check_fits(run_cfg, prepared.memory, run_cfg.check_memory)
     if not here:
         return
+    if run_cfg.precision.fp8:  # what this machine has installed, not what the config says
+        from disttrain.models.fp8 import torchao_missing  # imports torch: only for fp8 runs
+
+        missing = torchao_missing()
+        if missing is not None:
+            raise ConfigError("precision", f"fp8 training needs torchao: {missing}", "pip install torchao")
     cuda_devices = 0
     if run_cfg.hw.accelerator == "gpu":
         import torch  # only GPU profiles need the device count

@@ -21,7 +21,6 @@ from disttrain.config.errors import ConfigError
 from disttrain.job.describe import describe_launch
 from disttrain.job.job import Job
 from disttrain.job.launcher_death import report_launcher_death
-from disttrain.job.objective import objective_value
 from disttrain.job.prepare import Prepared, check_launchable, prepare
 from disttrain.launch.console import route_library_output_to_log_file
 from disttrain.launch.env import ProcessRole, process_role, say
@@ -31,6 +30,7 @@ from disttrain.launch.supervise import supervise
 from disttrain.models.factory import ModelFacts, model_facts
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 from disttrain.strategies.auto import check_fits, describe_memory
+from disttrain.sweep.objective import objective_value
 
 
 def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None = None) -> float | None:

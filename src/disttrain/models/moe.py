@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.config.schema import ModelConfig
+from disttrain.models.mlp import MLP
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -157,8 +158,6 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        from disttrain.models.transformer import MLP  # transformer.py imports this module
-
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
         self.gate = cfg.router_gate

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.config.schema import MLPS, NORMS, POS_EMBS, ModelConfig
+from disttrain.models.mlp import MLP
 from disttrain.models.moe import GroupedExperts, MoE
 
 # Prefixes inserted into parameter names by wrappers; stripped so init seeds depend on the model, not on
@@ -110,22 +111,6 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-
-
-class MLP(nn.Module):
-    """GELU(tanh) MLP ``w2(gelu(w1 x))`` or SwiGLU ``w2(silu(w1 x) * w3 x)``; ``w2`` is the residual output."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.bias) if self.swiglu else None
-        self.resid_drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.w1(x)) * self.w3(x) if self.w3 is not None else F.gelu(self.w1(x), approximate="tanh")
-        return self.resid_drop(self.w2(h))
 
 
 class Block(nn.Module):

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import TrialConfig
 
+# An Optuna sweep's record of its study: a sweep dir holding one is continued by a new launch, not refused.
+STUDY_RECORD = "optuna_study.json"
+
 if TYPE_CHECKING:
     import optuna
 

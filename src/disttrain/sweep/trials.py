@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diagnostics.manifest import read_manifest
-from disttrain.job.claim import STUDY_RECORD
-from disttrain.job.objective import objective_value
+from disttrain.sweep.objective import objective_value
 from disttrain.sweep.study import (
     ERROR_ATTR,
     INTERRUPTED_ATTR,
     JOB_ATTR,
     SCREENED_ATTR,
+    STUDY_RECORD,
     SWEEP_DIR_ATTR,
     redact_url,
 )

@@ -26,7 +26,7 @@ from disttrain.config.schema import (
     ModelConfig,
     RunConfig,
 )
-from disttrain.config.validate import BatchPlan, WorldLayout, world_layout
+from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
@@ -37,6 +37,7 @@ from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.strategies.auto import layout_of
 from disttrain.strategies.ddp import build_one_process
+from disttrain.strategies.layout import world_layout
 from disttrain.strategies.spec import StrategyBuild, spec_of
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.live_metrics import LiveMetrics

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional  # noqa: UP035 (OmegaConf's structu
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from disttrain.job.objective import objective_direction
+from disttrain.sweep.objective import objective_direction
 
 OmegaConf.register_new_resolver("disttrain.objective_direction", objective_direction, replace=True)
 

@@ -1,6 +1,6 @@
 """The Optuna sweeper (``hydra/sweeper=optuna``) on Optuna's ask/tell API; the logic lives in ``disttrain.sweep``.
 
-A batch: ask up to ``n_jobs`` trials, screen each one's config (``disttrain.sweep.screen``: a trial predicted
+A batch: ask up to ``n_jobs`` trials, screen each one's config (``disttrain.job.screen``: a trial predicted
 not to fit is recorded and not launched, and another is asked in its place), launch the rest through whatever
 launcher is configured (local, ``hydra/launcher=slurm``), each job told its trial (``trial.*``) so it can report
 its validation losses for pruning, then tell the study each job's outcome from its run dir. Repeats until the
@@ -20,7 +20,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from disttrain.sweep.screen import job_config, screen
+from disttrain.job.screen import job_config, screen
 from disttrain.sweep.space import build_search_space
 from disttrain.sweep.study import JOB_ATTR, SWEEP_DIR_ATTR, link_overrides, open_study, storage_url, sweep_settings
 from disttrain.sweep.trials import (

@@ -1,7 +1,8 @@
 """The typed request of ``python -m plan``: the composed ``conf/plan.yaml`` checked key by key.
 
 The planner's inputs differ from a run's (a raw ``num_parameters``, ``model.head_dim``, assumptions, a measured
-rate), so they get their own request type; a mistake is a ``ConfigError`` naming the key and the fix.
+rate), so they get their own request type, here beside the planner that reads it (config/ never
+imports the planner); a mistake is a ``ConfigError`` naming the key and the fix.
 """
 
 from __future__ import annotations
