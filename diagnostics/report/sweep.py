@@ -284,17 +284,3 @@ def build_sweep_report(sweep_dir: Path, storage: str | None = None) -> SweepRepo
     runs = [load_run(sweep_dir, d) for d in dirs] + (screened_runs(study) if study is not None else [])
     runs = rank_runs(runs)
     return SweepReport(sweep_dir, runs, varying_keys(runs), pareto_front(runs), scaling_series(runs), study)
-
-
-def write_sweep_report(report: SweepReport) -> Path:
-    """``SWEEP_DIR/report/sweep.{json,md,html}``; returns that directory."""
-    from diagnostics.files import write_text_atomic  # write-then-rename, like the run report
-    from diagnostics.report.sweep_render import to_html, to_markdown
-
-    out = report.sweep_dir / SWEEP_REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    report.written_to = out
-    write_text_atomic(out / "sweep.json", json.dumps(report.to_json(), indent=2, default=str) + "\n")
-    write_text_atomic(out / "sweep.md", to_markdown(report))
-    write_text_atomic(out / "sweep.html", to_html(report))
-    return out

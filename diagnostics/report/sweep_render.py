@@ -1,14 +1,18 @@
-"""The sweep report as Markdown and as one self-contained HTML page (inline CSS and SVG, no scripts)."""
+"""The sweep report as Markdown and as one self-contained HTML page (inline CSS and SVG, no scripts), and the
+three files ``SWEEP_DIR/report/sweep.{json,md,html}``."""
 
 from __future__ import annotations
 
+import json
 from html import escape
+from pathlib import Path
 
+from diagnostics.files import write_text_atomic
 from diagnostics.prediction import compare
 from diagnostics.report.fmt import GIB, gib, pct, rate
 from diagnostics.report.html import CSS
 from diagnostics.report.svg import Series, scatter, stacked_bars
-from diagnostics.report.sweep import SweepReport, SweepRun
+from diagnostics.report.sweep import SWEEP_REPORT_DIR, SweepReport, SweepRun
 
 HEADER = ["#", "run", "overrides", "status", "final loss", "tokens/s", "MFU", "peak memory", "planner error"]
 HEADER += ["top bottleneck"]
@@ -174,3 +178,15 @@ def to_html(report: SweepReport) -> str:
         f"<title>{_e('sweep: ' + str(report.sweep_dir))}</title><style>{CSS}"
         " tr.failed td { background: #fdecea; }</style></head>\n<body>\n" + "\n".join(sections) + "\n</body></html>\n"
     )
+
+
+def write_sweep_report(report: SweepReport) -> Path:
+    """``SWEEP_DIR/report/sweep.{json,md,html}`` (each written then renamed, like the run report); returns that
+    directory."""
+    out = report.sweep_dir / SWEEP_REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    report.written_to = out
+    write_text_atomic(out / "sweep.json", json.dumps(report.to_json(), indent=2, default=str) + "\n")
+    write_text_atomic(out / "sweep.md", to_markdown(report))
+    write_text_atomic(out / "sweep.html", to_html(report))
+    return out
