@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
 from diagnostics.analysis.load import RunTelemetry, StepRecord
-from diagnostics.analysis.stats import mean, median, present, rounded, steady
+from diagnostics.analysis.stats import mean, median, percentile, present, rounded, steady
 from diagnostics.analysis.summary import RankPhases, job_step_moved, job_step_times
 from diagnostics.analysis.thresholds import (
     MIN_PHASE_S,
@@ -204,16 +204,27 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
     return [costed("straggler", sorted(flagged), evidence, message, shares[worst], basis)]
 
 
+def _usual_excess(excess: list[tuple[float, float]]) -> float:
+    """What a rank loses beyond the others in its ordinary steps (the lower quartile of its excess): a stall is
+    measured above it. A rank slow by the same amount every step is persistently slow, not stalling, however
+    close that amount sits to the stall threshold (half its steps would cross it by noise alone)."""
+    return max(0.0, percentile([e for e, _ in excess], 25.0) or 0.0)
+
+
 def _stall_steps(steps: list[tuple[float, dict[int, list[float]]]], rank: int, typical_s: float) -> list[int]:
     """Indices of the steps in which ``rank`` fell behind the others by a stall: at least STALL_FRACTION of the
-    typical step beyond what the other ranks lost in the same step."""
-    return [i for i, (e, _) in enumerate(_excess(steps, rank, data=True)) if e >= STALL_FRACTION * typical_s]
+    typical step beyond what the other ranks lost in the same step, and beyond its own usual excess."""
+    excess = _excess(steps, rank, data=True)
+    usual = _usual_excess(excess)
+    return [i for i, (e, _) in enumerate(excess) if e - usual >= STALL_FRACTION * typical_s]
 
 
 def _stall_cost(steps: list[tuple[float, dict[int, list[float]]]], rank: int, typical_s: float) -> float:
-    """Seconds ``rank``'s stalls cost the run over the run's seconds: what its mean throughput would gain."""
+    """Seconds ``rank``'s stalls cost the run (beyond its usual excess) over the run's seconds: what its mean
+    throughput would gain without them."""
     excess = _excess(steps, rank, data=True)
-    lost = sum(excess[i][0] for i in _stall_steps(steps, rank, typical_s))
+    usual = _usual_excess(excess)
+    lost = sum(excess[i][0] - usual for i in _stall_steps(steps, rank, typical_s))
     total = sum(t for t, _ in steps)
     return lost / total if total else 0.0
 
@@ -242,7 +253,7 @@ def _stalls(
     growth = _by_phase(rows)
     phase = NAMED.get(top := _slowest_phase(growth), top)
     kind_note = "loading its batches" if phase == "data" else phase
-    per_stall = mean(excess[i][0] for i in stall_idx) or 0.0
+    per_stall = (mean(excess[i][0] for i in stall_idx) or 0.0) - _usual_excess(excess)
     every = len(steps) / len(stall_idx)
     host = next((p.hostname for p in phases if p.rank == worst and p.hostname), None)
     pattern = {
