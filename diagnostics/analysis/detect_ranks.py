@@ -211,22 +211,19 @@ def _usual_excess(excess: list[tuple[float, float]]) -> float:
     return max(0.0, percentile([e for e, _ in excess], 25.0) or 0.0)
 
 
-def _stall_steps(steps: list[tuple[float, dict[int, list[float]]]], rank: int, typical_s: float) -> list[int]:
-    """Indices of the steps in which ``rank`` fell behind the others by a stall: at least STALL_FRACTION of the
-    typical step beyond what the other ranks lost in the same step, and beyond its own usual excess."""
-    excess = _excess(steps, rank, data=True)
+def _stall_steps(excess: list[tuple[float, float]], typical_s: float) -> list[int]:
+    """Indices of the steps in which a rank fell behind the others by a stall: at least STALL_FRACTION of the
+    typical step beyond what the other ranks lost in the same step (``excess``), and beyond its own usual excess."""
     usual = _usual_excess(excess)
     return [i for i, (e, _) in enumerate(excess) if e - usual >= STALL_FRACTION * typical_s]
 
 
-def _stall_cost(steps: list[tuple[float, dict[int, list[float]]]], rank: int, typical_s: float) -> float:
-    """Seconds ``rank``'s stalls cost the run (beyond its usual excess) over the run's seconds: what its mean
+def _stall_cost(excess: list[tuple[float, float]], typical_s: float, total_s: float) -> float:
+    """Seconds a rank's stalls cost the run (beyond its usual excess) over the run's ``total_s``: what its mean
     throughput would gain without them."""
-    excess = _excess(steps, rank, data=True)
     usual = _usual_excess(excess)
-    lost = sum(excess[i][0] - usual for i in _stall_steps(steps, rank, typical_s))
-    total = sum(t for t, _ in steps)
-    return lost / total if total else 0.0
+    lost = sum(excess[i][0] - usual for i in _stall_steps(excess, typical_s))
+    return lost / total_s if total_s else 0.0
 
 
 def _stalls(
@@ -238,17 +235,19 @@ def _stalls(
     whose stalls cost at least twice any other rank's is named."""
     typical = median(t for t, _ in steps) or 0.0
     ranks = sorted({r for _, step in steps for r in step})
-    costs = {r: _stall_cost(steps, r, typical) for r in ranks}
+    excesses = {r: _excess(steps, r, data=True) for r in ranks}
+    total = sum(t for t, _ in steps)
+    costs = {r: _stall_cost(excesses[r], typical, total) for r in ranks}
     worst = max(ranks, key=lambda r: costs[r], default=None)
     if worst is None or costs[worst] < STRAGGLER_MIN_COST:
         return []
     if any(costs[r] * 2 > costs[worst] for r in ranks if r != worst):
         return []
-    stall_idx = _stall_steps(steps, worst, typical)
+    excess = excesses[worst]
+    stall_idx = _stall_steps(excess, typical)
     # Fewer than MIN_STALLS is a one-off; in most steps it is persistent, the other detectors' case.
     if not MIN_STALLS <= len(stall_idx) <= len(steps) / 2:
         return []
-    excess = _excess(steps, worst, data=True)
     rows = [steps[i][1][worst] for i in stall_idx if worst in steps[i][1]]
     growth = _by_phase(rows)
     phase = NAMED.get(top := _slowest_phase(growth), top)

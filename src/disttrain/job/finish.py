@@ -43,12 +43,13 @@ def conclude(
     ends in RunStopped naming the last good checkpoint."""
     guard = parts.nonfinite
     stopped = guard is not None and guard.stopped
+    peak_memory = measured_peak_memory()
     try:
-        prediction = predict_and_measure(run_cfg, parts, run_dir, planned, measured_peak_memory())
+        prediction = predict_and_measure(run_cfg, parts, run_dir, planned, peak_memory)
     except Exception as err:  # a layout the planner cannot model must not turn a finished run into a failure
         say(f"disttrain: no planner prediction for this run: {type(err).__name__}: {err}", file=sys.stderr)
         prediction = None
-    result = run_result(run_cfg, parts, datamodule, run_dir, started, prediction)
+    result = run_result(run_cfg, parts, datamodule, (run_dir, started, peak_memory), prediction)
     pruned = parts.pruning.pruned_at if parts.pruning is not None else None
     manifest.status = "stopped" if stopped else "pruned" if pruned is not None else "completed"
     if pruned is not None:  # the sweep's pruner stopped it at this validation: a clean end, reported as usual
@@ -93,11 +94,12 @@ def run_result(
     run_cfg: RunConfig,
     parts: TrainerParts,
     datamodule: pl.LightningDataModule,
-    run_dir: Path,
-    started: float,
+    run: tuple[Path, float, int],
     prediction: dict | None,
 ) -> RunResult:
-    """The summary line's figures: steps, losses against the data's floor, throughput, memory."""
+    """The summary line's figures: steps, losses against the data's floor, throughput, memory. ``run``: its dir,
+    start time and this rank's peak memory."""
+    run_dir, started, peak_memory = run
     metrics = parts.trainer.callback_metrics
     floor = getattr(datamodule, "loss_floor", None)
     return RunResult(
@@ -111,7 +113,7 @@ def run_result(
         run_dir=str(run_dir),
         step_time_p50_s=parts.throughput.step_time_p50_s,
         predicted_memory_bytes=prediction["predicted"]["memory_bytes"] if prediction else None,
-        measured_memory_bytes=measured_peak_memory(),
+        measured_memory_bytes=peak_memory,
         memory_kind="peak RSS" if run_cfg.hw.accelerator == "cpu" else "peak allocated",
     )
 

@@ -118,7 +118,6 @@ class Job:
     def record(self) -> None:
         """run.json and config.yaml as the run starts (rank 0 writes them; every rank keeps the record)."""
         p = self.prepared
-        checkpoint = p.resume.checkpoint if p.resume is not None else None
         world = (p.layout, p.plan)
         record_start(
             self.manifest,
@@ -126,7 +125,7 @@ class Job:
             p.run_cfg,
             world,
             self.facts,
-            checkpoint,
+            p.checkpoint,
             self.role.attempt,
             self.run_dir,
         )
@@ -140,7 +139,7 @@ class Job:
         try:
             parts, module, datamodule = self.build()
             self.record()
-            checkpoint = self.prepared.resume.checkpoint if self.prepared.resume is not None else None
+            checkpoint = self.prepared.checkpoint
             parts.trainer.strategy.resume_weights_only = self.prepared.run_cfg.resume_weights_only  # type: ignore[attr-defined]
             # weights_only: a checkpoint is data, never code (rng.py keeps the RNG states loadable this way).
             parts.trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None,

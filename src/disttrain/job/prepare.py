@@ -51,6 +51,11 @@ class Prepared:
     calibration: Calibration | None = None  # calibration=RUN_DIR: measured speeds for auto and the prediction
     elastic_note: str | None = None  # said at launch when a restart found another world size and adapted to it
 
+    @property
+    def checkpoint(self) -> Path | None:
+        """The checkpoint the run resumes from (None: a fresh start)."""
+        return self.resume.checkpoint if self.resume is not None else None
+
     def resolved_config(self) -> dict:
         """The composed config as plain data, interpolations resolved (what run.json and config.yaml record): below
         prepare nothing handles the DictConfig itself."""

@@ -77,10 +77,9 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     job = Job(
         prepared, facts, run_dir, role, started, partial(child_command, module_name, task_overrides, str(run_dir))
     )
-    checkpoint = prepared.resume.checkpoint if prepared.resume is not None else None
     world = {"world_size": prepared.layout.world_size, "global_batch": prepared.plan.global_batch_size,
              "accumulation": prepared.plan.accumulation}  # fmt: skip
-    with slurm_attempt(run_dir, role.is_global_zero, checkpoint, world):  # under SLURM: rendezvous, requeue
+    with slurm_attempt(run_dir, role.is_global_zero, prepared.checkpoint, world):  # under SLURM: rendezvous, requeue
         job.run()
     return objective_value(run_dir, run_cfg.objective) if role.is_global_zero else None
 
