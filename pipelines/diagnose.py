@@ -23,6 +23,8 @@ from diagnostics.crash import read_crash_records
 from diagnostics.recommend import AbTest, ab_tests
 from diagnostics.report import AB_TOP_K, Report, build_report, diagnose_run, write_report
 from diagnostics.report.compare import compare_reports
+from diagnostics.report.sweep import build_sweep_report
+from diagnostics.report.sweep_render import write_sweep_report
 from diagnostics.telemetry import TELEMETRY_DIR
 from disttrain.config.errors import USER_ERROR_EXIT_CODE  # torch-free: the CLI stays laptop-friendly
 
@@ -137,9 +139,6 @@ def compare_command(args: argparse.Namespace) -> int:
 
 
 def sweep_command(args: argparse.Namespace) -> int:
-    from diagnostics.report.sweep import build_sweep_report
-    from diagnostics.report.sweep_render import write_sweep_report
-
     path = Path(args.sweep_dir)
     if not path.is_dir():
         raise UserError(f"'{args.sweep_dir}' is not a directory; pass a multirun dir (multirun/<date>/<time>)")

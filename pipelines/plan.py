@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
 from disttrain.planner import Plan, plan
+from disttrain.planner.render import json_payload, print_plan
 from disttrain.planner.request import PlanRequest, measured_tokens_per_s, parse_plan_request
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -72,8 +73,6 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
-    from disttrain.planner.render import json_payload, print_plan
-
     if cfg.output == "json":
         print(json.dumps({**json_payload(result, tokens_per_s), "hw_sources": request.sources}, indent=2))
         return

@@ -16,6 +16,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
+from disttrain.job.claim import as_override, claim_launch_dir
+from disttrain.job.export import export_arguments, run_export
 from disttrain.launch.exit_codes import FAILED, RunStopped
 
 if TYPE_CHECKING:
@@ -65,8 +67,6 @@ def hydra_app(prepared: Prepared | None) -> None:
 def cli(argv: list[str] | None = None) -> None:
     """Check the command before Hydra creates a run dir (see disttrain.job.preflight), claim the dir (a launch in
     the same second gets another: disttrain.job.claim), then run it there."""
-    from disttrain.job.claim import as_override, claim_launch_dir
-    from disttrain.job.export import export_arguments, run_export
     from disttrain.job.preflight import cluster_rank_job, preflight
 
     argv = sys.argv[1:] if argv is None else argv

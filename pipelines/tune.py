@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError, did_you_mean
 from disttrain.tune.arms import LAUNCHER_GROUP, Placement, is_placement, placement
 from disttrain.tune.levers import key_of
+from disttrain.tune.loop import BASE_DIR, Tuner, measurement_pins
 from disttrain.tune.settings import TuneSettings, parse_tune_settings
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -93,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         check_train_overrides(train_overrides)
         directory = tune_dir(settings)
         from disttrain.job.preflight import preflight  # the train command's own checks, before any run starts
-        from disttrain.tune.loop import BASE_DIR, Tuner, measurement_pins
 
         pins = measurement_pins(train_overrides, settings.steps)
         preflight(arms.argv([*train_overrides, *pins], directory / BASE_DIR), CONF_DIR)

@@ -18,6 +18,7 @@ import torch
 
 from disttrain.checkpoint import universal
 from disttrain.config.schema import HFModelConfig
+from disttrain.models.hf import build_hf_model
 
 MODEL_PREFIX = "model."  # the LightningModule holds the model as `model`
 HF_PREFIX = "model.hf."  # the LightningModule holds the wrapper as `model`, the wrapper the HF model as `hf`
@@ -72,8 +73,6 @@ def hf_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def export_hf(checkpoint: Path, model: HFModelConfig, out_dir: Path, seed: int = 0) -> Path:
     """Write the checkpoint's weights as a ``from_pretrained``-loadable directory; returns ``out_dir``."""
-    from disttrain.models.hf import build_hf_model
-
     wrapper = build_hf_model(model, seed)
     weights = hf_weights(checkpoint_state(checkpoint))
     missing, unexpected = wrapper.hf.load_state_dict(weights, strict=False)

@@ -14,6 +14,7 @@ import torch
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import CustomModelConfig, ModelConfig
+from disttrain.models.factory import build_model_factory
 from disttrain.models.transformer import canonical_name
 
 
@@ -45,8 +46,6 @@ def checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
 
 def model_shapes(model: ModelConfig | CustomModelConfig, seed: int) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of the configured model, named as the LightningModule's state dict names them."""
-    from disttrain.models.factory import build_model_factory
-
     meta = build_model_factory(model, seed)(device="meta")
     return {canonical_name(f"model.{name}"): tuple(p.shape) for name, p in meta.named_parameters()}
 

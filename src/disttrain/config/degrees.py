@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.config.errors import ConfigError, did_you_mean
+from disttrain.config.hf import hf_sequence_parallel_problem, hf_shape, load_hf_config
 from disttrain.config.schema import CustomModelConfig, HFModelConfig, MegatronConfig, ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -157,8 +158,6 @@ def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelCon
     (Llama-family), pipeline stages of whole decoder layers with one stage per pipeline rank, sequence parallelism
     over the Llama layer layout, selective recomputation of the attention kernel; returns the model's shape for the
     common checks."""
-    from disttrain.config.hf import hf_shape, load_hf_config
-
     config = load_hf_config(model)
     plan = getattr(config, "base_model_tp_plan", None) or {}
     odd = sorted({style for style in plan.values() if style not in ("colwise", "rowwise")})
@@ -196,8 +195,6 @@ def _validate_hf_megatron(cfg: MegatronConfig, model: HFModelConfig) -> ModelCon
                 f"strategy.{key}", f"{value} is not supported with model=hf under strategy=megatron", f"use {fix}"
             )
     if cfg.sequence_parallel and cfg.tp > 1:
-        from disttrain.config.hf import hf_sequence_parallel_problem
-
         problem = hf_sequence_parallel_problem(model)
         if problem is not None:
             raise ConfigError(

@@ -15,6 +15,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from disttrain.config.schema import HFDataConfig, SyntheticDataConfig, TextDataConfig, TokensDataConfig
+from disttrain.data.hf import prepare_corpus
 from disttrain.data.markov import MarkovSource
 from disttrain.data.sampling import ResumableShardedSampler, ShardedEvalSampler
 from disttrain.data.sources import WindowDataset, check_token_range, open_token_file, read_text_bytes, split_stream
@@ -63,8 +64,6 @@ class TokenDataModule(pl.LightningDataModule):
             self.val_set = WindowDataset(self._chains(source, cfg.num_val_tokens, cfg.source_seed + 1), self.seq_len)
             self.loss_floor = LossFloor(source.entropy_rate(), source.window_floor(self.seq_len))
         elif isinstance(cfg, HFDataConfig):
-            from disttrain.data.hf import prepare_corpus  # imports datasets: only data=hf runs pay for it
-
             corpus = prepare_corpus(cfg)  # validation tokenized it before launch: here it is a cache hit
             if corpus.val is None:
                 train, val = split_stream(corpus.open("train"), cfg.val_fraction, self.seq_len)

@@ -15,6 +15,7 @@ from hydra import initialize_config_dir
 
 from disttrain.checkpoint.resume import find_resume_point, newest_complete, run_dir_of
 from disttrain.config.errors import ConfigError
+from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import HFModelConfig, RunConfig
 
 KEYS = ("export", "export_to")
@@ -65,7 +66,6 @@ def refuse_existing_export(out: Path) -> ConfigError:
 
 def recorded_run_config(target: str, conf_dir: Path) -> RunConfig | None:
     """The typed config of the run the checkpoint belongs to (None without a Hydra record: a copied checkpoint)."""
-    from disttrain.config.parse import parse_run_config
     from disttrain.job.prepare import compose_for_resume
 
     if not (run_dir_of(Path(target).expanduser()) / ".hydra" / "overrides.yaml").is_file():

@@ -26,6 +26,7 @@ from disttrain.launch.exit_codes import NONFINITE, RunStopped
 from disttrain.launch.local import LocalRanks, spawn_local_ranks
 from disttrain.models.factory import ModelFacts
 from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
+from disttrain.training.build import build_run
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -94,8 +95,6 @@ class Job:
         """Threads and seeds, then the trainer, model and data (training.build); rank 0's hang watchdog names
         the hung rank in run.json before it writes the report."""
         import lightning.pytorch as pl
-
-        from disttrain.training.build import build_run
 
         run_cfg = self.prepared.run_cfg
         if run_cfg.hw.accelerator == "cpu":

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 from diagnostics.manifest import RunManifest, read_manifest
+from diagnostics.report import diagnose_run
+from disttrain.job.sweeps import write_failure
 from disttrain.launch.local import describe_exit, exit_status_of_dead_process
 
 CLAIM_FILE = ".launcher-death-reported"  # the first rank to create it reports; the others just exit
@@ -59,8 +61,6 @@ def describe_launcher_death(code: int | None) -> str:
 
 def record_launcher_death(run_dir: Path, code: int | None) -> str | None:
     """Mark run.json failed naming rank 0 and write failure.json; None when rank 0 had recorded an end itself."""
-    from disttrain.job.sweeps import write_failure
-
     manifest = read_manifest(run_dir)[0] or RunManifest()  # none yet: it died before it had recorded the run
     if manifest.status != "running":
         return None  # rank 0 ended the run itself (it killed its ranks after recording why)
@@ -127,8 +127,6 @@ def main(argv: list[str]) -> int:
         return 0
     where = ""
     if wants_report(run_dir):
-        from diagnostics.report import diagnose_run
-
         try:
             report = diagnose_run(run_dir)
             where = f"; report: {report.written_to / 'report.md'}" if report.written_to else ""

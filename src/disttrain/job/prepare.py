@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.calibration import Calibration
 from diagnostics.manifest import read_manifest
+from disttrain.checkpoint.compat import check_same_tokenizer, check_strategy_can_read
 from disttrain.checkpoint.resume import ResumePoint, find_resume_point, newest_complete, original_overrides, run_dir_of
 from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
@@ -28,6 +29,7 @@ from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import AutoStrategyConfig, HFDataConfig, RunConfig, with_compile_decided
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.corpus_check import tokenize_corpus
+from disttrain.data.hf import tokenizer_sha256
 from disttrain.job.claim import RUN_MARKERS, holder, refuse_taken
 from disttrain.launch.env import process_role
 from disttrain.planner import MemoryBreakdown
@@ -264,7 +266,6 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
         plan, layout = validate_run(run_cfg), world_layout(run_cfg)
     check_world_size(layout)
     if point is not None:
-        from disttrain.checkpoint.compat import check_strategy_can_read
         from disttrain.checkpoint.shapes import check_checkpoint_fits_model  # imports torch: only on resume
 
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
@@ -280,9 +281,6 @@ def check_resumed_tokenizer(point: ResumePoint, run_cfg: RunConfig) -> None:
     """data=hf: the tokenizer is the one the checkpoint's run recorded (the model's shapes cannot tell)."""
     if not isinstance(run_cfg.data, HFDataConfig):
         return
-    from disttrain.checkpoint.compat import check_same_tokenizer
-    from disttrain.data.hf import tokenizer_sha256
-
     recorded, _ = read_manifest(run_dir_of(point.checkpoint))
     if recorded is not None:
         current = tokenizer_sha256(run_cfg.data.tokenizer)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diagnostics.report import diagnose_run
 from disttrain.launch.env import say
 
 if TYPE_CHECKING:
@@ -17,7 +18,6 @@ def say_report(run_dir: Path, trainer: object | None = None, quiet: bool = False
     ``python -m diagnose`` uses; prints its summary unless ``quiet``, and attaches it to the ``trainer``'s loggers
     that can hold it (wandb, TensorBoard). Never fails the run."""
     # Imported here: the failure path of a run that never built a trainer must not pay for the report's imports.
-    from diagnostics.report import diagnose_run
     from disttrain.training.logger_text import attach_report
 
     try:

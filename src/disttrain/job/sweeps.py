@@ -21,6 +21,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from diagnostics.report.sweep import build_sweep_report
+from diagnostics.report.sweep_render import write_sweep_report
 from disttrain.launch.env import process_role
 from disttrain.training.wandb_sweep import attach_sweep_report, sweep_group
 
@@ -86,9 +88,6 @@ def write_report_quietly(sweep_dir: Path, say: bool = False) -> None:
     """Write the sweep report; a failure to do so is printed, never raised (the runs themselves are done).
     ``say``: the sweep has ended: print the report's summary and attach it to the sweep's wandb group."""
     try:
-        from diagnostics.report.sweep import build_sweep_report
-        from diagnostics.report.sweep_render import write_sweep_report
-
         report = build_sweep_report(sweep_dir)
         out = write_sweep_report(report)
         if say:

@@ -17,6 +17,8 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.hf import hf_shape
 from disttrain.config.schema import CustomModelConfig, HFModelConfig, ModelConfig
 from disttrain.models.accounting import count_parameters, flops_per_token
+from disttrain.models.fp8 import apply_fp8
+from disttrain.models.hf import build_hf_model
 from disttrain.models.transformer import build_model
 
 
@@ -62,8 +64,6 @@ def build_model_factory(
 def maybe_apply_fp8(module: nn.Module, fp8: Fp8Linears | None) -> None:
     if fp8 is None:
         return
-    from disttrain.models.fp8 import apply_fp8
-
     if apply_fp8(module, fp8.recipe, fp8.fsdp_all_gather) == 0:
         raise ConfigError(
             "precision",
@@ -87,8 +87,6 @@ def _build_reference_model(
 def _build_hf_model(
     model: HFModelConfig, seed: int, device: str = "cpu", placement: str = "whole", fp8: Fp8Linears | None = None
 ) -> nn.Module:
-    from disttrain.models.hf import build_hf_model  # imports transformers: only HF runs pay for it
-
     module = build_hf_model(model, seed, device, placement)
     maybe_apply_fp8(module, fp8)
     return torch.compile(module) if model.compile and device != "meta" else module

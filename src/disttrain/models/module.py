@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disttrain.config.schema import OptimizerConfig
+from disttrain.models.moe import auxiliary_loss, moe_layers
 
 ModelFactory = Callable[[], nn.Module]
 # Applies a strategy's parallel plan in place; receives the DeviceMesh when the strategy has one.
@@ -98,8 +99,6 @@ class LanguageModelModule(pl.LightningModule):
         if self.parallelize is not None:
             mesh = getattr(self, "_device_mesh", None)
             self.parallelize(self.model, mesh)
-        from disttrain.models.moe import moe_layers
-
         self._moe_layers = moe_layers(self.model)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -132,8 +131,6 @@ class LanguageModelModule(pl.LightningModule):
         """The objective: the LM loss (what ``train/loss`` reports) plus an MoE model's balancing and z-losses."""
         if not self._moe_layers:
             return loss
-        from disttrain.models.moe import auxiliary_loss
-
         aux = auxiliary_loss(self._moe_layers)
         return loss if aux is None else loss + aux.to(loss.dtype)
 

@@ -27,8 +27,11 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch import nn
 
+from disttrain.checkpoint import universal
 from disttrain.config.schema import DeepSpeedConfig
+from disttrain.strategies import deepspeed_state as ds
 from disttrain.strategies.checkpointing import UniversalCheckpointing
+from disttrain.strategies.deepspeed_state import full_model_state, full_optimizer_state, partition_numels
 
 # DeepSpeed's op name for its CPU shared-memory collectives (deepspeed/ops/op_builder/cpu/comm.py).
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -78,29 +81,20 @@ class CPUCapableDeepSpeedStrategy(UniversalCheckpointing, DeepSpeedStrategy):
     """
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from disttrain.strategies.deepspeed_state import full_model_state
-
         return full_model_state(self.lightning_module)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        from disttrain.strategies.deepspeed_state import full_optimizer_state
-
         return full_optimizer_state(self.lightning_module, self.deepspeed_engine.optimizer)
 
     def writer_facts(self) -> dict[str, Any]:
         """The ZeRO stage and what each rank held: its flat fp32 partition per group and (stage 3) its slice of the
         model's own parameters, so a checkpoint shows the partitioning it came from (the full tensors do not)."""
-        from disttrain.strategies.deepspeed_state import partition_numels
-
         mine = partition_numels(self.lightning_module, self.deepspeed_engine.optimizer)
         held: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(held, mine)
         return {"zero_stage": self.config["zero_optimization"]["stage"], "ranks": held}
 
     def load_universal(self, path: Path) -> None:
-        from disttrain.checkpoint import universal
-        from disttrain.strategies import deepspeed_state as ds
-
         module, zero = self.lightning_module, self.deepspeed_engine.optimizer
         index = universal.saved_keys(path)
         model_state = ds.model_template(module)

@@ -19,8 +19,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import Shard
 
 from disttrain.config.schema import FSDPConfig, PrecisionConfig
+from disttrain.models.transformer import _assign, canonical_name
 from disttrain.planner.shapes import expert_shard_dim
 from disttrain.strategies.checkpointing import UniversalCheckpointing
+from disttrain.strategies.expert_parallel import apply_expert_parallel, expert_modules
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -50,8 +52,6 @@ def hybrid_mesh(dp_mesh: DeviceMesh, replicas: int) -> DeviceMesh:
 def apply_fsdp(
     model: nn.Module, mesh: object, cfg: FSDPConfig, precision: PrecisionConfig, apply_checkpointing: object
 ) -> None:
-    from disttrain.strategies.expert_parallel import apply_expert_parallel, expert_modules
-
     dp_mesh = mesh["data_parallel"]  # type: ignore[index]
     if cfg.dp_replicate > 1:
         dp_mesh = hybrid_mesh(dp_mesh, cfg.dp_replicate)
@@ -103,8 +103,6 @@ def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:
     if not getattr(model, "deferred", False):
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from disttrain.models.transformer import _assign, canonical_name
 
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     # The buffers are real (RoPE tables, built with the structure) and to_empty would discard them.

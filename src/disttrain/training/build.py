@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+from diagnostics.report import diagnose_run
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
@@ -33,6 +34,8 @@ from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
 from disttrain.models.factory import ModelFacts, resolve_target
 from disttrain.models.module import LanguageModelModule
+from disttrain.models.probe_parts import model_parts
+from disttrain.models.tensor_parallel import tp_probe_parts
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.strategies.auto import layout_of
@@ -102,8 +105,6 @@ def tp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     the run's loss_parallel); None otherwise (no TP, or a model whose layers the probe cannot build)."""
     if cfg.strategy.name != "megatron" or getattr(cfg.strategy, "tp", 1) < 2 or type(cfg.model) is not ModelConfig:
         return None
-    from disttrain.models.tensor_parallel import tp_probe_parts
-
     return functools.partial(tp_probe_parts, cfg.model, loss_parallel=cfg.strategy.loss_parallel)
 
 
@@ -112,8 +113,6 @@ def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     transformer in its precision; None for a model whose layers the probe cannot build (HF, user models)."""
     if type(cfg.model) is not ModelConfig:
         return None
-    from disttrain.models.probe_parts import model_parts
-
     return functools.partial(model_parts, cfg.model, cfg.optimizer, cfg.precision.name)
 
 
@@ -128,8 +127,6 @@ def fsdp_shard_ranks(cfg: RunConfig, plan: BatchPlan) -> int:
 def build_diagnostics(
     cfg: RunConfig, plan: BatchPlan, facts: ModelFacts, run_dir: Path, throughput: Throughput
 ) -> DiagnosticsCallback:
-    from diagnostics.report import diagnose_run  # for the hang watchdog, which writes the report before it ends the job
-
     d = cfg.diagnostics
     settings = CollectSettings(
         step_every=d.step_every,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import lightning.pytorch as pl
 
 from disttrain.config.schema import TrialConfig
+from disttrain.sweep.study import load_trial
 
 if TYPE_CHECKING:
     import optuna
@@ -31,8 +32,6 @@ class TrialPruning(pl.Callback):
 
     def trial(self) -> optuna.Trial:
         if self._trial is None:
-            from disttrain.sweep.study import load_trial
-
             self._trial = load_trial(self.link)
         return self._trial
 

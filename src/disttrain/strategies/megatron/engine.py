@@ -23,7 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from disttrain.config.degrees import MegatronDegrees
+from disttrain.config.hf import hf_shape, load_hf_config
 from disttrain.config.schema import HFModelConfig, MegatronConfig, ModelConfig
+from disttrain.models.hf import build_hf_model
+from disttrain.models.hf_pipeline import build_hf_stage
+from disttrain.models.hf_tensor_parallel import apply_hf_tensor_parallel, hf_tp_plan
 from disttrain.models.pipeline import build_stage_model, stages_of_rank
 from disttrain.models.tensor_parallel import apply_tensor_parallel
 from disttrain.models.transformer import Attention, Transformer, apply_activation_checkpointing
@@ -146,11 +150,6 @@ class MegatronEngine:
     def _build_hf_chunk(self, stage: int, num_stages: int) -> nn.Module:
         """The HF model, or under pipelining its stage ``stage`` (decoder layers cut evenly), with its own TP plan
         on ``tp`` and FSDP2 on the dp axes."""
-        from disttrain.config.hf import load_hf_config
-        from disttrain.models.hf import build_hf_model
-        from disttrain.models.hf_pipeline import build_hf_stage
-        from disttrain.models.hf_tensor_parallel import apply_hf_tensor_parallel, hf_tp_plan
-
         s, d, cfg = self.settings.strategy, self.settings.degrees, self.settings.model
         assert isinstance(cfg, HFModelConfig)
         # Built whole with the deterministic init on every rank, so each tp rank slices the same values and each
@@ -222,8 +221,6 @@ class MegatronEngine:
     def _tied_embeddings(self) -> bool:
         model = self.settings.model
         if isinstance(model, HFModelConfig):
-            from disttrain.config.hf import hf_shape
-
             return hf_shape(model).tie_embeddings
         return model.tie_embeddings
 
