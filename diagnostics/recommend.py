@@ -16,6 +16,7 @@ from typing import Any
 from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import pct
+from diagnostics.analysis.thresholds import TOKENS_DOMINATE
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
 # cost host memory; the target is the cores each rank has, at least 2 so that one batch loads while one waits.
@@ -222,10 +223,17 @@ def _ddp_comm_hooks(ctx: RunContext, finding: Finding) -> list[Recommendation]:
 
 
 def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
-    why = "gradients are reduced once per optimizer step; twice the accumulation halves the reductions per token"
-    effect = "communication per token halves (the batch doubles: retune lr if needed)"
-    per_token = gain(finding, HALF, "one reduction per twice the tokens: half the communication per token")
-    recs = [r.gaining(per_token) for r in _bigger_global(ctx, why, effect)]
+    # An MoE run's all-to-alls move every micro-batch's tokens: accumulation amortizes only the gradients' share.
+    tokens = float((finding.evidence.get("all_to_all") or {}).get("of_phase_transfer") or 0.0)
+    recs = _expert_exchange_levers(finding, ctx, tokens)
+    if tokens < TOKENS_DOMINATE:
+        why = "gradients are reduced once per optimizer step; twice the accumulation halves the reductions per token"
+        effect = "communication per token halves (the batch doubles: retune lr if needed)"
+        basis = "one reduction per twice the tokens: half the communication per token"
+        if tokens:
+            basis += f" (its gradient part: the all-to-alls, {pct(tokens)} of it, move every micro-batch's tokens)"
+        per_token = gain(finding, HALF * (1.0 - tokens), basis)
+        recs += [r.gaining(per_token) for r in _bigger_global(ctx, why, effect)]
     precision = ctx.get("precision.name")
     busy = bool(ctx.host_cores_busy())
     if ctx.strategy == "ddp":
@@ -243,12 +251,27 @@ def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     elif ctx.strategy == "fsdp":
         if precision in ("bf16-mixed", "bf16-true") and ctx.get("strategy.reduce_dtype") == "fp32":
             why = "reduce-scatter gradients in bf16 instead of fp32"
-            half = gain(finding, HALF, "half the bytes: half of the exposed communication time")
+            half = gain(finding, HALF * (1.0 - tokens), "half the gradient bytes: half of their exposed time")
             recs.append(_rec("strategy.reduce_dtype", "bf16", why, "half the gradient bytes").gaining(half))
         if ctx.get("strategy.reshard_after_forward") is True:
             why = "keep gathered parameters from forward to backward: one all-gather per block instead of two"
             recs.append(_rec("strategy.reshard_after_forward", False, why, "a third less traffic, more memory"))
     return recs
+
+
+def _expert_exchange_levers(finding: Finding, ctx: RunContext, tokens: float) -> list[Recommendation]:
+    """Expert parallelism whose all-to-alls are most of the communication: fewer ranks per expert group."""
+    ep = ctx.get("strategy.ep")
+    if tokens < TOKENS_DOMINATE or not isinstance(ep, int) or ep < 2:
+        return []
+    why = (
+        f"the all-to-alls carry {pct(tokens)} of the communication and move tokens among ep={ep} ranks; with "
+        f"ep={ep // 2} each rank holds twice the experts, "
+        + ("exchanges no tokens, " if ep == 2 else f"exchanges tokens among {ep // 2} ranks, ")
+        + "and the experts' gradients join the data-parallel reduction, once per optimizer step"
+    )
+    effect = "token traffic halved or gone; more expert memory per rank and more gradient traffic"
+    return [_rec("strategy.ep", ep // 2, why, effect)]
 
 
 def _nothing_to_overlap_with(finding: Finding, ctx: RunContext) -> list[Recommendation]:

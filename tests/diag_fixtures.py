@@ -145,6 +145,18 @@ SCENARIOS: dict[str, Scenario] = {
         overlap=0.05,
         profile_comm=0.03,
     ),
+    # The same MoE layout whose all-to-alls move much more than the compute can hide, no rank late: token traffic.
+    "moe_comm_bound": Scenario(
+        overrides=("model=moe-micro", "strategy=fsdp", "strategy.ep=2", "trainer.ckpt_every_n_steps=0"),
+        expert_shares=(0.25, 0.25, 0.25, 0.25),
+        sync_in_phases=True,
+        phase_calls=5,
+        all_to_all=True,
+        comm_ops=("gloo:all_to_all",),
+        comm=0.40,
+        profile_comm=0.42,
+        overlap=0.05,
+    ),
     "hang": Scenario(hang_after=7),
     "crash": Scenario(crash=(1, 8, "forward")),
     "nonfinite_stop": Scenario(nonfinite=(12,)),

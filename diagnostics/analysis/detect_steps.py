@@ -6,6 +6,7 @@ from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
 from diagnostics.analysis.finding import pct as _pct
 from diagnostics.analysis.load import RankTelemetry, RunTelemetry, Sample
+from diagnostics.analysis.phase_comm import timed_comm
 from diagnostics.analysis.stats import mean, mean_lower_bound, median, present, ratio, rounded, steady
 from diagnostics.analysis.summary import RankPhases, run_device, unattributed_s
 from diagnostics.analysis.thresholds import (
@@ -19,6 +20,7 @@ from diagnostics.analysis.thresholds import (
     INPUT_BOUND_PERSISTENCE,
     LOW_DEVICE_UTIL_PCT,
     MIN_PHASE_S,
+    TOKENS_DOMINATE,
 )
 
 
@@ -167,6 +169,18 @@ def exposed_comm(
     return steps, profile, exposed
 
 
+def token_exchange(run: RunTelemetry) -> dict[str, float] | None:
+    """Expert parallelism's all-to-alls: their share of the step, its transfer and waiting, and the transfer's share
+    of everything the phases' timed collectives moved (``of_phase_transfer``); None where none were timed."""
+    comm = timed_comm(run)
+    exchange = comm.all_to_all() if comm is not None else None
+    if comm is None or exchange is None or comm.step_s <= 0:
+        return None
+    transfer = comm.transfer_s / comm.step_s
+    of_transfer = min(1.0, exchange["transfer"] / transfer) if transfer > 0 else 0.0
+    return {**exchange, "of_phase_transfer": rounded(of_transfer, 3) or 0.0}
+
+
 def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
     """Communication that every rank pays (minimums over ranks: fast ranks also wait for slow ones).
 
@@ -199,14 +213,18 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
         "threshold_fraction": COMM_BOUND_FRACTION,
         "threshold_saturation": COMM_SATURATION,
     }
+    exchange = token_exchange(run)
+    moving = "gradients"
+    if exchange is not None:
+        evidence["all_to_all"] = exchange
+        if exchange["of_phase_transfer"] >= TOKENS_DOMINATE:
+            moving = f"tokens between expert-parallel ranks (all-to-all: {_pct(exchange['transfer'])} of the step)"
     ranks = sorted(set(exposed) | set(saturation))
     # Whole-run step records for every rank, or the windows of at least two ranks, must agree on the floor.
     corroborated = len(steps) == timed or len(profile) >= 2
     if floor >= COMM_BOUND_FRACTION:
         basis = "exposed communication / step time, minimum over ranks (step records' comm wait or profile window)"
-        message = (
-            f"exposed communication takes at least {_pct(floor)} of every rank's step: the run is moving gradients"
-        )
+        message = f"exposed communication takes at least {_pct(floor)} of every rank's step: the run is moving {moving}"
         return [costed("comm_bound", ranks, evidence, message, floor, basis, corroborated=corroborated, metric=floor)]
     fraction, basis = floor, "exposed communication / step time (overlapped communication runs beside compute)"
     busy = RunContext.from_run(run).host_cores_busy()
@@ -217,7 +235,7 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
         basis = "all profiled communication / step time: the compute threads fill every core, so it takes their time"
     message = (
         f"communication needs {_pct(saturated)} of the backward compute it must hide behind "
-        f"({_pct(floor)} of the step is exposed): overlap has no headroom left, gradient traffic paces the step"
+        f"({_pct(floor)} of the step is exposed): overlap has no headroom left, moving {moving} paces the step"
     )
     return [
         costed("comm_bound", ranks, evidence, message, fraction, basis, corroborated=corroborated, metric=saturated)

@@ -103,3 +103,7 @@ CRASHED_RUN_MIN_STEPS = 10
 # (over the run's steady steps, summed over layers). Top-k routing of a freshly initialised router spreads tokens
 # within a few percent of even (moe-micro on 2 ranks: 1-4%); 10% is outside that band.
 EXPERT_IMBALANCE_MIN = 0.10
+
+# The all-to-alls are most of the phases' communication: token traffic, which neither accumulation nor gradient
+# compression shrinks per token (recommend.for_comm_bound).
+TOKENS_DOMINATE = 0.5

@@ -14,6 +14,7 @@ import pytest
 
 from diagnostics.analysis import analyse
 from diagnostics.analysis.phase_comm import call_minimum
+from diagnostics.recommend import recommend_all
 from tests.diag_fixtures import SCENARIOS, write_run
 
 SKEW, CALLS = SCENARIOS["moe_waits"].call_skew, SCENARIOS["moe_waits"].phase_calls
@@ -75,3 +76,24 @@ def test_rank_holding_the_hot_experts_makes_its_peer_wait_in_the_all_to_alls(tmp
 
 def test_runs_without_expert_all_to_alls_have_no_all_to_all_share(tmp_path: Path) -> None:
     assert analyse(write_run(tmp_path / "fsdp", "healthy", sync_in_phases=True)).summary.all_to_all is None
+
+
+def test_comm_bound_by_token_all_to_alls_names_them_and_offers_no_accumulation(tmp_path: Path) -> None:
+    """Expert all-to-alls move every micro-batch's tokens: more accumulation moves as many per token (it only
+    amortizes gradient reductions), so the lever is fewer ranks per expert group, not a bigger batch."""
+    analysis = analyse(write_run(tmp_path / "tokens", "moe_comm_bound"))
+    found = {f.kind: (f, recs) for f, recs in zip(analysis.findings, recommend_all(analysis), strict=True)}
+    finding, recs = found["comm_bound"]
+    assert "moving tokens between expert-parallel ranks (all-to-all" in finding.message
+    assert finding.evidence["all_to_all"]["of_phase_transfer"] == pytest.approx(1.0)
+    keys = [r.key for r in recs]
+    assert "strategy.ep" in keys and "trainer.global_batch_size" not in keys
+    assert next(r for r in recs if r.key == "strategy.ep").value == "1"
+    # The dense FSDP run bound by its gradients keeps accumulation, with half of the cost as its expected gain.
+    dense = analyse(write_run(tmp_path / "dense", "comm_bound", overrides=("strategy=fsdp",)))
+    dense_found = {f.kind: (f, r) for f, r in zip(dense.findings, recommend_all(dense), strict=True)}
+    dense_finding, dense_recs = dense_found["comm_bound"]
+    assert "moving gradients" in dense_finding.message and "all_to_all" not in dense_finding.evidence
+    (bigger,) = [r for r in dense_recs if r.key == "trainer.global_batch_size"]
+    assert bigger.expected_gain is not None
+    assert bigger.expected_gain["fraction"] == pytest.approx(0.5 * dense_finding.cost_fraction, abs=1e-3)
