@@ -23,6 +23,7 @@ measurement: it prints the table and exits 0 whether the targets are met or not.
 
     python benchmarks/diagnosis_accuracy.py [--repeats 2] [--only NAME ...] [--json PATH] [--keep DIR]
     python benchmarks/diagnosis_accuracy.py --from DIR [--repeats N]   # re-judge kept runs with today's analysis
+    python benchmarks/diagnosis_accuracy.py --seed N --from DIR        # the same for a kept matrix of that seed
 """
 
 from __future__ import annotations
@@ -480,15 +481,20 @@ def bracket(before: RunResult, after: RunResult) -> RunResult:
 BRACKET_EVERY = 2
 
 
-def measure_cell(draws: list[Draw], repeats: int, root: Path, cell: str = "") -> list[Verdict]:
+def measure_cell(draws: list[Draw], repeats: int, root: Path, cell: str = "", reuse: bool = False) -> list[Verdict]:
     """The generated scenarios that share one counterfactual (strategy and model): per repeat, each draw's faulty
     run, with a counterfactual run before the first (it sizes every fault) and after every ``BRACKET_EVERY``
-    faulty runs; each faulty run is judged against the two counterfactuals that bracket it."""
+    faulty runs; each faulty run is judged against the two counterfactuals that bracket it. ``reuse``: the runs
+    are already in ``root`` (a kept matrix of the same seed), re-diagnosed by today's analysis, not run."""
+
+    def obtain(overrides: list[str], run_dir: Path) -> RunResult:
+        return load_run(run_dir, rediagnose=True) if reuse else run_train(overrides, run_dir, base=MATRIX_BASE)
+
     counterfactual = draws[0].counterfactual()
     cell = cell or f"{draws[0].strategy}-{draws[0].model}"
     # A seed may draw the same scenario twice: each draw's runs get a directory of their own.
     names = [f"{d.name}-{k}" if [x.name for x in draws].count(d.name) > 1 else d.name for k, d in enumerate(draws)]
-    first = run_train(counterfactual, root / f"{cell}-counterfactual-0", base=MATRIX_BASE)
+    first = obtain(counterfactual, root / f"{cell}-counterfactual-0")
     if not first.ok or not first.step_s:
         failed = Scenario(cell, cell, [], counterfactual, None, on_mean=True, tolerance=MATRIX_TOLERANCE)
         return [replace(judge(failed, [], [first]), name=d.name) for d in draws]
@@ -496,10 +502,10 @@ def measure_cell(draws: list[Draw], repeats: int, root: Path, cell: str = "") ->
     faults: list[list[tuple[RunResult, int]]] = [[] for _ in draws]  # (run, index of the baseline before it)
     order = [(i, k) for i in range(repeats) for k in range(len(draws))]
     for n, (i, k) in enumerate(order, start=1):
-        run = run_train(draws[k].fault_overrides(first.step_s), root / f"{names[k]}-fault-{i}", MATRIX_BASE)
+        run = obtain(draws[k].fault_overrides(first.step_s), root / f"{names[k]}-fault-{i}")
         faults[k].append((run, len(bases) - 1))
         if n % BRACKET_EVERY == 0 or n == len(order):
-            bases.append(run_train(counterfactual, root / f"{cell}-counterfactual-{len(bases)}", base=MATRIX_BASE))
+            bases.append(obtain(counterfactual, root / f"{cell}-counterfactual-{len(bases)}"))
     drift = [b.mean_throughput for b in bases if b.ok and b.mean_throughput]
     if len(drift) > 1:
         print(f"  {cell} counterfactual: {min(drift):,.0f}..{max(drift):,.0f} tokens/s over the cell", flush=True)
@@ -560,7 +566,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.seed is not None:
-        run_matrix(args.seed, args.size, args.repeats, args.keep, args.json)
+        run_matrix(args.seed, args.size, args.repeats, args.reuse or args.keep, args.json, reuse=args.reuse is not None)
         return
     names = [s.name for s in SCENARIOS]
     unknown = [n for n in args.only if n not in names]
@@ -581,7 +587,9 @@ def main() -> None:
     print(targets_line(verdicts))
 
 
-def run_matrix(seed: int, size: int, repeats: int, keep: Path | None, json_path: Path | None) -> None:
+def run_matrix(
+    seed: int, size: int, repeats: int, keep: Path | None, json_path: Path | None, reuse: bool = False
+) -> None:
     draws = draw_matrix(seed, size)
     with tempfile.TemporaryDirectory() as tmp:
         root = keep or Path(tmp)
@@ -593,7 +601,7 @@ def run_matrix(seed: int, size: int, repeats: int, keep: Path | None, json_path:
         for n, members in enumerate(cells.values()):
             print(", ".join(d.name for d in members), flush=True)
             cell = f"cell{n:02d}-{members[0].strategy}-{members[0].model}"  # a healthy DDP draw's cell is its own
-            verdicts.extend(measure_cell(members, repeats, root, cell))
+            verdicts.extend(measure_cell(members, repeats, root, cell, reuse=reuse))
             if json_path:  # after every cell: an interrupted matrix keeps what it measured
                 json_path.write_text(json.dumps([asdict(v) for v in verdicts], indent=2) + "\n")
     print()

@@ -66,3 +66,23 @@ def test_a_rank_slow_by_the_same_amount_every_step_is_not_stalling_however_close
     finding = {f.kind: f for f in analysis.findings}["input_bound"]
     assert finding.ranks == [1] and "pattern" not in finding.evidence
     assert finding.cost_fraction == pytest.approx(slow / (STEP + slow), rel=0.15)
+
+
+def test_a_stall_shorter_than_a_quarter_of_the_step_is_found_by_its_distance_from_the_noise(tmp_path):
+    """A fifth of the step every 6th step: well above the ranks' step-to-step noise (the fixture's 3% jitter), so
+    a pattern, costed at what it takes of the run's time (3%: info, the tail explained)."""
+    analysis = analysed(tmp_path, stall=(1, 6, "forward", 0.2 * STEP))
+    finding = {f.kind: f for f in analysis.findings}["straggler"]
+    assert finding.ranks == [1] and finding.evidence["pattern"]["every_n_steps"] == pytest.approx(6, abs=0.5)
+    stalls = finding.evidence["pattern"]["stalls"]
+    expected = stalls * 0.2 * STEP / (finding.evidence["pattern"]["of_steps"] * STEP + stalls * 0.2 * STEP)
+    assert finding.cost_fraction == pytest.approx(expected, abs=0.01)
+    assert finding.severity == "info"
+
+
+def test_a_stall_pattern_above_the_warning_cost_only_by_its_noise_stays_info(tmp_path):
+    """27% of the step every 5th step costs the run 5.1%: above the 5% warning line by less than the stalls' own
+    noise (each stall is measured within a few ms), so graded on its lower bound, info."""
+    finding = {f.kind: f for f in analysed(tmp_path, stall=(1, 5, "forward", 0.27 * STEP)).findings}["straggler"]
+    assert finding.cost_fraction > 0.05 > finding.evidence["cost_lower_bound"]
+    assert finding.severity == "info"

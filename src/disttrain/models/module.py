@@ -118,14 +118,21 @@ class LanguageModelModule(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         if self.is_logging_step():
-            # The step's loss is the mean over its accumulated micro-batches and over data-parallel ranks (the
-            # global-batch loss). Only on logged steps: an all-reduce every step costs throughput on small models.
             self._micro_losses.append(loss.detach())
-            if len(self._micro_losses) == self.accumulation:
-                step_loss = torch.stack(self._micro_losses).mean()
-                self._micro_losses = []
-                self.log("train/loss", step_loss, on_step=True, on_epoch=False, sync_dist=True)
         return self.with_auxiliary_loss(loss)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A logged step's loss: the mean over its accumulated micro-batches and over the data-parallel ranks (the
+        global-batch loss), only on logged steps (an all-reduce every step costs small models throughput).
+
+        Averaged here, after backward's gradient reduction has brought the ranks together, not in training_step:
+        an all-reduce inside forward makes a rank that waits there for a late peer look slow in forward itself,
+        which hides the late rank from the diagnostics' order of arrival (seed 3's stall-rank0-ddp: a stall every
+        10 steps, on the logged ones, went unreported)."""
+        if self._micro_losses:
+            step_loss = torch.stack(self._micro_losses).mean()
+            self._micro_losses = []
+            self.log("train/loss", step_loss, on_step=True, on_epoch=False, sync_dist=True)
 
     def with_auxiliary_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The objective: the LM loss (what ``train/loss`` reports) plus an MoE model's balancing and z-losses."""
