@@ -129,7 +129,8 @@ class LanguageModelModule(pl.LightningModule):
         an all-reduce inside forward makes a rank that waits there for a late peer look slow in forward itself,
         which hides the late rank from the diagnostics' order of arrival (seed 3's stall-rank0-ddp: a stall every
         10 steps, on the logged ones, went unreported)."""
-        if self._micro_losses:
+        # DeepSpeed's engine accumulates itself: Lightning then calls this hook after every micro-batch.
+        if self._micro_losses and len(self._micro_losses) == self.accumulation:
             step_loss = torch.stack(self._micro_losses).mean()
             self._micro_losses = []
             self.log("train/loss", step_loss, on_step=True, on_epoch=False, sync_dist=True)
