@@ -13,7 +13,8 @@ from torch import nn
 from disttrain.checkpoint.files import checkpoint_name, relink_last
 from disttrain.checkpoint.resume import find_resume_point, original_overrides
 from disttrain.config.errors import ConfigError
-from disttrain.models.module import lr_lambda, param_groups
+from disttrain.config.schema import OptimizerConfig
+from disttrain.models.module import LanguageModelModule, lr_lambda, param_groups
 
 
 def test_lr_schedule_warms_up_then_decays_to_min() -> None:
@@ -117,3 +118,28 @@ def test_throughput_median_step_leaves_out_warm_up_saves_validation_and_counts_o
     # Timed: steps 3, 4, 6, 8 (5 held a save, 7 a validation; 1-2 are the warm-up).
     assert list(throughput.step_times_s) == pytest.approx([1.0, 1.5, 2.0, 1.2])
     assert throughput.step_time_p50_s == pytest.approx(1.35)
+
+
+def test_the_logged_loss_is_reduced_over_ranks_after_backward_not_inside_forward() -> None:
+    """training_step issues no collective (a rank waiting there for a late peer would look slow in forward itself,
+    hiding the late rank from the diagnostics' order of arrival); the step's loss, the mean of its accumulated
+    micro-batches, is logged with sync_dist once all of them ran: under DeepSpeed the hook comes after each one."""
+    module = LanguageModelModule(
+        lambda: nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16)),
+        OptimizerConfig(),
+        max_steps=10,
+        log_every_n_steps=1,
+        accumulation=2,
+    )
+    module.configure_model()
+    logged: list[tuple[str, float, bool]] = []
+    module.log = lambda name, value, **kw: logged.append((name, float(value), kw.get("sync_dist", False)))  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    batches = [(torch.randint(0, 16, (2, 5)), torch.randint(0, 16, (2, 5))) for _ in range(2)]
+    losses = [float(module.training_step(batch, i)) for i, batch in enumerate(batches[:1])]
+    module.on_before_optimizer_step(torch.optim.SGD(module.parameters(), lr=0.1))  # DeepSpeed: after micro-batch 1
+    assert logged == []
+    losses.append(float(module.training_step(batches[1], 1)))
+    assert logged == []  # nothing inside forward
+    module.on_before_optimizer_step(torch.optim.SGD(module.parameters(), lr=0.1))
+    assert logged == [("train/loss", pytest.approx(sum(losses) / 2), True)]
