@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
 from diagnostics.analysis.finding import pct as _pct
@@ -204,7 +206,7 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     saturated = min(saturation.values()) if saturation and len(saturation) == timed else 0.0
     if floor < COMM_BOUND_FRACTION and saturated < COMM_SATURATION:
         return []
-    evidence = {
+    evidence: dict[str, Any] = {
         "exposed_comm_fraction": {r: rounded(f) for r, f in sorted(exposed.items())},
         "min_over_ranks": rounded(floor),
         "step_comm_wait_fraction": {r: rounded(f) for r, f in sorted(steps.items())},
