@@ -136,10 +136,10 @@ def test_the_logged_loss_is_reduced_over_ranks_after_backward_not_inside_forward
     module.log = lambda name, value, **kw: logged.append((name, float(value), kw.get("sync_dist", False)))  # type: ignore[method-assign]
     torch.manual_seed(0)
     batches = [(torch.randint(0, 16, (2, 5)), torch.randint(0, 16, (2, 5))) for _ in range(2)]
-    losses = [float(module.training_step(batch, i)) for i, batch in enumerate(batches[:1])]
+    losses = [float(module.training_step(batch, i).detach()) for i, batch in enumerate(batches[:1])]
     module.on_before_optimizer_step(torch.optim.SGD(module.parameters(), lr=0.1))  # DeepSpeed: after micro-batch 1
     assert logged == []
-    losses.append(float(module.training_step(batches[1], 1)))
+    losses.append(float(module.training_step(batches[1], 1).detach()))
     assert logged == []  # nothing inside forward
     module.on_before_optimizer_step(torch.optim.SGD(module.parameters(), lr=0.1))
     assert logged == [("train/loss", pytest.approx(sum(losses) / 2), True)]
