@@ -130,7 +130,7 @@ class LanguageModelModule(pl.LightningModule):
         which hides the late rank from the diagnostics' order of arrival (seed 3's stall-rank0-ddp: a stall every
         10 steps, on the logged ones, went unreported)."""
         # DeepSpeed's engine accumulates itself: Lightning then calls this hook after every micro-batch.
-        if self._micro_losses and len(self._micro_losses) == self.accumulation:
+        if len(self._micro_losses) == self.accumulation:
             step_loss = torch.stack(self._micro_losses).mean()
             self._micro_losses = []
             self.log("train/loss", step_loss, on_step=True, on_epoch=False, sync_dist=True)
