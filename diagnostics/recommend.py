@@ -16,7 +16,7 @@ from typing import Any
 from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import pct
-from diagnostics.analysis.thresholds import TOKENS_DOMINATE
+from diagnostics.analysis.thresholds import TOKENS_DOMINATE, TOKENS_MATERIAL
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
 # cost host memory; the target is the cores each rank has, at least 2 so that one batch loads while one waits.
@@ -224,8 +224,9 @@ def _ddp_comm_hooks(ctx: RunContext, finding: Finding) -> list[Recommendation]:
 
 def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     # An MoE run's all-to-alls move every micro-batch's tokens: accumulation amortizes only the gradients' share.
-    tokens = float((finding.evidence.get("all_to_all") or {}).get("of_phase_transfer") or 0.0)
-    recs = _expert_exchange_levers(finding, ctx, tokens)
+    exchange = finding.evidence.get("all_to_all") or {}
+    tokens = float(exchange.get("of_phase_transfer") or 0.0)
+    recs = _expert_exchange_levers(finding, ctx, exchange)
     if tokens < TOKENS_DOMINATE:
         why = "gradients are reduced once per optimizer step; twice the accumulation halves the reductions per token"
         effect = "communication per token halves (the batch doubles: retune lr if needed)"
@@ -259,19 +260,31 @@ def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     return recs
 
 
-def _expert_exchange_levers(finding: Finding, ctx: RunContext, tokens: float) -> list[Recommendation]:
-    """Expert parallelism whose all-to-alls are most of the communication: fewer ranks per expert group."""
+def _expert_exchange_levers(finding: Finding, ctx: RunContext, exchange: dict[str, Any]) -> list[Recommendation]:
+    """Expert parallelism whose all-to-alls take a material share of the step: fewer ranks per expert group.
+
+    Halving ep from N, each rank sends (1 - 2/N) of its tokens away instead of (1 - 1/N): 1/(N-1) less token
+    traffic (all of it at N=2), and the all-to-alls' waits go with their calls.
+    """
     ep = ctx.get("strategy.ep")
-    if tokens < TOKENS_DOMINATE or not isinstance(ep, int) or ep < 2:
+    share = float(exchange.get("share") or 0.0)
+    if share < TOKENS_MATERIAL or not isinstance(ep, int) or ep < 2:
         return []
+    tokens = float(exchange.get("of_phase_transfer") or 0.0)
     why = (
-        f"the all-to-alls carry {pct(tokens)} of the communication and move tokens among ep={ep} ranks; with "
-        f"ep={ep // 2} each rank holds twice the experts, "
+        f"the expert all-to-alls take {pct(share)} of the step ({pct(tokens)} of the phases' transfer) and move "
+        f"tokens among ep={ep} ranks; with ep={ep // 2} each rank holds twice the experts, "
         + ("exchanges no tokens, " if ep == 2 else f"exchanges tokens among {ep // 2} ranks, ")
         + "and the experts' gradients join the data-parallel reduction, once per optimizer step"
     )
     effect = "token traffic halved or gone; more expert memory per rank and more gradient traffic"
-    return [_rec("strategy.ep", ep // 2, why, effect)]
+    saved = share / (ep - 1)
+    basis = (
+        f"the all-to-alls' {pct(share)} of the step x 1/(ep-1) = {pct(saved)} (token traffic at ep={ep // 2}); "
+        "the experts' added gradient traffic is not counted"
+    )
+    expected = {"fraction": round(min(finding.cost_fraction, saved), 4), "basis": basis}
+    return [_rec("strategy.ep", ep // 2, why, effect).gaining(expected)]
 
 
 def _nothing_to_overlap_with(finding: Finding, ctx: RunContext) -> list[Recommendation]:

@@ -66,6 +66,7 @@ class Scenario:
     call_skew: float = 0.0
     late_rank: int | None = None
     all_to_all: bool = False
+    all_to_all_share: float = 1.0  # of each call's time; the rest is FSDP's all-gathers and reduce-scatters
     rank0_hold: tuple[int, float] | None = None  # (every, seconds): rank 0 is held between steps (writing logs)
     # (rank, every, phase, seconds): that rank (None: every rank) stalls that long in that phase every N-th step
     stall: tuple[int | None, int, str, float] | None = None
@@ -444,7 +445,10 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                 **({"optimizer_comm_s": r.optimizer_comm} if sc.sync_in_optimizer and sc.timed_collectives else {}),
                 **({"comm_calls_s": list(r.calls)} if sc.phase_calls and sc.timed_collectives else {}),
                 **(
-                    {"all_to_all_s": r.forward_comm + r.backward_comm, "all_to_all_calls_s": list(r.calls)}
+                    {
+                        "all_to_all_s": sc.all_to_all_share * (r.forward_comm + r.backward_comm),
+                        "all_to_all_calls_s": [sc.all_to_all_share * c for c in r.calls],
+                    }
                     if sc.all_to_all and sc.timed_collectives
                     else {}
                 ),

@@ -113,3 +113,7 @@ EXPERT_IMBALANCE_MIN = 0.10
 # The all-to-alls are most of the phases' communication: token traffic, which neither accumulation nor gradient
 # compression shrinks per token (recommend.for_comm_bound).
 TOKENS_DOMINATE = 0.5
+# The all-to-alls take at least this share of the step: fewer ranks per expert group (strategy.ep) is worth an
+# A/B even while gradients are most of the traffic. moe-micro under FSDP on 2 CPU ranks: all-to-alls 14-15% of
+# the step (40% of the phases' transfer) and ep=1 measured 16-23% faster than ep=2.
+TOKENS_MATERIAL = 0.05
