@@ -4,6 +4,9 @@ device, and one optimizer step over a block's parameters. The planner composes e
 (``disttrain.planner.measured``): what a FLOPs-over-matmul-rate estimate misses (non-matmul kernels, autograd, the
 optimizer, launch overhead) is in the measurement.
 
+An HF model comes as its own config at two layers (``disttrain.models.probe_parts.hf_model_parts``): hooks time each
+decoder layer's forward and backward inside the whole model's passes, and the rest of each pass is the edges.
+
 Wall clock, each part the median of ``repeats`` after a warm-up, every rank at once (the probe runs in ``setup`` on
 all ranks): on a host whose cores the ranks share, the parts then see the contention the training steps will see.
 """
@@ -32,20 +35,83 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int
     return statistics.median(times)
 
 
-def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeats: int = 2) -> dict:
-    """Seconds of one micro-batch's forward and backward through ``parts["block"]`` and ``parts["edges"]`` and of
-    one ``parts["optimizer"]()`` step over the block's parameters (``disttrain.models.probe_parts.model_parts``).
-    The block's input requires grad, as inside the model (its backward computes the input gradient too)."""
-    start = time.perf_counter()
-    _, clock = compute_clock(device)
-    cpu_start = clock()
+class _LayerClock:
+    """Seconds each module spends in its forward and in its backward, from hooks (synchronized on a GPU): forward
+    from its pre-hook to its hook, backward from the gradient of its output to the gradient of its input."""
+
+    def __init__(self, modules: list[torch.nn.Module], sync: Callable[[], object]) -> None:
+        self.sync = sync
+        self.forward_s = [0.0] * len(modules)
+        self.backward_s = [0.0] * len(modules)
+        self._started: dict[tuple[str, int], float] = {}
+        self._handles = []
+        for i, module in enumerate(modules):
+            self._handles += [
+                module.register_forward_pre_hook(lambda *_, i=i: self._start("forward", i)),
+                module.register_forward_hook(lambda *_, i=i: self._stop("forward", i, self.forward_s)),
+                module.register_full_backward_pre_hook(lambda *_, i=i: self._start("backward", i)),
+                module.register_full_backward_hook(lambda *_, i=i: self._stop("backward", i, self.backward_s)),
+            ]
+
+    def _start(self, phase: str, i: int) -> None:
+        self.sync()
+        self._started[(phase, i)] = time.perf_counter()
+
+    def _stop(self, phase: str, i: int, into: list[float]) -> None:
+        self.sync()
+        into[i] += time.perf_counter() - self._started.pop((phase, i))
+
+    def reset(self) -> None:
+        self.forward_s = [0.0] * len(self.forward_s)
+        self.backward_s = [0.0] * len(self.backward_s)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _layers_in_model(
+    parts: dict, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device, repeats: int
+) -> tuple[float, float, float, float]:
+    """(block forward, block backward, edges forward, edges backward) seconds: each pass of the whole model (tokens
+    to loss) with its layers timed by hooks; a block is the layers' mean, the edges the rest of the pass."""
+    model, layers, autocast = parts["model"], list(parts["layers"]), parts["autocast"]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = _LayerClock(layers, sync)
+    samples: list[tuple[float, float, float, float]] = []
+    try:
+        for i in range(repeats + 1):  # the first pass warms up
+            clock.reset()
+            sync()
+            start = time.perf_counter()
+            with autocast():
+                logits = model(tokens)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets)
+            sync()
+            middle = time.perf_counter()
+            loss.backward()
+            sync()
+            end = time.perf_counter()
+            if i:
+                block_f, block_b = statistics.mean(clock.forward_s), statistics.mean(clock.backward_s)
+                edges_f = max(0.0, middle - start - sum(clock.forward_s))
+                edges_b = max(0.0, end - middle - sum(clock.backward_s))
+                samples.append((block_f, block_b, edges_f, edges_b))
+    finally:
+        clock.remove()
+    medians = [statistics.median(column) for column in zip(*samples, strict=True)]
+    return medians[0], medians[1], medians[2], medians[3]
+
+
+def _block_and_edges(
+    parts: dict, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device, repeats: int
+) -> tuple[float, float, float, float]:
+    """(block forward, block backward, edges forward, edges backward) seconds, each module on its own: the block on
+    a hidden state that requires grad, as inside the model (its backward computes the input gradient too)."""
     block, edges, autocast = parts["block"], parts["edges"], parts["autocast"]
-    seq, d, vocab = parts["seq_len"], parts["d_model"], parts["vocab_size"]
     rope = parts["rope"] or ()
-    hidden = torch.randn(micro_batch, seq, d, device=device, dtype=parts["param_dtype"], requires_grad=True)
-    generator = torch.Generator(device="cpu").manual_seed(1)
-    tokens = torch.randint(0, vocab, (micro_batch, seq), generator=generator).to(device)
-    targets = torch.randint(0, vocab, (micro_batch * seq,), generator=generator).to(device)
+    hidden = torch.randn(*tokens.shape, parts["d_model"], device=device, dtype=parts["param_dtype"], requires_grad=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def block_forward() -> torch.Tensor:
         with autocast():
@@ -55,8 +121,6 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
         with autocast():
             logits = edges(tokens)
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets)
-
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[float, float]:
         forward_s, backward_s = [], []
@@ -75,6 +139,24 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
 
     block_f, block_b = forward_backward(block_forward)
     edges_f, edges_b = forward_backward(edges_forward)
+    return block_f, block_b, edges_f, edges_b
+
+
+def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeats: int = 2) -> dict:
+    """Seconds of one micro-batch's forward and backward through ``parts["block"]`` and ``parts["edges"]`` and of
+    one ``parts["optimizer"]()`` step over the block's parameters (``disttrain.models.probe_parts.model_parts``,
+    or ``hf_model_parts``: its ``layers`` timed inside its ``model``'s passes)."""
+    start = time.perf_counter()
+    _, clock = compute_clock(device)
+    cpu_start = clock()
+    seq, d, vocab = parts["seq_len"], parts["d_model"], parts["vocab_size"]
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    tokens = torch.randint(0, vocab, (micro_batch, seq), generator=generator).to(device)
+    targets = torch.randint(0, vocab, (micro_batch * seq,), generator=generator).to(device)
+    if "layers" in parts:
+        block_f, block_b, edges_f, edges_b = _layers_in_model(parts, tokens, targets, device, repeats)
+    else:
+        block_f, block_b, edges_f, edges_b = _block_and_edges(parts, tokens, targets, device, repeats)
     optimizer = parts["optimizer"]()
     optimizer.step()  # the first step allocates the moments
     optimizer_s = _median_seconds(optimizer.step, device, repeats)

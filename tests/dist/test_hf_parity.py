@@ -20,7 +20,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from diagnostics.telemetry import telemetry_path
 from disttrain.checkpoint.export import checkpoint_state, hf_weights
+from disttrain.config.hf import hf_shape
 from disttrain.config.schema import HFModelConfig
 from disttrain.data.hf import tokenizer_sha256
 from disttrain.models.hf import build_hf_model
@@ -33,7 +35,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 STEPS = 20
 LAYOUTS = {
     "single": ["hw.devices_per_node=1", "trainer.micro_batch_size=8", "trainer.ckpt_every_n_steps=10"],
-    "ddp": ["strategy=ddp", "trainer.micro_batch_size=4"],
+    # With the diagnostics: the start-up parts probe times the HF model's own layers (test below).
+    "ddp": ["strategy=ddp", "trainer.micro_batch_size=4", "diagnostics=default"],
     "fsdp": ["strategy=fsdp", "strategy.activation_checkpointing=true", "trainer.micro_batch_size=4"],
     # micro 4 x 2 pipeline micro-batches = the reference's global batch of 8
     # Sequence parallel (the RMSNorms on sequence slices, vocab-parallel embedding and head, loss_parallel) and
@@ -141,3 +144,24 @@ def test_resume_continues_the_hf_corpus_exactly(runs: dict[str, Path]) -> None:
     assert expected and sorted(expected) == sorted(actual)
     for name, tensor in expected.items():
         assert torch.equal(tensor, actual[name]), f"{name} differs after resume"
+
+
+def test_the_parts_probe_times_the_hf_models_own_layers_and_the_planner_composes_from_them(
+    runs: dict[str, Path],
+) -> None:
+    """The diagnosed DDP run: each rank timed a decoder layer of the model's own config (2 layers, hooks) and the
+    edges, and run.json's prediction composes the step from those parts (basis ``measured``, not FLOPs)."""
+    import json
+
+    from disttrain.planner.shapes import model_shape
+
+    run_dir = runs["ddp"]
+    for rank in (0, 1):
+        records = [json.loads(line) for line in telemetry_path(run_dir, rank).read_text().splitlines()]
+        (parts,) = [r for r in records if r["kind"] == "parts_calibration"]
+        expected = model_shape(hf_shape(HFModelConfig(config=preset_config(), seq_len=32))).block_parameters
+        assert parts["block_numel"] == expected and (parts["micro_batch"], parts["seq_len"]) == (4, 32)
+        assert all(parts[k] > 0 for k in ("block_forward_s", "block_backward_s", "edges_forward_s", "optimizer_step_s"))
+    prediction = read_manifest(run_dir)["prediction"]
+    assert prediction["basis"]["block_forward_backward"] == "measured"
+    assert prediction["predicted"]["step_time_s"] > 0 and prediction["measured"]["step_time_s"] > 0

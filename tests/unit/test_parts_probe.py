@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,35 @@ def test_the_probe_times_every_part_in_the_runs_precision_and_the_planner_reads_
     assert set(RECORD_FIELDS["parts_calibration"]) <= {"precision", *result}
     measured = MeasuredParts.from_figures(calibration_from_telemetry(tmp_path).parts)
     assert measured is not None and measured.precision == precision and measured.block_numel == parts["block_numel"]
+
+
+def test_an_hf_model_is_probed_at_two_layers_of_its_own_config_with_each_part_where_its_time_goes() -> None:
+    """The HF probe times the decoder layers inside the model's own passes: time spent in a layer is block time,
+    time in the final norm is edge time, whichever the model spends it in."""
+    from disttrain.config.hf import hf_shape
+    from disttrain.config.schema import HFModelConfig
+    from disttrain.models.probe_parts import PROBE_LAYERS, hf_model_parts
+
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 2}
+    config = {"model_type": "llama", **shape, "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64}
+    model = HFModelConfig(config=config, seq_len=16)
+    parts = hf_model_parts(model, OptimizerConfig(), "fp32", torch.device("cpu"))
+    assert len(parts["layers"]) == PROBE_LAYERS
+    assert parts["block_numel"] == model_shape(hf_shape(model)).block_parameters
+    quick = time_model_parts(torch.device("cpu"), parts, micro_batch=2, repeats=3)
+    assert all(quick[k] > 0 for k in ("block_forward_s", "block_backward_s", "edges_forward_s", "optimizer_step_s"))
+    assert quick["block_forward_s"] < 0.01 and quick["edges_forward_s"] < 0.01
+
+    def sleep(*_: object) -> None:
+        time.sleep(0.02)
+
+    base = parts["model"].hf.model
+    handles = [base.norm.register_forward_hook(sleep)]  # the edges' own module
+    edges_slow = time_model_parts(torch.device("cpu"), parts, micro_batch=2, repeats=3)
+    assert edges_slow["edges_forward_s"] >= 0.02 and edges_slow["block_forward_s"] < 0.01
+    handles[0].remove()
+    handles = [layer.mlp.register_forward_hook(sleep) for layer in parts["layers"]]  # inside each layer
+    block_slow = time_model_parts(torch.device("cpu"), parts, micro_batch=2, repeats=3)
+    assert block_slow["block_forward_s"] >= 0.02 and block_slow["edges_forward_s"] < 0.01
+    for handle in handles:
+        handle.remove()

@@ -2,6 +2,10 @@
 transformer block, the model without blocks (embedding, final norm, LM head; the probe adds the loss) and the
 run's optimizer over a block's parameters, in the run's precision on the run's device.
 
+An HF model's decoder layers take family-specific arguments (RoPE tables, masks, caches) only the model itself
+passes them, so its probe is the model's own config at two layers: the probe times each layer inside the whole
+model's forward and backward, and the rest of the pass is the edges (``hf_model_parts``).
+
 The planner composes every layout's step from these measured parts (``disttrain.planner.measured``): a block is
 the unit FSDP shards, TP splits and PP stages hold, so one block's time stands for all of them.
 """
@@ -9,13 +13,17 @@ the unit FSDP shards, TP splits and PP stages hold, so one block's time stands f
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from disttrain.config.schema import ModelConfig, OptimizerConfig
+from disttrain.config.hf import hf_shape, load_hf_config
+from disttrain.config.schema import HFModelConfig, ModelConfig, OptimizerConfig
+from disttrain.models.hf import HFCausalLM
 from disttrain.models.module import param_groups, use_fused_adamw
 from disttrain.models.transformer import Block, Transformer, rope_cache
 
@@ -42,23 +50,12 @@ def model_parts(
     edges.blocks = nn.ModuleList()  # embedding, final norm, head: the model's parts outside its blocks
     rope = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device) if cfg.pos_emb == "rope" else None
 
-    def autocast() -> contextlib.AbstractContextManager:
-        if autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=autocast_dtype)
-
-    def block_optimizer() -> torch.optim.Optimizer:
-        groups = param_groups(block, optimizer.weight_decay)
-        fused = use_fused_adamw([p for g in groups for p in g["params"]], optimizer.fused)
-        betas = (optimizer.beta1, optimizer.beta2)
-        return torch.optim.AdamW(groups, lr=optimizer.lr, betas=betas, eps=optimizer.eps, fused=fused or None)
-
-    factory: Callable[[], torch.optim.Optimizer] = block_optimizer
+    factory: Callable[[], torch.optim.Optimizer] = functools.partial(_block_optimizer, block, optimizer)
     return {
         "block": block,
         "edges": edges,
         "rope": rope,
-        "autocast": autocast,
+        "autocast": _autocast(device, autocast_dtype),
         "optimizer": factory,
         "param_dtype": param_dtype,
         "d_model": cfg.d_model,
@@ -66,3 +63,55 @@ def model_parts(
         "seq_len": cfg.seq_len,
         "block_numel": sum(p.numel() for p in block.parameters()),
     }
+
+
+# The HF probe's copy of the model: two layers, so each layer is timed between two others' work, as in the run.
+PROBE_LAYERS = 2
+
+
+def hf_model_parts(
+    cfg: HFModelConfig, optimizer: OptimizerConfig, precision: str, device: torch.device
+) -> dict[str, object]:
+    """``model`` (the run's HF model at ``PROBE_LAYERS`` decoder layers, tokens -> logits), ``layers`` (its decoder
+    layers, each timed inside the model's passes), ``autocast``, ``optimizer`` (the run's AdamW over one layer) and
+    the shape facts, as ``model_parts`` has them."""
+    from transformers import AutoModelForCausalLM
+
+    param_dtype, autocast_dtype = PRECISIONS.get(precision, (torch.float32, None))
+    shape = hf_shape(cfg)
+    config = copy.deepcopy(load_hf_config(cfg))  # the cached config is the run's: never changed in place
+    config.num_hidden_layers = min(PROBE_LAYERS, shape.n_layers)  # GPT-2's n_layer maps onto it
+    # The probe's weights do not matter (HF's own init), the run's random streams do: built under a private RNG.
+    with torch.random.fork_rng(devices=[]):
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=param_dtype)
+    model = HFCausalLM(hf).to(device)
+    block = model.blocks[0]
+    factory: Callable[[], torch.optim.Optimizer] = functools.partial(_block_optimizer, block, optimizer)
+    return {
+        "model": model,
+        "layers": model.blocks,
+        "autocast": _autocast(device, autocast_dtype),
+        "optimizer": factory,
+        "param_dtype": param_dtype,
+        "d_model": shape.d_model,
+        "vocab_size": shape.vocab_size,
+        "seq_len": cfg.seq_len,
+        "block_numel": sum(p.numel() for p in block.parameters()),
+    }
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Callable[[], contextlib.AbstractContextManager]:
+    def autocast() -> contextlib.AbstractContextManager:
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    return autocast
+
+
+def _block_optimizer(block: nn.Module, optimizer: OptimizerConfig) -> torch.optim.Optimizer:
+    """The run's AdamW (its settings, fused where the run's would be) over one block's parameters."""
+    groups = param_groups(block, optimizer.weight_decay)
+    fused = use_fused_adamw([p for g in groups for p in g["params"]], optimizer.fused)
+    betas = (optimizer.beta1, optimizer.beta2)
+    return torch.optim.AdamW(groups, lr=optimizer.lr, betas=betas, eps=optimizer.eps, fused=fused or None)

@@ -23,6 +23,7 @@ from diagnostics.report import diagnose_run
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
+    HFModelConfig,
     LoggerConfig,
     ModelConfig,
     RunConfig,
@@ -34,7 +35,7 @@ from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
 from disttrain.models.factory import ModelFacts, resolve_target
 from disttrain.models.module import LanguageModelModule
-from disttrain.models.probe_parts import model_parts
+from disttrain.models.probe_parts import hf_model_parts, model_parts
 from disttrain.models.tensor_parallel import tp_probe_parts
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
@@ -110,10 +111,12 @@ def tp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
 
 def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     """The parts probe's layers (one block, the edges, the run's optimizer over a block) for a run of the reference
-    transformer in its precision; None for a model whose layers the probe cannot build (HF, user models)."""
-    if type(cfg.model) is not ModelConfig:
-        return None
-    return functools.partial(model_parts, cfg.model, cfg.optimizer, cfg.precision.name)
+    transformer or an HF model, in its precision; None for a user's own model (its layers are unknown)."""
+    if type(cfg.model) is ModelConfig:
+        return functools.partial(model_parts, cfg.model, cfg.optimizer, cfg.precision.name)
+    if isinstance(cfg.model, HFModelConfig):
+        return functools.partial(hf_model_parts, cfg.model, cfg.optimizer, cfg.precision.name)
+    return None
 
 
 def fsdp_shard_ranks(cfg: RunConfig, plan: BatchPlan) -> int:
