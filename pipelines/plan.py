@@ -15,9 +15,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
+from disttrain.launch.console import drop_import_chatter
 from disttrain.planner import Plan, plan
 from disttrain.planner.render import json_payload, print_plan
 from disttrain.planner.request import PlanRequest, measured_tokens_per_s, parse_plan_request
+
+drop_import_chatter()  # before anything here imports transformers or torchao
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # Keys of plan.yaml that train does not know: left out of the printed train command.

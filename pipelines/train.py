@@ -18,10 +18,13 @@ from omegaconf import DictConfig
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
 from disttrain.job.claim import as_override, claim_launch_dir
 from disttrain.job.export import export_arguments, run_export
+from disttrain.launch.console import drop_import_chatter
 from disttrain.launch.exit_codes import FAILED, RunStopped
 
 if TYPE_CHECKING:
     from disttrain.job.prepare import Prepared
+
+drop_import_chatter()  # before anything here imports transformers or torchao
 
 # Resolved through the real path so an editable install finds conf/ from any working directory.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from disttrain.launch.console import IMPORT_CHATTER
 from tests.conftest import load_checkpoint, read_manifest, run_cli
 
 pytestmark = pytest.mark.dist
@@ -30,6 +31,8 @@ def run(tmp: Path, name: str, args: list[str]) -> Path:
     result = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert read_manifest(run_dir)["status"] == "completed"
+    chatter = [f for fragments in IMPORT_CHATTER.values() for f in fragments if f in result.stdout + result.stderr]
+    assert not chatter, f"{name}: libraries' import-time lines on the console: {chatter}"
     return run_dir
 
 

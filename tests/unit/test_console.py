@@ -44,3 +44,23 @@ def test_library_info_and_warnings_go_to_the_file_once(hydra_like_logging) -> No
     assert text.count("GPU available: False") == 1 and text.count("DeprecationWarning: some library is deprecated") == 1
     assert own.getvalue() == ""  # Lightning's own handler is gone
     assert console.getvalue().splitlines() == ["a real problem"]  # warnings and above still reach the console
+
+
+def test_import_chatter_is_dropped_and_the_same_libraries_other_warnings_are_not() -> None:
+    from disttrain.launch.console import IMPORT_CHATTER, drop_import_chatter
+
+    drop_import_chatter()
+    drop_import_chatter()  # twice: one filter each
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    for name, fragments in IMPORT_CHATTER.items():
+        logger = logging.getLogger(name)
+        assert len(logger.filters) == 1
+        logger.addHandler(handler)
+        try:
+            for fragment in fragments:
+                logger.warning("Warning: %s /x/_C_kernel.so", fragment)
+            logger.warning("%s: a real problem", name)
+        finally:
+            logger.removeHandler(handler)
+    assert stream.getvalue().splitlines() == [f"{name}: a real problem" for name in IMPORT_CHATTER]

@@ -14,6 +14,35 @@ import os
 
 LIBRARY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
+# Lines libraries log while they are imported, about nothing the run uses: torchao (which transformers' modeling
+# code imports for its quantizers) warns for each optional C++ kernel a CPU-only or other-version torch cannot load
+# and that triton is absent, and torch's pytree warns about the enums torchao registers. Each process of an HF or
+# fp8 run printed them.
+IMPORT_CHATTER = {
+    "torchao": ("Failed to load ",),
+    "torchao.kernel.intmm": ("Detected no triton",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+}
+
+
+class _DropImportChatter(logging.Filter):
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+def drop_import_chatter() -> None:
+    """Before anything imports the libraries: their loggers (created here if not yet) drop the lines above, and
+    only those; their other warnings still show. Idempotent."""
+    for name, fragments in IMPORT_CHATTER.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropImportChatter) for f in logger.filters):
+            logger.addFilter(_DropImportChatter(fragments))
+
 
 def _console(handler: logging.Handler) -> bool:
     return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
