@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import CustomModelConfig, ModelConfig
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, ModelConfig
 from disttrain.models.factory import build_model_factory
 from disttrain.models.transformer import canonical_name
 
@@ -44,13 +44,15 @@ def checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
     return {canonical_name(k): tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
 
 
-def model_shapes(model: ModelConfig | CustomModelConfig, seed: int) -> dict[str, tuple[int, ...]]:
+def model_shapes(model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of the configured model, named as the LightningModule's state dict names them."""
     meta = build_model_factory(model, seed)(device="meta")
     return {canonical_name(f"model.{name}"): tuple(p.shape) for name, p in meta.named_parameters()}
 
 
-def check_checkpoint_fits_model(checkpoint: Path, model: ModelConfig | CustomModelConfig, seed: int) -> None:
+def check_checkpoint_fits_model(
+    checkpoint: Path, model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int
+) -> None:
     saved = checkpoint_shapes(checkpoint)
     if saved is None:
         return

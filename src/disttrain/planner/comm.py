@@ -286,15 +286,14 @@ def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[st
     # Lightning's ModelParallelStrategy does not pause gradient sync while accumulating: every micro-batch gathers
     # and reduces, and copies what it gathers and reduces.
     regathered = n * block_shards * gather if layout.reshard_after_forward else 0
-    host_work = {"mb_fsdp_units": units, "mb_fsdp_copy_bytes": n * shard * (gather + reduce) + regathered}
+    copies = n * shard * (gather + reduce) + regathered
+    plan = CommPlan(mb_fwd=forward, mb_bwd=backward, mb_syncs=syncs, mb_fsdp_units=units, mb_fsdp_copy_bytes=copies)
     if not layout.offload_optimizer:
-        return CommPlan(mb_fwd=forward, mb_bwd=backward, mb_syncs=syncs, **host_work)
+        return plan
     p = 2 if precision == "bf16-true" else 4
     gathers = 2 if layout.reshard_after_forward else 1
     host = LinkBytes(host=p * shard * (gathers + 1))  # shards up for each all-gather, gradients down
-    return CommPlan(
-        mb_fwd=forward, mb_bwd=backward, mb_exposed=host, host_optimizer_parameters=shard, mb_syncs=syncs, **host_work
-    )
+    return dataclasses.replace(plan, mb_exposed=host, host_optimizer_parameters=shard)
 
 
 def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:

@@ -133,7 +133,7 @@ def layer_activation_bytes(
     # Split over TP ranks by heads / ffn columns: q, k, v, the attention output (the output projection's input:
     # flash kernels return it in a layout the reshape only views), the MLP intermediates.
     ffn_tensors = 4 if shape.swiglu else 2  # SwiGLU: w1 out, w3 out, silu(w1 out), product; GELU: input, output
-    split = act_bytes * tokens * (q + 2 * kv + q + ffn_tensors * f)
+    split: float = act_bytes * tokens * (q + 2 * kv + q + ffn_tensors * f)
     if recompute != "selective":  # selective recomputation drops the attention core's saved state
         split += attention_core_bytes(shape, micro_batch_size, seq_len, act_bytes, flash_attention)
     return replicated / (tp if sequence_parallel else 1) + split / tp
@@ -178,8 +178,14 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stag
     act, res = compute_bytes(precision), residual_bytes(strategy, precision)
     tp, sp, pp = layout.tp, layout.sequence_parallel, layout.pp
     b, s = workload.micro_batch_size, workload.seq_len
-    common = {"act_bytes": act, "res_bytes": res, "tp": tp, "sequence_parallel": sp, "flash_attention": flash}
-    per_layer = layer_activation_bytes(shape, b, s, recompute=layout.recompute, **common)
+
+    def layer(recompute: str) -> float:
+        return layer_activation_bytes(
+            shape, b, s, act_bytes=act, res_bytes=res, tp=tp, sequence_parallel=sp, recompute=recompute,
+            flash_attention=flash,
+        )  # fmt: skip
+
+    per_layer = layer(layout.recompute)
     in_flight = microbatches_in_flight(layout.schedule, pp, layout.per_schedule, layout.virtual_stages, stage)
     total = in_flight * (shape.n_layers // pp) * per_layer
     if stage == last_stage_rank(pp, layout.schedule):
@@ -188,7 +194,7 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stag
         logits_in_flight = 1.0 if layout.schedule == "zero_bubble" else in_flight
         total += logits_in_flight * output_activation_bytes(shape, b, s, act, res, tp, sp)
     if layout.recompute == "full":
-        total += layer_activation_bytes(shape, b, s, recompute="none", **common)
+        total += layer("none")
     elif layout.recompute == "selective":
         total += attention_core_bytes(shape, b, s, act, flash) / tp
     return total

@@ -18,6 +18,7 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.experts import validate_expert_parallel
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
+    AutoStrategyConfig,
     DDPConfig,
     DeepSpeedConfig,
     FSDPConfig,
@@ -50,7 +51,7 @@ def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) ->
 def predict_memory(cfg: RunConfig, world: WorldLayout, batch: BatchPlan) -> MemoryBreakdown | None:
     """Predicted peak bytes per device for this run, or None for a user model the planner cannot see into."""
     shape = reference_shape(cfg.model)
-    if shape is None or cfg.strategy.name == "auto":
+    if shape is None or isinstance(cfg.strategy, AutoStrategyConfig):
         return None
     layout = layout_of(cfg.strategy, world, batch)
     return memory_per_gpu(model_shape(shape), layout, workload(cfg, batch), DEFAULT_ASSUMPTIONS.flash_attention)
@@ -63,8 +64,8 @@ def describe_memory(cfg: RunConfig, memory: MemoryBreakdown) -> str:
     )
     per = "per process" if cfg.hw.accelerator == "cpu" else "per GPU"
     line = f"memory       predicted {memory.total / GIB:.2f} GiB {per} ({parts} GiB)"
-    if cfg.hw.memory_per_device_gib:
-        limit = memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
+    limit = memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
+    if limit:
         line += f"; {'fits in' if memory.total <= limit else 'EXCEEDS'} {limit / GIB:.1f} GiB usable"
     if memory.host:
         line += f"; host (offloaded) {memory.host / GIB:.2f} GiB {per}"
@@ -89,10 +90,8 @@ def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: boo
             "set hw.host_memory_gib to the node's real memory, offload less (strategy.offload_params=false), "
             "use more nodes, or add check_memory=false to launch anyway",
         )
-    if not cfg.hw.memory_per_device_gib:
-        return
     limit = memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
-    if memory.total > limit:
+    if limit and memory.total > limit:
         raise ConfigError(
             "strategy",
             f"predicted {memory.total / GIB:.1f} GiB per GPU with strategy={cfg.strategy.name} exceeds the "

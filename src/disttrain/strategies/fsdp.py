@@ -145,7 +145,7 @@ class FSDPStrategy(UniversalCheckpointing, ModelParallelStrategy):
 
 def build_fsdp(
     cfg: FSDPConfig, precision: PrecisionConfig, world_size: int, backend: str, apply_checkpointing: object
-) -> tuple[FSDPStrategy, object]:
+) -> tuple[FSDPStrategy, Callable[[Any, object], None]]:
     strategy = FSDPStrategy(
         data_parallel_size=world_size,
         tensor_parallel_size=1,

@@ -8,6 +8,7 @@ class here instead of a branch in every module. Importing this module costs no t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StrategyBuild:
     strategy: Any  # the Lightning Strategy
-    parallelize: object | None  # called with (model, device_mesh) in LightningModule.configure_model
+    parallelize: Callable[[Any, object], None] | None  # (model, device_mesh), in LightningModule.configure_model
     trainer_precision: str  # what the Lightning Trainer is given as `precision`
 
 
@@ -114,7 +115,7 @@ class StrategySpec:
             flops_per_token=facts.flops_per_token,
             log_every_n_steps=cfg.trainer.log_every_n_steps,
             accumulation=accumulation,
-            compile_loss=cfg.model.compile,
+            compile_loss=bool(cfg.model.compile),  # None: off
         )
 
 

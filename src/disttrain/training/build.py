@@ -23,8 +23,10 @@ from diagnostics.report import diagnose_run
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
+    FSDPConfig,
     HFModelConfig,
     LoggerConfig,
+    MegatronConfig,
     ModelConfig,
     RunConfig,
 )
@@ -104,7 +106,7 @@ def collectives_off_thread(cfg: RunConfig) -> bool:
 def tp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     """The TP probe's layers for a tensor-parallel run of the reference transformer (its own block and edges, under
     the run's loss_parallel); None otherwise (no TP, or a model whose layers the probe cannot build)."""
-    if cfg.strategy.name != "megatron" or getattr(cfg.strategy, "tp", 1) < 2 or type(cfg.model) is not ModelConfig:
+    if not isinstance(cfg.strategy, MegatronConfig) or cfg.strategy.tp < 2 or type(cfg.model) is not ModelConfig:
         return None
     return functools.partial(tp_probe_parts, cfg.model, loss_parallel=cfg.strategy.loss_parallel)
 
@@ -122,9 +124,14 @@ def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
 def fsdp_shard_ranks(cfg: RunConfig, plan: BatchPlan) -> int:
     """Ranks the run's FSDP2 units shard over: strategy=fsdp's, and strategy=megatron's data parallelism, which
     wraps its chunks in FSDP2 whatever its degree (1 under tp- or pp-only layouts); 0 for runs without FSDP2."""
-    if cfg.strategy.name not in ("fsdp", "megatron"):
+    if not isinstance(cfg.strategy, FSDPConfig | MegatronConfig):
         return 0
     return layout_of(cfg.strategy, world_layout(cfg), plan).dp_shard
+
+
+def report_hang(run_dir: Path, hang: dict) -> None:
+    """What the watchdog does once it declared a hang: the report, from the telemetry written so far."""
+    diagnose_run(run_dir)
 
 
 def build_diagnostics(
@@ -170,7 +177,7 @@ def build_diagnostics(
         fsdp_shard_ranks=fsdp_shard_ranks(cfg, plan),
     )
     return DiagnosticsCallback(
-        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=lambda hang: diagnose_run(run_dir)
+        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=functools.partial(report_hang, run_dir)
     )
 
 
