@@ -145,7 +145,15 @@ def test_ab_run_adds_rounds_while_unresolved_and_a_new_set_each_time(tmp_path: P
     run_dir = write_run(tmp_path / "run", "input_bound")
     calls, env = fake_train(tmp_path, {"data.num_workers=2": [1.06, 0.95, 1.01, 1.001, 0.999]})
     args = [str(run_dir), "--ab", "--run", "--max-repeats", "5"]
-    assert diagnose(args, cwd=tmp_path, env=env).returncode == 0
+    ab = diagnose(args, cwd=tmp_path, env=env)
+    assert ab.returncode == 0
+    lines = ab.stdout.splitlines()
+    assert sum(line.startswith("ab: round ") for line in lines) == 10  # a line per run, each once
+    assert lines[-1].startswith(f"verdict: {run_dir.resolve()}/ab/verdict.md")
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    assert report["ab_verdict"] == "ab/verdict.md"
+    (tested,) = [r for r in report["findings"][0]["recommendations"] if r["override"] == "data.num_workers=2"]
+    assert tested["verdict"]["verdict"] == "no measurable effect"
     names = [Path(json.loads(line)[-1].split("=", 1)[1]).name for line in calls.read_text().splitlines()]
     assert names == [f"{r:02d}-{arm}" for r in range(1, 6) for arm in ("A", "B1")]
     (first,) = json.loads((run_dir / "ab" / "verdict.json").read_text())["recommendations"]

@@ -2,7 +2,8 @@
 
 Trials are one process (hw.devices_per_node=1) and a few steps: what is under test is the sweeper and the study,
 not the training; test_a_pruned_two_rank_trial_ends_every_rank_cleanly covers the ranks' agreement on a pruning
-verdict (rank 0 asks the pruner, every rank stops at the same validation)."""
+verdict (rank 0 asks the pruner, every rank stops at the same validation) and a 2-rank job's objective reaching
+the study."""
 
 from __future__ import annotations
 
@@ -148,3 +149,12 @@ def test_a_pruned_two_rank_trial_ends_every_rank_cleanly(tmp_path: Path) -> None
     assert manifest["pruned_at_step"] < 8
     assert not (run_dir / "failure.json").exists()
     assert "Traceback" not in (run_dir / "train_rank1.log").read_text()  # rank 1 stopped with rank 0, cleanly
+    # The completed trial ran its own second rank, and the objective it returned (objective=val_loss, minimized)
+    # reached Optuna: the study's best is its final validation loss, paired with its learning rate.
+    completed = sweep / done[3e-3].user_attrs["disttrain.job"]
+    finished = read_manifest(completed)
+    assert finished["status"] == "completed" and (completed / "train_rank1.log").exists()
+    assert done[3e-3].value == pytest.approx(finished["result"]["val_loss"])
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_value"] == pytest.approx(finished["result"]["val_loss"])
+    assert results["best_params"] == {"optimizer.lr": 3e-3}

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from diagnostics.telemetry import telemetry_path
 from tests.conftest import TINY_MODEL, read_manifest, run_cli
@@ -120,28 +119,6 @@ SHORT = [
     "data.num_train_tokens=32768",
     "data.num_val_tokens=4096",
 ]
-
-
-def test_optuna_sweep_runs_every_job_with_its_own_ranks_and_gets_their_objectives(tmp_path: Path) -> None:
-    # hydra/sweeper=optuna on the local launcher; the grid sampler makes the two trials exactly the two values.
-    sweep = tmp_path / "sweep"
-    args = ["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "optimizer.lr=choice(1e-3,3e-3)"]
-    # What is under test is the sweeper, the jobs' ranks and their objectives: no diagnostics (each job's report
-    # in a sweep is tests/slurm's sweep of four).
-    run_ok([*args, *SHORT, "diagnostics=off", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
-    val_losses = {}
-    for job in ("0", "1"):
-        manifest = read_manifest(sweep / job)
-        assert manifest["status"] == "completed"
-        assert (sweep / job / "train_rank1.log").exists()  # each job ran its own second rank
-        val_losses[manifest["config"]["optimizer"]["lr"]] = manifest["result"]["val_loss"]
-    assert sorted(val_losses) == [1e-3, 3e-3]
-    assert len(set(val_losses.values())) == 2
-    # What each job returned reached Optuna: the study's best (minimized, objective=val_loss by default) is the
-    # smaller final validation loss, paired with the learning rate of the job that returned it.
-    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    assert results["best_value"] == pytest.approx(min(val_losses.values()))
-    assert results["best_params"] == {"optimizer.lr": min(val_losses, key=val_losses.get)}
 
 
 @pytest.fixture(scope="module")
