@@ -23,3 +23,21 @@ def test_gpt2_parts_are_timed_in_bf16_and_leave_no_peak_behind() -> None:
     assert result["block_backward_s"] > result["block_forward_s"]  # backward runs about twice the matmuls
     assert 0 < result["optimizer_step_s"] < 0.1 and result["block_numel"] == 7_087_872
     assert torch.cuda.max_memory_allocated(device) < 2 * 2**30  # the probe's 4 x 1024 x 50257 logits are gone
+
+
+def test_an_hf_llamas_layers_are_timed_inside_its_passes_on_the_gpu() -> None:
+    """The HF probe's hooks synchronize the device: a layer's time is its kernels', not their launch."""
+    from disttrain.config.hf import hf_shape
+    from disttrain.config.schema import HFModelConfig
+    from disttrain.models.probe_parts import hf_model_parts
+    from disttrain.planner.shapes import model_shape
+
+    config = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}  # fmt: skip
+    model = HFModelConfig(config=config, seq_len=1024)
+    device = torch.device("cuda", 0)
+    parts = hf_model_parts(model, OptimizerConfig(), "bf16-mixed", device)
+    assert parts["block_numel"] == model_shape(hf_shape(model)).block_parameters
+    result = time_model_parts(device, parts, micro_batch=4)
+    assert 0 < result["block_forward_s"] < result["block_backward_s"] < 1.0, result
+    assert 0 < result["edges_forward_s"] < 1.0 and 0 < result["optimizer_step_s"] < 0.1
