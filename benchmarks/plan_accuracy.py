@@ -99,11 +99,11 @@ def repredicted(run_dir: Path) -> dict:
     from diagnostics.calibration import calibration_from_telemetry
     from disttrain.config.parse import parse_run_config
     from disttrain.job.prediction import predict_run, with_measurement
-    from disttrain.strategies.layout import batch_plan, world_layout
+    from disttrain.strategies.layout import parallel_layout
 
     cfg = parse_run_config(OmegaConf.load(run_dir / "config.yaml"))
     recorded = json.loads((run_dir / "run.json").read_text()).get("prediction") or {}
-    record = predict_run(cfg, world_layout(cfg), batch_plan(cfg), calibration_from_telemetry(run_dir)) or {}
+    record = predict_run(cfg, parallel_layout(cfg), calibration_from_telemetry(run_dir)) or {}
     measured = recorded.get("measured") or {}
     return {**with_measurement(record, measured), "cpu_share": cpu_share(run_dir), "probe_share": probe_share(run_dir)}
 

@@ -15,7 +15,7 @@ from disttrain.job.describe import describe_launch
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import model_facts
 from disttrain.strategies.auto import resolve_auto
-from disttrain.strategies.layout import batch_plan, validate_run, world_layout
+from disttrain.strategies.layout import parallel_layout, validate_run
 from disttrain.strategies.megatron import MegatronStrategy
 from disttrain.strategies.megatron.module import MegatronModule
 from disttrain.strategies.spec import build_strategy, spec_of
@@ -96,11 +96,11 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     run_cfg = parse_run_config(cfg)
     assert getattr(getattr(run_cfg, group), "name", option) == option
     if option == "auto":
-        run_cfg, _ = resolve_auto(run_cfg, world_layout(run_cfg), batch_plan(run_cfg))
-    plan = validate_run(run_cfg)
-    layout = world_layout(run_cfg)
+        run_cfg, _ = resolve_auto(run_cfg, parallel_layout(run_cfg))
+    parallel = parallel_layout(run_cfg)
+    plan, layout = parallel.batch, parallel.world
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
-    text = describe_launch(run_cfg, layout, plan, facts.num_parameters, facts.flops_per_token)
+    text = describe_launch(run_cfg, parallel, facts.num_parameters, facts.flops_per_token)
     assert f"{facts.num_parameters:,} parameters" in text
     assert f"{plan.global_batch_size * run_cfg.model.seq_len:,} tokens/step" in text
     expect_batch(run_cfg, plan)
@@ -124,7 +124,7 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
         x, y = datamodule.train_set[0]
         assert x.shape == y.shape == (run_cfg.model.seq_len,)
         assert int(y.max()) < run_cfg.model.vocab_size
-    parts = build_trainer(run_cfg, layout, plan, strategy, tmp_path / "run", facts)
+    parts = build_trainer(run_cfg, parallel, strategy, tmp_path / "run", facts)
     assert parts.trainer.max_steps == run_cfg.trainer.max_steps
     # Megatron's loader batch is a whole step's micro-batches, which its engine splits itself.
     batches = 1 if run_cfg.strategy.name == "megatron" else plan.accumulation

@@ -13,7 +13,7 @@ from disttrain.config.schema import DeepSpeedConfig
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import ModelFacts
 from disttrain.planner import Layout
-from disttrain.strategies.layout import validate_run, world_layout
+from disttrain.strategies.layout import parallel_layout, validate_run
 from disttrain.strategies.spec import build_strategy
 from disttrain.training.build import build_trainer
 from tests.conftest import compose_train
@@ -37,7 +37,8 @@ def test_bucket_sizes_must_be_whole_elements() -> None:
 
 def test_strategy_and_config_dict(tmp_path: Path) -> None:
     cfg = parsed(["strategy.stage=3", "strategy.param_persistence_threshold=0", "hw.devices_per_node=1"])
-    plan = validate_run(cfg)
+    parallel = parallel_layout(cfg)
+    plan = parallel.batch
     built = build_strategy(cfg, 1, apply_activation_checkpointing)
     from disttrain.strategies.deepspeed import CPUCapableDeepSpeedStrategy
 
@@ -48,7 +49,7 @@ def test_strategy_and_config_dict(tmp_path: Path) -> None:
     assert "offload_optimizer" not in zero and "offload_param" not in zero
     assert built.strategy.config["train_micro_batch_size_per_gpu"] == plan.micro_batch_size
     # One process still gets DeepSpeed when it was asked for (ZeRO changes the optimizer even alone).
-    parts = build_trainer(cfg, world_layout(cfg), plan, built, tmp_path, ModelFacts(1, 1.0))
+    parts = build_trainer(cfg, parallel, built, tmp_path, ModelFacts(1, 1.0))
     assert parts.trainer.strategy is built.strategy
 
 

@@ -12,7 +12,7 @@ from diagnostics.recommend import recommend
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DDPConfig, DeepSpeedConfig, FSDPConfig
 from disttrain.strategies.auto import auto_candidates, layout_of, predict_memory, resolve_auto
-from disttrain.strategies.layout import batch_plan, validate_run, world_layout
+from disttrain.strategies.layout import batch_plan, parallel_layout, validate_run, world_layout
 from tests.conftest import compose_train
 
 LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
@@ -20,7 +20,7 @@ LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "
 
 def memory(overrides: list[str]) -> int:
     cfg = parse_run_config(compose_train(overrides))
-    predicted = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+    predicted = predict_memory(cfg, parallel_layout(cfg))
     assert predicted is not None
     return predicted.total
 
@@ -57,7 +57,7 @@ def test_auto_candidates_offload_only_on_gpus() -> None:
 
 def resolved(overrides: list[str]):
     cfg = parse_run_config(compose_train(["strategy=auto", *overrides]))
-    return resolve_auto(cfg, world_layout(cfg), batch_plan(cfg))
+    return resolve_auto(cfg, parallel_layout(cfg))
 
 
 def test_auto_picks_zero3_with_offload_for_llama70b_on_two_h100_nodes() -> None:

@@ -22,7 +22,7 @@ def two_rank_run() -> tuple[RunConfig, BatchPlan]:
 def test_fewer_ranks_keep_the_global_batch_by_accumulating() -> None:
     cfg, plan = two_rank_run()
     assert (plan.global_batch_size, plan.accumulation) == (8, 1)
-    adapted, note = fit_elastic_world(cfg, plan, launched=1, per_node=1)
+    adapted, _, note = fit_elastic_world(cfg, plan, launched=1, per_node=1)
     new = validate_run(adapted)
     assert (adapted.hw.num_nodes, adapted.hw.devices_per_node) == (1, 1)
     assert (new.global_batch_size, new.micro_batch_size, new.data_parallel_size, new.accumulation) == (8, 4, 1, 2)
@@ -34,7 +34,7 @@ def test_fewer_ranks_keep_the_global_batch_by_accumulating() -> None:
 
 def test_more_nodes_keep_the_global_batch_and_an_impossible_split_is_refused_with_the_key() -> None:
     cfg, plan = two_rank_run()
-    adapted, _ = fit_elastic_world(cfg, plan, launched=4, per_node=2)
+    adapted, _, _ = fit_elastic_world(cfg, plan, launched=4, per_node=2)
     new = validate_run(adapted)
     assert (adapted.hw.num_nodes, adapted.hw.devices_per_node) == (2, 2)
     assert (new.global_batch_size, new.micro_batch_size, new.data_parallel_size, new.accumulation) == (8, 2, 4, 1)

@@ -11,7 +11,7 @@ from disttrain.config.parse import parse_model, parse_run_config
 from disttrain.job.prepare import check_fp8_device
 from disttrain.models.factory import Fp8Linears, _build_reference_model
 from disttrain.models.fp8 import fp8_eligible
-from disttrain.strategies.layout import validate_run
+from disttrain.strategies.layout import parallel_layout, validate_run
 from tests.conftest import compose_train
 
 
@@ -79,9 +79,8 @@ def test_the_head_is_padded_only_for_the_gemm() -> None:
 
 def test_planning_and_auto_pick_only_layouts_fp8_composes_with() -> None:
     from disttrain.strategies.auto import resolve_auto
-    from disttrain.strategies.layout import batch_plan, world_layout
 
     cfg = parse_run_config(compose_train(["precision=fp8", "hw=8xh100", "strategy=auto", "model=llama-1b"]))
-    chosen, _ = resolve_auto(cfg, world_layout(cfg), batch_plan(cfg))
+    chosen, _ = resolve_auto(cfg, parallel_layout(cfg))
     assert chosen.strategy.name in ("ddp", "fsdp")
     validate_run(chosen)

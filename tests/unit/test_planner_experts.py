@@ -14,7 +14,7 @@ from disttrain.planner.plan import plan, plan_layout
 from disttrain.planner.shapes import model_shape
 from disttrain.planner.spec import Layout, Workload
 from disttrain.strategies.auto import expert_parallel_candidates, layout_of, resolve_auto
-from disttrain.strategies.layout import batch_plan, validate_run, world_layout
+from disttrain.strategies.layout import batch_plan, parallel_layout, validate_run, world_layout
 from tests.conftest import compose_train, hw_profile, model_preset
 
 MIXTRAL = model_shape(model_preset("mixtral-8x7b"))
@@ -140,7 +140,7 @@ def test_auto_considers_each_ep_the_run_accepts() -> None:
     six = parse_run_config(compose_train([*base, "model=mixtral-8x7b", "model.num_experts=6"]))
     assert sorted({o.ep for o in expert_parallel_candidates(six)}) == [2]
     assert expert_parallel_candidates(parse_run_config(compose_train([*base, "model=llama-7b"]))) == []
-    _, why = resolve_auto(cfg, world_layout(cfg), batch_plan(cfg))
-    _, dense_why = resolve_auto(six, world_layout(six), batch_plan(six))
+    _, why = resolve_auto(cfg, parallel_layout(cfg))
+    _, dense_why = resolve_auto(six, parallel_layout(six))
     scored = [int(text.split(" of ")[1].split()[0]) for text in (why, dense_why)]
     assert scored[0] - scored[1] == 2 * 5  # 2 more degrees x (2 reshard x 2 recompute + offload) were scored

@@ -24,7 +24,7 @@ from disttrain.strategies.auto import (
     resolve_auto,
     workload,
 )
-from disttrain.strategies.layout import batch_plan, validate_run, world_layout
+from disttrain.strategies.layout import parallel_layout, validate_run, world_layout
 from tests.conftest import compose_train
 
 LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "precision=bf16-mixed"]
@@ -32,7 +32,7 @@ LLAMA7B_8XA100 = ["model=llama-7b", "hw=8xa100", "trainer.micro_batch_size=1", "
 
 def resolved(overrides: list[str]):
     cfg = parse_run_config(compose_train(overrides))
-    return resolve_auto(cfg, world_layout(cfg), batch_plan(cfg))
+    return resolve_auto(cfg, parallel_layout(cfg))
 
 
 def test_auto_on_cpu_is_ddp_and_says_why() -> None:
@@ -46,12 +46,12 @@ def test_auto_for_llama7b_on_8xa100_shards_because_ddp_cannot_fit() -> None:
     assert isinstance(cfg.strategy, FSDPConfig)
     assert "FSDP2" in why and "fit" in why
     ddp = parse_run_config(compose_train(["strategy=ddp", *LLAMA7B_8XA100]))
-    ddp_memory = predict_memory(ddp, world_layout(ddp), validate_run(ddp))
+    ddp_memory = predict_memory(ddp, parallel_layout(ddp))
     with pytest.raises(ConfigError, match="exceeds") as info:
         check_fits(ddp, ddp_memory, check_memory=True)
     assert info.value.key == "strategy" and "check_memory=false" in info.value.fix
     check_fits(ddp, ddp_memory, check_memory=False)  # the user's override launches anyway
-    chosen_memory = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+    chosen_memory = predict_memory(cfg, parallel_layout(cfg))
     assert chosen_memory is not None and chosen_memory.total < ddp_memory.total
     check_fits(cfg, chosen_memory, check_memory=True)
 
@@ -66,7 +66,7 @@ def test_auto_refuses_when_nothing_fits() -> None:
 def test_prediction_follows_the_strategy_options() -> None:
     def total(extra: list[str]) -> int:
         cfg = parse_run_config(compose_train(["strategy=fsdp", *LLAMA7B_8XA100, *extra]))
-        memory = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+        memory = predict_memory(cfg, parallel_layout(cfg))
         assert memory is not None
         return memory.total
 
@@ -77,7 +77,7 @@ def test_prediction_follows_the_strategy_options() -> None:
 def test_no_prediction_for_a_user_model() -> None:
     cfg = parse_run_config(compose_train(["~model", "+model._target_=tests.plugins.BigramModel",
                                           "+model.vocab_size=16", "+model.seq_len=16"]))  # fmt: skip
-    assert predict_memory(cfg, world_layout(cfg), validate_run(cfg)) is None
+    assert predict_memory(cfg, parallel_layout(cfg)) is None
 
 
 def test_auto_chooses_tensor_parallelism_when_only_it_fits() -> None:
@@ -86,8 +86,7 @@ def test_auto_chooses_tensor_parallelism_when_only_it_fits() -> None:
     assert cfg.strategy.name == "megatron" and cfg.strategy.tp > 1 and cfg.strategy.sequence_parallel
     assert "megatron layouts that fit" in why
     # The choice is a runnable config: it validates and its prediction fits.
-    world, batch = world_layout(cfg), validate_run(cfg)
-    memory = predict_memory(cfg, world, batch)
+    memory = predict_memory(cfg, parallel_layout(cfg))
     assert memory is not None and memory.total <= 0.9 * 80 * 2**30
 
 
@@ -110,10 +109,10 @@ def test_megatron_rounds_hold_one_schedule_run_of_activations() -> None:
 
     def activations(extra: list[str]) -> tuple[int, int]:
         cfg = parse_run_config(compose_train([*base, *extra]))
-        plan = validate_run(cfg)
-        memory = predict_memory(cfg, world_layout(cfg), plan)
+        parallel = parallel_layout(cfg)
+        memory = predict_memory(cfg, parallel)
         assert memory is not None
-        return memory.activations, plan.accumulation
+        return memory.activations, parallel.batch.accumulation
 
     one_run, accumulation = activations([])
     four_runs, accumulation_of_four = activations(["trainer.global_batch_size=32"])  # 1 x dp 4 x 2 x 4 rounds
@@ -130,7 +129,7 @@ def test_megatron_prediction_follows_the_data_parallel_type() -> None:
 
     def states(extra: list[str]) -> int:
         cfg = parse_run_config(compose_train([*base, "precision=bf16-mixed", *extra]))
-        memory = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+        memory = predict_memory(cfg, parallel_layout(cfg))
         assert memory is not None
         return memory.params + memory.grads + memory.optimizer_states
 
@@ -153,19 +152,18 @@ def test_auto_on_cpu_with_a_calibration_ranks_layouts_by_measured_speeds() -> No
     cfg = parse_run_config(compose_train(["strategy=auto", "trainer.global_batch_size=32"]))
     for link_gbps in (100.0, 1e-3):
         calibration = cpu_calibration(link_gbps)
-        chosen, why = resolve_auto(cfg, world_layout(cfg), batch_plan(cfg), calibration)
+        chosen, why = resolve_auto(cfg, parallel_layout(cfg), calibration)
         assert "strategy=auto chose" in why and "measured speeds of RUN" in why
-        step = predict_run(chosen, world_layout(chosen), validate_run(chosen), calibration)["predicted"]["step_time_s"]
+        step = predict_run(chosen, parallel_layout(chosen), calibration)["predicted"]["step_time_s"]
         for other in (DDPConfig(), FSDPConfig(), DeepSpeedConfig(stage=3), MegatronConfig(tp=2)):
             alternative = dataclasses.replace(cfg, strategy=other)
-            plan = validate_run(alternative)
-            predicted = predict_run(alternative, world_layout(alternative), plan, calibration)["predicted"]
+            predicted = predict_run(alternative, parallel_layout(alternative), calibration)["predicted"]
             assert step <= predicted["step_time_s"] * (1 + AUTO_TIE), (link_gbps, other)
 
 
 def test_run_prediction_says_which_numbers_it_used_and_why_it_could_not_time_the_step() -> None:
     cfg = parse_run_config(compose_train([]))
-    without = predict_run(cfg, world_layout(cfg), validate_run(cfg), None)
+    without = predict_run(cfg, parallel_layout(cfg), None)
     assert without is not None and "step_time_s" not in without["predicted"]
     assert "peak_tflops" in without["unpredicted"]
     assert without["predicted"]["state_bytes"] == 16 * 1_828_992  # fp32 weights, gradients, two Adam moments
@@ -173,7 +171,7 @@ def test_run_prediction_says_which_numbers_it_used_and_why_it_could_not_time_the
     assert {v for k, v in without["basis"].items() if k not in compute} == {"none"}
     # No parts measured: the compute is FLOPs over a matmul rate, the optimizer step Adam's bytes over bandwidth.
     assert [without["basis"][k] for k in compute] == ["flops", "flops", "memory_bandwidth"]
-    calibrated = predict_run(cfg, world_layout(cfg), validate_run(cfg), cpu_calibration(5.0))
+    calibrated = predict_run(cfg, parallel_layout(cfg), cpu_calibration(5.0))
     assert calibrated is not None and calibrated["basis"]["peak_tflops"] == "measured"
     p = calibrated["predicted"]
     assert p["peak_flops"] == 5.0e10 and p["step_time_s"] > p["compute_s"] > 0 and p["comm_s"] > 0
@@ -190,7 +188,7 @@ def test_a_calibrated_gpu_run_also_says_how_far_off_its_datasheet_alone_was() ->
     calibration = Calibration(
         matmul_flops_per_s={"bf16": 0.6 * 312e12}, links={"intra_node": {"all_gather": 150.0}}, source="RUN"
     )
-    record = predict_run(cfg, world, plan, calibration)
+    record = predict_run(cfg, parallel_layout(cfg), calibration)
     sheet = plan_layout(
         model_shape(reference_shape(cfg.model)), layout_of(cfg.strategy, world, plan), workload(cfg, plan), cfg.hw
     )
@@ -223,7 +221,7 @@ def test_offloaded_states_are_checked_against_the_hosts_memory() -> None:
         "precision=bf16-mixed",
     ]
     cfg = parse_run_config(compose_train(offload))
-    memory = predict_memory(cfg, world_layout(cfg), validate_run(cfg))
+    memory = predict_memory(cfg, parallel_layout(cfg))
     assert memory is not None and 140 * 2**30 < memory.host < 150 * 2**30
     check_fits(cfg, memory, check_memory=True)  # 8 x 145 GiB within 0.9 x 2048 GiB
     usable = 0.9 * 2048 / 8

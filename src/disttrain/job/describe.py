@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from disttrain.config.schema import RunConfig
-from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.strategies.layout import ParallelLayout
 
 
 def _options(obj: object) -> str:
@@ -21,10 +21,8 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def describe_launch(
-    cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, num_parameters: int, flops_per_token: float
-) -> str:
-    hw = cfg.hw
+def describe_launch(cfg: RunConfig, parallel: ParallelLayout, num_parameters: int, flops_per_token: float) -> str:
+    hw, layout, plan = cfg.hw, parallel.world, parallel.batch
     device = "CPU process" if hw.accelerator == "cpu" else f"GPU ({hw.device_type})"
     tokens_per_step = plan.global_batch_size * cfg.model.seq_len
     lines = [

@@ -31,7 +31,7 @@ def should_start_early(prepared: Prepared | None) -> bool:
         return False
     run_cfg = prepared.run_cfg
     return (
-        prepared.layout.world_size > 1
+        prepared.parallel.world_size > 1
         and process_role().starts_the_job
         and not run_cfg.dry_run
         and not run_cfg.trainer.max_restarts
@@ -46,7 +46,7 @@ def maybe_start_local_ranks(
         return None
     assert prepared is not None  # for the type checker: should_start_early refused None
     command = partial(child_command, module_name, list(task_overrides), str(run_dir))
-    ranks = start_local_ranks(prepared.layout.devices_per_node, command, cwd=os.getcwd())
+    ranks = start_local_ranks(prepared.parallel.devices_per_node, command, cwd=os.getcwd())
     _started.append(ranks)
     return ranks
 

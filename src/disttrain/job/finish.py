@@ -16,13 +16,13 @@ from diagnostics.manifest import RunManifest
 from diagnostics.prediction import one_line
 from disttrain.checkpoint.resume import newest_complete
 from disttrain.config.schema import RunConfig
-from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.job.describe import RunResult, describe_result
 from disttrain.job.export import export_final_hf
 from disttrain.job.prediction import predict_and_measure
 from disttrain.job.report import say_report
 from disttrain.launch.env import say
 from disttrain.launch.exit_codes import NONFINITE, RunStopped
+from disttrain.strategies.layout import ParallelLayout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -37,7 +37,7 @@ def conclude(
     run_dir: Path,
     manifest: RunManifest,
     started: float,
-    planned: tuple[WorldLayout, BatchPlan, Calibration | None],
+    planned: tuple[ParallelLayout, Calibration | None],
 ) -> None:
     """Rank 0, every rank done: complete run.json, print the summary and write the report; a non-finite stop
     ends in RunStopped naming the last good checkpoint."""

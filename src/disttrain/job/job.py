@@ -59,7 +59,7 @@ class Job:
             retire_crash_records(self.run_dir)  # a restart runs in the same run dir
             retire_stop_markers(self.run_dir)
         # A 1-process run has no rank to record its death (SIGKILL, the OOM killer): a torch-free process waits on it.
-        alone = self.failures.reports and self.prepared.layout.world_size == 1 and not self.role.supervised
+        alone = self.failures.reports and self.prepared.parallel.world_size == 1 and not self.role.supervised
         watcher = watch_this_process(self.run_dir) if alone else None
         try:
             ranks = self.spawn(early)
@@ -71,13 +71,13 @@ class Job:
     def spawn(self, early: LocalRanks | None) -> LocalRanks | None:
         """Local ranks 1..n-1 as children of this process, watched: one dying stops the job (None: nothing to
         spawn). ``early``: the ranks early_start.py already started (this process then only joins as rank 0)."""
-        if self.prepared.layout.world_size == 1 or self.role.child or self.role.cluster:
+        if self.prepared.parallel.world_size == 1 or self.role.child or self.role.cluster:
             return None
         if early is not None:
             early.become_rank_zero()
             ranks = early
         else:
-            ranks = spawn_local_ranks(self.prepared.layout.devices_per_node, self.command_for_rank, cwd=os.getcwd())
+            ranks = spawn_local_ranks(self.prepared.parallel.devices_per_node, self.command_for_rank, cwd=os.getcwd())
         ranks.agreed_stop = partial(agreed_stop, self.run_dir)  # a rank ending the agreed non-finite stop
 
         def abort(rank: int, code: int) -> None:
@@ -98,12 +98,10 @@ class Job:
 
         run_cfg = self.prepared.run_cfg
         if run_cfg.hw.accelerator == "cpu":
-            local = self.prepared.layout.devices_per_node
+            local = self.prepared.parallel.devices_per_node
             torch.set_num_threads(run_cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // local))
         pl.seed_everything(run_cfg.trainer.seed, workers=True, verbose=False)
-        parts, module, datamodule = build_run(
-            run_cfg, self.prepared.layout, self.prepared.plan, self.run_dir, self.facts
-        )
+        parts, module, datamodule = build_run(run_cfg, self.prepared.parallel, self.run_dir, self.facts)
         if self.role.is_global_zero and parts.diagnostics is not None and parts.diagnostics.on_hang is not None:
             write_report = parts.diagnostics.on_hang
 
@@ -117,12 +115,11 @@ class Job:
     def record(self) -> None:
         """run.json and config.yaml as the run starts (rank 0 writes them; every rank keeps the record)."""
         p = self.prepared
-        world = (p.layout, p.plan)
         record_start(
             self.manifest,
             p.resolved_config(),
             p.run_cfg,
-            world,
+            p.parallel,
             self.facts,
             p.checkpoint,
             self.role.attempt,
@@ -169,5 +166,5 @@ class Job:
                 raise RunStopped(NONFINITE)
             return
         p = self.prepared
-        planned = (p.layout, p.plan, p.calibration)
+        planned = (p.parallel, p.calibration)
         conclude(p.run_cfg, parts, datamodule, self.run_dir, self.manifest, self.started, planned)

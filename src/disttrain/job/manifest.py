@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 
 from diagnostics.manifest import RunManifest, read_manifest
 from disttrain.config.schema import HFDataConfig, RunConfig
-from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.hf import tokenizer_sha256
 from disttrain.job.redaction import redact, redact_yaml_files
 from disttrain.models.factory import ModelFacts
+from disttrain.strategies.layout import ParallelLayout
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def record_start(
     manifest: RunManifest,
     config: dict,
     run_cfg: RunConfig,
-    world: tuple[WorldLayout, BatchPlan],
+    parallel: ParallelLayout,
     facts: ModelFacts,
     checkpoint: Path | None,
     attempt: int,
@@ -69,16 +69,15 @@ def record_start(
 ) -> None:
     """Fill run.json's record of a run about to fit: its command and resolved ``config`` (credentials redacted:
     redaction.py), hardware, world, batch, model, code, where it resumed from and every attempt so far."""
-    layout, plan = world
     manifest.status = "running"
     manifest.command = redact(command_line())
     manifest.config = redact(config)
-    manifest.hw, manifest.world, manifest.batch = run_cfg.hw, layout, plan
+    manifest.hw, manifest.world, manifest.batch = run_cfg.hw, parallel.world, parallel.batch
     manifest.num_parameters, manifest.flops_per_token = facts.num_parameters, facts.flops_per_token
     manifest.versions, manifest.git = versions(), git_commit()
     manifest.resumed_from = str(checkpoint) if checkpoint else None
     manifest.restart_attempt = attempt
-    manifest.attempts = [*attempts_so_far(run_dir, attempt), this_attempt(attempt, layout, plan)]
+    manifest.attempts = [*attempts_so_far(run_dir, attempt), parallel.attempt_record(attempt)]
     manifest.strategy_resolved = run_cfg.strategy
     if isinstance(run_cfg.data, HFDataConfig):
         manifest.tokenizer_sha256 = tokenizer_sha256(run_cfg.data.tokenizer)
@@ -93,15 +92,6 @@ def write_start(manifest: RunManifest, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(manifest.config)))
     redact_yaml_files([run_dir / ".hydra" / name for name in ("config.yaml", "overrides.yaml", "hydra.yaml")])
     manifest.write(run_dir)
-
-
-def this_attempt(attempt: int, layout: WorldLayout, plan: BatchPlan) -> dict[str, int]:
-    return {
-        "attempt": attempt,
-        "world_size": layout.world_size,
-        "global_batch": plan.global_batch_size,
-        "accumulation": plan.accumulation,
-    }
 
 
 def attempts_so_far(run_dir: Path, attempt: int) -> list[dict]:

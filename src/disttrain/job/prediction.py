@@ -13,30 +13,28 @@ from typing import TYPE_CHECKING, Any
 from diagnostics.calibration import Calibration, write_calibration
 from diagnostics.prediction import compare
 from disttrain.config.hf import reference_shape
-from disttrain.config.schema import AutoStrategyConfig, RunConfig
-from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.config.schema import RunConfig
 from disttrain.planner import memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.comm import link_time
 from disttrain.planner.plan import plan_layout
-from disttrain.strategies.auto import layout_of, workload
+from disttrain.strategies.auto import workload
+from disttrain.strategies.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from disttrain.training.build import TrainerParts
 
 
-def predict_run(
-    cfg: RunConfig, world: WorldLayout, batch: BatchPlan, calibration: Calibration | None
-) -> dict[str, Any] | None:
+def predict_run(cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None) -> dict[str, Any] | None:
     """Predicted memory, step time, communication, tokens/s and MFU of this run; None for a user model (the
     planner cannot see its shape). Step-time figures are absent, with the reason, when no peak is known."""
     reference = reference_shape(cfg.model)
-    if reference is None or isinstance(cfg.strategy, AutoStrategyConfig):
+    layout = parallel.mesh
+    if reference is None or layout is None:
         return None
     profile = calibrated_profile(cfg.hw, calibration, cfg.precision.compute_dtype)
     assumptions = assumptions_for(profile)
-    shape, work = model_shape(reference), workload(cfg, batch)
-    layout = layout_of(cfg.strategy, world, batch)
+    shape, work = model_shape(reference), workload(cfg, parallel.batch)
     record: dict[str, Any] = {
         "basis": profile.basis(shape, work),
         "calibration": calibration.source if calibration is not None else None,
@@ -90,18 +88,18 @@ def predict_and_measure(
     run_cfg: RunConfig,
     parts: TrainerParts,
     run_dir: Path,
-    planned: tuple[WorldLayout, BatchPlan, Calibration | None],
+    planned: tuple[ParallelLayout, Calibration | None],
     peak_memory_bytes: int,
 ) -> dict | None:
     """The planner's prediction for this run (with this run's own start-up calibration, else ``calibration=``,
     else datasheet numbers) beside what rank 0 measured; writes RUN_DIR/calibration.json when it measured any."""
-    layout, plan, given = planned
+    parallel, given = planned
     own = write_calibration(run_dir) if run_cfg.diagnostics.enabled and run_cfg.diagnostics.calibrate else None
-    record = predict_run(run_cfg, layout, plan, own or given)
+    record = predict_run(run_cfg, parallel, own or given)
     if record is None:
         return None
     measured: dict = {}
-    tokens_per_step = plan.global_batch_size * run_cfg.model.seq_len
+    tokens_per_step = parallel.batch.global_batch_size * run_cfg.model.seq_len
     # The median step, as the telemetry's figure is (the report replaces this one): a whole-run mean carries
     # every burst of other work on a shared machine.
     step_time_s = parts.throughput.step_time_p50_s

@@ -34,7 +34,7 @@ from disttrain.job.claim import RUN_MARKERS, holder, refuse_taken
 from disttrain.launch.env import process_role
 from disttrain.planner import MemoryBreakdown
 from disttrain.strategies.auto import check_fits, predict_memory, resolve_auto
-from disttrain.strategies.layout import validate_run, world_layout
+from disttrain.strategies.layout import ParallelLayout, parallel_layout, world_layout
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,7 @@ class Prepared:
 
     cfg: DictConfig
     run_cfg: RunConfig
-    layout: WorldLayout
-    plan: BatchPlan
+    parallel: ParallelLayout  # world, batch plan and mesh degrees, derived once (strategies/layout.py)
     auto_reason: str | None
     resume: ResumePoint | None
     attempt: int
@@ -86,14 +85,14 @@ def fit_default_warmup(run_cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
 
 
 def resolve_strategy(
-    run_cfg: RunConfig, plan: BatchPlan, calibration: Calibration | None = None
-) -> tuple[RunConfig, BatchPlan, str | None]:
+    run_cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None = None
+) -> tuple[RunConfig, ParallelLayout, str | None]:
     """``strategy=auto`` replaced by the layout the planner picks, validated again as that strategy."""
     if not isinstance(run_cfg.strategy, AutoStrategyConfig):
-        return run_cfg, plan, None
-    run_cfg, reason = resolve_auto(run_cfg, world_layout(run_cfg), plan, calibration)
+        return run_cfg, parallel, None
+    run_cfg, reason = resolve_auto(run_cfg, parallel, calibration)
     run_cfg = with_compile_decided(run_cfg)
-    return run_cfg, validate_run(run_cfg), reason
+    return run_cfg, parallel_layout(run_cfg), reason
 
 
 def _override_key(override: str) -> str:
@@ -175,7 +174,9 @@ def launched_per_node(launched: int) -> int:
     return launched
 
 
-def fit_elastic_world(run_cfg: RunConfig, plan: BatchPlan, launched: int, per_node: int) -> tuple[RunConfig, str]:
+def fit_elastic_world(
+    run_cfg: RunConfig, plan: BatchPlan, launched: int, per_node: int
+) -> tuple[RunConfig, ParallelLayout, str]:
     """A restart (torchrun ``--nnodes=min:max``, a requeued SLURM job) that found ``launched`` ranks instead of the
     configured world: the same run on the new world, at the same global batch (the accumulation adapts), so its
     losses stay comparable and its checkpoint resumes exactly there (universal checkpoints)."""
@@ -187,7 +188,7 @@ def fit_elastic_world(run_cfg: RunConfig, plan: BatchPlan, launched: int, per_no
     trainer = dataclasses.replace(run_cfg.trainer, global_batch_size=plan.global_batch_size, micro_batch_size=micro)
     adapted = dataclasses.replace(run_cfg, hw=hw, trainer=trainer)
     try:
-        new_plan = validate_run(adapted)
+        parallel = parallel_layout(adapted)
     except ConfigError as err:
         raise ConfigError(
             err.key,
@@ -195,12 +196,13 @@ def fit_elastic_world(run_cfg: RunConfig, plan: BatchPlan, launched: int, per_no
             f"batch of {plan.global_batch_size} on them ({err.problem})",
             err.fix,
         ) from None
+    new_plan = parallel.batch
     note = (
         f"elastic restart: the launcher started {launched} ranks (the run had {run_cfg.hw.world_size}); training on "
         f"{hw.num_nodes} x {per_node} at the same global batch {new_plan.global_batch_size} = micro "
         f"{new_plan.micro_batch_size} x dp {new_plan.data_parallel_size} x accumulation {new_plan.accumulation}"
     )
-    return adapted, note
+    return adapted, parallel, note
 
 
 def check_world_size(layout: WorldLayout) -> None:
@@ -254,27 +256,25 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
     if point is not None and run_dir is not None and run_dir_of(point.checkpoint) == run_dir.resolve():
         # A restart continues its own run, whose optimizer state is this run's: resume_weights_only was for the start.
         run_cfg = dataclasses.replace(run_cfg, resume_weights_only=False)
-    plan = validate_run(run_cfg)
+    parallel = parallel_layout(run_cfg)
     tokenize_corpus(run_cfg)  # data=hf: once, before launch; the ranks then only map the cache
     calibration = load_calibration(run_cfg.calibration)
-    run_cfg, plan, auto_reason = resolve_strategy(run_cfg, plan, calibration)
-    layout = world_layout(run_cfg)
+    run_cfg, parallel, auto_reason = resolve_strategy(run_cfg, parallel, calibration)
     launched = launched_by_cluster()
     elastic_note = None
-    if attempt > 0 and point is not None and launched is not None and launched != layout.world_size:
-        run_cfg, elastic_note = fit_elastic_world(run_cfg, plan, launched, launched_per_node(launched))
-        plan, layout = validate_run(run_cfg), world_layout(run_cfg)
-    check_world_size(layout)
+    if attempt > 0 and point is not None and launched is not None and launched != parallel.world_size:
+        run_cfg, parallel, elastic_note = fit_elastic_world(
+            run_cfg, parallel.batch, launched, launched_per_node(launched)
+        )
+    check_world_size(parallel.world)
     if point is not None:
         from disttrain.checkpoint.shapes import check_checkpoint_fits_model  # imports torch: only on resume
 
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
-        check_strategy_can_read(point.checkpoint, run_cfg.strategy.name, layout.world_size)
+        check_strategy_can_read(point.checkpoint, run_cfg.strategy.name, parallel.world_size)
         check_resumed_tokenizer(point, run_cfg)
-    memory = predict_memory(run_cfg, layout, plan)
-    return Prepared(
-        cfg, run_cfg, layout, plan, auto_reason, point, attempt, memory, warmup_note, calibration, elastic_note
-    )
+    memory = predict_memory(run_cfg, parallel)
+    return Prepared(cfg, run_cfg, parallel, auto_reason, point, attempt, memory, warmup_note, calibration, elastic_note)
 
 
 def check_resumed_tokenizer(point: ResumePoint, run_cfg: RunConfig) -> None:

@@ -77,8 +77,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     job = Job(
         prepared, facts, run_dir, role, started, partial(child_command, module_name, task_overrides, str(run_dir))
     )
-    world = {"world_size": prepared.layout.world_size, "global_batch": prepared.plan.global_batch_size,
-             "accumulation": prepared.plan.accumulation}  # fmt: skip
+    world = {"world_size": prepared.parallel.world_size, "global_batch": prepared.parallel.batch.global_batch_size,
+             "accumulation": prepared.parallel.batch.accumulation}  # fmt: skip
     with slurm_attempt(run_dir, role.is_global_zero, prepared.checkpoint, world):  # under SLURM: rendezvous, requeue
         job.run()
     return objective_value(run_dir, run_cfg.objective) if role.is_global_zero else None
@@ -88,7 +88,7 @@ def announce(prepared: Prepared, facts: ModelFacts) -> None:
     """The launch lines: layout, batch and model, then what prepare decided for the user (warmup, elastic world,
     the auto strategy's pick) and the predicted memory."""
     run_cfg = prepared.run_cfg
-    say(describe_launch(run_cfg, prepared.layout, prepared.plan, facts.num_parameters, facts.flops_per_token))
+    say(describe_launch(run_cfg, prepared.parallel, facts.num_parameters, facts.flops_per_token))
     for note in (prepared.warmup_note, prepared.elastic_note, prepared.auto_reason):
         if note:
             say(note)

@@ -18,7 +18,6 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.experts import validate_expert_parallel
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
-    AutoStrategyConfig,
     DDPConfig,
     DeepSpeedConfig,
     FSDPConfig,
@@ -32,6 +31,7 @@ from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.candidates import megatron_layouts
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, host_memory_limit, memory_limit, plan_layout
 from disttrain.planner.spec import MEGATRON_DP_TYPES
+from disttrain.strategies.layout import ParallelLayout
 from disttrain.strategies.spec import spec_of
 
 GIB = 2**30
@@ -48,13 +48,14 @@ def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) ->
     return spec_of(strategy).planner_layout(world.data_parallel_size, batch.accumulation)
 
 
-def predict_memory(cfg: RunConfig, world: WorldLayout, batch: BatchPlan) -> MemoryBreakdown | None:
-    """Predicted peak bytes per device for this run, or None for a user model the planner cannot see into."""
+def predict_memory(cfg: RunConfig, parallel: ParallelLayout) -> MemoryBreakdown | None:
+    """Predicted peak bytes per device for this run, or None for a user model the planner cannot see into (or an
+    unresolved strategy=auto)."""
     shape = reference_shape(cfg.model)
-    if shape is None or isinstance(cfg.strategy, AutoStrategyConfig):
+    if shape is None or parallel.mesh is None:
         return None
-    layout = layout_of(cfg.strategy, world, batch)
-    return memory_per_gpu(model_shape(shape), layout, workload(cfg, batch), DEFAULT_ASSUMPTIONS.flash_attention)
+    work = workload(cfg, parallel.batch)
+    return memory_per_gpu(model_shape(shape), parallel.mesh, work, DEFAULT_ASSUMPTIONS.flash_attention)
 
 
 def describe_memory(cfg: RunConfig, memory: MemoryBreakdown) -> str:
@@ -180,7 +181,7 @@ def megatron_candidates(cfg: RunConfig, batch: BatchPlan) -> list[tuple[Megatron
 
 
 def resolve_auto(
-    cfg: RunConfig, world: WorldLayout, batch: BatchPlan, calibration: Calibration | None = None
+    cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None = None
 ) -> tuple[RunConfig, str]:
     """Replace ``strategy=auto`` by the fastest predicted layout that fits; returns the new config and why.
 
@@ -190,6 +191,7 @@ def resolve_auto(
     reference = reference_shape(cfg.model)
     if reference is None:
         return ddp, "a user model: the planner cannot size it, using ddp"
+    world, batch = parallel.world, parallel.batch
     shape, work = model_shape(reference), workload(cfg, batch)
     profile = calibrated_profile(cfg.hw, calibration, cfg.precision.compute_dtype)
     assumptions = assumptions_for(profile)

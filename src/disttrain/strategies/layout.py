@@ -1,5 +1,6 @@
-"""The run's parallel layout: the world, its data-parallel size and the batch plan, derived from the config by
-the strategy's rules (``strategies.spec``), and ``validate_run``: every check of a run, the strategy's included.
+"""The run's parallel layout (``ParallelLayout``): the world, the batch plan and the mesh degrees, derived once from
+the config by the strategy's rules (``strategies.spec``), and ``validate_run``: every check of a run, the
+strategy's included.
 
 Above config/ on purpose: config checks each group and the fields across groups; how many ranks share the data
 and how a global batch splits into micro-batches is the strategy's to say (Megatron's tp x pp ranks hold one
@@ -8,10 +9,56 @@ replica; a pipeline runs several micro-batches per step).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import RunConfig
+from disttrain.config.schema import AutoStrategyConfig, RunConfig
 from disttrain.config.validate import BatchPlan, WorldLayout, validate_data_fits, validate_fields
+from disttrain.planner import Layout
 from disttrain.strategies.spec import spec_of
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one run splits over its world, in the spirit of torchtitan's ``ParallelDims``: built once by ``prepare``
+    and handed down to the build, the manifest, the prediction and the launch lines.
+
+    ``mesh`` is the planner's strategy-neutral description (dp, tp, pp, ep, the shard group, micro-batches per
+    step): what the memory and time formulas read, and what the run's FSDP2 and tensor-parallel facts derive from.
+    """
+
+    world: WorldLayout
+    batch: BatchPlan
+    mesh: Layout | None  # None only for strategy=auto, before prepare resolves it to a concrete layout
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.world.devices_per_node
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.mesh.tp if self.mesh is not None else 1
+
+    @property
+    def fsdp_shard_ranks(self) -> int:
+        """Ranks the run's FSDP2 units shard over: strategy=fsdp's, and strategy=megatron's data parallelism, which
+        wraps its chunks in FSDP2 whatever its degree (1 under tp- or pp-only layouts); 0 for runs without FSDP2."""
+        if self.mesh is None or self.mesh.strategy not in ("fsdp", "megatron"):
+            return 0
+        return self.mesh.dp_shard
+
+    def attempt_record(self, attempt: int) -> dict[str, int]:
+        """What run.json lists per attempt: a restart may train on another world (elastic), at the same batch."""
+        return {
+            "attempt": attempt,
+            "world_size": self.world_size,
+            "global_batch": self.batch.global_batch_size,
+            "accumulation": self.batch.accumulation,
+        }
 
 
 def world_layout(cfg: RunConfig) -> WorldLayout:
@@ -49,3 +96,15 @@ def validate_run(cfg: RunConfig) -> BatchPlan:
     plan = batch_plan(cfg)
     validate_data_fits(cfg, plan)
     return plan
+
+
+def parallel_layout(cfg: RunConfig) -> ParallelLayout:
+    """Every check of the run (``validate_run``), then its layout: the one place a run's world, batch plan and mesh
+    are derived."""
+    batch = validate_run(cfg)
+    world = world_layout(cfg)
+    if isinstance(cfg.strategy, AutoStrategyConfig):
+        return ParallelLayout(world, batch, None)
+    return ParallelLayout(
+        world, batch, spec_of(cfg.strategy).planner_layout(world.data_parallel_size, batch.accumulation)
+    )

@@ -23,14 +23,13 @@ from diagnostics.report import diagnose_run
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
-    FSDPConfig,
     HFModelConfig,
     LoggerConfig,
     MegatronConfig,
     ModelConfig,
     RunConfig,
 )
-from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.config.validate import BatchPlan
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
@@ -41,9 +40,8 @@ from disttrain.models.probe_parts import hf_model_parts, model_parts
 from disttrain.models.tensor_parallel import tp_probe_parts
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
-from disttrain.strategies.auto import layout_of
 from disttrain.strategies.ddp import build_one_process
-from disttrain.strategies.layout import world_layout
+from disttrain.strategies.layout import ParallelLayout
 from disttrain.strategies.spec import StrategyBuild, spec_of
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.live_metrics import LiveMetrics
@@ -121,23 +119,15 @@ def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     return None
 
 
-def fsdp_shard_ranks(cfg: RunConfig, plan: BatchPlan) -> int:
-    """Ranks the run's FSDP2 units shard over: strategy=fsdp's, and strategy=megatron's data parallelism, which
-    wraps its chunks in FSDP2 whatever its degree (1 under tp- or pp-only layouts); 0 for runs without FSDP2."""
-    if not isinstance(cfg.strategy, FSDPConfig | MegatronConfig):
-        return 0
-    return layout_of(cfg.strategy, world_layout(cfg), plan).dp_shard
-
-
 def report_hang(run_dir: Path, hang: dict) -> None:
     """What the watchdog does once it declared a hang: the report, from the telemetry written so far."""
     diagnose_run(run_dir)
 
 
 def build_diagnostics(
-    cfg: RunConfig, plan: BatchPlan, facts: ModelFacts, run_dir: Path, throughput: Throughput
+    cfg: RunConfig, parallel: ParallelLayout, facts: ModelFacts, run_dir: Path, throughput: Throughput
 ) -> DiagnosticsCallback:
-    d = cfg.diagnostics
+    d, plan = cfg.diagnostics, parallel.batch
     settings = CollectSettings(
         step_every=d.step_every,
         gather_every=d.gather_every,
@@ -169,12 +159,12 @@ def build_diagnostics(
         seq_len=cfg.model.seq_len,
         max_steps=cfg.trainer.max_steps,
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
-        tp=getattr(cfg.strategy, "tp", 1) if cfg.strategy.name == "megatron" else 1,
+        tp=parallel.tensor_parallel,
         d_model=shape.d_model if shape is not None else 0,
         tp_probe=tp_probe(cfg),
         parts_probe=parts_probe(cfg),
         collectives_off_thread=collectives_off_thread(cfg),
-        fsdp_shard_ranks=fsdp_shard_ranks(cfg, plan),
+        fsdp_shard_ranks=parallel.fsdp_shard_ranks,
     )
     return DiagnosticsCallback(
         settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=functools.partial(report_hang, run_dir)
@@ -182,9 +172,9 @@ def build_diagnostics(
 
 
 def build_trainer(
-    cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, strategy: StrategyBuild, run_dir: Path, facts: ModelFacts
+    cfg: RunConfig, parallel: ParallelLayout, strategy: StrategyBuild, run_dir: Path, facts: ModelFacts
 ) -> TrainerParts:
-    t = cfg.trainer
+    t, layout, plan = cfg.trainer, parallel.world, parallel.batch
     ckpt_dir = run_dir / "checkpoints"
     spec = spec_of(cfg.strategy)
     # Where torch clips by the global norm, the non-finite guard does it with the norm it computes anyway.
@@ -199,7 +189,7 @@ def build_trainer(
     )
     progress = build_progress(t.max_steps, t.log_every_n_steps, throughput)
     callbacks = [*reliability.callbacks, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
-    diagnostics = build_diagnostics(cfg, plan, facts, run_dir, throughput) if cfg.diagnostics.enabled else None
+    diagnostics = build_diagnostics(cfg, parallel, facts, run_dir, throughput) if cfg.diagnostics.enabled else None
     if diagnostics is not None:
         callbacks.append(diagnostics)
         reliability.guard.record = diagnostics.write  # a non-finite step shows in this rank's telemetry
@@ -249,12 +239,12 @@ def build_trainer(
 
 
 def build_run(
-    cfg: RunConfig, layout: WorldLayout, plan: BatchPlan, run_dir: Path, facts: ModelFacts
+    cfg: RunConfig, parallel: ParallelLayout, run_dir: Path, facts: ModelFacts
 ) -> tuple[TrainerParts, LanguageModelModule, pl.LightningDataModule]:
     """Everything ``trainer.fit`` needs: the Trainer and its callbacks, the module, the datamodule."""
     spec = spec_of(cfg.strategy)
-    strategy = spec.build(cfg, layout.world_size, apply_activation_checkpointing)
-    module = spec.build_module(cfg, plan.accumulation, strategy, facts)
-    datamodule = build_datamodule(cfg, plan)
-    parts = build_trainer(cfg, layout, plan, strategy, run_dir, facts)
+    strategy = spec.build(cfg, parallel.world_size, apply_activation_checkpointing)
+    module = spec.build_module(cfg, parallel.batch.accumulation, strategy, facts)
+    datamodule = build_datamodule(cfg, parallel.batch)
+    parts = build_trainer(cfg, parallel, strategy, run_dir, facts)
     return parts, module, datamodule
