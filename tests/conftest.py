@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
+from tests.scheduling import auto_workers, held, mark_exclusive_users_of_timed_runs
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -110,8 +112,22 @@ def tiny_run_args() -> list[str]:
     ]
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject): two workers at most (tests/scheduling.py)."""
+    return auto_workers()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under xdist an ``exclusive`` test runs alone, every other one beside at most one more (tests/scheduling.py)."""
+    with held(exclusive=item.get_closest_marker("exclusive") is not None):
+        yield
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run only where CUDA is present (a lent GPU machine), and are skipped here."""
+    """The straggler run's users are exclusive (tests/scheduling.py); tests marked ``gpu`` run only where CUDA is
+    present (a lent GPU machine), and are skipped here."""
+    mark_exclusive_users_of_timed_runs(items)
     import torch
 
     if torch.cuda.is_available():

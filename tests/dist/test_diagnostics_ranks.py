@@ -15,7 +15,7 @@ from tests.conftest import REPO, run_cli
 from tests.diag_fixtures import slice_steps
 from tests.plugins import PHASE_FIRST_STEP, PHASE_SEGMENT_STEPS, SLOW_PHASES, phase_plan
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.exclusive]  # diagnoses where time goes: run alone
 
 STEPS = PHASE_FIRST_STEP + len(SLOW_PHASES) * 2 * PHASE_SEGMENT_STEPS + 4
 PHASE_RUN = [

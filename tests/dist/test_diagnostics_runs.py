@@ -52,6 +52,7 @@ def findings(report: dict, kind: str) -> list[dict]:
     return [f for f in report["findings"] if f["kind"] == kind]
 
 
+@pytest.mark.exclusive  # a diagnosis of where the time goes: run alone
 def test_slow_datamodule_is_input_bound_with_a_workers_override(tmp_path: Path) -> None:
     report = report_of([*SHORT, *USER_MODEL[:-1], "+data._target_=tests.plugins.SlowCountingData",
                         "+model._target_=tests.plugins.BigramModel"], tmp_path)  # fmt: skip
@@ -73,6 +74,7 @@ def test_sleeping_rank_is_named_as_straggler_although_ddp_equalizes_step_times(s
     assert not findings(report, "input_bound")
 
 
+@pytest.mark.exclusive
 def test_big_gradients_over_tiny_batches_are_comm_bound(tmp_path: Path) -> None:
     args = [*SHORT, "trainer.max_steps=25", "trainer.micro_batch_size=1", *USER_MODEL,
             "+model._target_=tests.plugins.WideModel", "optimizer.lr=1e-3"]  # fmt: skip

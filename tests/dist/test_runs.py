@@ -25,6 +25,7 @@ def run_ok_with_stderr(args: list[str], cwd: Path) -> tuple[str, str]:
     return result.stdout, result.stderr
 
 
+@pytest.mark.exclusive  # a healthy run raises no alarm: run alone
 def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) -> None:
     run_dir = tmp_path / "default"
     out, err = run_ok_with_stderr([f"hydra.run.dir={run_dir}"], cwd=tmp_path)
@@ -132,6 +133,8 @@ def text_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]
     return tmp / "run", args
 
 
+# text_run's users run alone: the first one launches it, and its logged windows are compared with its rate.
+@pytest.mark.exclusive
 def test_second_run_in_the_same_dir_is_refused_and_leaves_the_first_intact(text_run: tuple[Path, list[str]]) -> None:
     run_dir, args = text_run
     before = (run_dir / "run.json").read_text()
@@ -141,6 +144,7 @@ def test_second_run_in_the_same_dir_is_refused_and_leaves_the_first_intact(text_
     assert (run_dir / "run.json").read_text() == before
 
 
+@pytest.mark.exclusive
 def test_text_file_with_tensorboard_logger(text_run: tuple[Path, list[str]]) -> None:
     run_dir, _ = text_run
     result = read_manifest(run_dir)["result"]
@@ -149,6 +153,7 @@ def test_text_file_with_tensorboard_logger(text_run: tuple[Path, list[str]]) -> 
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.exclusive
 def test_tensorboard_gets_every_group_and_the_report(text_run: tuple[Path, list[str]]) -> None:
     """What the console and the report know is in the event file while the run goes, and the report at its end."""
     run_dir, _ = text_run

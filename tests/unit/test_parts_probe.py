@@ -18,6 +18,8 @@ from disttrain.planner.measured import MeasuredParts
 from disttrain.planner.shapes import model_shape
 from tests.conftest import model_preset
 
+pytestmark = pytest.mark.exclusive  # upper bounds on timed parts: run alone
+
 TINY = dataclasses.replace(model_preset("gpt-nano"), n_layers=2, d_model=32, n_heads=2, ffn_hidden=64, seq_len=32)
 
 
