@@ -134,6 +134,22 @@ def _larger_micro(ctx: RunContext) -> list[Recommendation]:
     ]
 
 
+def share_hidden_by_workers(wait: float, current: int, workers: int) -> float:
+    """The share of a data wait (``wait``: its share of the step) that ``workers`` loader processes per rank hide.
+
+    Loading in the training process (``current`` 0) is serial: a batch takes the whole wait to load. With ``current``
+    workers the loader delivers a batch per step, so each worker takes ``current`` steps per batch. ``workers``
+    deliver one every load / workers, overlapped with the rest of the step: what remains of the wait is
+    load / workers - rest (none once the workers keep up). A 0.3 s loader under a 0.03 s step (wait 0.91): two
+    workers leave 0.12 s of it, the step 0.15 s instead of 0.33 s, +120% tokens/s, not the whole wait's +1000%."""
+    if wait <= 0:
+        return 0.0
+    rest = 1.0 - wait
+    load = wait if current == 0 else float(current)  # one batch's loading, in steps
+    left = max(0.0, load / workers - rest)
+    return max(0.0, min(1.0, (wait - left) / wait))
+
+
 def for_input_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     key = "data.num_workers" if ctx.has("data.num_workers") or not ctx.config else "+data.num_workers"
     current = ctx.get("data.num_workers") or 0
@@ -146,7 +162,13 @@ def for_input_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     why = f"batches are produced {now}; {workers} workers per rank load ahead while the current batch trains"
     if not key.startswith("data."):
         why += " (passed to your datamodule's constructor)"
-    hidden = gain(finding, ALL_OF_IT, "the slowest rank's data wait, hidden if the workers keep up")
+    share = share_hidden_by_workers(finding.cost_fraction, current, workers)
+    basis = (
+        f"the slowest rank's data wait as far as {workers} workers per rank keep up: each loads a batch in the time "
+        f"the training process did{'' if current == 0 else f' with {current} worker(s)'}, overlapped with the rest "
+        "of the step"
+    )
+    hidden = gain(finding, share, basis)
     recs = [_rec(key, workers, why, f"up to {wait:.0%} shorter steps if loading parallelizes").gaining(hidden)]
     if ctx.on_gpu and ctx.get("data.pin_memory") is False:
         why = "page-locked host batches copy to the GPU asynchronously"

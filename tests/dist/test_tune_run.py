@@ -1,5 +1,5 @@
-"""``python -m tune`` for real: training runs (an input-bound loader), the interleaved A/B of the loader lever, the
-keep rule's loss comparison over the same steps, the next round diagnosed from the kept arm's runs.
+"""``python -m tune`` for real: two-rank training runs (an input-bound loader), the interleaved A/B of the loader
+lever, the keep rule's loss comparison over the same steps, the next round diagnosed from the kept arm's runs.
 
 The A/B is ``diagnostics.ab.run_ab``, the one ``python -m diagnose RUN --ab --run`` runs (its command line, console
 and report links: tests/configs/test_diagnose_cli.py, over fake arms): its verdict is checked here against the real
@@ -24,12 +24,12 @@ from tests.dist.test_diagnostics_runs import SHORT, USER_MODEL
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-# One process and 20 steps keep each run to a few seconds; the loader sleeps per item, so workers help.
+# Two ranks (the default) and 20 steps keep each run to a few seconds; each rank's loader sleeps per item, so
+# workers help.
 TINY_INPUT_BOUND = [
     *SHORT,
     "trainer.max_steps=20",
     "trainer.val_every_n_steps=20",
-    "hw.devices_per_node=1",
     "diagnostics.profile=false",
     *USER_MODEL[:-1],
     "+data._target_=tests.plugins.SlowLoaderData",
@@ -75,7 +75,7 @@ def test_tune_two_rounds_of_a_real_input_bound_run(tmp_path: Path) -> None:
     )
     entries = ledger.read(tmp_path / ledger.LEDGER)
     assert [e["override"] for e in entries] == [r["override"] for r in rounds]
-    assert all(e["source"] == "tune" and e["context"]["world_size"] == 1 for e in entries)
+    assert all(e["source"] == "tune" and e["context"]["world_size"] == 2 for e in entries)
     assert f"tune: summary {out / 'tune' / 'summary.md'}" in result.stdout
 
 

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from diagnostics.analysis import Finding, analyse
 from diagnostics.analysis.context import RunContext, hydra_value
-from diagnostics.recommend import ab_tests, recommend, recommend_all
+from diagnostics.recommend import ab_tests, recommend, recommend_all, share_hidden_by_workers
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import BatchPlan
 from disttrain.strategies.layout import validate_run
@@ -76,6 +76,39 @@ def test_num_workers_grows_from_the_current_value() -> None:
     assert [r.override for r in recs] == ["data.num_workers=8", "data.pin_memory=true"]  # 16 cores / 2 ranks
     grown = recommend(_input_bound(), _ctx(data={"name": "synthetic", "num_workers": 8, "pin_memory": True}))
     assert [r.override for r in grown] == ["data.num_workers=16"]
+
+
+@pytest.mark.parametrize(
+    ("load_s", "rest_s", "current", "workers"),
+    [(0.3, 0.03, 0, 2), (0.3, 0.03, 0, 8), (0.05, 0.2, 0, 2), (0.6, 0.05, 2, 4), (0.12, 0.1, 1, 2), (1.0, 0.5, 4, 8)],
+)
+def test_workers_are_expected_to_hide_what_a_pipelined_loader_would(
+    load_s: float, rest_s: float, current: int, workers: int
+) -> None:
+    """The expected saving is the step a loader of ``workers`` processes gives: a batch every load/workers, overlapped
+    with the rest of the step; from in-process loading (serial) or from ``current`` workers (one batch per step)."""
+
+    def step(n: int) -> float:
+        return load_s + rest_s if n == 0 else max(rest_s, load_s / n)
+
+    before, after = step(current), step(workers)
+    wait = 1 - rest_s / before
+    saved = share_hidden_by_workers(wait, current, workers) * wait
+    assert saved == pytest.approx(1 - after / before)
+
+
+def test_the_workers_expected_gain_is_the_share_they_hide_not_the_whole_wait() -> None:
+    """A 0.3 s loader that waits (its thread idle) under a 0.03 s step, 2 ranks x 1 thread on 2 cores
+    (benchmarks/tune_accuracy.py's input-bound case, measured x2.19 with 2 workers): two workers per rank are
+    expected to save ~55% of the step (+120% tokens/s), not the whole 91% wait (+1000%)."""
+    wait = 0.3 / 0.33
+    evidence = {"data_wait_fraction": {0: wait}, "data_cpu_share": {0: 0.02}}
+    finding = Finding("input_bound", "critical", [0], evidence, "slow data", cost={"fraction": wait, "basis": "wait"})
+    config = {"data": {"name": "synthetic", "num_workers": 0}, "hw": {"accelerator": "cpu", "devices_per_node": 2}}
+    (rec, *_) = recommend(finding, RunContext(config, {}, cpu_count=2, num_threads=1, ranks_per_host=2))
+    assert rec.override == "data.num_workers=2"
+    assert rec.expected_gain["fraction"] == pytest.approx(1 - 0.15 / 0.33, abs=1e-4)
+    assert "2 workers per rank keep up" in rec.expected_gain["basis"]
 
 
 def test_custom_datamodule_gets_the_worker_count_as_a_new_key() -> None:
