@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
-from tests.scheduling import auto_workers, held, mark_exclusive_users_of_timed_runs
+from tests.scheduling import auto_workers, heaviest_files_first, held, mark_exclusive_users_of_timed_runs
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -125,8 +125,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The straggler run's users are exclusive (tests/scheduling.py); tests marked ``gpu`` run only where CUDA is
-    present (a lent GPU machine), and are skipped here."""
+    """The heaviest files first and the straggler run's users exclusive (tests/scheduling.py); tests marked ``gpu``
+    run only where CUDA is present (a lent GPU machine), and are skipped here."""
+    heaviest_files_first(items)
     mark_exclusive_users_of_timed_runs(items)
     import torch
 

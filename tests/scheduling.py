@@ -8,6 +8,9 @@ report and teardown after, the hang watchdogs' timeouts, the unit tests. Two wor
   ``loadgroup`` would be finer, but with pytest 9 it no longer sees the groups: xdist 3.8 renames ``_nodeid``). (The
   straggler run ``sleepy_rank_run`` is a session fixture of three files: a worker that gets one of them launches
   it for itself.)
+- **Longest first**: files that launch runs go first, heaviest first (a weight per test from its marks), and the
+  many quick unit and config tests last, where they fill whichever worker finishes first (xdist's own order, most
+  tests first, put them first and left one worker alone with the SLURM tests at the end).
 - **Exclusive tests**: a test marked ``exclusive`` reads wall-clock time (a diagnosis of where a run's time goes, a
   healthy run with no alarm, an upper bound on a timed part): it runs alone. Every test holds a shared lock for
   its whole protocol (setup, call, teardown) and an exclusive test the exclusive one; a turnstile taken before
@@ -62,6 +65,29 @@ def mark_exclusive_users_of_timed_runs(items: list[pytest.Item]) -> None:
     for item in items:
         if SHARED_TIMED_RUN in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.exclusive)
+
+
+# Rough seconds per test by its marks (measured: a launch is 8-12 s, a SLURM job ~25 s; unit tests milliseconds):
+# only the order of files depends on them.
+MARK_SECONDS = {"slurm": 25.0, "slow": 12.0, "dist": 8.0}
+
+
+def weight(item: pytest.Item) -> float:
+    return max((seconds for mark, seconds in MARK_SECONDS.items() if item.get_closest_marker(mark)), default=0.0)
+
+
+def heaviest_files_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: files by their summed weight, heaviest first (ties by path), each file's tests in
+    their own order. Deterministic, as xdist needs every worker to collect the same order."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(file_of(item), []).append(item)
+    order = sorted(files, key=lambda f: (-sum(weight(i) for i in files[f]), f))
+    items[:] = [item for f in order for item in files[f]]
+
+
+def file_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 def auto_workers() -> int:

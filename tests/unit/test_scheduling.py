@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.scheduling import SHARED_TIMED_RUN, held, mark_exclusive_users_of_timed_runs
+from tests.scheduling import SHARED_TIMED_RUN, heaviest_files_first, held, mark_exclusive_users_of_timed_runs
 
 
 def test_an_exclusive_holder_waits_for_the_shared_one_and_then_keeps_later_ones_out(monkeypatch) -> None:
@@ -80,6 +80,9 @@ class FakeItem:
     def add_marker(self, marker: pytest.MarkDecorator) -> None:
         self.marks.append(marker.mark)
 
+    def get_closest_marker(self, name: str) -> pytest.Mark | None:
+        return next((m for m in self.marks if m.name == name), None)
+
 
 def test_the_tests_reading_the_timed_shared_run_are_exclusive() -> None:
     items = [
@@ -88,3 +91,30 @@ def test_the_tests_reading_the_timed_shared_run_are_exclusive() -> None:
     ]
     mark_exclusive_users_of_timed_runs(items)  # type: ignore[arg-type]
     assert [[m.name for m in item.marks] for item in items] == [[], ["exclusive"]]
+
+
+def test_files_that_launch_runs_go_first_heaviest_first_each_in_its_own_order() -> None:
+    def item(nodeid: str, *marks: str) -> FakeItem:
+        return FakeItem(nodeid, marks=[getattr(pytest.mark, m).mark for m in marks])
+
+    items = [
+        item("tests/configs/test_a.py::test_1"),
+        item("tests/dist/test_b.py::test_1", "dist"),
+        item("tests/dist/test_b.py::test_2", "dist"),
+        item("tests/dist/test_c.py::test_1", "dist", "slow"),
+        item("tests/dist/test_c.py::test_2", "dist", "slow"),
+        item("tests/slurm/test_d.py::test_1", "slurm", "slow"),
+        item("tests/unit/test_e.py::test_1"),
+        item("tests/dist/test_b.py::test_3", "dist"),
+    ]
+    heaviest_files_first(items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == [
+        "tests/slurm/test_d.py::test_1",  # 25 s
+        "tests/dist/test_b.py::test_1",  # 3 x 8 s
+        "tests/dist/test_b.py::test_2",
+        "tests/dist/test_b.py::test_3",
+        "tests/dist/test_c.py::test_1",  # 2 x 12 s: a tie with test_b, by path
+        "tests/dist/test_c.py::test_2",
+        "tests/configs/test_a.py::test_1",  # no launches: last, in their own order
+        "tests/unit/test_e.py::test_1",
+    ]
