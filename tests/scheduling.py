@@ -12,9 +12,9 @@ report and teardown after, the hang watchdogs' timeouts, the unit tests. Two wor
   many quick unit and config tests last, where they fill whichever worker finishes first (xdist's own order, most
   tests first, put them first and left one worker alone with the SLURM tests at the end).
 - **Exclusive tests**: a test marked ``exclusive`` reads wall-clock time (a diagnosis of where a run's time goes, a
-  healthy run with no alarm, an upper bound on a timed part): it runs alone. Every test holds a shared lock for
-  its whole protocol (setup, call, teardown) and an exclusive test the exclusive one; a turnstile taken before
-  either keeps an exclusive test from waiting behind an endless stream of shared ones.
+  logged rate compared window by window, an upper bound on a timed part): it runs alone. Every test holds a shared
+  lock for its whole protocol (setup, call, teardown) and an exclusive test the exclusive one; a turnstile taken
+  before either keeps an exclusive test from waiting behind an endless stream of shared ones.
 
 Without xdist (``-n 0``, or a plain ``pytest FILE``) nothing here does anything.
 """
