@@ -7,6 +7,7 @@ Kept thin on purpose: Hydra in, typed config out, and a user's mistake becomes o
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,15 +34,21 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 def run_job(cfg: DictConfig, prepared: Prepared | None) -> float | None:
     """One job; returns its objective (final val loss or tokens/s, ``objective=``) for a sweeper such as Optuna.
     ``prepared``: what preflight checked in this process (None for a multirun's jobs: each prepares its own)."""
-    from disttrain.job.early_start import discard_unclaimed, maybe_start_local_ranks
+    from disttrain.job.early_start import discard_unclaimed, forks_its_ranks, maybe_start_local_ranks
 
     try:
-        # The local ranks import torch/Lightning while this process does (early_start.py), not after it.
+        # GPU ranks import torch/Lightning while this process does; CPU ranks are forked after it has (early_start.py).
         hydra_cfg = HydraConfig.get()
         run_dir = Path(hydra_cfg.runtime.output_dir)
-        maybe_start_local_ranks(prepared, "train", list(hydra_cfg.overrides.task), run_dir)
+        forks = forks_its_ranks(prepared)
+        overrides = list(hydra_cfg.overrides.task)
+        start_ranks = partial(maybe_start_local_ranks, prepared, "train", overrides, run_dir, forks)
+        if not forks:
+            start_ranks()
         from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
 
+        if forks:
+            start_ranks()
         return run_from_hydra(cfg, module_name="train", prepared=prepared)
     except ConfigError as err:
         print(f"disttrain: config error: {err}", file=sys.stderr)

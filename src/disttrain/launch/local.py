@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disttrain.launch.env import CHILD_ENV_FLAG, PARENT_PID_ENV
+from disttrain.launch.fork import ForkedProcess, fork_module
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -162,7 +163,7 @@ def child_command(module: str, task_overrides: Sequence[str], run_dir: str, loca
 class LocalRanks:
     """Children for local ranks 1..n-1; rank 0 is the calling process."""
 
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[subprocess.Popen | ForkedProcess] = field(default_factory=list)
     failed: list[tuple[int, int]] = field(default_factory=list)  # (local rank, exit code)
     # Whether a child's non-zero exit is an agreed stop (every rank stops, the launcher completes it), not a death.
     agreed_stop: Callable[[int, int], bool] = lambda rank, code: False
@@ -209,8 +210,8 @@ class LocalRanks:
         only once reaped)."""
         deadline = time.monotonic() + wait_s
         while True:
-            exited = [(rank, p.returncode) for rank, p in enumerate(self.procs, start=1) if p.poll() not in (None, 0)]
-            found = [(rank, code) for rank, code in exited if not self.agreed_stop(rank, code)]
+            codes = [(rank, p.poll()) for rank, p in enumerate(self.procs, start=1)]
+            found = [(rank, code) for rank, code in codes if code and not self.agreed_stop(rank, code)]
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.1)
@@ -250,12 +251,19 @@ def spawn_local_ranks(num_processes: int, command_for_rank: Callable[[int], list
     return ranks
 
 
-def start_local_ranks(num_processes: int, command_for_rank: Callable[[int], list[str]], cwd: str) -> LocalRanks:
+def start_local_ranks(
+    num_processes: int,
+    command_for_rank: Callable[[int], list[str]],
+    cwd: str,
+    fork_reset: Callable[[], None] | None = None,
+) -> LocalRanks:
     """Start local ranks 1..n-1 and leave this process's environment as it is until ``become_rank_zero``.
 
     Split from ``spawn_local_ranks`` so that rank 0 can start its children as soon as the job is checked, and they
     import torch/Lightning while it does (``job/early_start.py``); its own role (``process_role``) must not change
-    before it reaches the point where it joins the job as rank 0 (``NODE_RANK`` would make it a cluster task)."""
+    before it reaches the point where it joins the job as rank 0 (``NODE_RANK`` would make it a cluster task).
+    ``fork_reset``: fork the ranks from this process (it has imported what they need: launch/fork.py) where it
+    safely can, running this first in each; a new interpreter otherwise."""
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),  # a fresh port per job: the previous job's store may linger
@@ -272,5 +280,7 @@ def start_local_ranks(num_processes: int, command_for_rank: Callable[[int], list
             CHILD_ENV_FLAG: str(local_rank),
             PARENT_PID_ENV: str(os.getpid()),
         }
-        ranks.procs.append(subprocess.Popen(command_for_rank(local_rank), env=child_env, cwd=cwd))
+        command = command_for_rank(local_rank)
+        forked = fork_module(command, child_env, cwd, fork_reset) if fork_reset is not None else None
+        ranks.procs.append(forked or subprocess.Popen(command, env=child_env, cwd=cwd))
     return ranks
