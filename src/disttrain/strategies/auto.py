@@ -25,14 +25,13 @@ from disttrain.config.schema import (
     RunConfig,
     StrategyConfig,
 )
-from disttrain.config.validate import BatchPlan, WorldLayout
+from disttrain.config.validate import BatchPlan
 from disttrain.planner import Layout, MemoryBreakdown, Workload, memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.candidates import megatron_layouts
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, host_memory_limit, memory_limit, plan_layout
 from disttrain.planner.spec import MEGATRON_DP_TYPES
-from disttrain.strategies.layout import ParallelLayout
-from disttrain.strategies.spec import spec_of
+from disttrain.strategies.layout import ParallelLayout, layout_of
 
 GIB = 2**30
 # Relative step-time difference below which strategy=auto treats two layouts as equally fast.
@@ -41,11 +40,6 @@ AUTO_TIE = 0.01
 
 def workload(cfg: RunConfig, batch: BatchPlan) -> Workload:
     return Workload(batch.micro_batch_size, batch.global_batch_size, cfg.model.seq_len, cfg.precision.planner)
-
-
-def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) -> Layout:
-    """The planner's description of a DDP, FSDP2, DeepSpeed or Megatron run."""
-    return spec_of(strategy).planner_layout(world.data_parallel_size, batch.accumulation)
 
 
 def predict_memory(cfg: RunConfig, parallel: ParallelLayout) -> MemoryBreakdown | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import AutoStrategyConfig, RunConfig
+from disttrain.config.schema import AutoStrategyConfig, RunConfig, StrategyConfig
 from disttrain.config.validate import BatchPlan, WorldLayout, validate_data_fits, validate_fields
 from disttrain.planner import Layout
 from disttrain.strategies.spec import spec_of
@@ -105,6 +105,9 @@ def parallel_layout(cfg: RunConfig) -> ParallelLayout:
     world = world_layout(cfg)
     if isinstance(cfg.strategy, AutoStrategyConfig):
         return ParallelLayout(world, batch, None)
-    return ParallelLayout(
-        world, batch, spec_of(cfg.strategy).planner_layout(world.data_parallel_size, batch.accumulation)
-    )
+    return ParallelLayout(world, batch, layout_of(cfg.strategy, world, batch))
+
+
+def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) -> Layout:
+    """The planner's description of a DDP, FSDP2, DeepSpeed or Megatron run."""
+    return spec_of(strategy).planner_layout(world.data_parallel_size, batch.accumulation)
