@@ -9,7 +9,7 @@ local rank 0 (its environment, the rank watcher) where it always did, in ``run.s
 started here. A job that ends before that kills them (``discard_unclaimed``), so none outlives it.
 
 A CPU job's ranks are forked instead (``forks_its_ranks``): its ranks share the host's few cores, where each new
-interpreter's imports (~5 CPU-s) are the largest part of a short run's CPU; CUDA cannot be used in a forked child.
+interpreter's imports are the largest part of a short run's CPU; CUDA cannot be used in a forked child.
 
 Only the plain local launch starts early: a dry run spawns nothing, ``trainer.max_restarts`` makes this process a
 supervisor, a multirun's jobs and restart attempts prepare their own config, and cluster tasks spawn nothing.

@@ -1,9 +1,9 @@
 """Local ranks forked from rank 0 once it has imported torch and Lightning, instead of started as new interpreters.
 
-A rank started as ``python -m train ...`` spends ~5 CPU-seconds importing torch, torch._dynamo, Lightning and
+A rank started as ``python -m train ...`` spends seconds of CPU importing torch, torch._dynamo, Lightning and
 torchmetrics before it does anything; a forked one inherits them. On a CPU box that runs several ranks on a few
-cores that is the largest part of a short run's CPU (a 2-rank launch of a tiny model: about half). The forked rank
-then runs exactly what the new interpreter would: the same module as ``__main__`` with the same arguments and
+cores that is the largest part of a short run's CPU (figures: benchmarks/RESULTS.md, "Test suite time"). The forked
+rank then runs exactly what the new interpreter would: the same module as ``__main__`` with the same arguments and
 environment, in the same working directory.
 
 Forking is only safe where no native thread pool exists yet that does not survive a fork: libgomp's (torch's
