@@ -122,3 +122,23 @@ def test_only_a_cpu_job_whose_process_has_not_touched_a_pool_forks_its_ranks(
     monkeypatch.setattr(early_start, "pools_untouched", lambda: pools)
     assert early_start.forks_its_ranks(prepared) is forks
     assert early_start.forks_its_ranks(None) is False
+
+
+# In a fresh process: check a command as the launcher does, then say whether a fork-unsafe pool could exist.
+CHECK_THEN_ASK = """
+import sys
+from pathlib import Path
+from disttrain.job.preflight import preflight
+from disttrain.launch.fork import pools_untouched
+preflight(sys.argv[2:], Path(sys.argv[1]))
+print(pools_untouched())
+"""
+
+
+@pytest.mark.parametrize("model", ["gpt-nano", "moe-micro"])
+def test_checking_a_built_in_model_command_leaves_the_launcher_able_to_fork(tmp_path: Path, model: str) -> None:
+    """The saving rests on this: were the checks of the command to import torch, every CPU launch would start its
+    ranks as new interpreters again (safe, and seconds of CPU per rank slower)."""
+    command = [sys.executable, "-c", CHECK_THEN_ASK, str(CONF), f"model={model}", f"hydra.run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "True", result.stderr[-2000:]
