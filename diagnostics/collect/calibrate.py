@@ -366,6 +366,9 @@ def tp_model_overhead(
         "plain_edges_s": edges_s["plain_s"],
         "parallel_edges_s": edges_s["other_s"],
         "edges_extra_s": edges_s["extra_s"],
+        # Recorded, not yet priced: the wall time the parallel parts spent blocked in their collectives (issue 30).
+        "parallel_block_blocked_s": block_s["other_blocked_s"],
+        "parallel_edges_blocked_s": edges_s["other_blocked_s"],
         "collective_s": collective,
         "modules_per_block": p["modules_per_block"],
         "overhead_us": max(0.0, block) / p["modules_per_block"] * 1e6,
@@ -415,21 +418,32 @@ def _paired_passes(
     rounds (which build DTensor's sharding-propagation caches and FSDP2's lazy state), on ``compute_clock``: the
     fastest of each, and ``extra_s``, the median over rounds of other - share x plain. Pairing within a round
     cancels the drift between rounds that separate best-ofs carried (a per-byte FSDP figure moved 3x between runs).
+    ``other_blocked_s``: the median wall-clock time of ``other``'s pass beyond its ``compute_clock`` time, i.e. the
+    time it sat blocked in collectives (waiting for its peers, the transfer) that a CPU clock does not see; 0 on a
+    GPU, whose clock is the wall clock.
     """
     _, clock = compute_clock(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[int, list[float]] = {0: [], 1: []}
+    blocked: list[float] = []
     for i in range(repeats + 2):
         for which, model in enumerate((plain, other)):
             sync()
-            begin = clock()
+            begin, wall = clock(), time.perf_counter()
             loss(model).backward()
             sync()
             if i >= 2:
                 times[which].append(clock() - begin)
+                if which == 1:
+                    blocked.append(max(0.0, time.perf_counter() - wall - times[1][-1]))
             model.zero_grad(set_to_none=True)
     extra = statistics.median(o - share * p for p, o in zip(times[0], times[1], strict=True))
-    return {"plain_s": min(times[0]), "other_s": min(times[1]), "extra_s": extra}
+    return {
+        "plain_s": min(times[0]),
+        "other_s": min(times[1]),
+        "extra_s": extra,
+        "other_blocked_s": statistics.median(blocked),
+    }
 
 
 # Widths of the FSDP probe's unit (a Linear pair width -> 2 width -> width): the small one's copies are negligible

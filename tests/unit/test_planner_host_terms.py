@@ -189,6 +189,8 @@ def test_the_tp_probe_on_the_runs_own_block_and_edges(tmp_path: Path) -> None:
     edges = result["edges_extra_s"] - 2 * result["collective_s"]
     assert result["overhead_us"] == pytest.approx(max(0.0, block) / 6 * 1e6)
     assert result["edge_overhead_us"] == pytest.approx(max(0.0, edges) * 1e6)
+    # The wall time the parallel parts spent beyond the CPU clock is recorded beside them (not priced yet)
+    assert result["parallel_block_blocked_s"] >= 0.0 and result["parallel_edges_blocked_s"] >= 0.0
 
 
 def test_a_measured_overlap_replaces_the_assumed_one_for_hidden_collectives() -> None:
