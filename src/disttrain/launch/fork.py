@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from disttrain.launch.process_exit import exit_code_of
+from disttrain.launch.process_exit import run_then_exit
 
 # Libraries whose native thread pool is lost in a forked child (see above); importing one does not start its pool.
 FORK_UNSAFE_POOLS = ("torch", "tokenizers")
@@ -68,16 +68,10 @@ class ForkedProcess:
             time.sleep(0.02)
         return code
 
-    def send_signal(self, signum: int) -> None:
+    def kill(self) -> None:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
+                os.kill(self.pid, signal.SIGKILL)
 
 
 def fork_module(
@@ -99,22 +93,15 @@ def fork_module(
 
 
 def _run_as_main(module: str, args: list[str], env: dict[str, str], cwd: str, reset: Callable[[], None]) -> NoReturn:
-    """In the forked child: become ``python -m module args`` and never return into the parent's stack."""
-    code = 1
-    try:
+    """In the forked child: become ``python -m module args`` and never return into the parent's stack (the module's
+    own exit ends the process; an error before it ends it as ``run_then_exit`` ends any other)."""
+
+    def become() -> None:
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
         reset()
         sys.argv = [module, *args]  # run_module puts the module's path in argv[0], as ``python -m`` does
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as stop:
-        code = exit_code_of(stop)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
+
+    run_then_exit(become)
