@@ -32,6 +32,17 @@ def compute_clock(device: torch.device) -> tuple[str, Callable[[], float]]:
     return "process_cpu", lambda: time.process_time() / threads
 
 
+def runqueue_seconds() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a core (Linux schedstat; 0 where the kernel does
+    not report it): what separates a thread preempted by other processes from one blocked in a collective, which
+    a wall clock minus a CPU clock cannot tell apart."""
+    try:
+        with open("/proc/thread-self/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def matmul_flops_per_s(device: torch.device, dtype: str, min_seconds: float = 0.15) -> dict:
     """Time square matmuls for at least ``min_seconds`` (on ``compute_clock``) after a warm-up; 2*n^3 FLOPs each.
     The wall time it took is ``wall_s`` (at most a few times ``min_seconds`` on a loaded host)."""
@@ -366,10 +377,14 @@ def tp_model_overhead(
         "plain_edges_s": edges_s["plain_s"],
         "parallel_edges_s": edges_s["other_s"],
         "edges_extra_s": edges_s["extra_s"],
-        # Recorded, not yet priced: the wall time the parallel parts spent blocked in their collectives (issue 30).
+        # Wall time the parallel parts sat blocked in their collectives (the transfer, waits for the peer), which
+        # the CPU clock leaves out. Recorded, not priced: as the TP collectives' cost it predicted no better than the
+        # link model and scattered more (docs/planner.md, "TP collectives measured in situ").
         "parallel_block_blocked_s": block_s["other_blocked_s"],
         "parallel_edges_blocked_s": edges_s["other_blocked_s"],
         "collective_s": collective,
+        "collectives_per_block": p["collectives_per_block"],
+        "clock": compute_clock(device)[0],
         "modules_per_block": p["modules_per_block"],
         "overhead_us": max(0.0, block) / p["modules_per_block"] * 1e6,
         "edge_overhead_us": max(0.0, edges) * 1e6,
@@ -418,9 +433,9 @@ def _paired_passes(
     rounds (which build DTensor's sharding-propagation caches and FSDP2's lazy state), on ``compute_clock``: the
     fastest of each, and ``extra_s``, the median over rounds of other - share x plain. Pairing within a round
     cancels the drift between rounds that separate best-ofs carried (a per-byte FSDP figure moved 3x between runs).
-    ``other_blocked_s``: the median wall-clock time of ``other``'s pass beyond its ``compute_clock`` time, i.e. the
-    time it sat blocked in collectives (waiting for its peers, the transfer) that a CPU clock does not see; 0 on a
-    GPU, whose clock is the wall clock.
+    ``other_blocked_s``: the median wall-clock time of ``other``'s pass beyond its ``compute_clock`` time and the time
+    other processes held its core (``runqueue_seconds``), i.e. the time it sat blocked in collectives (waiting for
+    its peers, the transfer) that a CPU clock does not see; 0 on a GPU, whose clock is the wall clock.
     """
     _, clock = compute_clock(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -429,13 +444,14 @@ def _paired_passes(
     for i in range(repeats + 2):
         for which, model in enumerate((plain, other)):
             sync()
-            begin, wall = clock(), time.perf_counter()
+            begin, wall, queued = clock(), time.perf_counter(), runqueue_seconds()
             loss(model).backward()
             sync()
             if i >= 2:
                 times[which].append(clock() - begin)
                 if which == 1:
-                    blocked.append(max(0.0, time.perf_counter() - wall - times[1][-1]))
+                    preempted = runqueue_seconds() - queued
+                    blocked.append(max(0.0, time.perf_counter() - wall - times[1][-1] - preempted))
             model.zero_grad(set_to_none=True)
     extra = statistics.median(o - share * p for p, o in zip(times[0], times[1], strict=True))
     return {
