@@ -51,6 +51,9 @@ class Calibration:
     # The same for the model's parallel edges (embedding, final norm, LM head, loss), once per model, where the probe
     # ran on the run's own layers. The hw profile's ``tp_edge_overhead_us``.
     tp_edge_overhead_us: float | None = None
+    # Host microseconds one block's DTensor parameters add to the step's tail (gradient norm, clipping, AdamW) beyond
+    # the plain block's share (median over ranks). The hw profile's ``tp_step_overhead_us``.
+    tp_step_overhead_us: float | None = None
     # Host cost of FSDP2 beyond the math (median over ranks): microseconds per unit and forward + backward (its hooks),
     # and nanoseconds per byte of each copy into or out of its collective buffers. The hw profile's
     # ``fsdp_unit_overhead_us`` and ``fsdp_copy_ns_per_byte``.
@@ -171,6 +174,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     overlaps: list[float] = []
     tp_overheads: list[float] = []
     tp_edges: list[float] = []
+    tp_steps: list[float] = []
     fsdp_fixed: list[float] = []
     fsdp_per_byte: list[float] = []
     parts: list[dict] = []
@@ -200,6 +204,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             tp_overheads.append(float(r["overhead_us"]))
             if (edges := _fraction(r.get("edge_overhead_us"), upper=math.inf)) is not None:
                 tp_edges.append(edges)
+            if (tail := _fraction(r.get("step_overhead_us"), upper=math.inf)) is not None:
+                tp_steps.append(tail)
         elif r["kind"] == "fsdp_calibration":
             for name, values in (("fixed_us", fsdp_fixed), ("ns_per_byte", fsdp_per_byte)):
                 if (value := _fraction(r.get(name), upper=math.inf)) is not None:
@@ -235,6 +241,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         comm_overlap=statistics.median(overlaps) if overlaps else None,
         tp_linear_overhead_us=statistics.median(tp_overheads) if tp_overheads else None,
         tp_edge_overhead_us=statistics.median(tp_edges) if tp_edges else None,
+        tp_step_overhead_us=statistics.median(tp_steps) if tp_steps else None,
         fsdp_unit_overhead_us=statistics.median(fsdp_fixed) if fsdp_fixed else None,
         fsdp_copy_ns_per_byte=statistics.median(fsdp_per_byte) if fsdp_per_byte else None,
         parts=parts_figures(parts),

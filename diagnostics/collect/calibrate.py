@@ -43,6 +43,52 @@ def runqueue_seconds() -> float:
         return 0.0
 
 
+class LayerClock:
+    """Seconds each module spends in its forward and in its backward on ``read`` (the wall clock by default), from
+    hooks (``sync`` first: a GPU's queue): forward from its pre-hook to its hook, backward from the gradient of its
+    output to the gradient of its input."""
+
+    def __init__(
+        self,
+        modules: list[torch.nn.Module],
+        sync: Callable[[], object] = lambda: None,
+        read: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.sync, self.read = sync, read
+        self.forward_s = [0.0] * len(modules)
+        self.backward_s = [0.0] * len(modules)
+        self._started: dict[tuple[str, int], float] = {}
+        self._handles = []
+        for i, module in enumerate(modules):
+            self._handles += [
+                module.register_forward_pre_hook(lambda *_, i=i: self._start("forward", i)),
+                module.register_forward_hook(lambda *_, i=i: self._stop("forward", i, self.forward_s)),
+                module.register_full_backward_pre_hook(lambda *_, i=i: self._start("backward", i)),
+                module.register_full_backward_hook(lambda *_, i=i: self._stop("backward", i, self.backward_s)),
+            ]
+
+    def _start(self, phase: str, i: int) -> None:
+        self.sync()
+        self._started[(phase, i)] = self.read()
+
+    def _stop(self, phase: str, i: int, into: list[float]) -> None:
+        self.sync()
+        into[i] += self.read() - self._started.pop((phase, i))
+
+    @property
+    def per_layer_s(self) -> list[float]:
+        """Forward + backward of each module."""
+        return [f + b for f, b in zip(self.forward_s, self.backward_s, strict=True)]
+
+    def reset(self) -> None:
+        self.forward_s = [0.0] * len(self.forward_s)
+        self.backward_s = [0.0] * len(self.backward_s)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def matmul_flops_per_s(device: torch.device, dtype: str, min_seconds: float = 0.15) -> dict:
     """Time square matmuls for at least ``min_seconds`` (on ``compute_clock``) after a warm-up; 2*n^3 FLOPs each.
     The wall time it took is ``wall_s`` (at most a few times ``min_seconds`` on a loaded host)."""
@@ -329,7 +375,8 @@ def tp_model_overhead(
     """Host seconds tensor parallelism adds to one forward + backward of the run's own layers beyond their share of
     the math (``tp_linear_overhead``'s measure, on the model itself): ``parts(tp_mesh)`` gives one transformer
     block and the model without blocks (embedding, final norm, LM head and the loss), plain and parallelized over
-    groups of ``tp`` ranks (``disttrain.models.tensor_parallel.tp_probe_parts``), timed at ``micro_batch`` x
+    groups of ``tp`` ranks (``disttrain.models.tensor_parallel.tp_probe_parts``; for an HF model a two-layer copy of
+    it, plain and parallel, whose layers are timed inside its passes: ``hf_tp_probe_parts``), timed at ``micro_batch`` x
     seq_len tokens on ``compute_clock``, each in alternation with its plain twin (the median of ``repeats`` paired
     differences against 1/tp of it). The activation-sized functional all-reduces
     the planner prices itself (per block ``collectives``, two for the edges: the embedding's output and the head's
@@ -344,7 +391,7 @@ def tp_model_overhead(
     start = time.perf_counter()
     p = parts(mesh)
     seq, d = p["seq_len"], p["d_model"]
-    rope = p["rope"] or (None, None)
+    rope = p.get("rope") or (None, None)
     hidden = torch.randn(micro_batch, seq, d, device=device)
     tokens = torch.randint(0, p["vocab_size"], (micro_batch, seq), device=device)
     generator = torch.Generator(device="cpu").manual_seed(1)
@@ -358,11 +405,14 @@ def tp_model_overhead(
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets)
 
     context = loss_parallel if p["loss_parallel"] else contextlib.nullcontext
-    plain_block, parallel_block = p["block"]
-    plain_edges, parallel_edges = p["edges"]
     with context():
-        block_s = _paired_passes(plain_block, parallel_block, block_pass, device, repeats, share=1 / tp)
-        edges_s = _paired_passes(plain_edges, parallel_edges, edge_pass, device, repeats, share=1 / tp)
+        if "model" in p:  # an HF model: its layers timed inside the whole model's passes
+            block_s, edges_s = _paired_layer_passes(p["model"], p["layers"], edge_pass, device, repeats, share=1 / tp)
+        else:
+            (plain_block, parallel_block), (plain_edges, parallel_edges) = p["block"], p["edges"]
+            block_s = _paired_passes(plain_block, parallel_block, block_pass, device, repeats, share=1 / tp)
+            edges_s = _paired_passes(plain_edges, parallel_edges, edge_pass, device, repeats, share=1 / tp)
+        tail = _step_tails(p, block_pass, edge_pass, device, repeats, share=1 / tp) if p.get("step_tail") else {}
     collective = _functional_all_reduce_seconds(micro_batch * seq * d, mesh.get_group(), device, repeats)
     block = block_s["extra_s"] - p["collectives_per_block"] * collective
     edges = edges_s["extra_s"] - 2 * collective
@@ -388,6 +438,7 @@ def tp_model_overhead(
         "modules_per_block": p["modules_per_block"],
         "overhead_us": max(0.0, block) / p["modules_per_block"] * 1e6,
         "edge_overhead_us": max(0.0, edges) * 1e6,
+        **tail,
         "wall_s": time.perf_counter() - start,
     }
 
@@ -460,6 +511,96 @@ def _paired_passes(
         "extra_s": extra,
         "other_blocked_s": statistics.median(blocked),
     }
+
+
+def _step_tails(
+    p: dict,
+    block_pass: Callable[[torch.nn.Module], torch.Tensor],
+    model_pass: Callable[[torch.nn.Module], torch.Tensor],
+    device: torch.device,
+    repeats: int,
+    share: float,
+) -> dict:
+    """The step's tail (``p["step_tail"]``: the gradients' norm, clipping, the run's AdamW) over one block's
+    parameters, plain and tensor-parallel (DTensors: each op dispatched per tensor, the norm reduced over the
+    group), each the median of ``repeats`` on ``compute_clock`` after one that allocates the moments, and the
+    parallel one's extra over ``share`` of the plain one's (``hw.tp_step_overhead_us``). The gradients come from
+    one pass of the block (of an HF model: of the whole model, its first layer's)."""
+    _, clock = compute_clock(device)
+    seconds = []
+    for which in (0, 1):
+        if "model" in p:
+            model, block = p["model"][which], p["layers"][which][0]
+            model_pass(model).backward()
+        else:
+            block = p["block"][which]
+            block_pass(block).backward()
+        tail = p["step_tail"](block)
+        tail()
+        times = []
+        for _ in range(repeats):
+            begin = clock()
+            tail()
+            times.append(clock() - begin)
+        seconds.append(statistics.median(times))
+    return {
+        "plain_step_tail_s": seconds[0],
+        "parallel_step_tail_s": seconds[1],
+        "step_overhead_us": max(0.0, seconds[1] - share * seconds[0]) * 1e6,
+    }
+
+
+def _paired_layer_passes(
+    models: tuple[torch.nn.Module, torch.nn.Module],
+    layers: tuple[list[torch.nn.Module], list[torch.nn.Module]],
+    loss: Callable[[torch.nn.Module], torch.Tensor],
+    device: torch.device,
+    repeats: int,
+    share: float,
+) -> tuple[dict, dict]:
+    """``_paired_passes``'s figures for a block and for the edges of two whole models (plain, other) whose decoder
+    ``layers`` hooks time inside each pass: a block is the layers' mean, the edges the rest of the pass. On the
+    same clocks: ``compute_clock`` for the times, the wall clock less the run-queue wait for the blocked time."""
+    _, clock = compute_clock(device)
+    reads = (clock, time.perf_counter, runqueue_seconds)
+    clocks = [[LayerClock(list(mine), read=read) for read in reads] for mine in layers]
+    rounds: dict[int, list[tuple[float, float]]] = {0: [], 1: []}  # per pass: (block, edges) on compute_clock
+    blocked: list[tuple[float, float]] = []
+    try:
+        for i in range(repeats + 2):  # two warm-up rounds, as _paired_passes
+            for which, model in enumerate(models):
+                for layer_clock in clocks[which]:
+                    layer_clock.reset()
+                begin = [read() for read in reads]
+                loss(model).backward()
+                whole = [read() - start for read, start in zip(reads, begin, strict=True)]
+                model.zero_grad(set_to_none=True)
+                if i < 2:
+                    continue
+                # (block, edges) on each clock: the layers' mean, and what the pass spent outside them
+                parts = [
+                    (statistics.mean(c.per_layer_s), total - sum(c.per_layer_s))
+                    for c, total in zip(clocks[which], whole, strict=True)
+                ]
+                rounds[which].append(parts[0])
+                if which == 1:
+                    (cpu_b, cpu_e), (wall_b, wall_e), (queue_b, queue_e) = parts
+                    blocked.append((max(0.0, wall_b - cpu_b - queue_b), max(0.0, wall_e - cpu_e - queue_e)))
+    finally:
+        for layer_clock in (c for mine in clocks for c in mine):
+            layer_clock.remove()
+    figures = []
+    for part in (0, 1):
+        plain, other = [r[part] for r in rounds[0]], [r[part] for r in rounds[1]]
+        figures.append(
+            {
+                "plain_s": min(plain),
+                "other_s": min(other),
+                "extra_s": statistics.median(o - share * p for p, o in zip(plain, other, strict=True)),
+                "other_blocked_s": statistics.median(b[part] for b in blocked),
+            }
+        )
+    return figures[0], figures[1]
 
 
 # Widths of the FSDP probe's unit (a Linear pair width -> 2 width -> width): the small one's copies are negligible

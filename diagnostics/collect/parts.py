@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from diagnostics.collect.calibrate import compute_clock
+from diagnostics.collect.calibrate import LayerClock, compute_clock
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -35,41 +35,6 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int
     return statistics.median(times)
 
 
-class _LayerClock:
-    """Seconds each module spends in its forward and in its backward, from hooks (synchronized on a GPU): forward
-    from its pre-hook to its hook, backward from the gradient of its output to the gradient of its input."""
-
-    def __init__(self, modules: list[torch.nn.Module], sync: Callable[[], object]) -> None:
-        self.sync = sync
-        self.forward_s = [0.0] * len(modules)
-        self.backward_s = [0.0] * len(modules)
-        self._started: dict[tuple[str, int], float] = {}
-        self._handles = []
-        for i, module in enumerate(modules):
-            self._handles += [
-                module.register_forward_pre_hook(lambda *_, i=i: self._start("forward", i)),
-                module.register_forward_hook(lambda *_, i=i: self._stop("forward", i, self.forward_s)),
-                module.register_full_backward_pre_hook(lambda *_, i=i: self._start("backward", i)),
-                module.register_full_backward_hook(lambda *_, i=i: self._stop("backward", i, self.backward_s)),
-            ]
-
-    def _start(self, phase: str, i: int) -> None:
-        self.sync()
-        self._started[(phase, i)] = time.perf_counter()
-
-    def _stop(self, phase: str, i: int, into: list[float]) -> None:
-        self.sync()
-        into[i] += time.perf_counter() - self._started.pop((phase, i))
-
-    def reset(self) -> None:
-        self.forward_s = [0.0] * len(self.forward_s)
-        self.backward_s = [0.0] * len(self.backward_s)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
 def _layers_in_model(
     parts: dict, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device, repeats: int
 ) -> tuple[float, float, float, float]:
@@ -77,7 +42,7 @@ def _layers_in_model(
     to loss) with its layers timed by hooks; a block is the layers' mean, the edges the rest of the pass."""
     model, layers, autocast = parts["model"], list(parts["layers"]), parts["autocast"]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    clock = _LayerClock(layers, sync)
+    clock = LayerClock(layers, sync)
     samples: list[tuple[float, float, float, float]] = []
     try:
         for i in range(repeats + 1):  # the first pass warms up

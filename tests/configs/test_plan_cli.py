@@ -188,6 +188,7 @@ def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Pat
         "comm_overlap": "measured",
         "tp_linear_overhead_us": "measured",
         "tp_edge_overhead_us": "none",  # a pair probe's record: no edges measured
+        "tp_step_overhead_us": "none",  # nor the step's tail
         "fsdp_unit_overhead_us": "none",  # the calibration records hold no FSDP probe
         "fsdp_copy_ns_per_byte": "none",
     }

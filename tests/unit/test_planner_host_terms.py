@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ from disttrain.planner.calibrated import calibrated_profile
 from disttrain.planner.comm import link_time, tp_parallel_linears_per_layer
 from disttrain.planner.memory import rank_parameters
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
-from disttrain.planner.step_time import fsdp_host_seconds, tp_dispatch_seconds
+from disttrain.planner.step_time import fsdp_host_seconds, tp_dispatch_seconds, tp_step_seconds
 from tests.conftest import hw_profile as hw
 from tests.conftest import model_preset as model
 
@@ -86,6 +86,25 @@ def test_the_measured_tp_overhead_lengthens_each_micro_batch_of_a_tp_layout_only
     assert after.step_time_s - before.step_time_s == pytest.approx(2 * 26 * 0.8e-3)
     ddp = Layout("ddp", dp=2)
     assert plan_layout(nano, ddp, WORK, measured).estimate == plan_layout(nano, ddp, WORK, CPU).estimate
+
+
+def test_the_measured_tp_step_tail_lengthens_the_optimizer_step_per_block_on_the_rank() -> None:
+    nano = model_shape(model("gpt-nano"))
+    box = dataclasses.replace(CPU, devices_per_node=4)  # room for tp x pp on one node
+    measured = dataclasses.replace(box, tp_step_overhead_us=3000.0)
+    assert tp_step_seconds(4, 3000.0) == pytest.approx(12e-3) and tp_step_seconds(4, None) == 0.0
+    for layout, blocks in (
+        (Layout("megatron", tp=2, microbatches=2), 4),  # gpt-nano's 4 blocks
+        (Layout("megatron", tp=2, pp=2, microbatches=2, schedule="1f1b"), 2),  # half of them per stage
+    ):
+        before = plan_layout(nano, layout, WORK, box).estimate
+        after = plan_layout(nano, layout, WORK, measured).estimate
+        assert after.optimizer_step_s - before.optimizer_step_s == pytest.approx(blocks * 3e-3)
+        assert after.step_time_s - before.step_time_s == pytest.approx(blocks * 3e-3)
+    for plain in (Layout("megatron", pp=2, microbatches=2), Layout("ddp", dp=2), Layout("fsdp", dp=2)):
+        assert plan_layout(nano, plain, WORK, measured).estimate == plan_layout(nano, plain, WORK, box).estimate
+    with pytest.raises(ConfigError, match=r"hw.tp_step_overhead_us: must be >= 0"):
+        validate_profile(dataclasses.replace(CPU, tp_step_overhead_us=-1.0))
 
 
 def test_fsdp_units_and_the_bytes_they_copy_per_micro_batch() -> None:
@@ -199,6 +218,60 @@ def test_the_tp_probe_on_the_runs_own_block_and_edges(tmp_path: Path) -> None:
     # docs/planner.md), with what it is spread over and the clock it was told apart on
     assert result["parallel_block_blocked_s"] >= 0.0 and result["parallel_edges_blocked_s"] >= 0.0
     assert result["collectives_per_block"] == 6 and result["clock"] in ("thread_cpu", "process_cpu")
+    assert "step_overhead_us" not in result  # no optimizer given: the step's tail is not timed
+
+
+def _burn(seconds: float) -> Callable[..., None]:
+    """A forward hook that spends ``seconds`` of this thread's CPU time (what the probe's compute clock counts)."""
+
+    def hook(*_: object) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    return hook
+
+
+def test_the_tp_probe_of_an_hf_model_times_its_own_layers_inside_its_passes(tmp_path: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from disttrain.config.schema import HFModelConfig, OptimizerConfig
+    from disttrain.models.hf_tensor_parallel import hf_tp_probe_parts
+    from disttrain.training.step_tail import with_step_tail
+
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 2}
+    config = {"model_type": "llama", **shape, "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64}
+    model = HFModelConfig(config=config, seq_len=16)
+    cpu = torch.device("cpu")
+    with one_rank_group(tmp_path / "store"):
+        mesh = init_device_mesh("cpu", (1,))
+        build = with_step_tail(hf_tp_probe_parts, OptimizerConfig())
+        built = build(model, mesh, loss_parallel=True, device=cpu)
+        parallel = built["model"][1]
+        assert built["modules_per_block"] == built["collectives_per_block"] == 7  # q, k, v, o, gate, up, down
+        assert len(built["layers"][1]) == 2 and (built["d_model"], built["vocab_size"]) == (32, 64)
+
+        def probe(hooked: list[torch.nn.Module], hook: Callable[..., None]) -> dict:
+            handles = [module.register_forward_hook(hook) for module in hooked]
+            try:
+                return tp_model_overhead(cpu, 1, lambda _mesh: built, micro_batch=2, repeats=2)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+        plain = probe([], _burn(0.0))
+        layers = [layer.mlp for layer in built["layers"][1]]
+        in_layers = probe(layers, _burn(0.02))  # CPU work inside each parallel layer: block time
+        in_norm = probe([parallel.hf.model.norm], _burn(0.02))  # in the final norm: edge time
+        asleep = probe(layers, lambda *_: time.sleep(0.02))  # blocked inside each layer: neither, but blocked
+    assert plain["probe"] == "model" and plain["modules_per_block"] == 7
+    # the step's tail over the first layer: DTensors dispatch every op per tensor, so the parallel one costs more
+    assert plain["parallel_step_tail_s"] > plain["plain_step_tail_s"] > 0
+    tail_extra = plain["parallel_step_tail_s"] - plain["plain_step_tail_s"]
+    assert plain["step_overhead_us"] == pytest.approx(tail_extra * 1e6)
+    assert in_layers["block_extra_s"] >= 0.02 > in_layers["edges_extra_s"]
+    assert in_norm["edges_extra_s"] >= 0.02 > in_norm["block_extra_s"]
+    assert asleep["parallel_block_blocked_s"] >= 0.02 > asleep["block_extra_s"]
 
 
 def test_a_measured_overlap_replaces_the_assumed_one_for_hidden_collectives() -> None:
@@ -235,7 +308,10 @@ def test_overlap_and_tp_overhead_are_read_back_and_substituted(tmp_path: Path) -
         w = TelemetryWriter(tmp_path, rank)
         w.write("calibration", when="start", dtype="fp32", matrix_size=512, flops_per_s=9e10, seconds=0.15)
         w.write("overlap_calibration", ranks=2, bytes=8 << 20, compute_s=0.01, comm_s=0.01, both_s=0.02, hidden=hidden)
-        w.write("tp_calibration", probe="model", ranks=2, overhead_us=overhead, edge_overhead_us=10 * overhead)
+        w.write(
+            "tp_calibration", probe="model", ranks=2, overhead_us=overhead, edge_overhead_us=10 * overhead,
+            step_overhead_us=3 * overhead,
+        )  # fmt: skip
         w.write("fsdp_calibration", ranks=2, fixed_us=overhead, ns_per_byte=hidden + 0.3)
         w.write("overlap_calibration", ranks=2, hidden=1.7)  # out of range: ignored
         w.close()
@@ -246,6 +322,8 @@ def test_overlap_and_tp_overhead_are_read_back_and_substituted(tmp_path: Path) -
     assert profile.sources["comm_overlap"] == profile.sources["tp_linear_overhead_us"] == "measured"
     assert (cal.fsdp_unit_overhead_us, cal.fsdp_copy_ns_per_byte) == (pytest.approx(800.0), pytest.approx(0.35))
     assert cal.tp_edge_overhead_us == pytest.approx(8000.0)
+    assert cal.tp_step_overhead_us == pytest.approx(2400.0)
+    assert calibrated_profile(hw("cpu"), cal, "fp32").hw.tp_step_overhead_us == pytest.approx(2400.0)
     assert profile.hw.fsdp_copy_ns_per_byte == pytest.approx(0.35)
     assert profile.sources["fsdp_unit_overhead_us"] == profile.sources["fsdp_copy_ns_per_byte"] == "measured"
     bare = calibrated_profile(hw("cpu"), None, "fp32")

@@ -57,6 +57,10 @@ class HardwareProfile:
     # loss) add to a forward + backward beyond their share of the math, charged once per model (split between the
     # first and last pipeline stage). None: the edges count as two parallel linears.
     tp_edge_overhead_us: float | None = None
+    # Host microseconds a tensor-parallel block's DTensor parameters add to the step's tail (the gradients' norm,
+    # clipping, the AdamW step: every op dispatched per DTensor) beyond their share of the plain block's, per block
+    # on the rank and step. None: not modelled; calibration measures it in a TP run's probe.
+    tp_step_overhead_us: float | None = None
     # Host cost of FSDP2 beyond the math, per unit and forward + backward (its hooks: microseconds) and per byte of
     # each copy into or out of its collective buffers (nanoseconds). None: not modelled (behind GPU kernels when the
     # host runs ahead); calibration measures both, and on a CPU they are on the critical path.
@@ -112,6 +116,7 @@ def validate_profile(hw: HardwareProfile) -> None:
         "compute_jitter",
         "tp_linear_overhead_us",
         "tp_edge_overhead_us",
+        "tp_step_overhead_us",
         "fsdp_unit_overhead_us",
         "fsdp_copy_ns_per_byte",
         "host_memory_gib",

@@ -26,7 +26,8 @@ import fnmatch
 import torch
 from torch import nn
 
-from disttrain.config.hf import sequence_parallel_problem
+from disttrain.config.hf import hf_shape, load_hf_config, sequence_parallel_problem
+from disttrain.config.schema import HFModelConfig
 
 SUPPORTED_STYLES = ("colwise", "rowwise")
 
@@ -144,3 +145,32 @@ def gather_sequence(hidden: torch.Tensor, tp_mesh: object) -> torch.Tensor:
 
     sharded = DTensor.from_local(hidden, tp_mesh, [Shard(1)], run_check=False)
     return sharded.redistribute(tp_mesh, [Replicate()]).to_local()
+
+
+def hf_tp_probe_parts(
+    cfg: HFModelConfig, tp_mesh: object, loss_parallel: bool, device: torch.device
+) -> dict[str, object]:
+    """The run's HF model (at the parts probe's two decoder layers), plain and under its own TP plan with the run's
+    loss_parallel, for the start-up probe of tensor parallelism's host cost
+    (``diagnostics.collect.calibrate.tp_model_overhead``): its decoder layers are timed inside the whole model's
+    passes (their family-specific arguments only the model passes them), the rest of a pass is the edges. Without
+    sequence parallelism, as the reference transformer's probe (``tensor_parallel.tp_probe_parts``)."""
+    from disttrain.models.probe_parts import hf_probe_model
+
+    plain = hf_probe_model(cfg, torch.float32, device)
+    parallel = hf_probe_model(cfg, torch.float32, device)
+    matched = apply_hf_tensor_parallel(parallel, tp_mesh, hf_tp_plan(load_hf_config(cfg)) or {}, False, loss_parallel)
+    modules = matched // max(1, len(parallel.blocks))
+    shape = hf_shape(cfg)
+    return {
+        "model": (plain, parallel),
+        "layers": (plain.blocks, parallel.blocks),
+        "modules_per_block": modules,
+        # Without SP each row-parallel projection all-reduces its output in forward, each column-parallel one its
+        # input gradient in backward: one activation-sized collective per parallel projection.
+        "collectives_per_block": modules,
+        "d_model": shape.d_model,
+        "vocab_size": shape.vocab_size,
+        "seq_len": cfg.seq_len,
+        "loss_parallel": loss_parallel,
+    }

@@ -50,7 +50,7 @@ def model_parts(
     edges.blocks = nn.ModuleList()  # embedding, final norm, head: the model's parts outside its blocks
     rope = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device) if cfg.pos_emb == "rope" else None
 
-    factory: Callable[[], torch.optim.Optimizer] = functools.partial(_block_optimizer, block, optimizer)
+    factory: Callable[[], torch.optim.Optimizer] = functools.partial(block_optimizer, block, optimizer)
     return {
         "block": block,
         "edges": edges,
@@ -75,18 +75,11 @@ def hf_model_parts(
     """``model`` (the run's HF model at ``PROBE_LAYERS`` decoder layers, tokens -> logits), ``layers`` (its decoder
     layers, each timed inside the model's passes), ``autocast``, ``optimizer`` (the run's AdamW over one layer) and
     the shape facts, as ``model_parts`` has them."""
-    from transformers import AutoModelForCausalLM
-
     param_dtype, autocast_dtype = PRECISIONS.get(precision, (torch.float32, None))
     shape = hf_shape(cfg)
-    config = copy.deepcopy(load_hf_config(cfg))  # the cached config is the run's: never changed in place
-    config.num_hidden_layers = min(PROBE_LAYERS, shape.n_layers)  # GPT-2's n_layer maps onto it
-    # The probe's weights do not matter (HF's own init), the run's random streams do: built under a private RNG.
-    with torch.random.fork_rng(devices=[]):
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=param_dtype)
-    model = HFCausalLM(hf).to(device)
+    model = hf_probe_model(cfg, param_dtype, device)
     block = model.blocks[0]
-    factory: Callable[[], torch.optim.Optimizer] = functools.partial(_block_optimizer, block, optimizer)
+    factory: Callable[[], torch.optim.Optimizer] = functools.partial(block_optimizer, block, optimizer)
     return {
         "model": model,
         "layers": model.blocks,
@@ -100,6 +93,18 @@ def hf_model_parts(
     }
 
 
+def hf_probe_model(cfg: HFModelConfig, param_dtype: torch.dtype, device: torch.device) -> HFCausalLM:
+    """The run's HF model at ``PROBE_LAYERS`` decoder layers with HF's own init (the probe's weights do not matter;
+    built under a private RNG, since the run's random streams do)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(load_hf_config(cfg))  # the cached config is the run's: never changed in place
+    config.num_hidden_layers = min(PROBE_LAYERS, hf_shape(cfg).n_layers)  # GPT-2's n_layer maps onto it
+    with torch.random.fork_rng(devices=[]):
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=param_dtype)
+    return HFCausalLM(hf).to(device)
+
+
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> Callable[[], contextlib.AbstractContextManager]:
     def autocast() -> contextlib.AbstractContextManager:
         if dtype is None:
@@ -109,7 +114,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> Callable[[], c
     return autocast
 
 
-def _block_optimizer(block: nn.Module, optimizer: OptimizerConfig) -> torch.optim.Optimizer:
+def block_optimizer(block: nn.Module, optimizer: OptimizerConfig) -> torch.optim.Optimizer:
     """The run's AdamW (its settings, fused where the run's would be) over one block's parameters."""
     groups = param_groups(block, optimizer.weight_decay)
     fused = use_fused_adamw([p for g in groups for p in g["params"]], optimizer.fused)

@@ -81,6 +81,7 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "comm_overlap": "datasheet" if hw.comm_overlap is not None else "none",  # none: Assumptions.comm_overlap
         "tp_linear_overhead_us": _source(hw.tp_linear_overhead_us),
         "tp_edge_overhead_us": _source(hw.tp_edge_overhead_us),
+        "tp_step_overhead_us": _source(hw.tp_step_overhead_us),
         "fsdp_unit_overhead_us": _source(hw.fsdp_unit_overhead_us),
         "fsdp_copy_ns_per_byte": _source(hw.fsdp_copy_ns_per_byte),
     }
@@ -122,6 +123,7 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "comm_overlap",
         "tp_linear_overhead_us",
         "tp_edge_overhead_us",
+        "tp_step_overhead_us",
         "fsdp_unit_overhead_us",
         "fsdp_copy_ns_per_byte",
     ):

@@ -11,7 +11,8 @@ them, how much of an overlappable collective compute really hides (``hw.comm_ove
 collective's threads need the compute's cores) replaces the assumption, every tensor-parallel (DTensor) module
 costs the host ``hw.tp_linear_overhead_us`` per micro-batch on top of its FLOPs, and every FSDP2 unit
 ``hw.fsdp_unit_overhead_us`` plus ``hw.fsdp_copy_ns_per_byte`` for each byte it copies into or out of its
-collective buffers.
+collective buffers, and every tensor-parallel block a rank holds adds ``hw.tp_step_overhead_us`` to the step's tail
+(its DTensor parameters' norm, clipping and AdamW step).
 
 Where the run measured its own parts (one block, the edges, a block's optimizer step: ``planner.measured``), a
 layout's forward, backward and optimizer step are composed from them instead of FLOPs over a matmul rate x an
@@ -157,6 +158,12 @@ def tp_dispatch_seconds(
     return ((modules - 2 * edges) * (overhead_us or 0.0) + edges * edge_overhead_us) * 1e-6
 
 
+def tp_step_seconds(blocks: float, overhead_us: float | None) -> float:
+    """Host seconds a step's tail (norm, clipping, AdamW) spends on ``blocks`` tensor-parallel blocks' DTensor
+    parameters beyond their plain share, at ``overhead_us`` per block (measured; None: not modelled)."""
+    return blocks * (overhead_us or 0.0) * 1e-6
+
+
 def fsdp_host_seconds(units: float, copy_bytes: float, hw: HardwareProfile) -> float:
     """Host seconds per micro-batch FSDP2 adds beyond the math: ``units`` units' hooks and ``copy_bytes`` bytes of
     buffer copies, at the measured per-unit and per-byte costs (None: not modelled)."""
@@ -197,6 +204,8 @@ def estimate_step(
             measured.optimizer_step_s,
             measured.basis,
         )
+    if layout.tp > 1 and not layout.offload_optimizer:
+        optimizer += tp_step_seconds(shape.n_layers / layout.pp, hw.tp_step_overhead_us)
     # A measured share (``hw.comm_overlap``, calibration) over the assumption: gloo on a CPU hides ~none of it.
     overlap = assumptions.comm_overlap if hw.comm_overlap is None else hw.comm_overlap
     dispatch = tp_dispatch_seconds(

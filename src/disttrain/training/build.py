@@ -35,6 +35,7 @@ from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
 from disttrain.models.factory import ModelFacts, resolve_target
+from disttrain.models.hf_tensor_parallel import hf_tp_probe_parts
 from disttrain.models.module import LanguageModelModule
 from disttrain.models.probe_parts import hf_model_parts, model_parts
 from disttrain.models.tensor_parallel import tp_probe_parts
@@ -47,6 +48,7 @@ from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
 from disttrain.training.pruning import TrialPruning
+from disttrain.training.step_tail import with_step_tail
 from disttrain.training.wandb_sweep import run_group
 
 
@@ -102,11 +104,19 @@ def collectives_off_thread(cfg: RunConfig) -> bool:
 
 
 def tp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
-    """The TP probe's layers for a tensor-parallel run of the reference transformer (its own block and edges, under
-    the run's loss_parallel); None otherwise (no TP, or a model whose layers the probe cannot build)."""
-    if not isinstance(cfg.strategy, MegatronConfig) or cfg.strategy.tp < 2 or type(cfg.model) is not ModelConfig:
+    """The TP probe's layers for a tensor-parallel run of the reference transformer (its own block and edges) or of
+    an HF model (its own decoder layers inside a two-layer copy), under the run's loss_parallel; None otherwise (no
+    TP, or a user's model whose layers the probe cannot build)."""
+    if not isinstance(cfg.strategy, MegatronConfig) or cfg.strategy.tp < 2:
         return None
-    return functools.partial(tp_probe_parts, cfg.model, loss_parallel=cfg.strategy.loss_parallel)
+    loss_parallel = cfg.strategy.loss_parallel
+    if type(cfg.model) is ModelConfig:
+        parts = functools.partial(tp_probe_parts, cfg.model, loss_parallel=loss_parallel)
+    elif isinstance(cfg.model, HFModelConfig):
+        parts = functools.partial(hf_tp_probe_parts, cfg.model, loss_parallel=loss_parallel)
+    else:
+        return None
+    return with_step_tail(parts, cfg.optimizer)
 
 
 def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
