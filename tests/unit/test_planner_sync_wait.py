@@ -107,13 +107,33 @@ def test_fsdp_and_zero_wait_every_micro_batch_pipelines_at_each_send() -> None:
     shape = model_shape(model("gpt-nano"))
     work = Workload(4, 16, shape.seq_len, "fp32")
     fsdp = comm_plan(shape, Layout("fsdp", dp=2, microbatches=2), work, CPU)
-    assert fsdp.mb_syncs == (Sync(2, 1),)
+    # the last reduce-scatter, then the per-unit collectives (4 blocks + the root gathered, 4 blocks regathered,
+    # 5 reduce-scatters), waiting only as far as compute does not hide them
+    assert fsdp.mb_syncs == (Sync(2, 1), Sync(2, 13, hideable=True))
     assert comm_plan(shape, Layout("deepspeed", dp=2, zero_stage=1, microbatches=2), work, CPU).mb_syncs == ()
     assert comm_plan(shape, Layout("deepspeed", dp=2, zero_stage=2, microbatches=2), work, CPU).mb_syncs == (
         Sync(2, 1),
     )
     pipeline = Layout("megatron", pp=2, microbatches=4, schedule="1f1b")
     assert comm_plan(shape, pipeline, Workload(4, 16, shape.seq_len, "fp32"), CPU).mb_syncs == (Sync(2, 2),)
+
+
+def test_fsdp_collectives_wait_for_the_last_rank_as_far_as_compute_does_not_hide_them() -> None:
+    shape = model_shape(model("gpt-nano"))
+    work = Workload(4, 16, shape.seq_len, "fp32")
+    layout = Layout("fsdp", dp=2, microbatches=2)
+    drifting = dataclasses.replace(CPU, compute_jitter=0.01, sync_overhead_us=100.0)
+    fsdp = comm_plan(shape, layout, work, drifting)
+    compute = plan_layout(shape, layout, work, drifting).estimate.compute_s
+    for hidden in (0.0, 0.5, 1.0):
+        estimate = plan_layout(shape, layout, work, dataclasses.replace(drifting, comm_overlap=hidden)).estimate
+        syncs = [Sync(2, 2 * (1 if not s.hideable else 13 * (1 - hidden))) for s in fsdp.mb_syncs]
+        expected = sync_wait_seconds(compute, [*syncs, *fsdp.step_syncs], 0.01, 100e-6)
+        assert estimate.sync_wait_s == pytest.approx(expected)
+    # none hidden (gloo on a CPU): every per-unit collective waits; all hidden: only the last reduce-scatter
+    hides = [dataclasses.replace(drifting, comm_overlap=h) for h in (0.0, 1.0)]
+    waits = [plan_layout(shape, layout, work, box).estimate for box in hides]
+    assert waits[0].sync_wait_s > waits[1].sync_wait_s > 0
 
 
 def test_a_gpu_datasheet_profile_models_no_drift() -> None:

@@ -193,6 +193,10 @@ class Sync:
 
     group: int
     calls: float
+    # Overlappable collectives (FSDP's prefetched all-gathers and its reduce-scatters during backward): they wait for
+    # the group's last rank only as far as compute does not hide them (``estimate_step`` scales their calls by the
+    # share not hidden: all of them with gloo on a CPU, whose collective threads need the compute's cores).
+    hideable: bool = False
 
 
 @dataclass(frozen=True)
@@ -282,7 +286,10 @@ def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[st
         backward += collective_bytes("all_gather", n * block_shards * gather, group, max(1, units - 1))
     if layout.dp_replicate > 1:  # HSDP: reduced shards are then all-reduced across replicas
         backward += collective_bytes("all_reduce", shard * reduce, groups["dp_replicate"], units)
-    syncs = (Sync(n, 1),) if n > 1 else ()  # backward ends waiting for the last reduce-scatter
+    # Backward ends waiting for the last reduce-scatter; every other per-unit collective waits as far as it is not
+    # hidden behind compute.
+    calls = forward.intra_calls + forward.inter_calls + backward.intra_calls + backward.inter_calls
+    syncs = (Sync(n, 1), Sync(n, max(0.0, calls - 1), hideable=True)) if n > 1 else ()
     # Lightning's ModelParallelStrategy does not pause gradient sync while accumulating: every micro-batch gathers
     # and reduces, and copies what it gathers and reduces.
     regathered = n * block_shards * gather if layout.reshard_after_forward else 0

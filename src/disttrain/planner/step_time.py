@@ -231,7 +231,9 @@ def estimate_step(
         + seconds(comm.step_exposed)
     )
     host_optimizer = comm.host_optimizer_parameters / assumptions.cpu_optimizer_params_per_s
-    syncs = [Sync(s.group, s.calls * m) for s in comm.mb_syncs] + list(comm.step_syncs)
+    exposed_share = 1.0 - overlap
+    syncs = [Sync(s.group, s.calls * m * (exposed_share if s.hideable else 1.0)) for s in comm.mb_syncs]
+    syncs += list(comm.step_syncs)
     overhead = (hw.sync_overhead_us or 0.0) * 1e-6
     sync_wait = sync_wait_seconds(m * (forward + backward), syncs, hw.compute_jitter, overhead)
     step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + optimizer + sync_wait
