@@ -129,25 +129,42 @@ BUS_FACTORS["reduce_scatter"] = BUS_FACTORS["all_gather"]
 BUS_FACTORS["functional_all_reduce"] = BUS_FACTORS["all_reduce"]
 
 
+# The latency is read off a call this many times smaller than the bandwidth's: the size of one FSDP unit's or one
+# TP activation's collective. Gloo's all-reduce of 64 KiB-2 MiB costs ~3 ms on 2 CPU ranks where one element costs
+# 0.27 ms and 8 MiB 8.6 ms (its algorithm changes with the size), so a one-element call's latency under-prices
+# every tensor-sized call 3-10x.
+LATENCY_SIZE_DIVISOR = 32
+
+
 def collective_bandwidth(op: str, group: object | None, nbytes: int, device: torch.device, repeats: int = 3) -> dict:
     """Median time of ``op`` over a ``nbytes`` buffer (the full, unsharded size) in ``group`` after one warm-up;
     algorithm bandwidth = nbytes / time, bus bandwidth = algorithm bandwidth x the nccl-tests factor; and the
-    latency: the fastest of the same call over one element per rank. Every rank of ``group`` must call it
-    with the same arguments."""
+    latency, what a call costs beyond its bytes at that bandwidth: read off the median call over a
+    ``LATENCY_SIZE_DIVISOR`` times smaller buffer (the size of the collectives a step issues), at least the fastest
+    call over one element per rank (``call_latency_us``). Every rank of ``group`` must call it with the same
+    arguments."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     seconds, size = _median_call(op, group, max(n, nbytes // 4 // n * n), n, device, repeats)
-    latency = _fastest_call(op, group, n, device)
+    small_numel = max(n, nbytes // LATENCY_SIZE_DIVISOR // 4 // n * n)
+    small_seconds, small_size = _median_call(op, group, small_numel, n, device, repeats + 2)
+    call = _fastest_call(op, group, n, device)
     algbw = size / seconds / 1e9
+    busbw = algbw * BUS_FACTORS[op](n)
+    beyond_bytes = small_seconds - small_size * BUS_FACTORS[op](n) / (busbw * 1e9) if busbw > 0 else 0.0
+    latency = max(call, beyond_bytes)
     return {
         "op": op,
         "ranks": n,
         "bytes": size,
         "seconds": seconds,
         "algbw_gbps": algbw,
-        "busbw_gbps": algbw * BUS_FACTORS[op](n),
+        "busbw_gbps": busbw,
         "latency_us": latency * 1e6,
+        "latency_bytes": small_size,
+        "latency_call_s": small_seconds,
+        "call_latency_us": call * 1e6,
     }
 
 

@@ -378,6 +378,32 @@ def test_time_another_process_holds_the_core_is_told_apart_from_blocking() -> No
     assert results["wall"] - results["cpu"] - results["queued"] == pytest.approx(0.1, abs=0.03)
 
 
+def test_a_collectives_latency_is_read_off_a_tensor_sized_call_not_one_element(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from diagnostics.collect import calibrate
+
+    # gloo's all-reduce on 2 CPU ranks as measured: 8 MiB in 8.6 ms, 256 KiB in 3.1 ms, one element in 0.27 ms
+    timings = {8 << 20: 8.6e-3, 256 << 10: 3.1e-3}
+
+    def median_call(op: str, group: object, numel: int, n: int, device: torch.device, repeats: int) -> tuple:
+        return timings[numel * 4], numel * 4
+
+    monkeypatch.setattr(calibrate, "_median_call", median_call)
+    monkeypatch.setattr(calibrate, "_fastest_call", lambda op, group, n, device: 0.27e-3)
+    monkeypatch.setattr("torch.distributed.get_world_size", lambda group=None: 2)
+    record = calibrate.collective_bandwidth("all_reduce", None, 8 << 20, torch.device("cpu"))
+    busbw = (8 << 20) / 8.6e-3 / 1e9 * 1.0  # 2 (n - 1) / n = 1 over 2 ranks
+    assert record["busbw_gbps"] == pytest.approx(busbw)
+    assert record["latency_bytes"] == 256 << 10 and record["call_latency_us"] == pytest.approx(270.0)
+    # what the 256 KiB call cost beyond its bytes at the 8 MiB call's bandwidth: 2.83 ms, not the one element's 0.27
+    assert record["latency_us"] == pytest.approx((3.1e-3 - (256 << 10) / (busbw * 1e9)) * 1e6)
+    assert record["latency_us"] == pytest.approx(2831, rel=0.01)
+    # never below the one-element call (a size past the algorithm's switch can look free)
+    timings[256 << 10] = 0.1e-3
+    assert calibrate.collective_bandwidth("all_reduce", None, 8 << 20, torch.device("cpu"))["latency_us"] == 270.0
+
+
 def test_a_cpu_host_hides_collectives_only_with_a_spare_core_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     from diagnostics.collect import calibrate
 
