@@ -592,20 +592,22 @@ def for_expert_imbalance(finding: Finding, ctx: RunContext) -> list[Recommendati
     recs: list[Recommendation] = []
     coef = float(ev.get("aux_loss_coef") or 0.0)
     stronger = AUX_LOSS_DEFAULT if coef <= 0 else min(AUX_LOSS_MAX, 10 * coef)
-    if stronger > coef:
+    balance_key = ev.get("aux_loss_key", "model.aux_loss_coef")
+    if balance_key and stronger > coef:
         why = (
-            f"the load-balancing loss (model.aux_loss_coef={coef:g}) leaves expert {ev.get('hottest_expert')} with "
+            f"the load-balancing loss ({balance_key}={coef:g}) leaves expert {ev.get('hottest_expert')} with "
             f"{pct(float(ev.get('hottest_expert_share') or 0))} of layer {ev.get('layer')}'s assignments"
         )
         effect = "the router spreads tokens more evenly over training; a larger share of the loss is balancing"
         recs.append(
-            _rec("model.aux_loss_coef", stronger, why, effect).gaining(
+            _rec(balance_key, stronger, why, effect).gaining(
                 gain(finding, HALF, "assumed: a stronger balancing loss removes about half of the excess over a run")
             )
         )
     capacity = ev.get("capacity_factor")
+    capacity_key = ev.get("capacity_key", "model.capacity_factor")
     excess = float(ev.get("load_excess") or 0.0)
-    if (capacity is None or float(capacity) > CAPACITY_FACTOR) and excess > CAPACITY_FACTOR - 1.0:
+    if capacity_key and (capacity is None or float(capacity) > CAPACITY_FACTOR) and excess > CAPACITY_FACTOR - 1.0:
         # Each expert computes at most capacity_factor x its even share, so the busiest rank's excess over the mean
         # shrinks to about capacity_factor - 1 of it.
         share = 1.0 - (CAPACITY_FACTOR - 1.0) / excess
@@ -615,7 +617,7 @@ def for_expert_imbalance(finding: Finding, ctx: RunContext) -> list[Recommendati
         )
         effect = "assignments beyond capacity are dropped (those tokens skip the expert): check the loss"
         recs.append(
-            _rec("model.capacity_factor", CAPACITY_FACTOR, why, effect).gaining(
+            _rec(capacity_key, CAPACITY_FACTOR, why, effect).gaining(
                 gain(finding, share, f"the excess capped at {CAPACITY_FACTOR - 1:.2f} of the mean load")
             )
         )

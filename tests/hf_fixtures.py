@@ -58,3 +58,30 @@ def train_tokenizer(path: Path, texts: list[str], vocab_size: int = 300) -> Path
 def write_jsonl(path: Path, texts: list[str], column: str = "text") -> Path:
     path.write_text("".join(json.dumps({column: t, "id": i}) + "\n" for i, t in enumerate(texts)))
     return path
+
+
+# Tiny MoE families as transformers 5 builds them (fused expert weights): Mixtral (renormalised top-2), Qwen2-MoE
+# (shared expert behind a sigmoid gate, top-k weights not renormalised) and OLMoE (QK-norm, renormalised top-k).
+_TINY_MOE_BASE = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+TINY_MIXTRAL = {
+    **_TINY_MOE_BASE, "model_type": "mixtral", "intermediate_size": 48, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+}  # fmt: skip
+TINY_QWEN2_MOE = {
+    **_TINY_MOE_BASE, "model_type": "qwen2_moe", "intermediate_size": 64, "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.001,
+}  # fmt: skip
+TINY_OLMOE = {
+    **_TINY_MOE_BASE, "model_type": "olmoe", "intermediate_size": 24, "num_experts": 8, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "router_aux_loss_coef": 0.01,
+}  # fmt: skip
+TINY_MOE_CONFIGS = {"mixtral": TINY_MIXTRAL, "qwen2_moe": TINY_QWEN2_MOE, "olmoe": TINY_OLMOE}

@@ -126,6 +126,9 @@ def detect_expert_imbalance(run: RunTelemetry) -> list[Finding]:
         "lost_s_per_step": round(g["lost_s_per_step"], 6),
         "aux_loss_coef": layout.get("aux_loss_coef"),
         "capacity_factor": layout.get("capacity_factor"),
+        # The overrides that set them (runs recorded before these keys: the built-in model's).
+        "aux_loss_key": layout.get("aux_loss_key", "model.aux_loss_coef"),
+        "capacity_key": layout.get("capacity_key", "model.capacity_factor"),
         "steps": g["steps"],
     }
     message = (

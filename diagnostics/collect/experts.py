@@ -27,8 +27,7 @@ def expert_layers(model: nn.Module) -> list[Any]:
 def expert_layout(layers: list[Any]) -> dict[str, Any]:
     """Static facts: experts, top-k, the ep degree, this rank's experts and the routed FLOPs per token."""
     first = layers[0]
-    experts = first.experts
-    weights = [w for w in (experts.w1, experts.w2, getattr(experts, "w3", None)) if w is not None]
+    weights = first.expert_weights()
     # Parameters of one expert (stacked weights [E_local, ...]: the shape of a DTensor is its global one).
     per_expert = sum(math.prod(w.shape[1:]) for w in weights)
     return {
@@ -36,10 +35,13 @@ def expert_layout(layers: list[Any]) -> dict[str, Any]:
         "num_experts": first.num_experts,
         "top_k": first.top_k,
         "ep": first.ep_size,
-        "first_expert": experts.offset,
-        "num_local": int(experts.w1.shape[0]),
+        "first_expert": first.first_expert,
+        "num_local": first.num_local,
         "capacity_factor": first.capacity_factor,
-        "aux_loss_coef": first.aux_loss_coef,
+        "aux_loss_coef": getattr(first, "aux_loss_setting", first.aux_loss_coef),
+        # The overrides that set them (an HF model's balancing weight is in its own config; it has no capacity).
+        "aux_loss_key": first.balance_key,
+        "capacity_key": first.capacity_key,
         # Training FLOPs (6 per parameter) of the routed experts for one token, over all layers.
         "routed_flops_per_token": 6.0 * first.top_k * per_expert * len(layers),
     }

@@ -81,7 +81,7 @@ def test_every_group_has_options() -> None:
         assert group_options(group), f"conf/{group}/ is empty"
     assert set(group_options("model")) >= {
         "gpt-nano", "gpt2-124m", "gpt2-350m", "llama-1b", "llama-7b", "llama-13b", "llama-70b", "hf", "hf-tiny-llama",
-        "hf-tiny-gpt2",
+        "hf-tiny-gpt2", "hf-tiny-mixtral",
     }  # fmt: skip
     assert set(group_options("hw")) >= {"cpu", "1xa100", "8xa100", "8xh100", "2x8xh100", "8xh200", "1xl4"}
     assert set(group_options("precision")) == {"fp32", "bf16-mixed", "bf16-true", "fp16-mixed", "fp8"}

@@ -36,9 +36,9 @@ def _observe_reads() -> tuple[list[str], list[str]]:
     loads: list[str] = []
     get, from_pretrained = SafetensorsWeights.get, AutoModelForCausalLM.from_pretrained
 
-    def counted_get(self: SafetensorsWeights, name: str) -> torch.Tensor:
+    def counted_get(self: SafetensorsWeights, name: str, rows: slice | None = None) -> torch.Tensor:
         reads.append(name)
-        return get(self, name)
+        return get(self, name, rows)
 
     def counted_from_pretrained(path: str, *args: Any, **kwargs: Any) -> nn.Module:
         loads.append(path)

@@ -122,3 +122,36 @@ def test_checkpoints_resume_across_ep_sizes(reference_run: Path, ep2_run: Path, 
         assert sorted(losses) == list(range(10, STEPS)), name
         worst = max(abs(losses[s] - reference[s]) for s in losses)
         assert worst < 1e-4, f"{name} drifts from one process by {worst:.2e}"
+
+
+HF_COMMON = [*(a for a in COMMON if not a.startswith(("model=", "trainer.ckpt_every"))), "model=hf-tiny-mixtral"]
+
+
+def test_hf_mixtral_under_expert_parallel_trains_and_exports_what_one_process_does(tmp_path: Path) -> None:
+    """transformers' Mixtral (fused experts, HF's balancing loss on) at ep=2 on 2 ranks vs one process: the same
+    losses, the same exported model, and the expert counters and layout of its own kind."""
+    single = run(
+        tmp_path, "hf-single", [*HF_COMMON, "hw.devices_per_node=1", "trainer.micro_batch_size=8", "diagnostics=off"]
+    )
+    ep2 = run(tmp_path, "hf-ep2", [*HF_COMMON, "strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"])
+    reference, losses = train_losses(single), train_losses(ep2)
+    assert sorted(losses) == sorted(reference) == list(range(STEPS))
+    worst = max(abs(losses[s] - reference[s]) for s in reference)
+    assert worst < 1e-4, f"HF Mixtral at ep=2 drifts from one process by {worst:.2e}"
+
+    from safetensors.torch import load_file
+
+    exported, expected = (load_file(str(d / "hf_model" / "model.safetensors")) for d in (ep2, single))
+    assert exported.keys() == expected.keys() and any(".experts.3." in k for k in exported)  # every expert, once
+    for name, tensor in expected.items():
+        assert tensor.shape == exported[name].shape, name
+        assert (tensor - exported[name]).abs().max() < 1e-4, name
+
+    for rank in (0, 1):
+        for r in expert_records(ep2, rank):
+            assert [sum(layer) for layer in r["routed"]] == [4 * 64 * 2] * 2  # 4 sequences x 64 tokens x top-2
+    lines = (ep2 / "telemetry" / "rank0001.jsonl").read_text().splitlines()
+    (layout,) = [r for r in map(json.loads, lines) if r.get("kind") == "expert_layout"]
+    assert (layout["ep"], layout["first_expert"], layout["num_local"]) == (2, 2, 2)
+    assert layout["aux_loss_key"] == "model.config.router_aux_loss_coef" and layout["aux_loss_coef"] == 0.02
+    assert layout["capacity_key"] is None

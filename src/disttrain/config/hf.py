@@ -9,6 +9,7 @@ terms (layers, hidden, heads, kv heads, ffn, vocab, tied embeddings, norm, MLP, 
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +55,61 @@ def check_hf_weights(model: HFModelConfig) -> None:
     params: dict[int, tuple[tuple[int, ...], list[str]]] = {}
     for name, param in meta.named_parameters(remove_duplicate=False):  # a tied head: one parameter, two names
         params.setdefault(id(param), (tuple(param.shape), []))[1].append(name)
-    missing = [names[0] for shape, names in params.values() if not any(shapes.get(n) == shape for n in names)]
+    missing = [names[0] for shape, names in params.values() if not any(stored_shape(n, shapes) == shape for n in names)]
     if missing:
         first = missing[0]
-        found = f"shape {list(shapes[first])}" if first in shapes else "absent"
+        held = stored_shape(first, shapes)
+        found = "absent" if held is None else f"shape {list(held)}"
         raise ConfigError(
             "model.path",
             f"'{model.path}' lacks {len(missing)} of the {len(params)} weights its config.json describes "
             f"({first}: {found}, expected {list(params[id(meta.get_parameter(first))][0])})",
             "point model.path at the directory save_pretrained wrote for this config.json",
         )
+
+
+# A fused expert weight of transformers 5 (``<layer>.experts.gate_up_proj [E, 2h, d]``, ``down_proj [E, d, h]``) as
+# checkpoints written before it (and most published MoE checkpoints) store it: one Linear per expert and
+# projection, gate before up. Mixtral's block was ``block_sparse_moe``, now ``mlp``.
+LEGACY_EXPERT_PARTS = {"gate_up_proj": (("w1", "w3"), ("gate_proj", "up_proj")), "down_proj": (("w2",), ("down_proj",))}
+
+
+def legacy_name(name: str, stored: Container[str]) -> str | None:
+    """The name a checkpoint holds the (non-expert) tensor ``name`` under: itself, or under Mixtral's old block name."""
+    for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
+        if candidate in stored:
+            return candidate
+    return None
+
+
+def legacy_expert_sources(name: str, stored: Container[str]) -> list[list[str]] | None:
+    """The per-expert tensors a checkpoint holds for the fused expert weight ``name``: per expert, the names whose
+    tensors concatenated on dim 0 are that expert's slice (the experts stacked give the fused tensor); None when
+    ``name`` is not a fused expert weight or ``stored`` has no per-expert form of it."""
+    head, _, weight = name.rpartition(".experts.")
+    if weight not in LEGACY_EXPERT_PARTS:
+        return None
+    prefixes = [head] + ([head.removesuffix(".mlp") + ".block_sparse_moe"] if head.endswith(".mlp") else [])
+    for prefix in prefixes:
+        for parts in LEGACY_EXPERT_PARTS[weight]:
+            experts: list[list[str]] = []
+            while all(f"{prefix}.experts.{len(experts)}.{part}.weight" in stored for part in parts):
+                experts.append([f"{prefix}.experts.{len(experts)}.{part}.weight" for part in parts])
+            if experts:
+                return experts
+    return None
+
+
+def stored_shape(name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape the checkpoint holds ``name`` at, a fused expert weight assembled from its per-expert form."""
+    held = legacy_name(name, shapes)
+    if held is not None:
+        return shapes[held]
+    sources = legacy_expert_sources(name, shapes)
+    if sources is None:
+        return None
+    first = [shapes[part] for part in sources[0]]
+    return (len(sources), sum(shape[0] for shape in first), *first[0][1:])
 
 
 def load_hf_config(model: HFModelConfig) -> Any:
@@ -111,7 +157,33 @@ def hf_shape(model: HFModelConfig) -> ModelConfig:
         init_std=float(model.init_std or _first(config, "initializer_range", default=0.02)),
         # A learned table (GPT-2) has a row per position the model supports, not per position a run uses.
         position_rows=None if rope else _first(config, "n_positions", "max_position_embeddings"),
+        **hf_moe_fields(config),
     )
+
+
+def hf_moe_fields(config: Any) -> dict[str, Any]:
+    """The reference shape's mixture-of-experts fields of an HF MoE config (Mixtral, Qwen2-MoE, OLMoE: routed
+    experts, top-k, expert hidden size, shared experts, the balancing weight); nothing for a dense one.
+
+    Approximations the shape cannot state: Qwen2-MoE's shared expert (one MLP of ``shared_expert_intermediate_size``)
+    is counted as that size over the expert size shared experts, its sigmoid shared-expert gate (d weights per layer)
+    not at all, and layers left dense (``mlp_only_layers``, ``decoder_sparse_step > 1``) as MoE layers."""
+    experts = int(_first(config, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
+    if experts <= 0:
+        return {}
+    expert_hidden = int(_first(config, "moe_intermediate_size", "intermediate_size"))
+    shared = int(_first(config, "shared_expert_intermediate_size", default=0) or 0)
+    return {
+        "num_experts": experts,
+        "top_k": int(_first(config, "num_experts_per_tok", "top_k", default=2)),
+        "expert_ffn_hidden": expert_hidden,
+        "num_shared_experts": round(shared / expert_hidden) if shared else 0,
+        "router_gate": "softmax",
+        # Mixtral always renormalises the top-k weights; Qwen2-MoE and OLMoE say so in norm_topk_prob.
+        "router_norm_topk": bool(_first(config, "norm_topk_prob", default=config.model_type == "mixtral")),
+        "aux_loss_coef": float(_first(config, "router_aux_loss_coef", default=0.0)),
+        "z_loss_coef": 0.0,
+    }
 
 
 def max_positions(model: HFModelConfig) -> int | None:

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from disttrain.config.hf import hf_shape, load_hf_config
+from disttrain.config.hf import hf_shape, legacy_expert_sources, legacy_name, load_hf_config
 from disttrain.config.schema import HFModelConfig
+from disttrain.models.hf_moe import HFExperts, adopt_hf_experts
 from disttrain.models.transformer import _param_seed
 
 # What HF's own checkpoint_wrapper-free code path would add to names; stripped so init seeds ignore wrappers.
@@ -58,11 +59,23 @@ class SafetensorsWeights:
             with safe_open(str(single), framework="pt") as handle:
                 self.files = {name: single for name in handle.keys()}  # noqa: SIM118 (not a dict)
 
-    def get(self, name: str) -> torch.Tensor:
+    def holds(self, name: str) -> bool:
+        return legacy_name(name, self.files) is not None or legacy_expert_sources(name, self.files) is not None
+
+    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """The tensor ``name`` (only ``rows`` of dim 0 when given); a fused expert weight the file stores per expert
+        (``config.hf.legacy_expert_sources``) is assembled from the experts in ``rows`` alone."""
         from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            return handle.get_tensor(name)
+        held = legacy_name(name, self.files)
+        if held is not None:
+            with safe_open(str(self.files[held]), framework="pt") as handle:
+                if rows is None:
+                    return handle.get_tensor(held)
+                return handle.get_slice(held)[rows]
+        sources = legacy_expert_sources(name, self.files) or []
+        chosen = sources if rows is None else sources[rows]
+        return torch.stack([torch.cat([self.get(part) for part in parts]) for parts in chosen])
 
 
 SELECTIVE_PREFIX = "disttrain_recompute_"
@@ -94,6 +107,7 @@ def _recomputed_attention(inner: str) -> Callable:
 class HFCausalLM(nn.Module):
     def __init__(self, hf: nn.Module, seed: int = 0, init_std: float = 0.02, path: str | None = None) -> None:
         super().__init__()
+        adopt_hf_experts(hf)  # fused MoE expert banks as the project's expert layers (models/hf_moe.py)
         self.hf = hf
         # Where deferred parameters get their values (see the module docstring).
         self.seed, self.init_std, self.path = seed, init_std, path
@@ -160,9 +174,29 @@ class HFCausalLM(nn.Module):
             found.setdefault(id(param), ([], param))[0].append(name.replace(_WRAPPED, ""))
         return list(found.values())
 
+    def expert_rows(self) -> dict[str, tuple[slice, int]]:
+        """Names of expert weights this rank holds only some experts of (``strategy.ep``) -> (the rows it holds,
+        the experts of the whole tensor): their starting values are those rows of the whole tensor's."""
+        rows = {}
+        for module_name, module in self.hf.named_modules():
+            if isinstance(module, HFExperts) and module.ep_size > 1:
+                keep = slice(module.offset, module.offset + module.num_local)
+                for weight in ("gate_up_proj", "down_proj"):
+                    rows[f"{module_name}.{weight}".replace(_WRAPPED, "")] = (keep, module.num_experts)
+        return rows
+
+    def _whole(self, name: str, shape: torch.Size) -> tuple[torch.Size, slice | None]:
+        held = self.expert_rows().get(name)
+        if held is None or shape[0] == held[1]:
+            return shape, None
+        return torch.Size((held[1], *shape[1:])), held[0]
+
     def init_value(self, name: str, shape: torch.Size) -> torch.Tensor:
         """The deterministic init of one tensor: matrices ~ N(0, std), biases 0, other vectors (norm weights) 1,
-        each from its own generator seeded by (seed, name)."""
+        each from its own generator seeded by (seed, name); of this rank's experts, their rows of the whole."""
+        whole, rows = self._whole(name, shape)
+        if rows is not None:
+            return self.init_value(name, whole)[rows]
         if name.endswith("bias"):
             return torch.zeros(shape)
         if len(shape) == 1:
@@ -177,10 +211,11 @@ class HFCausalLM(nn.Module):
             return self.init_value(names[0], shape)
         if self._weights is None:
             self._weights = SafetensorsWeights(self.path)
-        stored = next((n for n in names if n in self._weights.files), None)
+        stored = next((n for n in names if self._weights.holds(n)), None)
         if stored is None:
             raise KeyError(f"{self.path} holds no tensor for {names[0]}")
-        value = self._weights.get(stored)
+        _, rows = self._whole(names[0], shape)
+        value = self._weights.get(stored, rows)
         if value.shape != shape:
             raise ValueError(f"{self.path}: {stored} has shape {tuple(value.shape)}, the model {tuple(shape)}")
         return value.float()
@@ -191,6 +226,11 @@ class HFCausalLM(nn.Module):
         self.seed, self.init_std = seed, std
         for name, param in self.hf.named_parameters():  # a tied LM head is the embedding: listed once
             param.copy_(self.init_value(name.replace(_WRAPPED, ""), param.shape).to(param.dtype))
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether ranks hold different experts (their starting values differ, so none can be broadcast)."""
+        return bool(self.expert_rows())
 
     @property
     def deferred(self) -> bool:

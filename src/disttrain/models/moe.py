@@ -153,34 +153,62 @@ def _all_to_all(
     return AllToAll.apply(x, out_splits, in_splits, group, observer)
 
 
-class MoE(nn.Module):
-    """Routed experts (+ shared experts) replacing a block's MLP; records its auxiliary loss and token counts."""
+class ExpertLayer(nn.Module):
+    """What strategies, checkpoints and diagnostics need of a layer of routed experts, whoever wrote it.
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_experts = cfg.num_experts
-        self.top_k = cfg.top_k
-        self.gate = cfg.router_gate
-        self.norm_topk = cfg.router_norm_topk
-        self.aux_loss_coef = cfg.aux_loss_coef
-        self.z_loss_coef = cfg.z_loss_coef
-        self.capacity_factor = cfg.capacity_factor
-        self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
-        self.experts = GroupedExperts(cfg, cfg.num_experts)
-        shared_hidden = cfg.num_shared_experts * cfg.expert_hidden
-        self.shared = MLP(replace(cfg, ffn_hidden=shared_hidden)) if cfg.num_shared_experts else None
+    The built-in ``MoE`` and a ``transformers`` MoE block's experts (models/hf_moe.py) both hold their experts as
+    weights stacked on dim 0 and share: the expert-parallel exchange (``run_experts``), the load counters read once
+    per optimizer step (``take_counts``), the balancing loss over the whole data-parallel batch
+    (``balancing_loss``) and the collectives' timing hook (``comm_observer``).
+    """
+
+    def _init_routing(
+        self, num_experts: int, top_k: int, aux_loss_coef: float, z_loss_coef: float, capacity_factor: float | None
+    ) -> None:
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.aux_loss_coef = aux_loss_coef
+        self.aux_loss_setting = aux_loss_coef  # the value of balance_key that gives aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        self.capacity_factor = capacity_factor
         self.ep_group: object | None = None  # set by shard_experts
         self.ep_size = 1
         self.comm_observer: CommObserver | None = None  # told the seconds of each collective (diagnostics)
-        self.balance_group: object | None = (
-            None  # the data-parallel group whose batch the balancing loss sees (None: all)
-        )
+        # The data-parallel group whose batch the balancing loss sees (None: all).
+        self.balance_group: object | None = None
         self.aux_loss: torch.Tensor | None = None  # this forward's balancing + z-loss, weighted
         # Cheap counters, read and reset by the diagnostics once per optimizer step: per global expert, the
         # assignments routed from this rank's tokens (before dropping) and those dropped over capacity. Kept on the
         # compute device (no sync per forward); not on meta, where the model is first built.
-        self.tokens_per_expert = torch.zeros(2, cfg.num_experts, dtype=torch.int64, device="cpu")
+        self.tokens_per_expert = torch.zeros(2, num_experts, dtype=torch.int64, device="cpu")
 
+    # -- what each kind of layer says about its weights -------------------------------------------------------
+    # Override keys a report offers for the balancing coefficient and the capacity (None: the layer has none).
+    balance_key: str | None = "model.aux_loss_coef"
+    capacity_key: str | None = "model.capacity_factor"
+
+    def expert_weights(self) -> list[nn.Parameter]:
+        """The stacked expert weights ``[E_local, ...]``."""
+        raise NotImplementedError
+
+    def expert_module(self) -> nn.Module:
+        """The module holding exactly the expert weights (FSDP2 shards it over the ranks holding the same experts)."""
+        raise NotImplementedError
+
+    @property
+    def first_expert(self) -> int:
+        """Global id of this rank's first expert."""
+        raise NotImplementedError
+
+    def keep_experts(self, keep: slice, grad_scale: float) -> None:
+        """Hold only experts ``keep`` of the stacked weights, their gradients scaled by ``grad_scale``."""
+        raise NotImplementedError
+
+    @property
+    def num_local(self) -> int:
+        return int(self.expert_weights()[0].shape[0])
+
+    # -- shared behaviour -------------------------------------------------------------------------------------
     def take_counts(self) -> tuple[list[int], list[int]]:
         """(routed, dropped) assignments per expert since the last call, then zeroed (one device-to-host copy)."""
         routed, dropped = self.tokens_per_expert.tolist()
@@ -196,6 +224,79 @@ class MoE(nn.Module):
             self.tokens_per_expert = self.tokens_per_expert.to(experts.device)
         self.tokens_per_expert[row] += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
 
+    def balancing_loss(self, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
+        """``aux_loss_coef x E x sum_e f_e P_e`` (f_e: share of the global batch's assignments expert e got over its
+        even share; P_e: this rank's mean routing probability) plus the z-loss, or None when both weights are 0."""
+        loss = None
+        if self.aux_loss_coef:
+            counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+            # Per-expert assignments, then the token count: one all-reduce for both.
+            assigned = torch.cat([counts.float(), counts.new_tensor([probs.shape[0]], dtype=torch.float32)])
+            if self.training and dist.is_initialized() and dist.get_world_size() > 1:
+                _timed(self.comm_observer, "all_reduce", dist.all_reduce, assigned, group=self.balance_group)
+            # 1 everywhere when balanced. Linear in P, so the ranks' mean is the global batch's loss.
+            share = assigned[:-1] * self.num_experts / (assigned[-1] * self.top_k)
+            loss = self.aux_loss_coef * (share * probs.mean(0)).sum()
+        if self.z_loss_coef:
+            z = self.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+            loss = z if loss is None else loss + z
+        return loss
+
+    def run_experts(
+        self, x: torch.Tensor, counts: torch.Tensor, compute: Callable[[torch.Tensor, list[int]], torch.Tensor]
+    ) -> torch.Tensor:
+        """Expert outputs for tokens ``x`` sorted by global expert (``counts`` per expert); ``compute(tokens,
+        counts)`` runs this rank's experts on tokens sorted by local expert. Under EP the tokens travel by all-to-all
+        to the ranks holding their experts and back."""
+        if self.ep_size == 1:
+            return compute(x, counts.tolist())
+        local = self.num_local
+        group, observer = self.ep_group, self.comm_observer
+        received = torch.empty_like(counts)
+        _timed(observer, "all_to_all", dist.all_to_all_single, received, counts, group=group)  # [source, local expert]
+        received = received.view(self.ep_size, local)
+        send_splits = counts.view(self.ep_size, local).sum(1).tolist()
+        recv_splits = received.sum(1).tolist()
+        tokens = _all_to_all(x, recv_splits, send_splits, group, observer)  # dispatch
+        by_expert = regroup(received)
+        out = compute(tokens[by_expert], received.sum(0).tolist())
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        return _all_to_all(out[back], send_splits, recv_splits, group, observer)  # combine
+
+
+class MoE(ExpertLayer):
+    """Routed experts (+ shared experts) replacing a block's MLP; records its auxiliary loss and token counts."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self._init_routing(cfg.num_experts, cfg.top_k, cfg.aux_loss_coef, cfg.z_loss_coef, cfg.capacity_factor)
+        self.gate = cfg.router_gate
+        self.norm_topk = cfg.router_norm_topk
+        self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg, cfg.num_experts)
+        shared_hidden = cfg.num_shared_experts * cfg.expert_hidden
+        self.shared = MLP(replace(cfg, ffn_hidden=shared_hidden)) if cfg.num_shared_experts else None
+
+    def expert_weights(self) -> list[nn.Parameter]:
+        return [w for w in (self.experts.w1, self.experts.w2, self.experts.w3) if w is not None]
+
+    def expert_module(self) -> nn.Module:
+        return self.experts
+
+    @property
+    def first_expert(self) -> int:
+        return self.experts.offset
+
+    def keep_experts(self, keep: slice, grad_scale: float) -> None:
+        experts = self.experts
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(experts, name)
+            if weight is not None:
+                setattr(experts, name, nn.Parameter(weight.detach()[keep].clone()))
+        experts.offset = keep.start
+        experts.grad_scale = grad_scale
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids and gate weights ``[N, k]`` of tokens ``x [N, d]``; sets ``aux_loss``."""
         logits = self.router(x).float()
@@ -203,29 +304,10 @@ class MoE(nn.Module):
         weights, experts = scores.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         self._count(0, experts)
-        self.aux_loss = self._aux_loss(logits, scores, counts)
+        probs = scores if self.gate == "softmax" else scores / scores.sum(-1, keepdim=True)
+        self.aux_loss = self.balancing_loss(logits, probs, experts)
         return experts, weights.to(x.dtype)
-
-    def _aux_loss(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
-        loss = None
-        if self.aux_loss_coef:
-            # Per-expert assignments, then the token count: one all-reduce for both.
-            assigned = torch.cat([counts.float(), counts.new_tensor([scores.shape[0]], dtype=torch.float32)])
-            if self.training and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-                _timed(
-                    self.comm_observer, "all_reduce", dist.all_reduce, assigned, group=self.balance_group
-                )  # None: world
-            # f_e: share of the (global) assignments expert e got, x E (1 everywhere when balanced); P_e: this
-            # rank's mean routing probability. Linear in P, so the ranks' mean is the global batch's loss.
-            share = assigned[:-1] * self.num_experts / (assigned[-1] * self.top_k)
-            probs = scores if self.gate == "softmax" else scores / scores.sum(-1, keepdim=True)
-            loss = self.aux_loss_coef * (share * probs.mean(0)).sum()
-        if self.z_loss_coef:
-            z = self.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
-            loss = z if loss is None else loss + z
-        return loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -245,29 +327,11 @@ class MoE(nn.Module):
             flat_expert, flat_token, flat_weight = flat_expert[keep], flat_token[keep], flat_weight[keep]
         order = torch.argsort(flat_expert, stable=True)
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
-        routed = self._run_experts(x[flat_token[order]], counts)
+        routed = self.run_experts(x[flat_token[order]], counts, self.experts)
         out = torch.zeros_like(x).index_add_(0, flat_token[order], routed * flat_weight[order, None])
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
-
-    def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Expert outputs for tokens sorted by expert; under EP via all-to-all to the ranks holding the experts."""
-        if self.ep_size == 1:
-            return self.experts(x, counts.tolist())
-        local = self.experts.num_local
-        group, observer = self.ep_group, self.comm_observer
-        received = torch.empty_like(counts)
-        _timed(observer, "all_to_all", dist.all_to_all_single, received, counts, group=group)  # [source, local expert]
-        received = received.view(self.ep_size, local)
-        send_splits = counts.view(self.ep_size, local).sum(1).tolist()
-        recv_splits = received.sum(1).tolist()
-        tokens = _all_to_all(x, recv_splits, send_splits, group, observer)  # dispatch
-        by_expert = regroup(received)
-        out = self.experts(tokens[by_expert], received.sum(0).tolist())
-        back = torch.empty_like(by_expert)
-        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        return _all_to_all(out[back], send_splits, recv_splits, group, observer)  # combine
 
 
 def shard_experts(model: nn.Module, ep_rank: int, ep_size: int, ep_group: object, balance_group: object) -> int:
@@ -278,24 +342,17 @@ def shard_experts(model: nn.Module, ep_rank: int, ep_size: int, ep_group: object
         layer.balance_group = balance_group
         if ep_size == 1:
             continue
-        experts = layer.experts
         local = layer.num_experts // ep_size
-        keep = slice(ep_rank * local, (ep_rank + 1) * local)
-        for name in ("w1", "w2", "w3"):
-            weight = getattr(experts, name)
-            if weight is not None:
-                setattr(experts, name, nn.Parameter(weight.detach()[keep].clone()))
-        experts.offset = ep_rank * local
-        experts.grad_scale = 1.0 / ep_size
+        layer.keep_experts(slice(ep_rank * local, (ep_rank + 1) * local), 1.0 / ep_size)
         layer.ep_group, layer.ep_size = ep_group, ep_size
     return len(layers)
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+def moe_layers(model: nn.Module) -> list[ExpertLayer]:
+    return [m for m in model.modules() if isinstance(m, ExpertLayer)]
 
 
-def auxiliary_loss(layers: list[MoE]) -> torch.Tensor | None:
+def auxiliary_loss(layers: list[ExpertLayer]) -> torch.Tensor | None:
     """The sum of the layers' weighted balancing and z-losses from their last forward (None for a dense model)."""
     losses = [layer.aux_loss for layer in layers if layer.aux_loss is not None]
     return torch.stack(losses).sum() if losses else None

@@ -30,9 +30,8 @@ def expert_parameter_names(module: nn.Module) -> dict[str, tuple[int, int, int]]
     for layer in moe_layers(module):
         if layer.ep_size > 1:
             local = layer.num_experts // layer.ep_size
-            for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3):
-                if w is not None:
-                    ids[id(w)] = (layer.ep_size, layer.experts.offset // local, local)
+            for w in layer.expert_weights():
+                ids[id(w)] = (layer.ep_size, layer.first_expert // local, local)
     for name, param in module.named_parameters():
         if id(param) in ids:
             out[name] = ids[id(param)]

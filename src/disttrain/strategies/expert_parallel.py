@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from disttrain.models.moe import GroupedExperts, moe_layers, shard_experts
+from disttrain.models.moe import moe_layers, shard_experts
 
 
 def apply_expert_parallel(model: nn.Module, dp_mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
@@ -28,5 +28,6 @@ def apply_expert_parallel(model: nn.Module, dp_mesh: DeviceMesh, ep: int) -> Dev
     return mesh["edp"]
 
 
-def expert_modules(module: nn.Module) -> list[GroupedExperts]:
-    return [m for m in module.modules() if isinstance(m, GroupedExperts)]
+def expert_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules holding exactly the stacked expert weights of ``module``'s MoE layers (FSDP2 units of their own)."""
+    return [layer.expert_module() for layer in moe_layers(module)]

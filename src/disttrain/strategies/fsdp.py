@@ -112,9 +112,11 @@ def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
         buffers = {canonical_name(name): buffer for name, buffer in buffers.items()}  # state_dict's names
-        if model.path is None:  # type: ignore[attr-defined]
+        if model.path is None or model.expert_parallel:  # type: ignore[attr-defined]
+            # Drawn on every rank; or, where ranks hold different experts (no one value to broadcast), every rank
+            # reads its own tensors from model.path.
             for names, param in model.parameter_aliases():  # type: ignore[operator]
-                _assign(param, model.init_value(names[0], param.shape))  # type: ignore[operator]
+                _assign(param, model.initial_value(names, param.shape))  # type: ignore[operator]
             return
         full: dict[str, torch.Tensor] = {}
         if torch.distributed.get_rank() == 0:

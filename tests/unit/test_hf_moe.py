@@ -1,0 +1,144 @@
+"""transformers MoE families (Mixtral, Qwen2-MoE, OLMoE) run through the project's expert layers: the same function
+and gradients as transformers' own blocks, HF's balancing loss over the global batch, their shape for the planner,
+and their weights read from checkpoints that store experts fused or one by one."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from disttrain.config.errors import ConfigError
+from disttrain.config.experts import refuse_moe, validate_expert_parallel
+from disttrain.config.hf import hf_shape, legacy_expert_sources, load_hf_config
+from disttrain.config.schema import HFModelConfig
+from disttrain.models.accounting import count_parameters
+from disttrain.models.hf import SafetensorsWeights, build_hf_model
+from disttrain.models.hf_moe import HFExperts
+from disttrain.models.moe import moe_layers, shard_experts
+from tests.hf_fixtures import TINY_LLAMA, TINY_MIXTRAL, TINY_MOE_CONFIGS, save_tiny_model
+
+
+def _model_cfg(config: dict, path: str | None = None) -> HFModelConfig:
+    return HFModelConfig(name="tiny-moe", config=None if path else dict(config), path=path, seq_len=16)
+
+
+def _hf_reference(cfg: HFModelConfig, state: dict[str, torch.Tensor], **overrides: object) -> torch.nn.Module:
+    """transformers' own model (its fused experts untouched) holding ``state``."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(load_hf_config(cfg))
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    reference.load_state_dict(state)
+    return reference
+
+
+@pytest.mark.parametrize("family", sorted(TINY_MOE_CONFIGS))
+def test_adopted_experts_compute_what_transformers_computes(family: str) -> None:
+    cfg = _model_cfg(TINY_MOE_CONFIGS[family])
+    model = build_hf_model(cfg, seed=1)
+    layers = moe_layers(model)
+    assert len(layers) == 2 and all(isinstance(layer, HFExperts) for layer in layers)
+    # Same parameters under the same names: checkpoints and save_pretrained see transformers' own layout.
+    reference = _hf_reference(cfg, model.hf.state_dict())
+    assert [n for n, _ in model.hf.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    tokens = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(0))
+    ours, theirs = model(tokens), reference(input_ids=tokens, use_cache=False).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    ours.square().mean().backward()
+    theirs.square().mean().backward()
+    their_grads = dict(reference.named_parameters())
+    for name, param in model.hf.named_parameters():
+        torch.testing.assert_close(param.grad, their_grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
+    # Counters: every token's top-k choices, per layer.
+    k = TINY_MOE_CONFIGS[family]["num_experts_per_tok"]
+    assert [sum(layer.take_counts()[0]) for layer in layers] == [3 * 16 * k] * 2
+
+
+@pytest.mark.parametrize("family", sorted(TINY_MOE_CONFIGS))
+def test_balancing_loss_is_transformers_router_aux_loss(family: str) -> None:
+    # One MoE layer: HF's loss over the layers' tokens together is then exactly the per-layer loss.
+    config = {**TINY_MOE_CONFIGS[family], "num_hidden_layers": 1}
+    cfg = _model_cfg(config)
+    model = build_hf_model(cfg, seed=2).train()
+    reference = _hf_reference(cfg, model.hf.state_dict(), output_router_logits=True).train()
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    model(tokens)
+    (ours,) = [layer.aux_loss for layer in moe_layers(model)]
+    out = reference(input_ids=tokens, labels=tokens, use_cache=False)
+    theirs = out.aux_loss * config["router_aux_loss_coef"]
+    torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=1e-5)
+
+
+def test_balancing_loss_weight_is_shared_over_layers_and_off_at_zero() -> None:
+    model = build_hf_model(_model_cfg(TINY_MIXTRAL), seed=0)
+    coefs = [layer.aux_loss_coef for layer in moe_layers(model)]
+    assert coefs == pytest.approx([0.02 * 2 / 2] * 2)  # setting x top_k / layers
+    assert {layer.aux_loss_setting for layer in moe_layers(model)} == {0.02}
+    off = build_hf_model(_model_cfg({**TINY_MIXTRAL, "router_aux_loss_coef": 0.0}), seed=0).train()
+    off(torch.randint(0, 128, (2, 8)))
+    assert all(layer.aux_loss is None for layer in moe_layers(off))
+
+
+def test_expert_parallel_slice_draws_the_rows_of_the_whole_init() -> None:
+    whole = build_hf_model(_model_cfg(TINY_MIXTRAL), seed=5)
+    part = build_hf_model(_model_cfg(TINY_MIXTRAL), seed=5, placement="deferred")
+    shard_experts(part, ep_rank=1, ep_size=2, ep_group=None, balance_group=None)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    param = part.hf.get_parameter(name)
+    assert tuple(param.shape) == (2, 96, 32) and part.expert_parallel
+    torch.testing.assert_close(part.initial_value([name], param.shape), whole.hf.get_parameter(name).detach()[2:4])
+
+
+def test_fused_weights_are_read_from_per_expert_checkpoints(tmp_path: Path) -> None:
+    # save_pretrained writes Mixtral's experts one by one under the old block name (block_sparse_moe.experts.<e>.w1).
+    directory = save_tiny_model(tmp_path / "mixtral", TINY_MIXTRAL)
+    weights = SafetensorsWeights(directory)
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in weights.files
+    sources = legacy_expert_sources("model.layers.0.mlp.experts.gate_up_proj", weights.files)
+    assert sources is not None and len(sources) == 4 and sources[0][1].endswith("experts.0.w3.weight")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        fused = loaded.get_parameter(name).detach()
+        torch.testing.assert_close(weights.get(name), fused)
+        torch.testing.assert_close(weights.get(name, slice(2, 4)), fused[2:4])
+    torch.testing.assert_close(weights.get("model.layers.0.mlp.gate.weight"), loaded.model.layers[0].mlp.gate.weight)
+    # A deferred build reads every tensor through them: the whole model is the one from_pretrained loads.
+    cfg = _model_cfg(TINY_MIXTRAL, path=str(directory))
+    deferred = build_hf_model(cfg, seed=0, placement="deferred")
+    deferred.materialize_by_module(fill=True, partition=None)
+    for name, param in loaded.named_parameters():
+        torch.testing.assert_close(deferred.hf.get_parameter(name), param, msg=name)
+
+
+def test_hf_moe_shape_for_the_planner() -> None:
+    mixtral = hf_shape(_model_cfg(TINY_MIXTRAL))
+    assert (mixtral.num_experts, mixtral.top_k, mixtral.expert_hidden, mixtral.num_shared_experts) == (4, 2, 48, 0)
+    assert mixtral.router_norm_topk and mixtral.aux_loss_coef == 0.02 and mixtral.z_loss_coef == 0.0
+    # Mixtral's shape is exact: the planner counts what the model holds.
+    model = build_hf_model(_model_cfg(TINY_MIXTRAL), seed=0, device="meta")
+    assert count_parameters(mixtral) == sum(p.numel() for p in model.parameters())
+    qwen = hf_shape(_model_cfg(TINY_MOE_CONFIGS["qwen2_moe"]))
+    assert (qwen.num_experts, qwen.top_k, qwen.expert_hidden, qwen.num_shared_experts) == (8, 3, 24, 2)
+    assert not qwen.router_norm_topk
+    assert hf_shape(_model_cfg(TINY_LLAMA)).num_experts == 0
+
+
+def test_expert_parallel_rules_for_hf_models() -> None:
+    moe = _model_cfg(TINY_MIXTRAL)
+    validate_expert_parallel(2, moe, 4)
+    validate_expert_parallel(4, moe, 4)
+    with pytest.raises(ConfigError, match="4 experts cannot be split evenly over ep=3") as err:
+        validate_expert_parallel(3, moe, 6)
+    assert "strategy.ep" in str(err.value)
+    with pytest.raises(ConfigError, match="dense model without routed experts"):
+        validate_expert_parallel(2, _model_cfg(TINY_LLAMA), 2)
+    with pytest.raises(ConfigError, match="no plan for mixture-of-experts"):
+        refuse_moe("megatron", moe)
+    refuse_moe("megatron", _model_cfg(TINY_LLAMA))
