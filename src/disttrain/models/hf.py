@@ -324,6 +324,9 @@ def build_hf_model(
             return wrapped.to(device)
         return wrapped
     if path is not None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Loading weights" bar is not a line of the run's console
         hf = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=torch.float32, attn_implementation=kind
         )
