@@ -34,7 +34,9 @@ def expert_layout(layers: list[Any]) -> dict[str, Any]:
         "layers": len(layers),
         "num_experts": first.num_experts,
         "top_k": first.top_k,
-        "ep": first.ep_size,
+        # Ranks splitting the experts: by all-to-all under EP, or the tp ranks (which hold the same tokens and sum
+        # their experts' outputs) under strategy=megatron; the busiest paces the group either way.
+        "ep": getattr(first, "expert_ranks", first.ep_size),
         "first_expert": first.first_expert,
         "num_local": first.num_local,
         "capacity_factor": first.capacity_factor,

@@ -155,3 +155,15 @@ def test_hf_mixtral_under_expert_parallel_trains_and_exports_what_one_process_do
     assert (layout["ep"], layout["first_expert"], layout["num_local"]) == (2, 2, 2)
     assert layout["aux_loss_key"] == "model.config.router_aux_loss_coef" and layout["aux_loss_coef"] == 0.02
     assert layout["capacity_key"] is None
+
+
+def test_megatron_tensor_parallel_splits_the_experts_and_matches_one_process(
+    reference: dict[int, float], tmp_path: Path
+) -> None:
+    """strategy=megatron tp=2: attention tensor-parallel, each tp rank computing half the experts on every token and
+    the outputs summed over the pair; the router and balancing loss replicated."""
+    args = [*COMMON, "strategy=megatron", "strategy.tp=2", "hw.devices_per_node=2", "trainer.micro_batch_size=8"]
+    losses = train_losses(run(tmp_path, "tp2", [*args, "diagnostics=off"]))
+    assert sorted(losses) == list(range(STEPS))
+    worst = max(abs(losses[s] - reference[s]) for s in reference)
+    assert worst < 1e-4, f"megatron tp=2 drifts from one process by {worst:.2e}"

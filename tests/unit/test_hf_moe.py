@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.experts import refuse_moe, validate_expert_parallel
+from disttrain.config.experts import validate_expert_parallel, validate_megatron_experts
 from disttrain.config.hf import hf_shape, legacy_expert_sources, load_hf_config
-from disttrain.config.schema import HFModelConfig
+from disttrain.config.schema import HFModelConfig, MegatronConfig
 from disttrain.models.accounting import count_parameters
 from disttrain.models.hf import SafetensorsWeights, build_hf_model
 from disttrain.models.hf_moe import HFExperts
@@ -139,6 +139,6 @@ def test_expert_parallel_rules_for_hf_models() -> None:
     assert "strategy.ep" in str(err.value)
     with pytest.raises(ConfigError, match="dense model without routed experts"):
         validate_expert_parallel(2, _model_cfg(TINY_LLAMA), 2)
-    with pytest.raises(ConfigError, match="no plan for mixture-of-experts"):
-        refuse_moe("megatron", moe)
-    refuse_moe("megatron", _model_cfg(TINY_LLAMA))
+    with pytest.raises(ConfigError, match="no tensor-parallel plan for transformers' MoE blocks"):
+        validate_megatron_experts(MegatronConfig(tp=2), moe)
+    validate_megatron_experts(MegatronConfig(tp=2), _model_cfg(TINY_LLAMA))

@@ -181,7 +181,13 @@ FSDP_EP = ["model=moe-micro", "strategy=fsdp", "hw.devices_per_node=4"]
         (["model.capacity_factor=0"], "model.capacity_factor", "null for dropless"),
         (["model.router_gate=sigmod"], "model.router_gate", "sigmoid"),
         (["model.num_experts=0"], "model.num_shared_experts", "model.num_experts"),
-        (["strategy=megatron"], "strategy", "strategy=fsdp"),
+        (["strategy=megatron", "strategy.pp=2"], "strategy.pp", "strategy.pp=1"),
+        (
+            ["strategy=megatron", "strategy.tp=2", "strategy.sequence_parallel=true"],
+            "strategy.sequence_parallel",
+            "=false",
+        ),
+        (["strategy=megatron", "strategy.tp=4", "model.num_experts=6"], "strategy.tp", "dividing 6: [1, 2, 3, 6]"),
     ],
 )
 def test_impossible_expert_layouts_are_refused_with_key_and_fix(overrides: list[str], key: str, fix: str) -> None:
@@ -194,6 +200,8 @@ def test_expert_parallel_layout_that_fits_is_accepted() -> None:
     validate_expert_parallel(4, model_preset("moe-micro"), 8)
     # Expert-parallel runs write universal checkpoints (strategies/expert_checkpoint): step checkpoints are fine.
     validate_run(parse_run_config(compose_train([*FSDP_EP, "strategy.ep=2", "trainer.ckpt_every_n_steps=10"])))
+    # Under strategy=megatron the tp ranks split the experts.
+    validate_run(parse_run_config(compose_train([*FSDP_EP, "strategy=megatron", "strategy.tp=2"])))
 
 
 def test_recomputed_forward_does_not_count_tokens_twice() -> None:

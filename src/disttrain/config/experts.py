@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.hf import hf_shape
-from disttrain.config.schema import CustomModelConfig, HFModelConfig, ModelConfig
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, MegatronConfig, ModelConfig
 
 
 def routed_experts(model: ModelConfig | CustomModelConfig | HFModelConfig) -> int:
@@ -55,13 +55,34 @@ def validate_expert_parallel(ep: int, model: ModelConfig | CustomModelConfig | H
         )
 
 
-def refuse_moe(strategy: str, model: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
-    """Strategies whose parallel plans do not know the MoE layer yet."""
+def validate_megatron_experts(cfg: MegatronConfig, model: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
+    """``strategy=megatron`` with an MoE model: the tp ranks split the experts (each computes ``E / tp`` on every
+    token and the outputs are summed over the group). Refused where that is not built: transformers' MoE blocks,
+    pipeline stages, sequence parallelism, and experts that do not split evenly over tp."""
     experts = routed_experts(model)
-    if experts:
+    if not experts:
+        return
+    if isinstance(model, HFModelConfig):
         raise ConfigError(
             "strategy",
-            f"strategy={strategy} has no plan for mixture-of-experts layers yet"
-            f" (model={model.name}: {experts} experts)",
+            f"strategy=megatron has no tensor-parallel plan for transformers' MoE blocks (model={model.name})",
             "use strategy=fsdp (with strategy.ep=... for expert parallelism) or strategy=ddp",
+        )
+    if cfg.pp > 1:
+        raise ConfigError(
+            "strategy.pp",
+            f"pp={cfg.pp}: pipeline stages of a mixture-of-experts model are not built yet",
+            "use strategy.pp=1 (the tp ranks split the experts) or strategy=fsdp strategy.ep=...",
+        )
+    if cfg.tp > 1 and cfg.sequence_parallel:
+        raise ConfigError(
+            "strategy.sequence_parallel",
+            "sequence parallelism around mixture-of-experts layers is not built yet",
+            "use strategy.sequence_parallel=false",
+        )
+    if experts % cfg.tp:
+        raise ConfigError(
+            "strategy.tp",
+            f"tp={cfg.tp} does not split the model's {experts} experts evenly (the tp ranks split them)",
+            f"use a strategy.tp dividing {experts}: {_divisors(experts)}",
         )

@@ -80,6 +80,7 @@ class HFExperts(ExpertLayer):
             setattr(self, name, nn.Parameter(getattr(self, name).detach()[keep].clone()))
         self.offset = keep.start
         self.grad_scale = grad_scale
+        self.held_experts = keep.stop - keep.start
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         self._count(0, top_k_index)

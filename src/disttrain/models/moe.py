@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from disttrain.config.schema import ModelConfig
 from disttrain.models.mlp import MLP
@@ -64,6 +65,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         weights = [self.w1, self.w2] + ([self.w3] if self.w3 is not None else [])
+        # Tensor parallelism holds them as DTensors sharded on the experts: compute on this rank's (to_local's
+        # gradient comes back as the same shard).
+        weights = [w.to_local() if isinstance(w, DTensor) else w for w in weights]
         if self.grad_scale != 1.0:
             weights = [ScaleGrad.apply(w, self.grad_scale) for w in weights]
         w1, w2 = weights[0], weights[1]
@@ -147,6 +151,40 @@ def _exchange(
     return out
 
 
+class CopyToGroup(torch.autograd.Function):
+    """Identity forward, gradient all-reduced over ``group`` backward (Megatron's ``f``): a replicated input whose
+    consumers on each rank see only part of the work (this rank's experts) gets the gradient of all of it."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: object, observer: CommObserver | None
+    ) -> torch.Tensor:
+        ctx.group, ctx.observer = group, observer  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        total = grad.contiguous().clone()
+        _timed(ctx.observer, "all_reduce", dist.all_reduce, total, group=ctx.group)  # type: ignore[attr-defined]
+        return total, None, None
+
+
+class ReduceFromGroup(torch.autograd.Function):
+    """Sum over ``group`` forward, identity backward (Megatron's ``g``): each rank's experts' share of the output."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: object, observer: CommObserver | None
+    ) -> torch.Tensor:
+        total = x.contiguous().clone()
+        _timed(observer, "all_reduce", dist.all_reduce, total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
 def _all_to_all(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object, observer: CommObserver | None
 ) -> torch.Tensor:
@@ -173,6 +211,11 @@ class ExpertLayer(nn.Module):
         self.capacity_factor = capacity_factor
         self.ep_group: object | None = None  # set by shard_experts
         self.ep_size = 1
+        # Under tensor parallelism (split_experts_over_tp) the tp ranks, which all hold every token, split the
+        # experts: each computes its own on all tokens and the outputs are summed over the group.
+        self.tp_group: object | None = None
+        self.tp_size = 1
+        self.held_experts = num_experts  # experts this rank computes
         self.comm_observer: CommObserver | None = None  # told the seconds of each collective (diagnostics)
         # The data-parallel group whose batch the balancing loss sees (None: all).
         self.balance_group: object | None = None
@@ -206,7 +249,12 @@ class ExpertLayer(nn.Module):
 
     @property
     def num_local(self) -> int:
-        return int(self.expert_weights()[0].shape[0])
+        return self.held_experts
+
+    @property
+    def expert_ranks(self) -> int:
+        """How many ranks split the experts of a layer (by all-to-all under EP, by summed outputs under TP)."""
+        return self.ep_size * self.tp_size
 
     # -- shared behaviour -------------------------------------------------------------------------------------
     def take_counts(self) -> tuple[list[int], list[int]]:
@@ -248,6 +296,16 @@ class ExpertLayer(nn.Module):
         """Expert outputs for tokens ``x`` sorted by global expert (``counts`` per expert); ``compute(tokens,
         counts)`` runs this rank's experts on tokens sorted by local expert. Under EP the tokens travel by all-to-all
         to the ranks holding their experts and back."""
+        if self.tp_group is not None:
+            # Every tp rank holds all tokens: run this rank's experts on theirs; the other rows stay 0 (their
+            # experts' ranks fill them) until the caller sums the weighted outputs over the group.
+            first, local = self.first_expert, self.num_local
+            begin = int(counts[:first].sum())
+            mine = counts[first : first + local]
+            end = begin + int(mine.sum())
+            out = x.new_zeros(x.shape)
+            out[begin:end] = compute(x[begin:end], mine.tolist())
+            return out
         if self.ep_size == 1:
             return compute(x, counts.tolist())
         local = self.num_local
@@ -275,6 +333,9 @@ class MoE(ExpertLayer):
         self.norm_topk = cfg.router_norm_topk
         self.router = nn.Linear(cfg.d_model, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg, cfg.num_experts)
+        # Under TP the expert weights are DTensors sharded on dim 0 over the tp ranks (their global shape and
+        # init stay the one-process ones): this rank's first expert is tp_offset.
+        self.tp_offset = 0
         shared_hidden = cfg.num_shared_experts * cfg.expert_hidden
         self.shared = MLP(replace(cfg, ffn_hidden=shared_hidden)) if cfg.num_shared_experts else None
 
@@ -286,7 +347,7 @@ class MoE(ExpertLayer):
 
     @property
     def first_expert(self) -> int:
-        return self.experts.offset
+        return self.experts.offset + self.tp_offset
 
     def keep_experts(self, keep: slice, grad_scale: float) -> None:
         experts = self.experts
@@ -296,6 +357,7 @@ class MoE(ExpertLayer):
                 setattr(experts, name, nn.Parameter(weight.detach()[keep].clone()))
         experts.offset = keep.start
         experts.grad_scale = grad_scale
+        self.held_experts = keep.stop - keep.start
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids and gate weights ``[N, k]`` of tokens ``x [N, d]``; sets ``aux_loss``."""
@@ -327,8 +389,14 @@ class MoE(ExpertLayer):
             flat_expert, flat_token, flat_weight = flat_expert[keep], flat_token[keep], flat_weight[keep]
         order = torch.argsort(flat_expert, stable=True)
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
-        routed = self.run_experts(x[flat_token[order]], counts, self.experts)
+        tokens = x
+        if self.tp_group is not None:
+            tokens = CopyToGroup.apply(x, self.tp_group, self.comm_observer)
+            flat_weight = CopyToGroup.apply(flat_weight, self.tp_group, self.comm_observer)
+        routed = self.run_experts(tokens[flat_token[order]], counts, self.experts)
         out = torch.zeros_like(x).index_add_(0, flat_token[order], routed * flat_weight[order, None])
+        if self.tp_group is not None:
+            out = ReduceFromGroup.apply(out, self.tp_group, self.comm_observer)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -28,21 +28,24 @@ from torch.distributed.tensor.parallel import (
 )
 
 from disttrain.config.schema import ModelConfig
+from disttrain.models.moe import MoE
 from disttrain.models.transformer import Block, Transformer, rope_cache
 
 
-def block_plan(has_w3: bool, sequence_parallel: bool) -> dict[str, object]:
-    """The per-block plan, keyed by sub-module path inside ``Block``."""
+def block_plan(has_w3: bool, sequence_parallel: bool, moe: bool = False) -> dict[str, object]:
+    """The per-block plan, keyed by sub-module path inside ``Block``. A mixture-of-experts MLP is not in it: its
+    experts are split over the tp ranks instead (``split_experts_over_tp``)."""
     between = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, object] = {
         "attn.wq": ColwiseParallel(),
         "attn.wk": ColwiseParallel(),
         "attn.wv": ColwiseParallel(),
         "attn.wo": RowwiseParallel(output_layouts=between),
-        "mlp.w1": ColwiseParallel(),
-        "mlp.w2": RowwiseParallel(output_layouts=between),
     }
-    if has_w3:
+    if not moe:
+        plan["mlp.w1"] = ColwiseParallel()
+        plan["mlp.w2"] = RowwiseParallel(output_layouts=between)
+    if has_w3 and not moe:
         plan["mlp.w3"] = ColwiseParallel()
     if sequence_parallel:
         plan["norm1"] = SequenceParallel()
@@ -57,13 +60,40 @@ def block_plan(has_w3: bool, sequence_parallel: bool) -> dict[str, object]:
     return plan
 
 
+def split_experts_over_tp(layer: MoE, tp_mesh: DeviceMesh) -> None:
+    """Expert parallelism inside the tp group: each tp rank computes ``E / tp`` experts on all tokens (which every tp
+    rank holds after attention) and the layer sums the outputs over the group. The stacked weights become DTensors
+    sharded on dim 0, so names, global shapes, init, checkpoints and the gradient norm stay the one-process ones.
+    The router and shared experts are replicated; their gradients are whole on every rank (``CopyToGroup``)."""
+    tp = tp_mesh.size()
+    experts = layer.experts
+    for name in ("w1", "w2", "w3"):
+        weight = getattr(experts, name)
+        if weight is not None:
+            sharded = distribute_tensor(weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None)
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+    layer.tp_group, layer.tp_size = tp_mesh.get_group(), tp
+    layer.held_experts = layer.num_experts // tp
+    layer.tp_offset = tp_mesh.get_local_rank() * layer.held_experts
+
+
+def parallelize_block(block: Block, tp_mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
+    """One transformer block under the tensor-parallel plan (its experts split over the tp ranks if it has them)."""
+    if isinstance(block.mlp, MoE):
+        parallelize_module(block, tp_mesh, block_plan(False, sequence_parallel, moe=True))
+        split_experts_over_tp(block.mlp, tp_mesh)
+    else:
+        parallelize_module(block, tp_mesh, block_plan(block.mlp.w3 is not None, sequence_parallel))
+    return block
+
+
 def apply_tensor_parallel(
     model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool
 ) -> None:
     """Shard ``model`` (a whole model or one pipeline stage of it) over ``tp_mesh`` in place."""
     blocks = model.block_list()
     for block in blocks:
-        parallelize_module(block, tp_mesh, block_plan(block.mlp.w3 is not None, sequence_parallel))
+        parallelize_block(block, tp_mesh, sequence_parallel)
     top: dict[str, object] = {}
     if model.tok_emb is not None:
         top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -112,8 +142,8 @@ def tp_probe_parts(cfg: ModelConfig, tp_mesh: DeviceMesh, loss_parallel: bool, d
         model.blocks = nn.ModuleList()
         return model
 
-    plan = block_plan(cfg.mlp == "swiglu", sequence_parallel=False)
-    parallel_block = parallelize_module(block(), tp_mesh, plan)
+    plan = block_plan(cfg.mlp == "swiglu", sequence_parallel=False, moe=cfg.is_moe)
+    parallel_block = parallelize_block(block(), tp_mesh, sequence_parallel=False)
     parallel_edges = edges()
     apply_tensor_parallel(parallel_edges, tp_mesh, sequence_parallel=False, loss_parallel=loss_parallel)
     modules = sum(isinstance(p, ColwiseParallel | RowwiseParallel) for p in plan.values())
@@ -124,8 +154,9 @@ def tp_probe_parts(cfg: ModelConfig, tp_mesh: DeviceMesh, loss_parallel: bool, d
         "rope": rope,
         "modules_per_block": modules,
         # Without SP each row-parallel linear all-reduces its output in forward, each column-parallel one its
-        # input gradient in backward: one activation-sized collective per parallel linear.
-        "collectives_per_block": modules,
+        # input gradient in backward: one activation-sized collective per parallel linear. An MoE layer split over
+        # the tp ranks adds three (its output forward, its tokens' and gate weights' gradients backward).
+        "collectives_per_block": modules + (3 if cfg.is_moe else 0),
         "d_model": cfg.d_model,
         "vocab_size": cfg.vocab_size,
         "seq_len": cfg.seq_len,

@@ -119,7 +119,9 @@ def megatron_layouts(
     sp_options = (True, False) if sequence_parallel is None else (sequence_parallel,)
     if not shape.known:  # no layers to split: a raw parameter count answers model-state questions only
         return
-    if shape.num_experts:  # strategy=megatron has no TP/PP plan for MoE layers yet (config/experts.refuse_moe)
+    # strategy=megatron splits MoE experts over tp without pipelining (config/experts.validate_megatron_experts); the
+    # planner has no terms for it yet.
+    if shape.num_experts:
         return
     world = hw.world_size
     for tp in tensor_parallel_degrees(shape, hw):

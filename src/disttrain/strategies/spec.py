@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from disttrain.config.degrees import megatron_degrees, validate_megatron
 from disttrain.config.errors import ConfigError, did_you_mean, require_one_of
-from disttrain.config.experts import refuse_moe, validate_expert_parallel
+from disttrain.config.experts import validate_expert_parallel, validate_megatron_experts
 from disttrain.config.schema import (
     COMM_HOOKS,
     AutoStrategyConfig,
@@ -342,7 +342,7 @@ class MegatronSpec(StrategySpec):
         return self.config.num_microbatches
 
     def validate(self, cfg: RunConfig) -> None:
-        refuse_moe("megatron", cfg.model)
+        validate_megatron_experts(self.config, cfg.model)
         validate_megatron(self.config, cfg.model, cfg.hw.world_size, cfg.precision.name)
 
     @property
