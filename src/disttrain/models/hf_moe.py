@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.models.moe import ExpertLayer, ScaleGrad
+from disttrain.models.moe import ExpertLayer, ScaleGrad, grouped_gemm_fits, grouped_matmul
 
 FUSED_WEIGHTS = ("gate_up_proj", "down_proj")
 BALANCE_KEY = "model.config.router_aux_loss_coef"
@@ -58,6 +58,7 @@ class HFExperts(ExpertLayer):
         self.act_fn = original.act_fn
         self.offset = 0  # global id of the first local expert
         self.grad_scale = 1.0  # 1 / ep under expert parallelism (see ScaleGrad)
+        self.grouped_gemm: bool | None = None  # None: where grouped_gemm_fits; True/False force it (tests)
         self._logits: torch.Tensor | None = None
         router.register_forward_hook(self._keep_logits)
 
@@ -102,6 +103,10 @@ class HFExperts(ExpertLayer):
         gate_up, down = self.gate_up_proj, self.down_proj
         if self.grad_scale != 1.0:
             gate_up, down = ScaleGrad.apply(gate_up, self.grad_scale), ScaleGrad.apply(down, self.grad_scale)
+        if self.grouped_gemm if self.grouped_gemm is not None else grouped_gemm_fits(tokens, [gate_up, down]):
+            # The weights are stored [E, out, in] (nn.Linear's layout): the GEMM takes their transposed views.
+            gate, up = grouped_matmul(tokens, gate_up.transpose(-2, -1), counts).chunk(2, dim=-1)
+            return grouped_matmul(self.act_fn(gate) * up, down.transpose(-2, -1), counts)
         outputs, start = [], 0
         # Every local expert runs, even on no tokens: its weights get a zero gradient rather than none, so every
         # rank reduces the same parameters.

@@ -46,6 +46,24 @@ class ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None  # type: ignore[attr-defined]
 
 
+def grouped_gemm_fits(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Whether one grouped GEMM per projection (``torch._grouped_mm``: every expert's segment in one kernel) should
+    replace the per-expert loop: bf16 tokens and weights on a CUDA device of compute capability 9.0+ (H100/H200),
+    where the kernel exists and the loop's one launch per expert and projection dominates small experts."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm")):
+        return False
+    if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of ``x`` in ``len(counts)`` consecutive segments, segment ``j`` times ``weight[j]`` (``[E, K, N]``), as
+    one grouped GEMM; an empty segment's weight gets a zero gradient."""
+    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    return torch._grouped_mm(x, weight, offs=offsets)
+
+
 class GroupedExperts(nn.Module):
     """``num_local`` expert MLPs with stacked weights; ``forward`` takes tokens sorted by expert and the counts."""
 
@@ -54,6 +72,7 @@ class GroupedExperts(nn.Module):
         self.swiglu = cfg.mlp == "swiglu"
         self.offset = offset  # global id of the first local expert (expert parallelism)
         self.grad_scale = 1.0  # 1 / ep under expert parallelism (see ScaleGrad)
+        self.grouped_gemm: bool | None = None  # None: where grouped_gemm_fits; True/False force it (tests)
         d, h = cfg.d_model, cfg.expert_hidden
         self.w1 = nn.Parameter(torch.empty(num_local, d, h))
         self.w2 = nn.Parameter(torch.empty(num_local, h, d))
@@ -72,6 +91,10 @@ class GroupedExperts(nn.Module):
             weights = [ScaleGrad.apply(w, self.grad_scale) for w in weights]
         w1, w2 = weights[0], weights[1]
         w3 = weights[2] if self.swiglu else None
+        if self.grouped_gemm if self.grouped_gemm is not None else grouped_gemm_fits(x, weights):
+            a = grouped_matmul(x, w1, counts)
+            a = F.silu(a) * grouped_matmul(x, w3, counts) if w3 is not None else F.gelu(a, approximate="tanh")
+            return grouped_matmul(a, w2, counts)
         outputs, start = [], 0
         # Every expert runs, even on zero tokens: its weights then get a zero gradient instead of none, so the
         # gradient reduction sees the same parameters on every rank.
