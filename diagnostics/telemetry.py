@@ -102,7 +102,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "nonfinite": ("step", "what", "action", "skipped_total"),
     "expert_layout": (
         "layers", "num_experts", "top_k", "ep", "first_expert", "num_local", "capacity_factor", "aux_loss_coef",
-        "aux_loss_key", "capacity_key", "routed_flops_per_token",
+        "aux_loss_key", "capacity_key", "routed_flops_per_token", "layer_ids",
     ),
     "experts": ("step", "routed", "dropped"),
     "end": ("steps", "wall_s", "collectors_s"),

@@ -81,7 +81,8 @@ def _group_cost(run: RunTelemetry, members: list[int], layout: dict[str, Any]) -
     total = sum(sum(sum(layer) for layer in rec["routed"]) for rank in members for rec in run.ranks[rank].experts)
     return {
         "members": members,
-        "layer": worst,
+        # The model's layer index (a pipeline stage's layers are not its first ones); older runs: the position.
+        "layer": (layout.get("layer_ids") or list(range(len(loads))))[worst],
         "hot_rank": members[hot],
         "load_excess": load_excess,
         "layer_load_ratio": [round(max(layer) / m, 3) if m else None for layer, m in zip(loads, means, strict=True)],
@@ -104,7 +105,10 @@ def detect_expert_imbalance(run: RunTelemetry) -> list[Finding]:
     world = run.world_size
     if ep <= 1 or world % ep or any(rank not in run.ranks or not run.ranks[rank].experts for rank in range(world)):
         return []  # one rank computes every expert of its tokens: uneven experts cost no waiting between ranks
-    groups = [g for g in (_group_cost(run, list(range(s, s + ep)), layout) for s in range(0, world, ep)) if g]
+    # Under pipelining a group's ranks hold their own stage's layers: each group reads its first member's layout.
+    groups = [
+        g for g in (_group_cost(run, list(range(s, s + ep)), layouts.get(s, layout)) for s in range(0, world, ep)) if g
+    ]
     if not groups:
         return []
     g = max(groups, key=lambda group: group["cost"])

@@ -32,6 +32,8 @@ def expert_layout(layers: list[Any]) -> dict[str, Any]:
     per_expert = sum(math.prod(w.shape[1:]) for w in weights)
     return {
         "layers": len(layers),
+        # Each layer's index in the whole model (a pipeline stage holds some of them), where the layer knows it.
+        "layer_ids": [i if getattr(m, "layer_id", None) is None else m.layer_id for i, m in enumerate(layers)],
         "num_experts": first.num_experts,
         "top_k": first.top_k,
         # Ranks splitting the experts: by all-to-all under EP, or the tp ranks (which hold the same tokens and sum

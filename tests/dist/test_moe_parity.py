@@ -157,13 +157,15 @@ def test_hf_mixtral_under_expert_parallel_trains_and_exports_what_one_process_do
     assert layout["capacity_key"] is None
 
 
-def test_megatron_tensor_parallel_splits_the_experts_and_matches_one_process(
+def test_megatron_tensor_and_pipeline_parallel_moe_matches_one_process(
     reference: dict[int, float], tmp_path: Path
 ) -> None:
-    """strategy=megatron tp=2: attention tensor-parallel, each tp rank computing half the experts on every token and
-    the outputs summed over the pair; the router and balancing loss replicated."""
-    args = [*COMMON, "strategy=megatron", "strategy.tp=2", "hw.devices_per_node=2", "trainer.micro_batch_size=8"]
-    losses = train_losses(run(tmp_path, "tp2", [*args, "diagnostics=off"]))
+    """strategy=megatron tp=2 x pp=2 on 4 ranks: each stage holds one MoE layer, whose experts its two tp ranks split
+    (each computing half of them on every token, outputs summed over the pair); the balancing loss's gradient rides
+    on the layer's output through the pipeline schedule. One pipeline micro-batch: the reference's batching."""
+    args = [*COMMON, "strategy=megatron", "strategy.tp=2", "strategy.pp=2", "strategy.schedule=gpipe"]
+    args += ["strategy.microbatches=1", "hw.devices_per_node=4", "trainer.micro_batch_size=8", "diagnostics=off"]
+    losses = train_losses(run(tmp_path, "tp2pp2", args))
     assert sorted(losses) == list(range(STEPS))
     worst = max(abs(losses[s] - reference[s]) for s in reference)
-    assert worst < 1e-4, f"megatron tp=2 drifts from one process by {worst:.2e}"
+    assert worst < 1e-4, f"megatron tp=2 x pp=2 drifts from one process by {worst:.2e}"

@@ -181,7 +181,6 @@ FSDP_EP = ["model=moe-micro", "strategy=fsdp", "hw.devices_per_node=4"]
         (["model.capacity_factor=0"], "model.capacity_factor", "null for dropless"),
         (["model.router_gate=sigmod"], "model.router_gate", "sigmoid"),
         (["model.num_experts=0"], "model.num_shared_experts", "model.num_experts"),
-        (["strategy=megatron", "strategy.pp=2"], "strategy.pp", "strategy.pp=1"),
         (
             ["strategy=megatron", "strategy.tp=2", "strategy.sequence_parallel=true"],
             "strategy.sequence_parallel",
@@ -243,3 +242,23 @@ def test_grouped_gemm_computes_what_the_per_expert_loop_does() -> None:
     for a, b in zip(loop, grouped, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
     assert all(torch.count_nonzero(p.grad[1]) == 0 for p in experts.parameters())
+
+
+def test_attached_auxiliary_loss_trains_the_routers_as_the_objective_does() -> None:
+    """Pipeline stages cannot add their layers' balancing loss to the objective: each layer attaches its gradient
+    (times the objective's scale) to its output instead. The gradients are those of ``loss + aux``."""
+    cfg = model_preset("moe-micro")
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for attach in (False, True):
+        model = build_model(cfg, seed=4)
+        layers = moe_layers(model)
+        for layer in layers:
+            layer.attach_aux_scale = 0.5 if attach else None
+        loss = model(tokens).float().square().mean()
+        objective = loss * 0.5 if attach else (loss + auxiliary_loss(layers)) * 0.5
+        objective.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert any(n.endswith("router.weight") for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-7, rtol=1e-5, msg=name)

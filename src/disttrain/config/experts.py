@@ -57,8 +57,9 @@ def validate_expert_parallel(ep: int, model: ModelConfig | CustomModelConfig | H
 
 def validate_megatron_experts(cfg: MegatronConfig, model: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
     """``strategy=megatron`` with an MoE model: the tp ranks split the experts (each computes ``E / tp`` on every
-    token and the outputs are summed over the group). Refused where that is not built: transformers' MoE blocks,
-    pipeline stages, sequence parallelism, and experts that do not split evenly over tp."""
+    token and the outputs are summed over the group); pipeline stages hold their layers' experts whole. Refused
+    where that is not built: transformers' MoE blocks, sequence parallelism, and experts that do not split evenly
+    over tp."""
     experts = routed_experts(model)
     if not experts:
         return
@@ -67,12 +68,6 @@ def validate_megatron_experts(cfg: MegatronConfig, model: ModelConfig | CustomMo
             "strategy",
             f"strategy=megatron has no tensor-parallel plan for transformers' MoE blocks (model={model.name})",
             "use strategy=fsdp (with strategy.ep=... for expert parallelism) or strategy=ddp",
-        )
-    if cfg.pp > 1:
-        raise ConfigError(
-            "strategy.pp",
-            f"pp={cfg.pp}: pipeline stages of a mixture-of-experts model are not built yet",
-            "use strategy.pp=1 (the tp ranks split the experts) or strategy=fsdp strategy.ep=...",
         )
     if cfg.tp > 1 and cfg.sequence_parallel:
         raise ConfigError(

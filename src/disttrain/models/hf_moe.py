@@ -17,6 +17,7 @@ HF's own loss, which the project does not use). A router z-loss and a capacity l
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -117,12 +118,12 @@ class HFExperts(ExpertLayer):
         return torch.cat(outputs) if outputs else tokens[:0]
 
 
-def hf_moe_blocks(hf: nn.Module) -> list[nn.Module]:
-    """The sparse MoE blocks of an HF model whose experts this file can run: a ``gate`` router with ``top_k`` and
-    fused ``experts``."""
+def hf_moe_blocks(hf: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The sparse MoE blocks of an HF model whose experts this file can run (a ``gate`` router with ``top_k`` and
+    fused ``experts``), with their module names."""
     return [
-        m
-        for m in hf.modules()
+        (name, m)
+        for name, m in hf.named_modules()
         if hasattr(getattr(m, "gate", None), "top_k")
         and isinstance(getattr(m, "experts", None), nn.Module)
         and (isinstance(m.experts, HFExperts) or is_fused_experts(m.experts))
@@ -131,11 +132,14 @@ def hf_moe_blocks(hf: nn.Module) -> list[nn.Module]:
 
 def adopt_hf_experts(hf: nn.Module) -> int:
     """Swap every fused expert bank of ``hf`` for an ``HFExperts`` over the same parameters; returns how many."""
-    blocks = [b for b in hf_moe_blocks(hf) if not isinstance(b.experts, HFExperts)]
+    blocks = [(name, b) for name, b in hf_moe_blocks(hf) if not isinstance(b.experts, HFExperts)]
     setting = float(getattr(hf.config, "router_aux_loss_coef", 0.0) or 0.0)
-    for block in blocks:
+    for index, (name, block) in enumerate(blocks):
         # HF's loss: setting x E x sum_e f_e P_e over the layers' tokens together; ExpertLayer's per layer is
         # coef x E / k x sum_e f_e P_e, so each layer's share of HF's mean is setting x k / layers.
         coef = setting * int(block.gate.top_k) / len(blocks)
         block.experts = HFExperts(block.experts, block.gate, coef, setting)
+        # The decoder layer's index (model.layers.<i>.mlp), else the MoE blocks' order.
+        found = re.search(r"layers\.(\d+)\.", name)
+        block.experts.layer_id = int(found.group(1)) if found else index
     return len(blocks)

@@ -192,6 +192,27 @@ class CopyToGroup(torch.autograd.Function):
         return total, None, None
 
 
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on a layer's output forward; backward also sends ``scale`` as the gradient of the layer's auxiliary
+    loss (Megatron's MoEAuxLossAutoScaler). The loss then needs no path to the objective: a pipeline stage's
+    backward, which starts from the activations' gradient, trains its layers' routers too."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, out: torch.Tensor, aux: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (aux,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad, torch.full_like(aux, ctx.scale), None  # type: ignore[attr-defined]
+
+
 class ReduceFromGroup(torch.autograd.Function):
     """Sum over ``group`` forward, identity backward (Megatron's ``g``): each rank's experts' share of the output."""
 
@@ -239,10 +260,14 @@ class ExpertLayer(nn.Module):
         self.tp_group: object | None = None
         self.tp_size = 1
         self.held_experts = num_experts  # experts this rank computes
+        self.layer_id: int | None = None  # the block's index in the whole model, where the builder says
         self.comm_observer: CommObserver | None = None  # told the seconds of each collective (diagnostics)
         # The data-parallel group whose batch the balancing loss sees (None: all).
         self.balance_group: object | None = None
         self.aux_loss: torch.Tensor | None = None  # this forward's balancing + z-loss, weighted
+        # Set (to the objective's scale of one micro-batch) where the strategy cannot add aux_loss to the objective
+        # (pipeline stages): the layer then attaches its gradient to its output (AttachAuxLoss).
+        self.attach_aux_scale: float | None = None
         # Cheap counters, read and reset by the diagnostics once per optimizer step: per global expert, the
         # assignments routed from this rank's tokens (before dropping) and those dropped over capacity. Kept on the
         # compute device (no sync per forward); not on meta, where the model is first built.
@@ -422,6 +447,8 @@ class MoE(ExpertLayer):
             out = ReduceFromGroup.apply(out, self.tp_group, self.comm_observer)
         if self.shared is not None:
             out = out + self.shared(x)
+        if self.attach_aux_scale is not None and self.aux_loss is not None and self.training:
+            out = AttachAuxLoss.apply(out, self.aux_loss, self.attach_aux_scale)
         return out.view(shape)
 
 

@@ -124,6 +124,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.norm2 = build_norm(cfg)
         self.mlp: MLP | MoE = MoE(cfg) if cfg.is_moe else MLP(cfg)
+        if isinstance(self.mlp, MoE):
+            self.mlp.layer_id = layer_id  # what diagnostics name the layer by, on any pipeline stage
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None

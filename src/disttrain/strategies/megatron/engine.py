@@ -28,11 +28,17 @@ from disttrain.config.schema import HFModelConfig, MegatronConfig, ModelConfig
 from disttrain.models.hf import build_hf_model
 from disttrain.models.hf_pipeline import build_hf_stage
 from disttrain.models.hf_tensor_parallel import apply_hf_tensor_parallel, hf_tp_plan
-from disttrain.models.moe import auxiliary_loss, moe_layers
+from disttrain.models.moe import moe_layers
 from disttrain.models.pipeline import build_stage_model, stages_of_rank
 from disttrain.models.tensor_parallel import apply_tensor_parallel
 from disttrain.models.transformer import Attention, Transformer, apply_activation_checkpointing
-from disttrain.strategies.megatron.grads import TiedEmbeddingSync, clip_grads_, global_grad_norm, tied_embedding_group
+from disttrain.strategies.megatron.grads import (
+    TiedEmbeddingSync,
+    clip_grads_,
+    global_grad_norm,
+    stage_group,
+    tied_embedding_group,
+)
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -139,6 +145,8 @@ class MegatronEngine:
         self.stage_ids = stages_of_rank(self.pp_rank, d.pp, s.virtual_stages, s.schedule) if d.pp > 1 else [0]
         self.chunks: list[Transformer] = [self._build_chunk(stage, max(num_stages, 1)) for stage in self.stage_ids]
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
+        if self.moe_layers:
+            self._wire_experts()
         self.has_first = 0 in self.stage_ids
         self.has_last = num_stages - 1 in self.stage_ids or d.pp == 1
         self.schedule = self._build_schedule(num_stages) if d.pp > 1 else None
@@ -248,17 +256,14 @@ class MegatronEngine:
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         return loss / (self.microbatches * self.rounds)
 
-    def _with_auxiliary_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The objective: the micro-batch's loss plus its MoE layers' balancing and z-losses, scaled as the loss is
-        (the logged loss stays the language-model loss). Without pipelining: every layer is in this chunk."""
-        aux = auxiliary_loss(self.moe_layers)
-        if aux is None:
-            return loss
-        from torch.distributed.tensor import DTensor
-
-        # The vocab-parallel loss is a replicated DTensor; its local value is the loss (to_local is differentiable).
-        plain = loss.to_local() if isinstance(loss, DTensor) else loss
-        return plain + aux.to(plain.dtype) / (self.microbatches * self.rounds)
+    def _wire_experts(self) -> None:
+        """MoE layers under pipelining: each attaches its balancing/z-loss gradient to its output, scaled as the
+        language-model loss of one micro-batch is (a stage's backward starts from activations, not from the
+        objective), and counts the balancing statistics over the ranks holding its stage (every rank: pp=1)."""
+        group = stage_group(self.mesh.mesh, dist.get_rank()) if self.pp_group is not None else None
+        for layer in self.moe_layers:
+            layer.attach_aux_scale = 1.0 / (self.microbatches * self.rounds)
+            layer.balance_group = group
 
     @contextlib.contextmanager
     def _loss_context(self) -> Iterator[None]:
@@ -298,9 +303,8 @@ class MegatronEngine:
                     chunk.set_requires_gradient_sync(i == n - 1)
                     forward.start()
                     loss = self._loss_fn(chunk(x), y)
-                    objective = self._with_auxiliary_loss(loss)
                     forward.stop()
-                    backward_clock.wrap(backward)(objective)
+                    backward_clock.wrap(backward)(loss)
                     total += _plain(loss.detach())
             else:
                 for x, y in zip(inputs.chunk(self.rounds), targets.chunk(self.rounds), strict=True):

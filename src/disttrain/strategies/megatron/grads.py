@@ -91,3 +91,18 @@ def tied_embedding_group(mesh_ranks: torch.Tensor, my_rank: int) -> dist.Process
         if my_rank in (first, last):
             mine = group
     return mine
+
+
+def stage_group(mesh_ranks: torch.Tensor, my_rank: int) -> dist.ProcessGroup:
+    """The group of every rank holding this rank's pipeline stage (all its data- and tensor-parallel coordinates).
+
+    ``mesh_ranks`` has the pipeline axis first. ``new_group`` is collective: every rank creates every stage's group
+    in the same order and keeps its own."""
+    mine = None
+    for stage in mesh_ranks:
+        ranks = sorted(stage.flatten().tolist())
+        group = dist.new_group(ranks)
+        if my_rank in ranks:
+            mine = group
+    assert mine is not None, f"rank {my_rank} is in no pipeline stage of the mesh"
+    return mine
