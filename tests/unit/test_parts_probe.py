@@ -58,6 +58,8 @@ def test_an_hf_model_is_probed_at_two_layers_of_its_own_config_with_each_part_wh
     quick = time_model_parts(torch.device("cpu"), parts, micro_batch=2, repeats=3)
     assert all(quick[k] > 0 for k in ("block_forward_s", "block_backward_s", "edges_forward_s", "optimizer_step_s"))
     assert quick["block_forward_s"] < 0.01 and quick["edges_forward_s"] < 0.01
+    # A part the 20 ms sleep is not in never holds it whole (a loaded box stretches an unslept part by some ms).
+    unslept = 0.02
 
     def sleep(*_: object) -> None:
         time.sleep(0.02)
@@ -65,10 +67,10 @@ def test_an_hf_model_is_probed_at_two_layers_of_its_own_config_with_each_part_wh
     base = parts["model"].hf.model
     handles = [base.norm.register_forward_hook(sleep)]  # the edges' own module
     edges_slow = time_model_parts(torch.device("cpu"), parts, micro_batch=2, repeats=3)
-    assert edges_slow["edges_forward_s"] >= 0.02 and edges_slow["block_forward_s"] < 0.01
+    assert edges_slow["edges_forward_s"] >= 0.02 and edges_slow["block_forward_s"] < unslept
     handles[0].remove()
     handles = [layer.mlp.register_forward_hook(sleep) for layer in parts["layers"]]  # inside each layer
     block_slow = time_model_parts(torch.device("cpu"), parts, micro_batch=2, repeats=3)
-    assert block_slow["block_forward_s"] >= 0.02 and block_slow["edges_forward_s"] < 0.01
+    assert block_slow["block_forward_s"] >= 0.02 and block_slow["edges_forward_s"] < unslept
     for handle in handles:
         handle.remove()
