@@ -3,6 +3,8 @@ the expert-parallel layouts in the step composition, ``python -m plan`` and ``st
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from disttrain.config.parse import parse_run_config
@@ -13,7 +15,7 @@ from disttrain.planner.memory import memory_per_gpu
 from disttrain.planner.plan import plan, plan_layout
 from disttrain.planner.shapes import model_shape
 from disttrain.planner.spec import Layout, Workload
-from disttrain.strategies.auto import expert_parallel_candidates, layout_of, resolve_auto
+from disttrain.strategies.auto import expert_parallel_candidates, layout_of, megatron_candidates, resolve_auto
 from disttrain.strategies.layout import batch_plan, parallel_layout, validate_run, world_layout
 from tests.conftest import compose_train, hw_profile, model_preset
 
@@ -122,7 +124,21 @@ def test_plan_lists_ep_layouts_that_strategy_ep_accepts_with_overrides_that_run(
     result = plan(MIXTRAL, ONE_NODE, micro_batch_size=1)
     labels = [c.label for c in result.candidates]
     assert {ep for ep in (2, 4, 8) if any(f"EP{ep}" in label for label in labels)} == {2, 4, 8}
-    assert not any(c.strategy == "megatron" for c in result.candidates)  # no TP/PP plan for MoE layers (refused)
+    # strategy=megatron: the tp ranks split the experts (tp dividing them), without sequence parallelism; each TP
+    # layout's launch passes validation.
+    megatron = [c for c in result.candidates if c.strategy == "megatron"]
+    assert {c.layout.tp for c in megatron} == {1, 2, 4, 8}
+    assert not any(c.layout.sequence_parallel for c in megatron)
+    [tp8] = [c for c in megatron if c.layout.tp == 8 and c.layout.pp == 1 and c.layout.recompute == "none"]
+    batch = ["trainer.micro_batch_size=1", "trainer.global_batch_size=8"]  # the plan's workload
+    validate_run(parse_run_config(compose_train(["model=mixtral-8x7b", "hw=8xh100", *batch, *tp8.overrides])))
+    # Each tp rank holds one of the eight experts of a block (and an eighth of attention): the expert-parallel
+    # FSDP layout at ep=8 holds the same experts per rank.
+    [ep8_fsdp] = [x for x in expert_layouts(MIXTRAL, ONE_NODE, WORKLOAD) if x.ep == 8]
+    assert MIXTRAL.block_tp_numel(8) < ep8_fsdp.parameters / MIXTRAL.n_layers + EXPERT
+    # transformers' MoE blocks have no TP plan: their shapes get no Megatron layouts.
+    hf_like = plan(dataclasses.replace(MIXTRAL, megatron_experts=False), ONE_NODE, micro_batch_size=1)
+    assert not any(c.strategy == "megatron" for c in hf_like.candidates)
     [ep8] = [c for c in result.candidates if c.label == "FSDP2 full shard EP8"]
     assert "strategy.ep=8" in ep8.overrides
     cfg = parse_run_config(compose_train(["model=mixtral-8x7b", "hw=8xh100", *ep8.overrides]))
@@ -143,4 +159,10 @@ def test_auto_considers_each_ep_the_run_accepts() -> None:
     _, why = resolve_auto(cfg, parallel_layout(cfg))
     _, dense_why = resolve_auto(six, parallel_layout(six))
     scored = [int(text.split(" of ")[1].split()[0]) for text in (why, dense_why)]
-    assert scored[0] - scored[1] == 2 * 5  # 2 more degrees x (2 reshard x 2 recompute + offload) were scored
+    # 2 more degrees x (2 reshard x 2 recompute + offload), and the Megatron layouts whose tp splits 8 experts
+    # but not 6 (tp=4, 8).
+    more_megatron = len(megatron_candidates(cfg, parallel_layout(cfg).batch)) - len(
+        megatron_candidates(six, parallel_layout(six).batch)
+    )
+    assert more_megatron > 0
+    assert scored[0] - scored[1] == 2 * 5 + more_megatron

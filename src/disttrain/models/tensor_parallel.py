@@ -32,9 +32,10 @@ from disttrain.models.moe import MoE
 from disttrain.models.transformer import Block, Transformer, rope_cache
 
 
-def block_plan(has_w3: bool, sequence_parallel: bool, moe: bool = False) -> dict[str, object]:
-    """The per-block plan, keyed by sub-module path inside ``Block``. A mixture-of-experts MLP is not in it: its
-    experts are split over the tp ranks instead (``split_experts_over_tp``)."""
+def block_plan(has_w3: bool, sequence_parallel: bool, moe: bool = False, shared: bool = False) -> dict[str, object]:
+    """The per-block plan, keyed by sub-module path inside ``Block``. A mixture-of-experts layer's routed experts
+    are not in it (they are split over the tp ranks instead: ``split_experts_over_tp``); its shared experts, one
+    dense MLP (``shared``, ``has_w3`` then says whether it is gated), are tensor-parallel as a dense MLP is."""
     between = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, object] = {
         "attn.wq": ColwiseParallel(),
@@ -42,11 +43,13 @@ def block_plan(has_w3: bool, sequence_parallel: bool, moe: bool = False) -> dict
         "attn.wv": ColwiseParallel(),
         "attn.wo": RowwiseParallel(output_layouts=between),
     }
-    if not moe:
-        plan["mlp.w1"] = ColwiseParallel()
-        plan["mlp.w2"] = RowwiseParallel(output_layouts=between)
-    if has_w3 and not moe:
-        plan["mlp.w3"] = ColwiseParallel()
+    # The routed experts' output is summed over the group whole, so a shared MLP beside it returns a whole output.
+    mlp = "mlp.shared" if moe else "mlp"
+    if shared or not moe:
+        plan[f"{mlp}.w1"] = ColwiseParallel()
+        plan[f"{mlp}.w2"] = RowwiseParallel(output_layouts=Replicate() if moe else between)
+        if has_w3:
+            plan[f"{mlp}.w3"] = ColwiseParallel()
     if sequence_parallel:
         plan["norm1"] = SequenceParallel()
         plan["norm2"] = SequenceParallel()
@@ -64,7 +67,7 @@ def split_experts_over_tp(layer: MoE, tp_mesh: DeviceMesh) -> None:
     """Expert parallelism inside the tp group: each tp rank computes ``E / tp`` experts on all tokens (which every tp
     rank holds after attention) and the layer sums the outputs over the group. The stacked weights become DTensors
     sharded on dim 0, so names, global shapes, init, checkpoints and the gradient norm stay the one-process ones.
-    The router and shared experts are replicated; their gradients are whole on every rank (``CopyToGroup``)."""
+    The router is replicated; its gradient is whole on every rank (``CopyToGroup``)."""
     tp = tp_mesh.size()
     experts = layer.experts
     for name in ("w1", "w2", "w3"):
@@ -80,7 +83,9 @@ def split_experts_over_tp(layer: MoE, tp_mesh: DeviceMesh) -> None:
 def parallelize_block(block: Block, tp_mesh: DeviceMesh, sequence_parallel: bool) -> nn.Module:
     """One transformer block under the tensor-parallel plan (its experts split over the tp ranks if it has them)."""
     if isinstance(block.mlp, MoE):
-        parallelize_module(block, tp_mesh, block_plan(False, sequence_parallel, moe=True))
+        shared = block.mlp.shared
+        gated = shared is not None and shared.w3 is not None
+        parallelize_module(block, tp_mesh, block_plan(gated, sequence_parallel, moe=True, shared=shared is not None))
         split_experts_over_tp(block.mlp, tp_mesh)
     else:
         parallelize_module(block, tp_mesh, block_plan(block.mlp.w3 is not None, sequence_parallel))
@@ -142,7 +147,7 @@ def tp_probe_parts(cfg: ModelConfig, tp_mesh: DeviceMesh, loss_parallel: bool, d
         model.blocks = nn.ModuleList()
         return model
 
-    plan = block_plan(cfg.mlp == "swiglu", sequence_parallel=False, moe=cfg.is_moe)
+    plan = block_plan(cfg.mlp == "swiglu", sequence_parallel=False, moe=cfg.is_moe, shared=cfg.num_shared_experts > 0)
     parallel_block = parallelize_block(block(), tp_mesh, sequence_parallel=False)
     parallel_edges = edges()
     apply_tensor_parallel(parallel_edges, tp_mesh, sequence_parallel=False, loss_parallel=loss_parallel)

@@ -101,11 +101,14 @@ def _schedules(shape: ModelShape, pp: int, m: int) -> Iterator[tuple[str, int]]:
 
 
 def tensor_parallel_degrees(shape: ModelShape, hw: HardwareProfile) -> list[int]:
-    """TP degrees that stay within a node and divide the attention heads and kv heads."""
+    """TP degrees that stay within a node and divide the attention heads and kv heads (and the routed experts)."""
     return [
         tp
         for tp in divisors(hw.devices_per_node)
-        if hw.world_size % tp == 0 and shape.n_heads % tp == 0 and shape.kv_heads % tp == 0
+        if hw.world_size % tp == 0
+        and shape.n_heads % tp == 0
+        and shape.kv_heads % tp == 0
+        and (not shape.num_experts or shape.num_experts % tp == 0)
     ]
 
 
@@ -119,10 +122,12 @@ def megatron_layouts(
     sp_options = (True, False) if sequence_parallel is None else (sequence_parallel,)
     if not shape.known:  # no layers to split: a raw parameter count answers model-state questions only
         return
-    # strategy=megatron splits MoE experts over tp without pipelining (config/experts.validate_megatron_experts); the
-    # planner has no terms for it yet.
     if shape.num_experts:
-        return
+        # The tp ranks split the built-in model's experts, without sequence parallelism; transformers' MoE blocks
+        # have no TP plan (config/experts.validate_megatron_experts).
+        if not shape.megatron_experts:
+            return
+        sp_options = (False,)
     world = hw.world_size
     for tp in tensor_parallel_degrees(shape, hw):
         for pp in divisors(world // tp):

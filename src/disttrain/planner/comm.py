@@ -30,20 +30,32 @@ FALLBACK_OP = {"functional_all_reduce": "all_reduce"}
 # strategy=megatron runs them: two in forward (the row-parallel attention output and MLP output projections),
 # and in backward one per column-parallel input projection (q, k and v are separate modules, then w1, and w3
 # under SwiGLU: each sums its input gradient over the TP group itself); full recomputation repeats the forward
-# two. Megatron-LM fuses QKV and the MLP's input projections, which makes it four per layer.
-TP_FORWARD_COLLECTIVES_PER_LAYER = 2
+# two. Megatron-LM fuses QKV and the MLP's input projections, which makes it four per layer. tp_collectives_per_layer
+# counts them.
 DDP_BUCKET_BYTES = 25 * 2**20  # strategy.bucket_cap_mb's default: one all-reduce call per bucket
 TP_COLLECTIVES_PER_RECOMPUTED_LAYER = 2
 
 
-def tp_parallel_linears_per_layer(swiglu: bool) -> int:
-    """DTensor linears of a block under strategy=megatron's TP plan: q, k, v, the output projection, w1, w2 (, w3)."""
-    return 4 + (3 if swiglu else 2)
+# An MoE layer whose experts the tp ranks split (models/tensor_parallel.split_experts_over_tp): its output summed
+# forward, its tokens' and gate weights' gradients summed backward.
+TP_MOE_COLLECTIVES = 3
 
 
-def tp_collectives_per_layer(swiglu: bool) -> int:
-    column_parallel_inputs = 3 + (2 if swiglu else 1)
-    return TP_FORWARD_COLLECTIVES_PER_LAYER + column_parallel_inputs
+def tp_parallel_linears_per_layer(swiglu: bool, moe: bool = False, shared: bool = False) -> int:
+    """DTensor linears of a block under strategy=megatron's TP plan: q, k, v, the output projection, w1, w2 (, w3);
+    of an MoE block, the shared experts' MLP only (the routed experts are not DTensor modules)."""
+    mlp = 3 if swiglu else 2
+    return 4 + (mlp if shared or not moe else 0)
+
+
+def tp_collectives_per_layer(swiglu: bool, moe: bool = False, shared: bool = False) -> int:
+    """Activation-sized collectives of a block under TP: each row-parallel output forward, each column-parallel
+    input's gradient backward; an MoE block's routed experts add ``TP_MOE_COLLECTIVES``."""
+    mlp = 1 + (2 if swiglu else 1)  # a dense MLP: its output forward, w1's (and w3's) input gradient backward
+    attention = 1 + 3
+    if not moe:
+        return attention + mlp
+    return attention + TP_MOE_COLLECTIVES + (mlp if shared else 0)
 
 
 @dataclass(frozen=True)
@@ -345,13 +357,15 @@ def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: di
 def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
     tp, pp, precision = layout.tp, layout.pp, workload.precision
     activation = workload.micro_batch_size * workload.seq_len * shape.d_model * compute_bytes(precision)
-    per_layer = tp_collectives_per_layer(shape.swiglu)
+    moe = shape.num_experts > 0
+    per_layer = tp_collectives_per_layer(shape.swiglu, moe, shape.shared_experts)
     per_layer += TP_COLLECTIVES_PER_RECOMPUTED_LAYER if layout.recompute == "full" else 0
     # The busiest stage also reduces the embedding output (first stage) and the head's input (last stage).
     edge_collectives = 2 if pp == 1 else 1
     tp_count = per_layer * (shape.n_layers // pp) + edge_collectives
     # The vocab-parallel embedding (first stage) and the column-parallel head (last stage) are DTensor modules too.
-    tp_modules = tp_parallel_linears_per_layer(shape.swiglu) * (shape.n_layers // pp) + edge_collectives
+    tp_modules = tp_parallel_linears_per_layer(shape.swiglu, moe, shape.shared_experts) * (shape.n_layers // pp)
+    tp_modules += edge_collectives
     tp_modules = tp_modules if tp > 1 else 0
     exposed = collective_bytes("functional_all_reduce", activation, groups["tp"]).scale(tp_count)
     syncs = [Sync(tp, tp_count)] if tp > 1 else []

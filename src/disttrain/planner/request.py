@@ -18,7 +18,7 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile, validate_profile
 from disttrain.config.hf import reference_shape
 from disttrain.config.parse import PRECISIONS, build_dataclass, parse_model, to_container
-from disttrain.config.schema import PrecisionConfig, TrainerConfig
+from disttrain.config.schema import HFModelConfig, PrecisionConfig, TrainerConfig
 from disttrain.config.validate import validate_model
 from disttrain.planner import Assumptions, ModelShape, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
@@ -115,6 +115,8 @@ def parse_plan_request(cfg: DictConfig) -> PlanRequest:
             raise ConfigError("num_parameters", str(err), "use e.g. num_parameters=7.5B") from None
     elif (shape := reference_shape(model)) is not None:
         target = model_shape(shape, head_dim)
+        if isinstance(model, HFModelConfig):  # transformers' MoE blocks have no TP plan under strategy=megatron
+            target = dataclasses.replace(target, megatron_experts=False)
     else:
         raise ConfigError("model", "the planner needs the reference transformer's shape", "add num_parameters=<count>")
     profile = calibrated_profile(hw, load_calibration(cfg.get("calibration")), precision.compute_dtype)

@@ -95,6 +95,9 @@ class ModelShape:
     head: tuple[ParamTensor, ...] = ()  # last pipeline stage: final norm (+ LM head when untied)
     num_experts: int = 0  # routed experts per MoE layer (0: dense)
     top_k: int = 0  # routed experts per token
+    shared_experts: bool = False  # an MoE layer's shared experts (one dense MLP beside the routed ones)
+    # Whether strategy=megatron can run this shape's MoE layers (the built-in model's; not transformers' blocks).
+    megatron_experts: bool = True
 
     @cached_property
     def expert_parameters(self) -> int:
@@ -234,12 +237,14 @@ def _mlp(name: str, hidden: int, cfg: ModelConfig) -> tuple[ParamTensor, ...]:
 
 
 def _moe(cfg: ModelConfig) -> tuple[ParamTensor, ...]:
-    """An MoE layer (models/moe.py): router, stacked routed experts (no biases), shared experts as one MLP."""
+    """An MoE layer (models/moe.py): router, stacked routed experts (no biases), shared experts as one MLP. Under
+    tensor parallelism the experts split on dim 0 over the tp ranks (``split_experts_over_tp``: "col"), the shared
+    MLP is column/row parallel, the router replicated."""
     e, d, h = cfg.num_experts, cfg.d_model, cfg.expert_hidden
     experts = (
-        ParamTensor("mlp.experts.w1", (e, d, h), "rep", "expert"),
-        ParamTensor("mlp.experts.w2", (e, h, d), "rep", "expert"),
-        *((ParamTensor("mlp.experts.w3", (e, d, h), "rep", "expert"),) if cfg.mlp == "swiglu" else ()),
+        ParamTensor("mlp.experts.w1", (e, d, h), "col", "expert"),
+        ParamTensor("mlp.experts.w2", (e, h, d), "col", "expert"),
+        *((ParamTensor("mlp.experts.w3", (e, d, h), "col", "expert"),) if cfg.mlp == "swiglu" else ()),
     )
     shared = _mlp("mlp.shared", cfg.num_shared_experts * h, cfg) if cfg.num_shared_experts else ()
     return (ParamTensor("mlp.router.weight", (e, d), "rep", "linear"), *experts, *shared)
@@ -293,6 +298,7 @@ def model_shape(cfg: ModelConfig, head_dim: int | None = None) -> ModelShape:
         head=head,
         num_experts=cfg.num_experts,
         top_k=cfg.top_k if cfg.is_moe else 0,
+        shared_experts=cfg.is_moe and cfg.num_shared_experts > 0,
     )
 
 

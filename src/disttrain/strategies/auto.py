@@ -15,7 +15,7 @@ import dataclasses
 from diagnostics.calibration import Calibration
 from disttrain.config.degrees import validate_megatron
 from disttrain.config.errors import ConfigError
-from disttrain.config.experts import validate_expert_parallel
+from disttrain.config.experts import validate_expert_parallel, validate_megatron_experts
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     DDPConfig,
@@ -167,6 +167,7 @@ def megatron_candidates(cfg: RunConfig, batch: BatchPlan) -> list[tuple[Megatron
     for layout in megatron_layouts(model_shape(shape), cfg.hw, workload(cfg, batch)):
         option = megatron_config_of(layout)
         try:
+            validate_megatron_experts(option, cfg.model)
             validate_megatron(option, cfg.model, world, cfg.precision.name)
         except ConfigError:
             continue  # e.g. a vocabulary that does not split over tp
