@@ -262,3 +262,22 @@ def test_attached_auxiliary_loss_trains_the_routers_as_the_objective_does() -> N
     assert any(n.endswith("router.weight") for n in grads[0])
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, atol=1e-7, rtol=1e-5, msg=name)
+
+
+def test_expert_checkpoint_names_are_the_state_dicts_under_activation_checkpointing() -> None:
+    """Expert-parallel experts are described to DCP by the names get_model_state_dict gives, which drop the wrappers
+    activation checkpointing inserts: with the wrapped names no key matched, and each rank wrote its own experts as
+    the whole tensor (a checkpoint no other ep could resume, and an HF export that crashed)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from disttrain.models.moe import shard_experts
+    from disttrain.strategies.expert_checkpoint import expert_parameter_names
+
+    model = build_model(model_preset("moe-micro"), seed=0)
+    shard_experts(model, ep_rank=1, ep_size=2, ep_group=None, balance_group=None)
+    apply_activation_checkpointing(model)
+    assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_parameters())
+    names = expert_parameter_names(model)
+    assert len(names) == 2 * 3  # two layers' w1, w2, w3
+    assert set(names) <= set(get_model_state_dict(model))
+    assert set(names.values()) == {(2, 1, 2)}  # ep 2, this rank's index 1, 2 experts each

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from disttrain.models.moe import moe_layers
+from disttrain.models.transformer import canonical_name
 
 
 def expert_parameter_names(module: nn.Module) -> dict[str, tuple[int, int, int]]:
@@ -34,7 +35,9 @@ def expert_parameter_names(module: nn.Module) -> dict[str, tuple[int, int, int]]
                 ids[id(w)] = (layer.ep_size, layer.first_expert // local, local)
     for name, param in module.named_parameters():
         if id(param) in ids:
-            out[name] = ids[id(param)]
+            # As get_model_state_dict names them: without the wrappers activation checkpointing or compile insert
+            # (a wrapped name would match no key, and each rank would write its own experts as the whole tensor).
+            out[canonical_name(name)] = ids[id(param)]
     return out
 
 
