@@ -244,7 +244,32 @@ def _ddp_comm_hooks(ctx: RunContext, finding: Finding) -> list[Recommendation]:
     return recs
 
 
+def _tensor_parallel_levers(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    """strategy=megatron without data parallelism: no gradient is reduced between ranks, so what is exposed is
+    tensor parallelism's activation collectives (and pipeline sends), which every micro-batch repeats: accumulation
+    and the reduction dtype change nothing. Halving tp cuts each all-reduce's bytes from 2(tp-1)/tp of the activation
+    to 2(tp/2-1)/(tp/2) (to none at tp=2); the freed ranks become data parallelism, whose once-per-step gradient
+    reduction is not counted. The micro-batch halves with dp doubling, so the global batch stays."""
+    tp, micro, current = ctx.get("strategy.tp"), ctx.micro(), ctx.global_batch()
+    if not isinstance(tp, int) or tp < 2 or not micro or micro % 2 or not current:
+        return []
+    half = tp // 2
+    kept = 1.0 - ((half - 1) / half) / ((tp - 1) / tp)
+    why = (
+        f"with one data-parallel rank no gradients move: the exposed communication is tp={tp}'s activation "
+        f"all-reduces, repeated every micro-batch; at tp={half} each moves "
+        + ("nothing" if half == 1 else f"{kept:.0%} fewer bytes")
+        + f", and the freed ranks train data-parallel (micro-batch {micro // 2}, the same global batch)"
+    )
+    effect = "less activation communication per token; a once-per-step gradient reduction between the new dp ranks"
+    basis = f"all-reduce bytes x 2(tp-1)/tp: {pct(kept)} of them gone at tp={half}; the gradient reduction not counted"
+    pinned = (f"trainer.micro_batch_size={micro // 2}", f"trainer.global_batch_size={current}")
+    return [_rec("strategy.tp", half, why, effect, pinned).gaining(gain(finding, kept, basis))]
+
+
 def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    if ctx.strategy == "megatron" and ctx.batch.get("data_parallel_size") == 1:
+        return _tensor_parallel_levers(finding, ctx)
     # An MoE run's all-to-alls move every micro-batch's tokens: accumulation amortizes only the gradients' share.
     exchange = finding.evidence.get("all_to_all") or {}
     tokens = float(exchange.get("of_phase_transfer") or 0.0)

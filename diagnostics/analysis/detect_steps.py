@@ -216,7 +216,12 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
         "threshold_saturation": COMM_SATURATION,
     }
     exchange = token_exchange(run)
+    context = RunContext.from_run(run)
     moving = "gradients"
+    if context.strategy == "megatron" and context.batch.get("data_parallel_size") == 1:
+        # No data parallelism: no gradient moves between ranks; tensor parallelism's collectives and pipeline
+        # sends move activations, every micro-batch.
+        moving = "activations between model-parallel ranks"
     if exchange is not None:
         evidence["all_to_all"] = exchange
         if exchange["of_phase_transfer"] >= TOKENS_DOMINATE:
@@ -229,7 +234,7 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
         message = f"exposed communication takes at least {_pct(floor)} of every rank's step: the run is moving {moving}"
         return [costed("comm_bound", ranks, evidence, message, floor, basis, corroborated=corroborated, metric=floor)]
     fraction, basis = floor, "exposed communication / step time (overlapped communication runs beside compute)"
-    busy = RunContext.from_run(run).host_cores_busy()
+    busy = context.host_cores_busy()
     evidence["host_cores_busy"] = busy
     if busy:
         hidden = min(ratio(comm_s, p.profile_total_s) or 0.0 for p in phases) - floor
