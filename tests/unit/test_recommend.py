@@ -306,8 +306,8 @@ def test_straggler_advice_names_the_slow_phase(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("tp", "kept"), [(2, 1.0), (4, 1 - (1 / 2) / (3 / 4))])
 def test_comm_bound_without_data_parallelism_moves_activations_and_offers_half_the_tp(tp: int, kept: float) -> None:
     """strategy=megatron with dp=1 reduces no gradients between ranks: a bigger global batch (accumulation) repeats
-    the same activation all-reduces every micro-batch and saves nothing. Halving tp cuts their bytes (all of them at
-    tp=2); it launches with the global batch kept. Measured on moe-micro tp=2 on 2 CPU ranks: expected +105%,
+    the same activation all-reduces every micro-batch and saves none of them. Halving tp cuts their bytes (all of
+    them at tp=2); it launches with the global batch kept. Measured on moe-micro tp=2 on 2 CPU ranks: expected +105%,
     `python -m diagnose RUN --ab --run --top-k 1 --repeats 4` confirmed +73.8% (95% CI +57.5% .. +91.8%)."""
     overrides = ["strategy=megatron", f"strategy.tp={tp}", f"hw.devices_per_node={tp}", "trainer.micro_batch_size=8"]
     overrides += ["model.n_heads=4"]  # whole heads per rank at tp=4
