@@ -109,6 +109,12 @@ def test_fused_weights_are_read_from_per_expert_checkpoints(tmp_path: Path) -> N
         torch.testing.assert_close(weights.get(name), fused)
         torch.testing.assert_close(weights.get(name, slice(2, 4)), fused[2:4])
     torch.testing.assert_close(weights.get("model.layers.0.mlp.gate.weight"), loaded.model.layers[0].mlp.gate.weight)
+    # Read from model.path there is no model.config to override: no balancing-weight lever for the report.
+    from_path = build_hf_model(_model_cfg(TINY_MIXTRAL, path=str(directory)), seed=0)
+    assert {layer.balance_key for layer in moe_layers(from_path)} == {None}
+    assert {layer.balance_key for layer in moe_layers(build_hf_model(_model_cfg(TINY_MIXTRAL), seed=0))} == {
+        "model.config.router_aux_loss_coef"
+    }
     # A deferred build reads every tensor through them: the whole model is the one from_pretrained loads.
     cfg = _model_cfg(TINY_MIXTRAL, path=str(directory))
     deferred = build_hf_model(cfg, seed=0, placement="deferred")
@@ -162,3 +168,22 @@ def test_grouped_gemm_runs_the_fused_experts_as_the_loop_does() -> None:
         results.append([tokens.grad, layer.gate_up_proj.grad, layer.down_proj.grad])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_expert_imbalance_levers_follow_the_model_kind() -> None:
+    """The balancing lever names the key that sets it (an HF model's own config), none where nothing can be
+    overridden (model.path) and no capacity lever for dropless HF models."""
+    from diagnostics.analysis import Finding
+    from diagnostics.analysis.context import RunContext
+    from diagnostics.analysis.finding import cost
+    from diagnostics.recommend import recommend
+
+    def levers(**keys: object) -> list[str]:
+        evidence = {"aux_loss_coef": 0.001, "capacity_factor": None, "load_excess": 0.6, **keys}
+        finding = Finding("expert_imbalance", "warning", [0], evidence, "hot experts", cost=cost(0.2, "test"))
+        return [r.override for r in recommend(finding, RunContext({}, {}, 2))]
+
+    assert levers() == ["model.aux_loss_coef=0.01", "model.capacity_factor=1.25"]  # built-in (older records too)
+    inline = levers(aux_loss_key="model.config.router_aux_loss_coef", capacity_key=None)
+    assert inline == ["model.config.router_aux_loss_coef=0.01"]
+    assert levers(aux_loss_key=None, capacity_key=None) == []

@@ -111,6 +111,11 @@ class HFCausalLM(nn.Module):
         self.hf = hf
         # Where deferred parameters get their values (see the module docstring).
         self.seed, self.init_std, self.path = seed, init_std, path
+        if path is not None:
+            # A model read from model.path has no model.config to override: no balancing-weight lever to offer.
+            for module in hf.modules():
+                if isinstance(module, HFExperts):
+                    module.balance_key = None
         self._weights: SafetensorsWeights | None = None
 
     @property

@@ -46,7 +46,7 @@ def is_fused_experts(module: nn.Module) -> bool:
 class HFExperts(ExpertLayer):
     """A transformers fused expert bank run as an ``ExpertLayer``: same parameters, same function."""
 
-    balance_key = BALANCE_KEY
+    balance_key: str | None = BALANCE_KEY
     capacity_key = None  # dropless, as the HF models are
 
     def __init__(self, original: nn.Module, router: nn.Module, aux_loss_coef: float, aux_loss_setting: float) -> None:
