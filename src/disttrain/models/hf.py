@@ -31,7 +31,7 @@ from torch import nn
 
 from disttrain.config.hf import hf_shape, legacy_expert_sources, legacy_name, load_hf_config
 from disttrain.config.schema import HFModelConfig
-from disttrain.models.hf_moe import HFExperts, adopt_hf_experts
+from disttrain.models.hf_moe import FUSED_WEIGHTS, HFExperts, adopt_hf_experts
 from disttrain.models.transformer import _param_seed
 
 # What HF's own checkpoint_wrapper-free code path would add to names; stripped so init seeds ignore wrappers.
@@ -186,11 +186,13 @@ class HFCausalLM(nn.Module):
         for module_name, module in self.hf.named_modules():
             if isinstance(module, HFExperts) and module.ep_size > 1:
                 keep = slice(module.offset, module.offset + module.num_local)
-                for weight in ("gate_up_proj", "down_proj"):
+                for weight in FUSED_WEIGHTS:
                     rows[f"{module_name}.{weight}".replace(_WRAPPED, "")] = (keep, module.num_experts)
         return rows
 
     def _whole(self, name: str, shape: torch.Size) -> tuple[torch.Size, slice | None]:
+        if not name.endswith(tuple(f".experts.{weight}" for weight in FUSED_WEIGHTS)):
+            return shape, None  # not an expert weight: no walk over the modules for it (called per parameter)
         held = self.expert_rows().get(name)
         if held is None or shape[0] == held[1]:
             return shape, None

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disttrain.models.moe import ExpertLayer, ScaleGrad, grouped_gemm_fits, grouped_matmul
+from disttrain.models.moe import ExpertLayer, compute_weights, grouped_matmul, use_grouped_gemm
 
 FUSED_WEIGHTS = ("gate_up_proj", "down_proj")
 BALANCE_KEY = "model.config.router_aux_loss_coef"
@@ -101,10 +101,8 @@ class HFExperts(ExpertLayer):
         return torch.zeros_like(hidden).index_add_(0, flat_token[order], weighted.to(hidden.dtype))
 
     def _compute(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if self.grad_scale != 1.0:
-            gate_up, down = ScaleGrad.apply(gate_up, self.grad_scale), ScaleGrad.apply(down, self.grad_scale)
-        if self.grouped_gemm if self.grouped_gemm is not None else grouped_gemm_fits(tokens, [gate_up, down]):
+        gate_up, down = compute_weights([self.gate_up_proj, self.down_proj], self.grad_scale)
+        if use_grouped_gemm(self.grouped_gemm, tokens, [gate_up, down]):
             # The weights are stored [E, out, in] (nn.Linear's layout): the GEMM takes their transposed views.
             gate, up = grouped_matmul(tokens, gate_up.transpose(-2, -1), counts).chunk(2, dim=-1)
             return grouped_matmul(self.act_fn(gate) * up, down.transpose(-2, -1), counts)

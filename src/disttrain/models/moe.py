@@ -17,6 +17,7 @@ which need not run on every rank, use this rank's counts.
 
 from __future__ import annotations
 
+import abc
 import math
 import time
 from collections.abc import Callable
@@ -57,6 +58,18 @@ def grouped_gemm_fits(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def compute_weights(weights: list[torch.Tensor], grad_scale: float) -> list[torch.Tensor]:
+    """Stacked expert weights as the expert GEMMs take them: this rank's shard of a tensor-parallel DTensor (sharded
+    on the experts; ``to_local``'s gradient comes back as the same shard), gradients scaled by ``grad_scale``."""
+    local = [w.to_local() if isinstance(w, DTensor) else w for w in weights]
+    return local if grad_scale == 1.0 else [ScaleGrad.apply(w, grad_scale) for w in local]
+
+
+def use_grouped_gemm(forced: bool | None, x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """``forced`` (tests) or, left None, where ``grouped_gemm_fits``."""
+    return forced if forced is not None else grouped_gemm_fits(x, weights)
+
+
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of ``x`` in ``len(counts)`` consecutive segments, segment ``j`` times ``weight[j]`` (``[E, K, N]``), as
     one grouped GEMM; an empty segment's weight gets a zero gradient."""
@@ -78,20 +91,12 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local, h, d))
         self.w3 = nn.Parameter(torch.empty(num_local, d, h)) if self.swiglu else None
 
-    @property
-    def num_local(self) -> int:
-        return self.w1.shape[0]
-
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         weights = [self.w1, self.w2] + ([self.w3] if self.w3 is not None else [])
-        # Tensor parallelism holds them as DTensors sharded on the experts: compute on this rank's (to_local's
-        # gradient comes back as the same shard).
-        weights = [w.to_local() if isinstance(w, DTensor) else w for w in weights]
-        if self.grad_scale != 1.0:
-            weights = [ScaleGrad.apply(w, self.grad_scale) for w in weights]
+        weights = compute_weights(weights, self.grad_scale)
         w1, w2 = weights[0], weights[1]
         w3 = weights[2] if self.swiglu else None
-        if self.grouped_gemm if self.grouped_gemm is not None else grouped_gemm_fits(x, weights):
+        if use_grouped_gemm(self.grouped_gemm, x, weights):
             a = grouped_matmul(x, w1, counts)
             a = F.silu(a) * grouped_matmul(x, w3, counts) if w3 is not None else F.gelu(a, approximate="tanh")
             return grouped_matmul(a, w2, counts)
@@ -235,7 +240,7 @@ def _all_to_all(
     return AllToAll.apply(x, out_splits, in_splits, group, observer)
 
 
-class ExpertLayer(nn.Module):
+class ExpertLayer(nn.Module, abc.ABC):
     """What strategies, checkpoints and diagnostics need of a layer of routed experts, whoever wrote it.
 
     The built-in ``MoE`` and a ``transformers`` MoE block's experts (models/hf_moe.py) both hold their experts as
@@ -278,22 +283,25 @@ class ExpertLayer(nn.Module):
     balance_key: str | None = "model.aux_loss_coef"
     capacity_key: str | None = "model.capacity_factor"
 
+    @abc.abstractmethod
     def expert_weights(self) -> list[nn.Parameter]:
         """The stacked expert weights ``[E_local, ...]``."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def expert_module(self) -> nn.Module:
         """The module holding exactly the expert weights (FSDP2 shards it over the ranks holding the same experts)."""
-        raise NotImplementedError
+        ...
 
     @property
+    @abc.abstractmethod
     def first_expert(self) -> int:
         """Global id of this rank's first expert."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def keep_experts(self, keep: slice, grad_scale: float) -> None:
         """Hold only experts ``keep`` of the stacked weights, their gradients scaled by ``grad_scale``."""
-        raise NotImplementedError
+        ...
 
     @property
     def num_local(self) -> int:
