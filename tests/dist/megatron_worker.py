@@ -40,6 +40,11 @@ def global_batches(model: ModelConfig, steps: int = STEPS, seed: int = 7) -> lis
     return batches
 
 
+def eval_batch(model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch no step trained on, evaluated after the last step (forward only, through every stage)."""
+    return global_batches(model, steps=1, seed=99)[0]
+
+
 def optimizer_for(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), eps=1e-8)
 
@@ -63,9 +68,16 @@ def run_layout(model: ModelConfig, strategy: MegatronConfig, world: int, rounds:
         # Every rank holds its data-parallel group's mean: the world mean is the global-batch loss.
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
+    # Counted before evaluating: a forward without backward leaves FSDP2's root unit gathered (not resharded).
+    held = local_numel(container)
+    inputs, targets = eval_batch(model)
+    rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
+    eval_loss = engine.evaluate(inputs[rows], targets[rows])
+    dist.all_reduce(eval_loss)
     return {
         "losses": losses,
-        "local_numel": local_numel(container),
+        "eval_loss": eval_loss.item() / world,
+        "local_numel": held,
         "stages": engine.stage_ids,
         "coords": degrees.coordinates(dist.get_rank()),
     }
@@ -88,6 +100,8 @@ def worker(rank: int, world: int, port: int, model_json: str, layouts_json: str,
             rounds = options.pop("rounds", 1)
             results[name] = run_layout(model, replace(MegatronConfig(), **options), world, rounds)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
         dist.barrier()
+    finally:
+        # No barrier on the way out of a failure: the other ranks may be blocked in a collective with this one, and
+        # the spawner ends them once it sees this rank fail.
         dist.destroy_process_group()

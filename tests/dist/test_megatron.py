@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from disttrain.config.schema import ModelConfig
 from disttrain.models import build_model
-from tests.dist.megatron_worker import CLIP, global_batches, optimizer_for, worker
+from tests.dist.megatron_worker import CLIP, eval_batch, global_batches, optimizer_for, worker
 from tests.unit.test_models import GPT_SMALL, LLAMA_SMALL
 
 pytestmark = pytest.mark.dist
@@ -30,7 +30,8 @@ GPT = replace(GPT_SMALL, name="gpt-tiny", n_layers=4, vocab_size=64)
 LLAMA = replace(LLAMA_SMALL, name="llama-tiny", n_layers=4, vocab_size=64)
 
 
-def reference_losses(model_cfg: ModelConfig) -> list[float]:
+def reference_losses(model_cfg: ModelConfig) -> tuple[list[float], float]:
+    """Per-step training losses of one process, and the loss of the evaluation batch after the last step."""
     torch.manual_seed(0)
     model = build_model(model_cfg, seed=11)
     optimizer = optimizer_for(model)
@@ -43,7 +44,11 @@ def reference_losses(model_cfg: ModelConfig) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         losses.append(loss.item())
-    return losses
+    inputs, targets = eval_batch(model_cfg)
+    with torch.no_grad():
+        logits = model(inputs)
+        eval_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return losses, eval_loss.item()
 
 
 def _free_port() -> int:
@@ -58,14 +63,16 @@ def run_layouts(tmp_path, world: int, model_cfg: ModelConfig, layouts: dict[str,
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-def assert_parity(results: list[dict], reference: list[float]) -> None:
+def assert_parity(results: list[dict], reference: tuple[list[float], float]) -> None:
+    """Training losses step by step, then evaluation (forward only through every stage), as one process."""
+    losses, eval_loss = reference
     for name in results[0]:
         for rank, per_rank in enumerate(results):
             got = per_rank[name]["losses"]
-            worst = max(abs(a - b) for a, b in zip(got, reference, strict=True))
-            assert worst <= TOLERANCE, (
-                f"{name} rank {rank}: max |dloss| {worst:.2e} vs one process ({got} vs {reference})"
-            )
+            worst = max(abs(a - b) for a, b in zip(got, losses, strict=True))
+            assert worst <= TOLERANCE, f"{name} rank {rank}: max |dloss| {worst:.2e} vs one process ({got} vs {losses})"
+            evaluated = per_rank[name]["eval_loss"]
+            assert evaluated == pytest.approx(eval_loss, abs=TOLERANCE), f"{name} rank {rank}: evaluation loss"
 
 
 TP_SHARDED = ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.w1.", "mlp.w3.")

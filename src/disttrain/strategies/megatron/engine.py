@@ -118,6 +118,17 @@ def _schedule_class(name: str) -> type:
     }[name]
 
 
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_HEADER = 8  # dtype code, number of dims, up to six dims
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what a pipeline stage passes on, as torch's PipelineStage does), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _plain(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain fp32 tensor (vocab-parallel cross-entropy returns a replicated DTensor)."""
     from torch.distributed.tensor import DTensor
@@ -309,7 +320,7 @@ class MegatronEngine:
             else:
                 for x, y in zip(inputs.chunk(self.rounds), targets.chunk(self.rounds), strict=True):
                     losses: list[torch.Tensor] = []
-                    self._step_schedule(x, y, losses, train=True)
+                    self._step_schedule(x, y, losses)
                     total += sum((_plain(loss.detach()) for loss in losses), torch.zeros((), device=self.device))
         if self.tied is not None:
             self.tied.sync()
@@ -317,15 +328,14 @@ class MegatronEngine:
         self.last_timing = StepTiming(forward.total, backward_clock.total, wall, self.schedule is not None)
         return self._broadcast_loss(total)
 
-    def _step_schedule(self, x: torch.Tensor, y: torch.Tensor, losses: list, train: bool) -> None:
-        run = self.schedule.step if train else self.schedule.eval  # type: ignore[union-attr]
-        kwargs = {"return_outputs": False} if train else {}
+    def _step_schedule(self, x: torch.Tensor, y: torch.Tensor, losses: list) -> None:
+        run = self.schedule.step  # type: ignore[union-attr]
         if self.has_first:
-            run(x, target=y if self.has_last else None, losses=losses if self.has_last else None, **kwargs)
+            run(x, target=y if self.has_last else None, losses=losses if self.has_last else None, return_outputs=False)
         elif self.has_last:
-            run(target=y, losses=losses, **kwargs)
+            run(target=y, losses=losses, return_outputs=False)
         else:
-            run(**kwargs)
+            run(return_outputs=False)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -337,11 +347,57 @@ class MegatronEngine:
                 for x, y in zip(inputs.chunk(n), targets.chunk(n), strict=True):
                     total += _plain(self._loss_fn(self.chunks[0](x), y))
             else:
-                for x, y in zip(inputs.chunk(self.rounds), targets.chunk(self.rounds), strict=True):
-                    losses: list[torch.Tensor] = []
-                    self._step_schedule(x, y, losses, train=False)
-                    total += sum((_plain(loss) for loss in losses), torch.zeros((), device=self.device))
+                n = self.microbatches * self.rounds
+                for x, y in zip(inputs.chunk(n), targets.chunk(n), strict=True):
+                    loss = self._forward_through_stages(x, y)
+                    if loss is not None:
+                        total += _plain(loss)
         return self._broadcast_loss(total)
+
+    def _forward_through_stages(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """One micro-batch forward through every stage in order, activations passed between pipeline ranks by
+        send/recv; the loss on the rank holding the last stage (None elsewhere).
+
+        Evaluation does not go through the training schedule's ``eval``: torch's runtime schedules (the
+        zero-bubble V) still run their backward actions there and fail (torch 2.13: "can't steal_bwd_input if this
+        stage doesn't have backward"). Forward only, nothing overlaps: one path for every schedule.
+        """
+        d, s = self.settings.degrees, self.settings.strategy
+        owner = {st: r for r in range(d.pp) for st in stages_of_rank(r, d.pp, s.virtual_stages, s.schedule)}
+        mine = dict(zip(self.stage_ids, self.chunks, strict=True))
+        act: torch.Tensor | None = None
+        for stage in range(len(owner)):
+            if owner[stage] != self.pp_rank:
+                continue
+            if stage > 0 and owner[stage - 1] != self.pp_rank:
+                act = self._receive_activation(owner[stage - 1])
+            out = mine[stage](x if stage == 0 else act)
+            if stage == len(owner) - 1:
+                return self._loss_fn(out, y)
+            act = _local(out)
+            if owner[stage + 1] != self.pp_rank:
+                self._send_activation(act, owner[stage + 1])
+        return None
+
+    def _peer(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.pp_group, pp_rank)  # type: ignore[arg-type]
+
+    def _send_activation(self, act: torch.Tensor, pp_rank: int) -> None:
+        # Shape and dtype first: stages differ in what they pass (a TP or HF stage's hidden states).
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = _DTYPES.index(act.dtype)
+        header[1] = act.dim()
+        header[2 : 2 + act.dim()] = torch.tensor(act.shape)
+        dist.send(header.to(act.device), self._peer(pp_rank), group=self.pp_group)
+        dist.send(act.contiguous(), self._peer(pp_rank), group=self.pp_group)
+
+    def _receive_activation(self, pp_rank: int) -> torch.Tensor:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, self._peer(pp_rank), group=self.pp_group)
+        code, ndim, *dims = header.tolist()
+        act = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self.device)
+        dist.recv(act, self._peer(pp_rank), group=self.pp_group)
+        return act
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` by the norm of the whole model's gradient (as one process would compute it)."""
