@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from diagnostics.analysis import Analysis, Finding
+from diagnostics.analysis.comm_split import strategy_split
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import pct
-from diagnostics.analysis.thresholds import TOKENS_DOMINATE, TOKENS_MATERIAL
+from diagnostics.analysis.thresholds import AMORTIZED_MIN, TOKENS_MATERIAL, TP_MATERIAL
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
 # cost host memory; the target is the cores each rank has, at least 2 so that one batch loads while one waits.
@@ -244,43 +245,56 @@ def _ddp_comm_hooks(ctx: RunContext, finding: Finding) -> list[Recommendation]:
     return recs
 
 
-def _tensor_parallel_levers(finding: Finding, ctx: RunContext) -> list[Recommendation]:
-    """strategy=megatron without data parallelism: no gradient is reduced between ranks, so what is exposed is
-    tensor parallelism's activation collectives (and pipeline sends), which every micro-batch repeats: accumulation
-    and the reduction dtype change nothing. Halving tp cuts each all-reduce's bytes from 2(tp-1)/tp of the activation
-    to 2(tp/2-1)/(tp/2) (to none at tp=2); the freed ranks become data parallelism, whose once-per-step gradient
-    reduction is not counted. The micro-batch halves with dp doubling, so the global batch stays."""
+def _tensor_parallel_levers(finding: Finding, ctx: RunContext, tp_share: float) -> list[Recommendation]:
+    """strategy=megatron with tp >= 2: tensor parallelism's activation collectives (``tp_share`` of the
+    communication) repeat every micro-batch, so accumulation and the reduction dtype leave them as they are. Halving
+    tp cuts each all-reduce's bytes from 2(tp-1)/tp of the activation to 2(tp/2-1)/(tp/2) (to none at tp=2); the
+    freed ranks double the data parallelism, whose once-per-step gradient reduction is not counted. The micro-batch
+    halves as dp doubles, so the global batch stays."""
     tp, micro, current = ctx.get("strategy.tp"), ctx.micro(), ctx.global_batch()
-    if not isinstance(tp, int) or tp < 2 or not micro or micro % 2 or not current:
+    if not isinstance(tp, int) or tp < 2 or not micro or micro % 2 or not current or tp_share < TP_MATERIAL:
         return []
     half = tp // 2
     kept = 1.0 - ((half - 1) / half) / ((tp - 1) / tp)
+    dp = ctx.batch.get("data_parallel_size")
+    moved = "no gradients move" if dp == 1 else f"gradients move once per step, {pct(1.0 - tp_share)} at most"
     why = (
-        f"with one data-parallel rank no gradients move: the exposed communication is tp={tp}'s activation "
-        f"all-reduces, repeated every micro-batch; at tp={half} each moves "
+        f"tp={tp}'s activation all-reduces are {pct(tp_share)} of the communication and repeat every micro-batch "
+        f"({moved}); at tp={half} each moves "
         + ("nothing" if half == 1 else f"{kept:.0%} fewer bytes")
         + f", and the freed ranks train data-parallel (micro-batch {micro // 2}, the same global batch)"
     )
     effect = "less activation communication per token; a once-per-step gradient reduction between the new dp ranks"
-    basis = f"all-reduce bytes x 2(tp-1)/tp: {pct(kept)} of them gone at tp={half}; the gradient reduction not counted"
+    basis = (
+        f"tp's {pct(tp_share)} of the communication x all-reduce bytes 2(tp-1)/tp: {pct(kept)} of them gone at "
+        f"tp={half}; the added gradient reduction not counted"
+    )
     pinned = (f"trainer.micro_batch_size={micro // 2}", f"trainer.global_batch_size={current}")
-    return [_rec("strategy.tp", half, why, effect, pinned).gaining(gain(finding, kept, basis))]
+    return [_rec("strategy.tp", half, why, effect, pinned).gaining(gain(finding, kept * tp_share, basis))]
 
 
 def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
-    if ctx.strategy == "megatron" and ctx.batch.get("data_parallel_size") == 1:
-        return _tensor_parallel_levers(finding, ctx)
-    # An MoE run's all-to-alls move every micro-batch's tokens: accumulation amortizes only the gradients' share.
+    """Each lever by the part of the communication it shrinks (``comm_split``): accumulation the part that moves
+    once per optimizer step, a smaller tp tensor parallelism's, a smaller ep the all-to-alls'."""
+    split = finding.evidence.get("comm_split") or strategy_split(ctx) or {}
+    recs: list[Recommendation] = []
+    if ctx.strategy == "megatron":
+        recs += _tensor_parallel_levers(finding, ctx, float(split.get("tensor_parallel") or 0.0))
+    # An MoE run's all-to-alls move every micro-batch's tokens (measured where they were timed).
     exchange = finding.evidence.get("all_to_all") or {}
     tokens = float(exchange.get("of_phase_transfer") or 0.0)
-    recs = _expert_exchange_levers(finding, ctx, exchange)
-    if tokens < TOKENS_DOMINATE:
-        why = "gradients are reduced once per optimizer step; twice the accumulation halves the reductions per token"
-        effect = "communication per token halves (the batch doubles: retune lr if needed)"
-        basis = "one reduction per twice the tokens: half the communication per token"
-        if tokens:
-            basis += f" (its gradient part: the all-to-alls, {pct(tokens)} of it, move every micro-batch's tokens)"
-        per_token = gain(finding, HALF * (1.0 - tokens), basis)
+    recs += _expert_exchange_levers(finding, ctx, exchange)
+    # Without a split (a strategy whose schedule needs shapes the run did not record): gradients assumed.
+    once = split.get("once_per_step")
+    amortized = min(1.0 if once is None else float(once), 1.0 - tokens)
+    if amortized >= AMORTIZED_MIN:
+        what = "the gradients' reduction" if once is None else f"{pct(amortized)} of the communication"
+        why = f"{what} moves once per optimizer step; twice the accumulation halves it per token"
+        effect = "communication per token falls (the batch doubles: retune lr if needed)"
+        basis = f"one step's once-only traffic ({pct(amortized)} of it) spread over twice the tokens"
+        if split.get("basis"):
+            basis += f"; the split from {split['basis']}"
+        per_token = gain(finding, HALF * amortized, basis)
         recs += [r.gaining(per_token) for r in _bigger_global(ctx, why, effect)]
     precision = ctx.get("precision.name")
     busy = bool(ctx.host_cores_busy())
@@ -489,10 +503,16 @@ def for_pipeline_bubble(finding: Finding, ctx: RunContext) -> list[Recommendatio
 
 
 def _bubble_gain(finding: Finding, pp: int, m: int) -> dict[str, Any]:
-    """The measured bubble minus the schedule's bubble at ``m`` micro-batches, (pp-1)/(m+pp-1)."""
-    after = (pp - 1) / (m + pp - 1)
-    saved = max(0.0, finding.cost_fraction - after)
-    return {"fraction": round(saved, 4), "basis": f"measured bubble - (pp-1)/(m+pp-1) at m={m}"}
+    """The measured bubble scaled by how the schedule's bubble, (pp-1)/(m+pp-1), shrinks from m/2 to ``m``
+    micro-batches. A ratio, not the formula's value: interleaved and zero-bubble schedules measure far below the
+    1F1B formula (zero-bubble pp=2, m=2: 12-15% against its 33%), and a stage that idles for other reasons (uneven
+    stages) keeps that part."""
+    before, after = (pp - 1) / (m // 2 + pp - 1), (pp - 1) / (m + pp - 1)
+    saved = finding.cost_fraction * (1.0 - after / before)
+    return {
+        "fraction": round(saved, 4),
+        "basis": f"measured bubble x (1 - b(m={m}) / b(m={m // 2})), b = (pp-1)/(m+pp-1)",
+    }
 
 
 def for_throttling(finding: Finding, ctx: RunContext) -> list[Recommendation]:

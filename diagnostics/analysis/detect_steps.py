@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from diagnostics.analysis.comm_split import comm_split
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
 from diagnostics.analysis.finding import pct as _pct
@@ -217,10 +218,14 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     }
     exchange = token_exchange(run)
     context = RunContext.from_run(run)
+    split = comm_split(run, context)
+    if split is not None:
+        evidence["comm_split"] = split
     moving = "gradients"
-    if context.strategy == "megatron" and context.batch.get("data_parallel_size") == 1:
-        # No data parallelism: no gradient moves between ranks; tensor parallelism's collectives and pipeline
-        # sends move activations, every micro-batch.
+    no_dp = context.strategy == "megatron" and context.batch.get("data_parallel_size") == 1
+    if no_dp or (split is not None and split["tensor_parallel"] >= TOKENS_DOMINATE):
+        # No data parallelism (no gradient moves between ranks), or tensor parallelism's collectives are most of
+        # the traffic: activations move, every micro-batch.
         moving = "activations between model-parallel ranks"
     if exchange is not None:
         evidence["all_to_all"] = exchange

@@ -55,6 +55,10 @@ def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> l
     """All findings, the biggest lever first (cost descending; see ``Finding.sort_key``). A crash or a non-finite
     stop comes first, and the other findings of a run that ended early are graded on the little it measured."""
     findings = one_per_cause([f for detect in PHASE_DETECTORS for f in detect(run, phases)])
+    if any(f.kind == "comm_bound" for f in findings):
+        # On a host whose compute threads fill every core, low_overlap has no lever (nothing to overlap with) and
+        # would cost comm_bound's exposed communication a second time; with free cores it offers its own (overlap).
+        findings = [f for f in findings if not (f.kind == "low_overlap" and f.evidence.get("host_cores_busy"))]
     findings += detect_low_mfu(run, summary)
     findings += detect_expert_imbalance(run)
     nonfinite = detect_nonfinite(run)

@@ -117,3 +117,10 @@ TOKENS_DOMINATE = 0.5
 # A/B even while gradients are most of the traffic. moe-micro under FSDP on 2 CPU ranks: all-to-alls 14-15% of
 # the step (40% of the phases' transfer) and ep=1 measured 16-23% faster than ep=2.
 TOKENS_MATERIAL = 0.05
+
+# comm_bound's levers by the part of the communication each shrinks (analysis/comm_split.py). Accumulation is
+# offered when at least this share moves once per optimizer step: doubling it then saves a tenth of the exposed
+# communication or more. Under FSDP2 (every micro-batch gathers and reduces) it saves none.
+AMORTIZED_MIN = 0.2
+# A smaller tp is offered when tensor parallelism's collectives are at least this share of the communication.
+TP_MATERIAL = 0.25

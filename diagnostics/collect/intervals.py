@@ -35,6 +35,25 @@ def intersection_total(a: list[Interval], b: list[Interval]) -> float:
     return covered
 
 
+def difference(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """The time covered by ``a`` and not by ``b`` (sorted, disjoint)."""
+    out: list[Interval] = []
+    ub = union(b)
+    j = 0
+    for start, end in union(a):
+        while j < len(ub) and ub[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(ub) and ub[k][0] < end:
+            if ub[k][0] > cursor:
+                out.append((cursor, ub[k][0]))
+            cursor = max(cursor, ub[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
 def split_window(compute: list[Interval], comm: list[Interval], window: Interval) -> dict[str, float]:
     """Communication, computation, their overlap and idle time within ``window`` (seconds)."""
     clip = [(max(s, window[0]), min(e, window[1])) for s, e in compute]

@@ -8,6 +8,7 @@ DDP's wait for the last buckets at the end of backward has no event: it shows up
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diagnostics.collect.comm_bytes import collective_bytes, profiler_options
-from diagnostics.collect.intervals import Interval, split_window
+from diagnostics.collect.intervals import Interval, difference, split_window
 
 COMM_PATTERN = re.compile(
     r"^(gloo:|nccl|ncclDevKernel|ncclKernel|c10d::|record_param_comms|_c10d_functional::|FSDP::|PP:|"
@@ -34,6 +35,7 @@ class Event:
     end_s: float
     on_device: bool  # a GPU kernel (as opposed to a host-side op)
     category: str = "cpu_op"  # the trace's "cat": cpu_op, kernel, user_annotation, python_function, ...
+    thread: object = 0  # the trace's (pid, tid): a host thread, or a GPU stream
 
 
 # Annotations wrap other work (Lightning runs forward and backward inside the optimizer-step closure, so
@@ -49,16 +51,27 @@ def split_events(events: list[Event], window: Interval) -> dict:
     """Seconds of compute, comm, overlap and idle in ``window``; on GPU only device kernels count as work."""
     use_device = any(e.on_device for e in events)
     work = [e for e in events if e.on_device == use_device or (not use_device and not e.on_device)]
-    compute: list[Interval] = []
-    comm: list[Interval] = []
+    compute_by_thread: dict[object, list[Interval]] = {}
+    comm_by_thread: dict[object, list[Interval]] = {}
     by_op: dict[str, float] = {}
     for event in work:
         if is_comm(event.name):
-            comm.append((event.start_s, event.end_s))
+            comm_by_thread.setdefault(event.thread, []).append((event.start_s, event.end_s))
             key = event.name.split("(")[0][:60]
             by_op[key] = by_op.get(key, 0.0) + (event.end_s - event.start_s)
         elif event.category not in WRAPPER_CATEGORIES and not WRAPPER_PATTERN.search(event.name):
-            compute.append((event.start_s, event.end_s))
+            compute_by_thread.setdefault(event.thread, []).append((event.start_s, event.end_s))
+    # A thread blocked in a collective it called (a tensor-parallel wait_tensor) computes nothing meanwhile, though
+    # the op that called it (an autograd node, a DTensor dispatch) spans the wait: that time is the thread's
+    # communication, not compute the communication overlapped. Only such leaf waits (no op of the thread starts
+    # inside them) are taken out: a pipeline action's annotation or an asynchronous send's span holds real compute.
+    # Other threads' compute (the training thread's backward beside gloo's worker threads) does overlap them.
+    compute = [
+        i
+        for t, spans in compute_by_thread.items()
+        for i in difference(spans, blocking_waits(comm_by_thread.get(t, []), spans))
+    ]
+    comm = [i for spans in comm_by_thread.values() for i in spans]
     # Annotations on CPU (FSDP::, gloo:) are host events even on a GPU run: count them as comm too.
     if use_device:
         comm += [(e.start_s, e.end_s) for e in events if not e.on_device and e.name.startswith("FSDP::")]
@@ -66,6 +79,12 @@ def split_events(events: list[Event], window: Interval) -> dict:
     result["comm_by_op"] = dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:10])
     result["backend"] = "device kernels" if use_device else "host ops"
     return result
+
+
+def blocking_waits(comm: list[Interval], compute: list[Interval]) -> list[Interval]:
+    """The communication spans of one thread inside which none of its compute ops starts."""
+    starts = sorted(start for start, _ in compute)
+    return [(s, e) for s, e in comm if bisect.bisect_left(starts, s) == bisect.bisect_left(starts, e)]
 
 
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -89,7 +108,8 @@ def events_from_trace(trace: dict) -> tuple[list[Event], Interval]:
             steps.append((start, end))
             continue
         category = str(item.get("cat", ""))
-        events.append(Event(name, start, end, category in DEVICE_CATEGORIES, category))
+        thread = (item.get("pid"), item.get("tid"))
+        events.append(Event(name, start, end, category in DEVICE_CATEGORIES, category, thread))
     if not steps:
         raise RuntimeError("the profiler window recorded no steps")
     return events, (min(s for s, _ in steps), max(e for _, e in steps))

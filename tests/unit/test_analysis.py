@@ -235,6 +235,15 @@ def test_comm_bound_uses_the_minimum_over_ranks(tmp_path: Path) -> None:
     assert "comm_bound" not in findings_of(tmp_path, "low_overlap")  # exposed comm below 25% of the step
 
 
+def test_on_a_busy_host_comm_bound_stands_for_the_exposed_communication_alone(tmp_path: Path) -> None:
+    """low_overlap has no lever where the compute threads fill every core and would cost the same exposed
+    communication as comm_bound a second time; with free cores it stays (its lever, overlap, is its own)."""
+    busy = analyse(write_run(tmp_path / "busy", "comm_bound", cpu_count=2))
+    assert [f.kind for f in busy.findings if f.kind in ("comm_bound", "low_overlap")] == ["comm_bound"]
+    free = analyse(write_run(tmp_path / "free", "comm_bound", cpu_count=16))
+    assert {"comm_bound", "low_overlap"} <= {f.kind for f in free.findings}
+
+
 def test_saturated_comm_is_comm_bound_even_when_overlapped(tmp_path: Path) -> None:
     found = findings_of(tmp_path, "comm_saturated")
     assert set(found) == {"comm_bound"}

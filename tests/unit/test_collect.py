@@ -229,7 +229,7 @@ def test_profile_split_on_gloo_counts_worker_thread_collectives_as_comm() -> Non
     events = [
         Event("aten::mm", 0.0, 4.0, False),
         Event("aten::addmm", 1.0, 2.0, False),  # nested inside the mm span: union, not double counting
-        Event("gloo:all_reduce", 3.0, 6.0, False),
+        Event("gloo:all_reduce", 3.0, 6.0, False, "user_annotation", "gloo worker"),
         Event("Optimizer.zero_grad#AdamW.zero_grad", 6.0, 6.5, False),
         Event("Optimizer.step#AdamW.step", 0.0, 9.0, False, "user_annotation"),  # wraps the whole closure
         Event("aten::add_", 7.0, 8.0, False),
@@ -247,11 +247,32 @@ def test_profile_split_on_gpu_uses_kernels() -> None:
     events = [
         Event("aten::mm", 0.0, 9.0, False),  # host launch spans are not GPU work
         Event("sm90_xmma_gemm_bf16", 1.0, 3.0, True),
-        Event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 2.0, 5.0, True),
+        Event("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 2.0, 5.0, True, "kernel", "stream 2"),
     ]
     split = split_events(events, (0.0, 10.0))
     assert (split["compute_s"], split["comm_s"], split["overlap_s"]) == pytest.approx((2.0, 3.0, 1.0))
     assert split["backend"] == "device kernels"
+
+
+def test_a_thread_blocked_in_its_own_collective_is_not_computing_under_the_op_that_called_it() -> None:
+    """Tensor parallelism on gloo: the training thread waits in ``wait_tensor`` inside an autograd node (and
+    DTensor's dispatch), whose span is an op. That wait is exposed communication, not overlap. A pipeline action's
+    annotation, also comm by its name, holds the stage's compute: that compute stays compute."""
+    main = "main"
+    events = [
+        Event("autograd::engine::evaluate_function: RedistributeBackward", 0.0, 4.0, False, "cpu_op", main),
+        Event("aten::mm", 0.5, 1.5, False, "cpu_op", main),
+        Event("_c10d_functional::wait_tensor", 2.0, 4.0, False, "cpu_op", main),  # blocked: 2 s exposed
+        Event("gloo:all_reduce", 1.8, 4.0, False, "user_annotation", "gloo worker"),
+        Event("PP:0F0", 5.0, 8.0, False, "user_annotation", main),  # a pipeline action: its forward inside
+        Event("aten::addmm", 5.5, 7.5, False, "cpu_op", main),
+    ]
+    split = split_events(events, (0.0, 10.0))
+    # Compute: 0-2 (the node before its wait) and 5.5-7.5; comm: 1.8-4 and 5-8.
+    assert split["compute_s"] == pytest.approx(4.0)
+    assert split["comm_s"] == pytest.approx(5.2)
+    assert split["overlap_s"] == pytest.approx(0.2 + 2.0)  # the worker's start before the wait, the stage's compute
+    assert split["comm_s"] - split["overlap_s"] == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize(

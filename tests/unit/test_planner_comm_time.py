@@ -216,3 +216,45 @@ def test_every_collective_call_pays_its_links_latency_once() -> None:
     fsdp = comm_plan(shape, Layout("fsdp", dp=2), Workload(4, 8, shape.seq_len, "fp32"), cpu)
     assert fsdp.mb_fwd.intra_calls == shape.n_layers + 1  # blocks, then the root
     assert fsdp.mb_bwd.intra_calls == 2 * shape.n_layers + 1  # the blocks' re-gathers and every reduce-scatter
+
+
+@pytest.mark.parametrize(
+    ("layout", "once", "tp_share"),
+    [
+        (Layout("ddp", dp=8, microbatches=4), 1.0, 0.0),  # one all-reduce after the last micro-batch
+        (Layout("fsdp", dp=8, microbatches=4), 0.0, 0.0),  # gathers and reduce-scatters every micro-batch
+        (Layout("deepspeed", dp=8, zero_stage=1, microbatches=4), 1.0, 0.0),
+        (Layout("deepspeed", dp=8, zero_stage=3, microbatches=4), 0.0, 0.0),
+        (Layout("megatron", dp=1, tp=8, microbatches=32), 0.0, 1.0),  # only activations move
+    ],
+)
+def test_comm_shares_say_what_moves_once_per_step_and_what_tensor_parallelism_moves(
+    layout: Layout, once: float, tp_share: float
+) -> None:
+    """What the report's levers read (run.json ``comm_shares``): accumulation shrinks per token only the
+    once-per-step part, a smaller tp only tensor parallelism's."""
+    shape = model_shape(model("llama-1b"))
+    candidate = plan_layout(shape, layout, Workload(1, 32, 2048, "bf16-mixed"), hw("8xh100"))
+    assert candidate.comm_shares == {"once_per_step": once, "tensor_parallel": tp_share}
+
+
+def test_comm_shares_of_zero2_and_tp_with_data_parallelism_follow_their_bytes() -> None:
+    """ZeRO-2 reduces every micro-batch and gathers once: at accumulation a the once-only all-gather (bf16 params,
+    as many bytes as the bf16 gradients' reduce-scatter) is 1/(1+a) of the bytes. tp=2 x dp=4: tp's share is its
+    all-reduce time over the step's, computed here from the plan's own traffic."""
+    shape = model_shape(model("llama-1b"))
+    work, profile = Workload(1, 32, 2048, "bf16-mixed"), hw("8xh100")
+    zero2 = plan_layout(shape, Layout("deepspeed", dp=8, zero_stage=2, microbatches=4), work, profile)
+    assert zero2.comm_shares["once_per_step"] == pytest.approx(1 / 5, abs=0.01)
+    layout = Layout("megatron", dp=4, tp=2, microbatches=8)
+    tp_dp = plan_layout(shape, layout, work, profile)
+    traffic = comm_plan(shape, layout, work, profile)
+    host = Assumptions().host_link_gbps
+    whole = link_time(traffic.per_step(8), profile, host)
+    assert tp_dp.comm_shares["tensor_parallel"] == pytest.approx(
+        link_time(traffic.mb_tp.scale(8), profile, host) / whole, abs=1e-3
+    )
+    assert tp_dp.comm_shares["once_per_step"] == pytest.approx(
+        link_time(traffic.once_per_step(), profile, host) / whole, abs=1e-3
+    )
+    assert 0.3 < tp_dp.comm_shares["tensor_parallel"] < 0.9 and tp_dp.comm_shares["once_per_step"] < 0.2

@@ -267,6 +267,11 @@ def test_pipeline_bubble_on_megatron_gets_more_microbatches_then_interleaving(tm
     assert overrides[0] == "trainer.micro_batch_size=4 trainer.global_batch_size=16 strategy.microbatches=4"
     assert overrides[1] == "strategy.virtual_stages=2 strategy.schedule=interleaved_1f1b"
     assert overrides[2] == "trainer.global_batch_size=32"
+    # Twice the micro-batches: the measured bubble scaled by the schedule's (pp-1)/(m+pp-1) at m=4 over m=2.
+    pp, m = 2, 2
+    shrink = 1 - ((pp - 1) / (2 * m + pp - 1)) / ((pp - 1) / (m + pp - 1))
+    gains = [r.expected_gain["fraction"] for r in recommend(finding, RunContext.from_run(analysis.run))]
+    assert gains[0] == pytest.approx(finding.cost_fraction * shrink, abs=1e-4) and gains[0] > 0
 
 
 def test_no_overlap_lever_on_a_cpu_host_whose_cores_the_compute_already_fills(tmp_path: Path) -> None:
@@ -321,6 +326,13 @@ def test_comm_bound_without_data_parallelism_moves_activations_and_offers_half_t
     assert rec.value == str(tp // 2) and rec.expected_gain["fraction"] == pytest.approx(0.5 * kept, abs=1e-4)
     assert rec.pinned == ("trainer.micro_batch_size=4", "trainer.global_batch_size=8")
     validate([*overrides, *rec.override.split()])  # the same world and global batch, launchable
-    # With data parallelism the gradients' levers stay.
+    # With data parallelism and no split of the traffic (no prediction): the gradients' levers stay.
     dp_ctx = RunContext(composed(overrides), {"global_batch_size": 16, "data_parallel_size": 2}, 2)
-    assert "trainer.global_batch_size" in [r.key for r in recommend(finding, dp_ctx)]
+    assert [r.key for r in recommend(finding, dp_ctx)] == ["trainer.global_batch_size"]
+    # With the planner's split (tp x dp, pp=1: tp's all-reduces half the traffic, FSDP's per-micro-batch gathers
+    # most of the rest, 6% once per step): half the tp, worth tp's share; accumulation would save 3%, not offered.
+    split = {"once_per_step": 0.06, "tensor_parallel": 0.5, "basis": "the planner"}
+    mixed = Finding("comm_bound", "critical", list(range(tp)), {"comm_split": split}, "x", cost=cost(0.5, "test"))
+    (rec,) = recommend(mixed, dp_ctx)
+    assert rec.key == "strategy.tp" and rec.expected_gain["fraction"] == pytest.approx(0.5 * 0.5 * kept, abs=1e-4)
+    assert "50% of the communication" in rec.why and "gradients move once per step" in rec.why

@@ -62,6 +62,9 @@ def predict_run(cfg: RunConfig, parallel: ParallelLayout, calibration: Calibrati
             tokens_per_s=estimate.tokens_per_s,
             mfu=estimate.mfu,
             peak_flops=profile.hw.peak_flops(cfg.precision.compute_dtype),
+            # Which part of the traffic moves once per optimizer step and which is tensor parallelism's: what the
+            # report's communication levers (accumulation, a smaller tp) can each save.
+            comm_shares=candidate.comm_shares,
         )
     predicted.update(memory_bytes=memory.total, state_bytes=memory.params + memory.grads + memory.optimizer_states)
     record["predicted"] = predicted

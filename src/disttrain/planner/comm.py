@@ -239,10 +239,29 @@ class CommPlan:
     # micro-batches), each at ``hw.fsdp_copy_ns_per_byte``. Over a one-rank mesh too: the copies remain.
     mb_fsdp_units: float = 0.0
     mb_fsdp_copy_bytes: float = 0.0
+    # Of ``mb_exposed``, tensor parallelism's activation collectives (attribution only: already counted there).
+    mb_tp: LinkBytes = ZERO
 
     def per_step(self, microbatches: int) -> LinkBytes:
         per_mb = self.mb_fwd + self.mb_bwd + self.mb_exposed
-        return per_mb.scale(microbatches) + self.step_fwd + self.step_bwd + self.step_exposed
+        return per_mb.scale(microbatches) + self.once_per_step()
+
+    def once_per_step(self) -> LinkBytes:
+        """The traffic a step moves once whatever its micro-batches: what more accumulation spreads over more
+        tokens (a gradient reduction that waits for the last micro-batch, a post-step all-gather)."""
+        return self.step_fwd + self.step_bwd + self.step_exposed
+
+
+def comm_shares(plan: CommPlan, microbatches: int, hw: HardwareProfile, host_gbps: float) -> dict[str, float]:
+    """Shares of a step's link time: moved once per optimizer step (``once_per_step``: what doubling the
+    accumulation halves per token) and by tensor parallelism (``tensor_parallel``: every micro-batch's activations,
+    which only a smaller tp shrinks). Empty when the step moves nothing."""
+    total = link_time(plan.per_step(microbatches), hw, host_gbps)
+    if total <= 0:
+        return {}
+    once = link_time(plan.once_per_step(), hw, host_gbps)
+    tp = link_time(plan.mb_tp.scale(microbatches), hw, host_gbps)
+    return {"once_per_step": round(min(1.0, once / total), 4), "tensor_parallel": round(min(1.0, tp / total), 4)}
 
 
 def combine(a: CommPlan, b: CommPlan) -> CommPlan:
@@ -367,7 +386,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
     tp_modules = tp_parallel_linears_per_layer(shape.swiglu, moe, shape.shared_experts) * (shape.n_layers // pp)
     tp_modules += edge_collectives
     tp_modules = tp_modules if tp > 1 else 0
-    exposed = collective_bytes("functional_all_reduce", activation, groups["tp"]).scale(tp_count)
+    exposed = tp_traffic = collective_bytes("functional_all_reduce", activation, groups["tp"]).scale(tp_count)
     syncs = [Sync(tp, tp_count)] if tp > 1 else []
     chunks = layout.virtual_stages if layout.schedule in ("interleaved_1f1b", "zero_bubble") else 1
     if pp > 1:
@@ -423,6 +442,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         mb_tp_edges=edge_collectives / 2 if tp > 1 else 0.0,
         mb_fsdp_units=fsdp_units,
         mb_fsdp_copy_bytes=fsdp_copies,
+        mb_tp=tp_traffic if tp > 1 else ZERO,
     )
 
 

@@ -7,13 +7,13 @@ first one, when it fits, with the Hydra overrides that select it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
 from disttrain.planner.candidates import candidate_layouts
-from disttrain.planner.comm import LinkBytes, comm_plan
+from disttrain.planner.comm import LinkBytes, comm_plan, comm_shares
 from disttrain.planner.measured import MeasuredParts
 from disttrain.planner.memory import MemoryBreakdown, memory_per_gpu
 from disttrain.planner.shapes import ModelShape, count_shape, model_shape
@@ -46,6 +46,8 @@ class CandidatePlan:
     estimate: StepEstimate
     overrides: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    # The traffic's shares by what can shrink them (``comm.comm_shares``): once per step, tensor parallelism's.
+    comm_shares: dict[str, float] = field(default_factory=dict)
 
     @property
     def strategy(self) -> str:
@@ -211,6 +213,7 @@ def plan_layout(
         estimate=estimate,
         overrides=tuple(overrides),
         notes=tuple(notes),
+        comm_shares=comm_shares(traffic, layout.microbatches, hw, assumptions.host_link_gbps),
     )
 
 

@@ -1,0 +1,68 @@
+"""Which part of a run's communication each lever can shrink.
+
+Doubling the accumulation (a bigger global batch) halves per token only what moves once per optimizer step: DDP's
+gradient all-reduce (Lightning skips it on all but the last micro-batch), ZeRO-1's reduction and all-gather, a
+pipeline's tied-embedding reduction. What moves every micro-batch stays per token: FSDP2 under Lightning gathers
+and reduce-scatters on every micro-batch (its strategy pauses no gradient sync), ZeRO-2 reduces every
+micro-batch, tensor parallelism's activation collectives and pipeline sends carry every micro-batch's activations,
+expert parallelism's all-to-alls every micro-batch's tokens. Only a smaller ``tp`` shrinks the tensor-parallel part.
+
+The run's planner prediction (run.json) gives both shares for the run's own layout from its model's shapes and the
+link speeds the run measured at start-up. A run the planner could not model (a user's model) falls back on the
+strategy's schedule of collectives, which needs no shapes for DDP, FSDP and DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.load import RunTelemetry
+
+
+def comm_split(run: RunTelemetry, context: RunContext) -> dict[str, Any] | None:
+    """``{"once_per_step": share, "tensor_parallel": share, "basis": ...}`` of the run's communication time, or
+    None where neither the prediction nor the strategy says."""
+    manifest = run.manifest
+    prediction = (manifest.prediction if manifest is not None else None) or {}
+    shares = (prediction.get("predicted") or {}).get("comm_shares")
+    if isinstance(shares, dict) and isinstance(shares.get("once_per_step"), int | float):
+        return {
+            "once_per_step": float(shares["once_per_step"]),
+            "tensor_parallel": float(shares.get("tensor_parallel") or 0.0),
+            "basis": "the planner's traffic of this layout at the run's measured link speeds (run.json prediction)",
+        }
+    return strategy_split(context)
+
+
+def strategy_split(context: RunContext) -> dict[str, Any] | None:
+    """The split from the strategy's schedule of collectives alone (None: it depends on shapes)."""
+    basis = f"strategy={context.strategy}'s collectives"
+    if context.strategy == "megatron" and context.batch.get("data_parallel_size") == 1:
+        # No data parallelism: nothing reduces between ranks; activations move every micro-batch.
+        tp = context.get("strategy.tp")
+        return {"once_per_step": 0.0, "tensor_parallel": 1.0 if isinstance(tp, int) and tp > 1 else 0.0, "basis": basis}
+    once = _by_strategy(context)
+    if once is None:
+        return None
+    return {"once_per_step": once, "tensor_parallel": 0.0, "basis": basis}
+
+
+def _by_strategy(context: RunContext) -> float | None:
+    """The once-per-step share from the strategy alone (None: it depends on shapes the run did not record)."""
+    strategy = context.strategy
+    if strategy == "ddp":
+        return 1.0
+    if strategy == "fsdp":
+        return 0.0
+    if strategy == "deepspeed":
+        stage = context.get("strategy.stage")
+        if stage in (0, 1):
+            return 1.0
+        if stage == 2:
+            # Gradients reduce every micro-batch, the updated parameters gather once: equal bytes per call.
+            accumulation = context.batch.get("accumulation") or 1
+            return 1.0 / (1.0 + accumulation)
+        if stage == 3:
+            return 0.0
+    return None
