@@ -312,8 +312,10 @@ def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
             recs.append(_rec("strategy", "fsdp", why, "more communication hidden behind compute"))
     elif ctx.strategy == "fsdp":
         if precision in ("bf16-mixed", "bf16-true") and ctx.get("strategy.reduce_dtype") == "fp32":
-            why = "reduce-scatter gradients in bf16 instead of fp32"
-            half = gain(finding, HALF * (1.0 - tokens), "half the gradient bytes: half of their exposed time")
+            reduced = min(float(split.get("gradient_reduction", 1.0)), 1.0 - tokens)
+            why = f"reduce-scatter gradients in bf16 instead of fp32 ({pct(reduced)} of the communication)"
+            basis = f"half the gradient bytes: half of the reduce-scatters' {pct(reduced)} of the communication"
+            half = gain(finding, HALF * reduced, basis)
             recs.append(_rec("strategy.reduce_dtype", "bf16", why, "half the gradient bytes").gaining(half))
         if ctx.get("strategy.reshard_after_forward") is True:
             why = "keep gathered parameters from forward to backward: one all-gather per block instead of two"

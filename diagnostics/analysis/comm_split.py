@@ -5,9 +5,10 @@ gradient all-reduce (Lightning skips it on all but the last micro-batch), ZeRO-1
 pipeline's tied-embedding reduction. What moves every micro-batch stays per token: FSDP2 under Lightning gathers
 and reduce-scatters on every micro-batch (its strategy pauses no gradient sync), ZeRO-2 reduces every
 micro-batch, tensor parallelism's activation collectives and pipeline sends carry every micro-batch's activations,
-expert parallelism's all-to-alls every micro-batch's tokens. Only a smaller ``tp`` shrinks the tensor-parallel part.
+expert parallelism's all-to-alls every micro-batch's tokens. Only a smaller ``tp`` shrinks the tensor-parallel part,
+and a half-precision reduction only the gradients' part.
 
-The run's planner prediction (run.json) gives both shares for the run's own layout from its model's shapes and the
+The run's planner prediction (run.json) gives the shares for the run's own layout from its model's shapes and the
 link speeds the run measured at start-up. A run the planner could not model (a user's model) falls back on the
 strategy's schedule of collectives, which needs no shapes for DDP, FSDP and DeepSpeed.
 """
@@ -21,17 +22,16 @@ from diagnostics.analysis.load import RunTelemetry
 
 
 def comm_split(run: RunTelemetry, context: RunContext) -> dict[str, Any] | None:
-    """``{"once_per_step": share, "tensor_parallel": share, "basis": ...}`` of the run's communication time, or
-    None where neither the prediction nor the strategy says."""
+    """``{"once_per_step", "tensor_parallel", "gradient_reduction" (where known): shares, "basis": ...}`` of the
+    run's communication time, or None where neither the prediction nor the strategy says."""
     manifest = run.manifest
     prediction = (manifest.prediction if manifest is not None else None) or {}
     shares = (prediction.get("predicted") or {}).get("comm_shares")
     if isinstance(shares, dict) and isinstance(shares.get("once_per_step"), int | float):
-        return {
-            "once_per_step": float(shares["once_per_step"]),
-            "tensor_parallel": float(shares.get("tensor_parallel") or 0.0),
-            "basis": "the planner's traffic of this layout at the run's measured link speeds (run.json prediction)",
-        }
+        split = {key: float(value) for key, value in shares.items() if isinstance(value, int | float)}
+        split.setdefault("tensor_parallel", 0.0)
+        basis = "the planner's traffic of this layout at the run's measured link speeds (run.json prediction)"
+        return {**split, "basis": basis}
     return strategy_split(context)
 
 
@@ -45,7 +45,22 @@ def strategy_split(context: RunContext) -> dict[str, Any] | None:
     once = _by_strategy(context)
     if once is None:
         return None
-    return {"once_per_step": once, "tensor_parallel": 0.0, "basis": basis}
+    split: dict[str, Any] = {"once_per_step": once, "tensor_parallel": 0.0, "basis": basis}
+    if context.strategy == "ddp":
+        split["gradient_reduction"] = 1.0
+    elif context.strategy == "fsdp":
+        split["gradient_reduction"] = _fsdp_reduction_share(context)
+    return split
+
+
+def _fsdp_reduction_share(context: RunContext) -> float:
+    """FSDP2's reduce-scatter bytes over its all-gathers' and its own: parameters gather in the compute dtype (again
+    before backward when resharded after forward), gradients reduce in ``strategy.reduce_dtype``."""
+    precision = str(context.get("precision.name") or "fp32")
+    gather = 2 if precision.startswith(("bf16", "fp16")) else 4
+    reduce = 2 if context.get("strategy.reduce_dtype") == "bf16" or precision == "bf16-true" else 4
+    gathers = 2 if context.get("strategy.reshard_after_forward") is not False else 1
+    return reduce / (reduce + gathers * gather)
 
 
 def _by_strategy(context: RunContext) -> float | None:

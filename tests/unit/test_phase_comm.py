@@ -111,6 +111,18 @@ def test_fsdp_gathers_and_reduces_every_micro_batch_so_accumulation_is_not_offer
     assert "trainer.global_batch_size" not in [r.key for r in recs]
 
 
+def test_a_half_precision_reduce_scatter_is_worth_half_of_the_gradients_share_only(tmp_path: Path) -> None:
+    """FSDP under bf16-mixed gathers bf16 weights twice per micro-batch (2 + 2 bytes) and reduce-scatters fp32
+    gradients (4): the reduction is half of the bytes, so reduce_dtype=bf16 saves a quarter, not half."""
+    overrides = ("strategy=fsdp", "precision=bf16-mixed", "strategy.reduce_dtype=fp32")
+    run = analyse(write_run(tmp_path / "fsdp", "comm_bound", overrides=overrides))
+    found = {f.kind: (f, r) for f, r in zip(run.findings, recommend_all(run), strict=True)}
+    finding, recs = found["comm_bound"]
+    assert finding.evidence["comm_split"]["gradient_reduction"] == pytest.approx(0.5)
+    (bf16,) = [r for r in recs if r.key == "strategy.reduce_dtype"]
+    assert bf16.expected_gain["fraction"] == pytest.approx(0.25 * finding.cost_fraction, abs=1e-3)
+
+
 def test_the_planners_split_of_the_runs_own_traffic_sets_what_accumulation_can_save(tmp_path: Path) -> None:
     """run.json's prediction says which share of the layout's traffic moves once per step (here 60%): accumulation
     is worth half of that share of the cost; below AMORTIZED_MIN it is not offered."""

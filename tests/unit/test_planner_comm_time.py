@@ -219,23 +219,27 @@ def test_every_collective_call_pays_its_links_latency_once() -> None:
 
 
 @pytest.mark.parametrize(
-    ("layout", "once", "tp_share"),
+    ("layout", "once", "tp_share", "reduction"),
     [
-        (Layout("ddp", dp=8, microbatches=4), 1.0, 0.0),  # one all-reduce after the last micro-batch
-        (Layout("fsdp", dp=8, microbatches=4), 0.0, 0.0),  # gathers and reduce-scatters every micro-batch
-        (Layout("deepspeed", dp=8, zero_stage=1, microbatches=4), 1.0, 0.0),
-        (Layout("deepspeed", dp=8, zero_stage=3, microbatches=4), 0.0, 0.0),
-        (Layout("megatron", dp=1, tp=8, microbatches=32), 0.0, 1.0),  # only activations move
+        (Layout("ddp", dp=8, microbatches=4), 1.0, 0.0, 1.0),  # one gradient all-reduce after the last micro-batch
+        # bf16 weights gathered before forward and again before backward (2 + 2 bytes), fp32 gradients reduced (4)
+        (Layout("fsdp", dp=8, microbatches=4), 0.0, 0.0, 0.5),
+        (Layout("deepspeed", dp=8, zero_stage=1, microbatches=4), 1.0, 0.0, 0.5),  # bf16 reduce, bf16 gather
+        (Layout("deepspeed", dp=8, zero_stage=3, microbatches=4), 0.0, 0.0, 1 / 3),  # two gathers, one reduce
+        (Layout("megatron", dp=1, tp=8, microbatches=32), 0.0, 1.0, 0.0),  # only activations move
     ],
 )
-def test_comm_shares_say_what_moves_once_per_step_and_what_tensor_parallelism_moves(
-    layout: Layout, once: float, tp_share: float
+def test_comm_shares_say_what_moves_once_per_step_what_tensor_parallelism_moves_and_what_gradients_do(
+    layout: Layout, once: float, tp_share: float, reduction: float
 ) -> None:
     """What the report's levers read (run.json ``comm_shares``): accumulation shrinks per token only the
-    once-per-step part, a smaller tp only tensor parallelism's."""
+    once-per-step part, a smaller tp only tensor parallelism's, a half-precision reduction only the gradients'."""
     shape = model_shape(model("llama-1b"))
     candidate = plan_layout(shape, layout, Workload(1, 32, 2048, "bf16-mixed"), hw("8xh100"))
-    assert candidate.comm_shares == {"once_per_step": once, "tensor_parallel": tp_share}
+    shares = candidate.comm_shares
+    assert (shares["once_per_step"], shares["tensor_parallel"]) == (once, tp_share)
+    # By bytes; FSDP's root unit (embedding, head) is not gathered again for backward, and each call pays latency.
+    assert shares["gradient_reduction"] == pytest.approx(reduction, abs=0.05)
 
 
 def test_comm_shares_of_zero2_and_tp_with_data_parallelism_follow_their_bytes() -> None:

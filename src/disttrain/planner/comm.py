@@ -254,14 +254,37 @@ class CommPlan:
 
 def comm_shares(plan: CommPlan, microbatches: int, hw: HardwareProfile, host_gbps: float) -> dict[str, float]:
     """Shares of a step's link time: moved once per optimizer step (``once_per_step``: what doubling the
-    accumulation halves per token) and by tensor parallelism (``tensor_parallel``: every micro-batch's activations,
-    which only a smaller tp shrinks). Empty when the step moves nothing."""
+    accumulation halves per token), by tensor parallelism (``tensor_parallel``: every micro-batch's activations,
+    which only a smaller tp shrinks) and by the gradient reductions (``gradient_reduction``: what a half-precision
+    reduction halves). Empty when the step moves nothing."""
     total = link_time(plan.per_step(microbatches), hw, host_gbps)
     if total <= 0:
         return {}
     once = link_time(plan.once_per_step(), hw, host_gbps)
     tp = link_time(plan.mb_tp.scale(microbatches), hw, host_gbps)
-    return {"once_per_step": round(min(1.0, once / total), 4), "tensor_parallel": round(min(1.0, tp / total), 4)}
+    reductions = link_time(_only(plan.per_step(microbatches), GRADIENT_OPS), hw, host_gbps)
+    return {
+        "once_per_step": round(min(1.0, once / total), 4),
+        "tensor_parallel": round(min(1.0, tp / total), 4),
+        "gradient_reduction": round(min(1.0, reductions / total), 4),
+    }
+
+
+# The collectives that move gradients (tensor parallelism's are "functional_all_reduce", experts' "all_to_all").
+GRADIENT_OPS = ("all_reduce", "reduce_scatter")
+
+
+def _only(traffic: LinkBytes, ops: tuple[str, ...]) -> LinkBytes:
+    """The part of ``traffic`` that collectives ``ops`` move."""
+    kept = tuple(t for t in traffic.ops if t.op in ops)
+    return LinkBytes(
+        sum(t.intra for t in kept),
+        sum(t.inter for t in kept),
+        0.0,
+        sum(t.intra_calls for t in kept),
+        sum(t.inter_calls for t in kept),
+        kept,
+    )
 
 
 def combine(a: CommPlan, b: CommPlan) -> CommPlan:
