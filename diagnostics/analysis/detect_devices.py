@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from diagnostics.analysis.comm_split import comm_split
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.detect_steps import (
     collective_comm_s,
@@ -80,7 +81,8 @@ def detect_low_overlap(run: RunTelemetry, phases: list[RankPhases]) -> list[Find
         basis = "exposed communication / profiled step time, minimum over the ranks' profile windows"
     if fraction < OVERLAP_MIN_COMM_FRACTION:
         return []
-    busy = RunContext.from_run(run).host_cores_busy()
+    context = RunContext.from_run(run)
+    busy = context.host_cores_busy()
     evidence = {
         "overlap_over_comm": {r: rounded(hidden[r]) for r in ranks},
         "exposed_comm_fraction_profile": {r: rounded(f) for r, f in sorted(profile.items())},
@@ -90,6 +92,8 @@ def detect_low_overlap(run: RunTelemetry, phases: list[RankPhases]) -> list[Find
         "host_cores_busy": busy,
         "threshold_ratio": LOW_OVERLAP_RATIO,
     }
+    if (split := comm_split(run, context)) is not None:
+        evidence["comm_split"] = split  # what fewer bytes would take away: a smaller tp, where it is tp's
     message = (
         f"{ranks_verb(ranks, 'hides', 'hide')} only {100 * (median(hidden.values()) or 0.0):.0f}% of "
         f"{'its' if len(ranks) == 1 else 'their'} communication behind compute: {100 * fraction:.0f}% of the step "

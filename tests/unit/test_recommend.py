@@ -336,3 +336,10 @@ def test_comm_bound_without_data_parallelism_moves_activations_and_offers_half_t
     (rec,) = recommend(mixed, dp_ctx)
     assert rec.key == "strategy.tp" and rec.expected_gain["fraction"] == pytest.approx(0.5 * 0.5 * kept, abs=1e-4)
     assert "50% of the communication" in rec.why and "gradients move once per step" in rec.why
+    # On a host whose cores the compute fills, exposed tensor-parallel communication below comm_bound's line is
+    # low_overlap: no overlap lever, but fewer bytes still shorten it: the same half-the-tp lever.
+    busy = {"host_cores_busy": True, "comm_split": {"once_per_step": 0.0, "tensor_parallel": 1.0}}
+    overlap = Finding("low_overlap", "warning", list(range(tp)), busy, "x", cost=cost(0.23, "test"))
+    recs = recommend(overlap, ctx)
+    assert recs[0].key == "strategy.tp" and recs[0].expected_gain["fraction"] == pytest.approx(0.23 * kept, abs=1e-4)
+    assert recs[-1].key is None  # and why overlap cannot help here

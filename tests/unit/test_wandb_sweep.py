@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,14 @@ def test_the_sweep_report_goes_to_wandb_only_where_the_jobs_logged_there(tmp_pat
     where = attach_sweep_report(sweep_dir, report, "best final loss 4.9: 0")
     assert where is not None
     (offline,) = (sweep_dir / "wandb").glob("offline-run-*")
-    data = b"".join(raw for path in offline.glob("*.wandb") for raw in _wandb_records(path))
+    # wandb's service process writes the run's records; under a loaded suite they reached the file after finish()
+    # returned (one CI run read it empty): wait for them rather than read a file still being written.
+    deadline = time.monotonic() + 30
+    while True:
+        data = b"".join(raw for path in offline.glob("*.wandb") for raw in _wandb_records(path))
+        if b"sweep-report" in data or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert b"sweep-report" in data and b"2026-11-27_09-00-00" in data  # the artifact, in the sweep's group
 
 
