@@ -83,7 +83,7 @@ def detect_low_overlap(run: RunTelemetry, phases: list[RankPhases]) -> list[Find
         return []
     context = RunContext.from_run(run)
     busy = context.host_cores_busy()
-    evidence = {
+    evidence: dict[str, Any] = {
         "overlap_over_comm": {r: rounded(hidden[r]) for r in ranks},
         "exposed_comm_fraction_profile": {r: rounded(f) for r, f in sorted(profile.items())},
         "exposed_comm_fraction_steps": {r: rounded(f) for r, f in sorted(steps.items())},
