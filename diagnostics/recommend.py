@@ -245,6 +245,11 @@ def _ddp_comm_hooks(ctx: RunContext, finding: Finding) -> list[Recommendation]:
     return recs
 
 
+def _comm_split(finding: Finding, ctx: RunContext) -> dict[str, Any]:
+    """The finding's split of the communication by lever, else the strategy's (an older report: none recorded)."""
+    return finding.evidence.get("comm_split") or strategy_split(ctx) or {}
+
+
 def _tensor_parallel_levers(finding: Finding, ctx: RunContext, split: dict[str, Any]) -> list[Recommendation]:
     """strategy=megatron with tp >= 2: tensor parallelism's activation collectives (``tp_share`` of the
     communication) repeat every micro-batch, so accumulation and the reduction dtype leave them as they are. Halving
@@ -279,7 +284,7 @@ def _tensor_parallel_levers(finding: Finding, ctx: RunContext, split: dict[str, 
 def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     """Each lever by the part of the communication it shrinks (``comm_split``): accumulation the part that moves
     once per optimizer step, a smaller tp tensor parallelism's, a smaller ep the all-to-alls'."""
-    split = finding.evidence.get("comm_split") or strategy_split(ctx) or {}
+    split = _comm_split(finding, ctx)
     recs: list[Recommendation] = []
     if ctx.strategy == "megatron":
         recs += _tensor_parallel_levers(finding, ctx, split)
@@ -364,8 +369,7 @@ def _nothing_to_overlap_with(finding: Finding, ctx: RunContext) -> list[Recommen
     )
     recs = _ddp_comm_hooks(ctx, finding) if ctx.strategy == "ddp" else []
     if ctx.strategy == "megatron":
-        split = finding.evidence.get("comm_split") or strategy_split(ctx) or {}
-        recs += _tensor_parallel_levers(finding, ctx, split)
+        recs += _tensor_parallel_levers(finding, ctx, _comm_split(finding, ctx))
     return [*recs, _no_lever(why, "overlap gains nothing on this host")]
 
 

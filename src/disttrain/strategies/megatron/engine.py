@@ -154,6 +154,8 @@ class MegatronEngine:
         self.loss_parallel = s.loss_parallel and d.tp > 1
         num_stages = d.pp * s.virtual_stages
         self.stage_ids = stages_of_rank(self.pp_rank, d.pp, s.virtual_stages, s.schedule) if d.pp > 1 else [0]
+        # Pipeline rank of every stage (forward-only evaluation passes activations along them in stage order).
+        self.stage_owner = {st: r for r in range(d.pp) for st in stages_of_rank(r, d.pp, s.virtual_stages, s.schedule)}
         self.chunks: list[Transformer] = [self._build_chunk(stage, max(num_stages, 1)) for stage in self.stage_ids]
         self.moe_layers = [layer for chunk in self.chunks for layer in moe_layers(chunk)]
         if self.moe_layers:
@@ -362,8 +364,7 @@ class MegatronEngine:
         zero-bubble V) still run their backward actions there and fail (torch 2.13: "can't steal_bwd_input if this
         stage doesn't have backward"). Forward only, nothing overlaps: one path for every schedule.
         """
-        d, s = self.settings.degrees, self.settings.strategy
-        owner = {st: r for r in range(d.pp) for st in stages_of_rank(r, d.pp, s.virtual_stages, s.schedule)}
+        owner = self.stage_owner
         mine = dict(zip(self.stage_ids, self.chunks, strict=True))
         act: torch.Tensor | None = None
         for stage in range(len(owner)):
