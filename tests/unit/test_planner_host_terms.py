@@ -269,9 +269,11 @@ def test_the_tp_probe_of_an_hf_model_times_its_own_layers_inside_its_passes(tmp_
     assert plain["parallel_step_tail_s"] > plain["plain_step_tail_s"] > 0
     tail_extra = plain["parallel_step_tail_s"] - plain["plain_step_tail_s"]
     assert plain["step_overhead_us"] == pytest.approx(tail_extra * 1e6)
-    assert in_layers["block_extra_s"] >= 0.02 > in_layers["edges_extra_s"]
-    assert in_norm["edges_extra_s"] >= 0.02 > in_norm["block_extra_s"]
-    assert asleep["parallel_block_blocked_s"] >= 0.02 > asleep["block_extra_s"]
+    # The extras are differences of two timed passes: 20 ms burnt can read a hair under (19.94 ms in one CI run).
+    burnt = 0.9 * 0.02
+    assert in_layers["block_extra_s"] >= burnt > in_layers["edges_extra_s"]
+    assert in_norm["edges_extra_s"] >= burnt > in_norm["block_extra_s"]
+    assert asleep["parallel_block_blocked_s"] >= burnt > asleep["block_extra_s"]
 
 
 def test_a_measured_overlap_replaces_the_assumed_one_for_hidden_collectives() -> None:
