@@ -80,6 +80,7 @@ class Scenario:
     power_limits_w: tuple[float, float] | None = None  # (enforced, default)
     bubble: float | None = None
     hang_after: int | None = None  # last completed step before every rank stops
+    hang_loader_frames: tuple[str, ...] = ()  # where rank 1's DataLoader workers are when it hangs on them
     # (rank, step, phase): that rank raises in that step; the others' next collective fails ("closed by peer").
     crash: tuple[int, int, str] | None = None
     # Steps (the guard's numbering: the steps completed before it) with a non-finite ``nonfinite_what``; under
@@ -483,6 +484,7 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                 timeout_s=60,
                 stacks_dir="hang",
                 in_collective={str(r): r != 1 for r in range(world)},
+                waiting_on_loader={"1": list(sc.hang_loader_frames)} if sc.hang_loader_frames else {},
             )
     elif sc.crash is not None:
         _write_profile(writers, sc, t, mean_step)  # its window ended before the crash

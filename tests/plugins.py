@@ -94,6 +94,36 @@ class SlowLoaderData(CountingData):
         return DataLoader(items, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, **workers)
 
 
+class _StuckItems(torch.utils.data.Dataset):
+    """Items that block forever from the ``at_item``-th read on (in a loader worker: the rank waits on it)."""
+
+    def __init__(self, data: TensorDataset, at_item: int) -> None:
+        self.data, self.at_item, self.reads = data, at_item, 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        if self.reads >= self.at_item:
+            import threading
+
+            threading.Event().wait()  # never set
+        return self.data[index]
+
+
+class StuckLoaderData(CountingData):
+    """On local rank ``stuck_rank`` a DataLoader worker blocks forever in ``__getitem__`` (a read never returning)."""
+
+    def __init__(self, seq_len: int, micro_batch_size: int, stuck_rank: int = 1, at_item: int = 40) -> None:
+        super().__init__(seq_len, micro_batch_size)
+        self.stuck_rank, self.at_item = stuck_rank, at_item
+
+    def train_dataloader(self) -> DataLoader:
+        items = _StuckItems(self.data, self.at_item) if _rank() == self.stuck_rank else self.data
+        return DataLoader(items, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, num_workers=1)
+
+
 class SleepyRankModel(BigramModel):
     """BigramModel whose forward sleeps ``sleep_s`` on local rank ``slow_rank``: a straggler DDP hides."""
 

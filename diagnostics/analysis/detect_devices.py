@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from diagnostics.analysis.comm_split import comm_split
@@ -272,6 +273,18 @@ def _in_collective(run: RunTelemetry) -> dict[int, bool]:
     return out
 
 
+def _waiting_on_loader(records: Iterable[dict[str, Any]]) -> dict[int, list[str]]:
+    """rank -> where each of its DataLoader workers is, for the ranks whose main thread waited for a batch."""
+    out: dict[int, list[str]] = {}
+    for record in records:
+        value = record.get("waiting_on_loader")
+        if isinstance(value, dict):
+            for rank, frames in value.items():
+                if str(rank).isdigit() and isinstance(frames, list):
+                    out[int(rank)] = [str(f) for f in frames]
+    return out
+
+
 def detect_hang(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
     hung = {r: t.hang for r, t in run.ranks.items() if t.hang}
     if not hung:
@@ -298,10 +311,18 @@ def detect_hang(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
         "ranks_without_telemetry": missing,
         "ranks_finished": sorted(r for r, t in run.ranks.items() if t.end),
     }
+    on_loader = _waiting_on_loader(hung.values())
+    if on_loader:
+        evidence["waiting_on_loader"] = on_loader
     why = "not inside a collective" if outside else "behind the others" if behind else "hung"
+    loader = "".join(
+        f"; rank {rank} waits for its DataLoader workers"
+        + (f" ({'; '.join(frames)}): a worker stuck in its dataset or collate, or deadlocked" if frames else "")
+        for rank, frames in sorted(on_loader.items())
+    )
     message = (
         f"no step completed within {first.get('timeout_s', '?')} s; {ranks_text(named)} {why} — the others wait "
-        f"for {'it' if len(named) == 1 else 'them'}; stacks in {stacks or 'RUN_DIR/hang/'}"
+        f"for {'it' if len(named) == 1 else 'them'}{loader}; stacks in {stacks or 'RUN_DIR/hang/'}"
     )
     lost = cost(1.0, "no step completes: the run is lost")
     return [Finding("hang", "critical", named, evidence, message, None, lost)]

@@ -37,6 +37,12 @@ COLLECTIVE_MARKERS = (
     "run_backward",
     "_wait_batch_p2p",  # a pipeline stage waiting for its neighbour's activations or gradients (send/recv)
 )
+# A main thread in one of these waits for its DataLoader's worker processes to hand over a batch.
+LOADER_WAIT_MARKERS = ("_try_get_data", "_MultiProcessingDataLoaderIter._get_data")
+# torch names its DataLoader worker processes so (prctl), which tells them from other children of a rank.
+LOADER_WORKER_NAME = "pt_data_worker"
+# Top-level packages whose frames are the training stack's, not the user's (with the standard library).
+TRAINING_STACK = frozenset({"torch", "lightning", "lightning_fabric", "pytorch_lightning", "disttrain", "diagnostics"})
 GRACE_S = 30.0
 
 
@@ -69,6 +75,64 @@ def main_thread_stack(dump: str) -> str:
 def in_collective(dump: str) -> bool:
     stack = main_thread_stack(dump)
     return any(marker in stack for marker in COLLECTIVE_MARKERS)
+
+
+def waits_on_loader(dump: str) -> bool:
+    """Whether the dumped process's main thread waits for a batch from its DataLoader worker processes."""
+    stack = main_thread_stack(dump)
+    return any(marker in stack for marker in LOADER_WAIT_MARKERS)
+
+
+def _library_frame(frame: str) -> bool:
+    """Whether a py-spy frame ("function (path:line)") is in the standard library or the training stack, by the
+    top-level package of its path (py-spy prints paths relative to their sys.path entry)."""
+    path = frame.rpartition("(")[2].rstrip(")").rpartition(":")[0]
+    top = Path(path).parts[0].removesuffix(".py") if path and not Path(path).is_absolute() else ""
+    return top in sys.stdlib_module_names or top in TRAINING_STACK
+
+
+def top_frame(dump: str) -> str:
+    """Where the main thread of a py-spy dump is: its innermost frame in the user's code (a dataset blocked in a
+    read shows ``MyData.__getitem__``, not ``Condition.wait``), else its innermost frame; "" if none."""
+    frames = [line.strip() for line in main_thread_stack(dump).splitlines()[1:] if line.strip()]
+    return next((f for f in frames if not _library_frame(f)), frames[0] if frames else "")
+
+
+def loader_workers(pid: int) -> list[int]:
+    """PIDs of ``pid``'s DataLoader worker processes (its children named ``LOADER_WORKER_NAME``); Linux /proc only,
+    elsewhere none."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            children += [int(c) for c in task.read_text().split()]
+    named = []
+    for child in sorted(set(children)):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/comm").read_text().strip() == LOADER_WORKER_NAME:
+                named.append(child)
+    return named
+
+
+def kill_loader_workers(pid: int) -> None:
+    """SIGKILL ``pid``'s DataLoader workers: one blocked in a dataset's read never checks that its rank is gone."""
+    for worker in loader_workers(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+def dump_with_loader_workers(pid: int) -> tuple[str, list[str]]:
+    """A rank's stacks, and when its main thread waits for its DataLoader workers, theirs appended (a worker stuck
+    in a dataset's ``__getitem__``, a collate function or deadlocked at its fork is the hang's real place); with the
+    innermost frame of each worker's main thread."""
+    dump = dump_stack(pid)
+    if not waits_on_loader(dump):
+        return dump, []
+    frames = []
+    for worker in loader_workers(pid):
+        worker_dump = dump_stack(worker)
+        dump += f"\n=== DataLoader worker process {worker} of pid {pid} ===\n{worker_dump}"
+        frames.append(f"worker {worker} at {top_frame(worker_dump) or 'an unknown frame'}")
+    return dump, frames
 
 
 def node_ranks(telemetry_dir: Path) -> dict[int, int]:
@@ -131,22 +195,35 @@ class Watchdog(threading.Thread):
         if self.local_rank != 0:
             # Local rank 0 dumps our stack and ends us; if it is itself gone, do not linger.
             time.sleep(GRACE_S)
+            kill_loader_workers(os.getpid())
             os._exit(HANG_EXIT_CODE)
         hang_dir = self.run_dir / "hang"
         hang_dir.mkdir(parents=True, exist_ok=True)
         ranks = node_ranks(self.run_dir / "telemetry") or {self.rank: os.getpid()}
         collective: dict[str, bool] = {}
+        on_loader: dict[str, list[str]] = {}
         for rank, pid in sorted(ranks.items()):
-            dump = dump_stack(pid)
+            dump, worker_frames = dump_with_loader_workers(pid)
             (hang_dir / f"rank{rank:04d}.txt").write_text(dump)
             collective[str(rank)] = in_collective(dump)
+            if waits_on_loader(dump):
+                on_loader[str(rank)] = worker_frames
         self.write(
-            "hang", last_step=self.last_step, timeout_s=self.timeout_s, stacks_dir="hang", in_collective=collective
+            "hang",
+            last_step=self.last_step,
+            timeout_s=self.timeout_s,
+            stacks_dir="hang",
+            in_collective=collective,
+            waiting_on_loader=on_loader,
         )
         outside = [int(r) for r, c in collective.items() if not c]
+        loader = "".join(
+            f"; rank {r} waits for its DataLoader workers ({', '.join(f) or 'none found'})"
+            for r, f in on_loader.items()
+        )
         print(
             f"disttrain: no step completed in {self.timeout_s:.0f} s (last step {self.last_step}); stacks of ranks "
-            f"{sorted(ranks)} in {hang_dir}; ranks not in a collective: {outside}",
+            f"{sorted(ranks)} in {hang_dir}; ranks not in a collective: {outside}{loader}",
             file=sys.stderr,
             flush=True,
         )
@@ -156,6 +233,8 @@ class Watchdog(threading.Thread):
             except Exception as err:  # the report is a bonus here; the abort must happen regardless
                 print(f"disttrain: report after hang failed: {err}", file=sys.stderr, flush=True)
         for pid in ranks.values():
+            # A worker stuck in a read never notices its rank is gone: it would outlive the job forever.
+            kill_loader_workers(pid)
             if pid != os.getpid():
                 with contextlib.suppress(ProcessLookupError):  # already gone is what we want
                     os.kill(pid, signal.SIGKILL)

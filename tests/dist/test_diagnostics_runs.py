@@ -86,9 +86,17 @@ def test_big_gradients_over_tiny_batches_are_comm_bound(tmp_path: Path) -> None:
     )
 
 
-def test_hung_rank_fires_the_watchdog_names_it_and_leaves_no_process(tmp_path: Path) -> None:
+# Rank 1 blocks in its model's forward, or one of its DataLoader workers blocks in the dataset's __getitem__.
+HANGS = {
+    "model": ["+data._target_=tests.plugins.CountingData", "+model._target_=tests.plugins.HangingRankModel"],
+    "loader": ["+data._target_=tests.plugins.StuckLoaderData", "+model._target_=tests.plugins.BigramModel"],
+}
+
+
+@pytest.mark.parametrize("where", sorted(HANGS))
+def test_hung_rank_fires_the_watchdog_names_it_and_leaves_no_process(where: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [*SHORT, "trainer.max_steps=200", *USER_MODEL, "+model._target_=tests.plugins.HangingRankModel",
+    args = [*SHORT, "trainer.max_steps=200", *USER_MODEL[:-1], *HANGS[where],
             "diagnostics.hang_timeout_s=10", "diagnostics.profile=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
@@ -105,11 +113,18 @@ def test_hung_rank_fires_the_watchdog_names_it_and_leaves_no_process(tmp_path: P
     assert elapsed < 10 + 30 + 30  # timeout + 30 s, plus start-up of the two processes
     stacks = sorted(p.name for p in (run_dir / "hang").glob("rank*.txt"))
     assert stacks == ["rank0000.txt", "rank0001.txt"]
-    assert "HangingRankModel" in (run_dir / "hang" / "rank0001.txt").read_text() or "forward" in (
-        run_dir / "hang" / "rank0001.txt").read_text()  # fmt: skip
+    stack = (run_dir / "hang" / "rank0001.txt").read_text()
     report = json.loads((run_dir / "report" / "report.json").read_text())
     (finding,) = findings(report, "hang")
     assert finding["ranks"] == [1]
+    if where == "model":
+        assert "HangingRankModel" in stack or "forward" in stack
+        assert "DataLoader" not in finding["message"]
+    else:  # the rank's stack, then its worker's, stuck where the dataset blocks; the report says so
+        assert "=== DataLoader worker process" in stack and "_StuckItems.__getitem__" in stack
+        assert "rank 1 waits for its DataLoader workers (worker " in finding["message"]
+        assert "_StuckItems.__getitem__ (tests/plugins.py:" in finding["message"]
+        assert "waits for its DataLoader workers" in stderr
     time.sleep(1)
     leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert leftover == [], f"processes left behind: {leftover}"

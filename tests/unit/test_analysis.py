@@ -310,6 +310,14 @@ def test_hang_names_the_rank_outside_the_collective(tmp_path: Path) -> None:
     assert finding.evidence["last_step"] == {0: 7, 1: 7}
     assert finding.evidence["timeout_s"] == 60 and finding.evidence["stacks_dir"].endswith("hang")
     assert "rank 1 not inside a collective" in finding.message
+    assert "DataLoader" not in finding.message and "waiting_on_loader" not in finding.evidence
+
+
+def test_hang_on_a_stuck_loader_worker_says_where_the_worker_is(tmp_path: Path) -> None:
+    frame = "worker 4242 at StuckDataset.__getitem__ (my_data.py:31)"
+    finding = findings_of(tmp_path, "hang", hang_loader_frames=(frame,))["hang"]
+    assert finding.ranks == [1] and finding.evidence["waiting_on_loader"] == {1: [frame]}
+    assert f"rank 1 waits for its DataLoader workers ({frame})" in finding.message
 
 
 def test_throttle_reason_formats() -> None:

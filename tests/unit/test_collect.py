@@ -24,7 +24,15 @@ from diagnostics.collect.profile_window import (
 )
 from diagnostics.collect.sampler import CpuReader, make_reader
 from diagnostics.collect.steps import PhaseTimer
-from diagnostics.collect.watchdog import Watchdog, in_collective, main_thread_stack, node_ranks
+from diagnostics.collect.watchdog import (
+    Watchdog,
+    in_collective,
+    loader_workers,
+    main_thread_stack,
+    node_ranks,
+    top_frame,
+    waits_on_loader,
+)
 
 
 class FakeClock:
@@ -315,6 +323,31 @@ Thread 103 (idle): "MainThread"
     Schedule1F1B._step_microbatches (torch/distributed/pipelining/schedules.py:1067)
     MegatronEngine.forward_backward (disttrain/strategies/megatron/engine.py:278)
 """
+
+
+STACK_WAITING_ON_LOADER = """Process 104: python -m train
+Python v3.11.7
+
+Thread 104 (idle): "MainThread"
+    poll (multiprocessing/connection.py:257)
+    get (multiprocessing/queues.py:113)
+    _try_get_data (torch/utils/data/dataloader.py:1285)
+    _get_data (torch/utils/data/dataloader.py:1447)
+    _next_data (torch/utils/data/dataloader.py:1492)
+
+Thread 160 (idle): "disttrain-sampler"
+    wait (threading.py:331)
+"""
+
+
+def test_hang_stacks_tell_a_rank_waiting_on_its_loader_workers() -> None:
+    assert waits_on_loader(STACK_WAITING_ON_LOADER) and not in_collective(STACK_WAITING_ON_LOADER)
+    assert not any(waits_on_loader(s) for s in (STACK_IN_ALLREDUCE, STACK_SLEEPING, STACK_IN_PIPELINE_RECV))
+    assert top_frame(STACK_WAITING_ON_LOADER) == "poll (multiprocessing/connection.py:257)"  # nothing of the user's
+    worker = 'Thread 7 (idle): "MainThread"\n    wait (threading.py:327)\n    __getitem__ (my_data.py:40)\n'
+    assert top_frame(worker) == "__getitem__ (my_data.py:40)"
+    assert top_frame(STACK_SLEEPING) == "forward (my_model.py:12)"
+    assert loader_workers(os.getpid()) == []  # no DataLoader workers in this process
 
 
 def test_hang_stacks_classify_the_rank_outside_collectives() -> None:
