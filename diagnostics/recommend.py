@@ -17,7 +17,7 @@ from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis.comm_split import strategy_split
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import pct
-from diagnostics.analysis.thresholds import AMORTIZED_MIN, TOKENS_MATERIAL, TP_MATERIAL
+from diagnostics.analysis.thresholds import AMORTIZED_MIN, PLACEMENT_MIN_CUT, TOKENS_MATERIAL, TP_MATERIAL
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
 # cost host memory; the target is the cores each rank has, at least 2 so that one batch loads while one waits.
@@ -664,6 +664,7 @@ def for_expert_imbalance(finding: Finding, ctx: RunContext) -> list[Recommendati
     capacity = ev.get("capacity_factor")
     capacity_key = ev.get("capacity_key", "model.capacity_factor")
     excess = float(ev.get("load_excess") or 0.0)
+    recs += _placement_lever(finding, ctx, excess)
     if capacity_key and (capacity is None or float(capacity) > CAPACITY_FACTOR) and excess > CAPACITY_FACTOR - 1.0:
         # Each expert computes at most capacity_factor x its even share, so the busiest rank's excess over the mean
         # shrinks to about capacity_factor - 1 of it.
@@ -679,6 +680,24 @@ def for_expert_imbalance(finding: Finding, ctx: RunContext) -> list[Recommendati
             )
         )
     return recs
+
+
+def _placement_lever(finding: Finding, ctx: RunContext, excess: float) -> list[Recommendation]:
+    """The experts re-placed on the group's ranks so that the measured loads even out (strategy=fsdp's
+    ``strategy.expert_placement``; the tp ranks of strategy=megatron split experts in order)."""
+    ev = finding.evidence
+    placement, after = ev.get("balanced_placement"), float(ev.get("load_excess_balanced") or 0.0)
+    if not placement or not excess or ctx.get("strategy.name") != "fsdp" or after > excess * (1 - PLACEMENT_MIN_CUT):
+        return []
+    why = (
+        f"the group's busiest rank computes {pct(excess)} more expert work than the mean; holding the experts as "
+        f"placed here, the same measured loads leave it {pct(after)} above"
+    )
+    effect = "the same model and tokens; only which rank computes which expert changes (checkpoints are unaffected)"
+    basis = "the measured per-expert loads re-placed: the busiest rank's excess over the mean, before and after"
+    return [
+        _rec("strategy.expert_placement", placement, why, effect).gaining(gain(finding, 1.0 - after / excess, basis))
+    ]
 
 
 RECOMMENDERS = {

@@ -99,6 +99,7 @@ class Scenario:
     # model's ep degree and experts come from the overrides; the routed experts make this share of the FLOPs.
     expert_shares: tuple[float, ...] | None = None
     expert_flops_share: float = 0.5
+    expert_placement: tuple[int, ...] | None = None  # strategy.expert_placement, the same for every layer
 
     @property
     def gpu(self) -> bool:
@@ -407,6 +408,7 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                 ep=ep,
                 first_expert=rank % ep * experts // ep,
                 num_local=experts // ep,
+                placement=[list(sc.expert_placement) if sc.expert_placement else None] * config["model"]["n_layers"],
                 capacity_factor=None,
                 aux_loss_coef=0.01,
                 routed_flops_per_token=sc.expert_flops_share * flops_per_token,

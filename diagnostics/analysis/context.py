@@ -19,6 +19,8 @@ def hydra_value(value: Any) -> str:
         return "true" if value else "false"
     if value is None:
         return "null"
+    if isinstance(value, (list, tuple)):  # Hydra's list syntax, without spaces: one shell word
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
     text = str(value)
     if re.fullmatch(r"[A-Za-z0-9_./:+-]+", text):
         return text

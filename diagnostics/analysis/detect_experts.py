@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from diagnostics.analysis.expert_placement import as_placement, balanced_placement
+from diagnostics.analysis.expert_placement import excess as excess_of
 from diagnostics.analysis.finding import Finding, costed, pct
 from diagnostics.analysis.load import RunTelemetry
 from diagnostics.analysis.stats import mean
@@ -37,25 +39,42 @@ def _steady_steps(run: RunTelemetry, ranks: list[int]) -> list[int]:
     return steps[WARMUP_STEPS:] if len(steps) >= WARMUP_STEPS + MIN_STEPS_AFTER_WARMUP else steps
 
 
-def group_loads(run: RunTelemetry, members: list[int], num_local: int, steps: list[int]) -> list[list[int]]:
-    """``loads[layer][j]``: assignments group rank ``j`` computed over ``steps`` (all members' tokens)."""
+def expert_loads(run: RunTelemetry, members: list[int], steps: list[int]) -> list[list[int]]:
+    """``loads[layer][e]``: assignments expert ``e`` computed over ``steps`` from all members' tokens."""
     loads: list[list[int]] = []
     for rank in members:
         by_step = {r["step"]: _kept(r) for r in run.ranks[rank].experts}
         for step in steps:
             for layer, counts in enumerate(by_step[step]):
                 if len(loads) <= layer:
-                    loads.append([0] * len(members))
-                for j in range(len(members)):
-                    loads[layer][j] += sum(counts[j * num_local : (j + 1) * num_local])
+                    loads.append([0] * len(counts))
+                loads[layer] = [a + b for a, b in zip(loads[layer], counts, strict=True)]
     return loads
+
+
+def held_experts(layout: dict[str, Any], layer: int, ep: int) -> list[list[int]]:
+    """Per group rank, the experts it computes in ``layer``: its slots' (strategy.expert_placement, else slot =
+    expert id)."""
+    local = int(layout["num_experts"]) // ep
+    placements = layout.get("placement") or []
+    order = placements[layer] if layer < len(placements) and placements[layer] else range(local * ep)
+    return [list(order[j * local : (j + 1) * local]) for j in range(ep)]
+
+
+def rank_loads(per_expert: list[list[int]], layout: dict[str, Any], ep: int) -> list[list[int]]:
+    """``loads[layer][j]``: assignments group rank ``j`` computed (its experts' loads summed)."""
+    return [
+        [sum(layer[e] for e in held) for held in held_experts(layout, index, ep)]
+        for index, layer in enumerate(per_expert)
+    ]
 
 
 def _group_cost(run: RunTelemetry, members: list[int], layout: dict[str, Any]) -> dict[str, Any] | None:
     steps = _steady_steps(run, members)
     if not steps:
         return None
-    loads = group_loads(run, members, layout["num_local"], steps)
+    per_expert = expert_loads(run, members, steps)
+    loads = rank_loads(per_expert, layout, len(members))
     means = [sum(layer) / len(layer) for layer in loads]
     excess = [max(layer) - m for layer, m in zip(loads, means, strict=True)]
     if not sum(means):
@@ -79,8 +98,14 @@ def _group_cost(run: RunTelemetry, members: list[int], layout: dict[str, Any]) -
                 routed = [a + b for a, b in zip(routed, rec["routed"][worst], strict=True)]
                 dropped += sum(sum(layer) for layer in rec["dropped"])
     total = sum(sum(sum(layer) for layer in rec["routed"]) for rank in members for rec in run.ranks[rank].experts)
+    current = [held_experts(layout, layer, len(members)) for layer in range(len(per_expert))]
+    balanced = balanced_placement(per_expert, current)
     return {
         "members": members,
+        # The even placement of the measured loads, and the busiest rank's excess it would leave (analysis/
+        # expert_placement.py): strategy.expert_placement's lever.
+        "balanced_placement": as_placement(balanced) if balanced != current else None,
+        "load_excess_balanced": excess_of(per_expert, balanced),
         # The model's layer index (a pipeline stage's layers are not its first ones); older runs: the position.
         "layer": (layout.get("layer_ids") or list(range(len(loads))))[worst],
         "hot_rank": members[hot],
@@ -133,6 +158,8 @@ def detect_expert_imbalance(run: RunTelemetry) -> list[Finding]:
         # The overrides that set them (runs recorded before these keys: the built-in model's).
         "aux_loss_key": layout.get("aux_loss_key", "model.aux_loss_coef"),
         "capacity_key": layout.get("capacity_key", "model.capacity_factor"),
+        "balanced_placement": g["balanced_placement"],
+        "load_excess_balanced": round(g["load_excess_balanced"], 4),
         "steps": g["steps"],
     }
     message = (

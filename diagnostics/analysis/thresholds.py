@@ -109,6 +109,9 @@ CRASHED_RUN_MIN_STEPS = 10
 # (over the run's steady steps, summed over layers). Top-k routing of a freshly initialised router spreads tokens
 # within a few percent of even (moe-micro on 2 ranks: 1-4%); 10% is outside that band.
 EXPERT_IMBALANCE_MIN = 0.10
+# A new expert placement is offered when, on the measured loads, it removes at least this share of the busiest
+# rank's excess: below that the gain is within what the loads drift by between runs.
+PLACEMENT_MIN_CUT = 0.2
 
 # The all-to-alls are most of the phases' communication: token traffic, which neither accumulation nor gradient
 # compression shrinks per token (recommend.for_comm_bound).

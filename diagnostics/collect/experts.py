@@ -41,6 +41,9 @@ def expert_layout(layers: list[Any]) -> dict[str, Any]:
         "ep": getattr(first, "expert_ranks", first.ep_size),
         "first_expert": first.first_expert,
         "num_local": first.num_local,
+        # Per layer, which expert each slot holds (strategy.expert_placement; the group's k-th rank holds slots
+        # [k E / ep, ...)); null for a layer whose slot is its expert id.
+        "placement": [getattr(m, "placement", None) for m in layers],
         "capacity_factor": first.capacity_factor,
         "aux_loss_coef": getattr(first, "aux_loss_setting", first.aux_loss_coef),
         # The overrides that set them (an HF model's balancing weight is in its own config; it has no capacity).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from diagnostics.analysis import Analysis
+from diagnostics.analysis.detect_experts import rank_loads
 from diagnostics.analysis.load import Sample
 from diagnostics.report.fmt import GIB
 from diagnostics.report.svg import Series, lines, stacked_bars
@@ -120,10 +121,10 @@ def expert_load(analysis: Analysis) -> Plot:
     for rec in records:
         for layer, (routed, dropped) in enumerate(zip(rec["routed"], rec["dropped"], strict=True)):
             per_expert[layer] = [n + r - d for n, r, d in zip(per_expert[layer], routed, dropped, strict=True)]
-    ep, local = int(layout.get("ep") or 1), int(layout["num_local"])
+    ep = int(layout.get("ep") or 1)
     if ep > 1:
         names = [f"ep rank {j}" for j in range(ep)]
-        groups = [[sum(counts[j * local : (j + 1) * local]) for j in range(ep)] for counts in per_expert]
+        groups = rank_loads(per_expert, layout, ep)  # each rank's experts, as placed (strategy.expert_placement)
     else:
         busiest = sorted(range(layout["num_experts"]), key=lambda e: -sum(c[e] for c in per_expert))
         shown = sorted(busiest[:MAX_EXPERT_SERIES])

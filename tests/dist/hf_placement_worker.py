@@ -36,7 +36,7 @@ def _observe_reads() -> tuple[list[str], list[str]]:
     loads: list[str] = []
     get, from_pretrained = SafetensorsWeights.get, AutoModelForCausalLM.from_pretrained
 
-    def counted_get(self: SafetensorsWeights, name: str, rows: slice | None = None) -> torch.Tensor:
+    def counted_get(self: SafetensorsWeights, name: str, rows: list[int] | None = None) -> torch.Tensor:
         reads.append(name)
         return get(self, name, rows)
 

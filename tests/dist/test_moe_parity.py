@@ -99,25 +99,53 @@ def step_records(run_dir: Path, rank: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind") == "step"]
 
 
-def test_expert_parallel_composes_with_fsdp_over_four_ranks(reference: dict[int, float], tmp_path: Path) -> None:
-    """ep=2 x 2 expert-data-parallel groups: experts FSDP-sharded over 2 ranks, dense parts over 4."""
-    args = [*COMMON, "strategy=fsdp", "strategy.ep=2", "hw.devices_per_node=4", "trainer.micro_batch_size=2"]
-    losses = train_losses(run(tmp_path, "ep2x4", [*args, "diagnostics=off"]))
+# Each group's rank 0 holds experts {3, 1} of layer 0 and {2, 0} of layer 1: not contiguous, not in id order.
+PLACEMENT = [[3, 1, 0, 2], [2, 0, 3, 1]]
+
+
+@pytest.fixture(scope="module")
+def placed_ep2x4_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("moe-ep2x4-placed")
+    placement = "strategy.expert_placement=" + str(PLACEMENT).replace(" ", "")
+    args = [*COMMON, "strategy=fsdp", "strategy.ep=2", placement, "hw.devices_per_node=4", "trainer.micro_batch_size=2"]
+    return run(tmp, "ep2x4", args)
+
+
+def test_expert_parallel_composes_with_fsdp_over_four_ranks_and_any_placement(
+    reference: dict[int, float], placed_ep2x4_run: Path
+) -> None:
+    """ep=2 x 2 expert-data-parallel groups: experts FSDP-sharded over 2 ranks, dense parts over 4, the experts
+    placed out of order on the group's ranks: the same training, and the load counters keep the experts' ids."""
+    losses = train_losses(placed_ep2x4_run)
     worst = max(abs(losses[s] - reference[s]) for s in reference)
-    assert worst < 1e-4, f"ep=2 x fsdp on 4 ranks drifts from one process by {worst:.2e}"
+    assert worst < 1e-4, f"placed ep=2 x fsdp on 4 ranks drifts from one process by {worst:.2e}"
+    records = [r for r in map(json.loads, (placed_ep2x4_run / "telemetry" / "rank0003.jsonl").read_text().splitlines())]
+    (layout,) = [r for r in records if r.get("kind") == "expert_layout"]
+    assert layout["placement"] == PLACEMENT and (layout["first_expert"], layout["num_local"]) == (2, 2)
+    # Counted by expert id on the routing side: the counts of the first step are the one-process model's, which
+    # routes the same tokens with the same router (one process counts all 8 sequences; each rank 2 of them).
+    first = [expert_records(placed_ep2x4_run, rank)[0]["routed"] for rank in range(4)]
+    summed = [[sum(rank[layer][e] for rank in first) for e in range(4)] for layer in range(2)]
+    assert [sum(layer) for layer in summed] == [8 * 64 * 2] * 2
 
 
-def test_checkpoints_resume_across_ep_sizes(reference_run: Path, ep2_run: Path, tmp_path: Path) -> None:
-    """The ep=2 run's step-10 checkpoint resumes at ep=1 (FSDP2 on 2 ranks), and the one-process run's at ep=2:
-    each holds every expert under its one-process name and shape, and both continue the one-process losses."""
+def test_checkpoints_resume_across_ep_sizes_and_placements(
+    reference_run: Path, ep2_run: Path, placed_ep2x4_run: Path, tmp_path: Path
+) -> None:
+    """Step-10 checkpoints resume at another ep and placement: the ep=2 run's at ep=1 (FSDP2 on 2 ranks), the placed
+    ep=2 x 4 ranks run's in one process, the one-process run's at ep=2 with a placement: each holds every expert
+    under its one-process name and shape, and each continues the one-process losses."""
     reference = train_losses(reference_run)
+    placed = ["strategy=fsdp", "strategy.ep=2", "strategy.expert_placement=[[1,2,3,0]]", "trainer.micro_batch_size=4"]
+    one_process = ["strategy=fsdp", "strategy.ep=1", "strategy.expert_placement=null"]  # the writer's were ep=2, placed
     resumes = {
-        "ep2-to-ep1": (ep2_run, ["strategy=fsdp", "strategy.ep=1", "trainer.micro_batch_size=4"]),
-        "single-to-ep2": (reference_run, ["strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"]),
+        "ep2-to-ep1": (ep2_run, ["strategy=fsdp", "strategy.ep=1", "trainer.micro_batch_size=4"], 2),
+        "placed-ep2x4-to-single": (placed_ep2x4_run, [*one_process, f"trainer.micro_batch_size={GLOBAL_BATCH}"], 1),
+        "single-to-placed-ep2": (reference_run, placed, 2),
     }
-    for name, (source, layout) in resumes.items():
+    for name, (source, layout, ranks) in resumes.items():
         checkpoint = source / "checkpoints" / "step000010.ckpt"
-        args = [*COMMON, f"resume={checkpoint}", *layout, "hw.devices_per_node=2", "diagnostics=off"]
+        args = [*COMMON, f"resume={checkpoint}", *layout, f"hw.devices_per_node={ranks}", "diagnostics=off"]
         losses = train_losses(run(tmp_path, name, args))
         assert sorted(losses) == list(range(10, STEPS)), name
         worst = max(abs(losses[s] - reference[s]) for s in losses)
@@ -133,7 +161,9 @@ def test_hf_mixtral_under_expert_parallel_trains_and_exports_what_one_process_do
     single = run(
         tmp_path, "hf-single", [*HF_COMMON, "hw.devices_per_node=1", "trainer.micro_batch_size=8", "diagnostics=off"]
     )
-    ep2 = run(tmp_path, "hf-ep2", [*HF_COMMON, "strategy=fsdp", "strategy.ep=2", "trainer.micro_batch_size=4"])
+    # Placed out of order (one permutation for both layers): the export still holds every expert under its own id.
+    placed = "strategy.expert_placement=[[2,0,3,1]]"
+    ep2 = run(tmp_path, "hf-ep2", [*HF_COMMON, "strategy=fsdp", "strategy.ep=2", placed, "trainer.micro_batch_size=4"])
     reference, losses = train_losses(single), train_losses(ep2)
     assert sorted(losses) == sorted(reference) == list(range(STEPS))
     worst = max(abs(losses[s] - reference[s]) for s in reference)
@@ -153,6 +183,7 @@ def test_hf_mixtral_under_expert_parallel_trains_and_exports_what_one_process_do
     lines = (ep2 / "telemetry" / "rank0001.jsonl").read_text().splitlines()
     (layout,) = [r for r in map(json.loads, lines) if r.get("kind") == "expert_layout"]
     assert (layout["ep"], layout["first_expert"], layout["num_local"]) == (2, 2, 2)
+    assert layout["placement"] == [[2, 0, 3, 1]] * 2
     assert layout["aux_loss_key"] == "model.config.router_aux_loss_coef" and layout["aux_loss_coef"] == 0.02
     assert layout["capacity_key"] is None
 

@@ -31,6 +31,8 @@ TINY_INPUT_BOUND = [
     "trainer.max_steps=20",
     "trainer.val_every_n_steps=20",
     "diagnostics.profile=false",
+    # A hang (one CI run: a rank waited 600 s on its loader workers) ends the arm with stacks, not the test timeout.
+    "diagnostics.hang_timeout_s=120",
     *USER_MODEL[:-1],
     "+data._target_=tests.plugins.SlowLoaderData",
     "+model._target_=tests.plugins.BigramModel",

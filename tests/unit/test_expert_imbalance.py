@@ -33,6 +33,25 @@ def test_skewed_experts_name_the_rank_holding_them_with_the_cost_of_its_extra_wo
     assert recs[1].expected_gain["fraction"] == pytest.approx(finding.cost_fraction * 0.375, abs=1e-4)
 
 
+def test_hot_experts_sharing_a_rank_are_placed_apart_with_the_whole_excess_as_gain(tmp_path: Path) -> None:
+    # Experts 0 and 1 (35% each) both on rank 0 (70% of the load); placed apart, every rank computes 50%.
+    analysis = analyse(write_run(tmp_path / "pair", "expert_imbalance", expert_shares=(0.35, 0.35, 0.15, 0.15)))
+    [finding] = [f for f in analysis.findings if f.kind == "expert_imbalance"]
+    assert finding.evidence["load_excess"] == pytest.approx(0.4, abs=1e-3)
+    assert finding.evidence["balanced_placement"] == [[0, 2, 1, 3]] * 2
+    assert finding.evidence["load_excess_balanced"] == pytest.approx(0.0, abs=1e-3)
+    [recs] = [r for f, r in zip(analysis.findings, recommend_all(analysis), strict=True) if f is finding]
+    [placed] = [r for r in recs if r.key == "strategy.expert_placement"]
+    assert placed.override == "strategy.expert_placement=[[0,2,1,3],[0,2,1,3]]"
+    assert placed.expected_gain["fraction"] == pytest.approx(finding.cost_fraction, abs=1e-4)  # all of the excess
+
+    # The same loads run with that placement: every rank computes half; nothing to report.
+    placed_run = write_run(
+        tmp_path / "placed", "expert_imbalance", expert_shares=(0.35, 0.35, 0.15, 0.15), expert_placement=(0, 2, 1, 3)
+    )
+    assert [f.kind for f in analyse(placed_run).findings] == []
+
+
 def test_balanced_experts_raise_nothing(tmp_path: Path) -> None:
     analysis = analyse(write_run(tmp_path / "even", "expert_imbalance", expert_shares=(0.26, 0.25, 0.25, 0.24)))
     assert analysis.findings == []

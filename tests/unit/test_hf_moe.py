@@ -93,6 +93,22 @@ def test_expert_parallel_slice_draws_the_rows_of_the_whole_init() -> None:
     assert tuple(param.shape) == (2, 96, 32) and part.expert_parallel
     torch.testing.assert_close(part.initial_value([name], param.shape), whole.hf.get_parameter(name).detach()[2:4])
 
+    # Placed (strategy.expert_placement): rank 1 of the group holds slots 2-3, experts 2 and 1, in that order.
+    placed = build_hf_model(_model_cfg(TINY_MIXTRAL), seed=5, placement="deferred")
+    shard_experts(placed, ep_rank=1, ep_size=2, ep_group=None, balance_group=None, placement=[[3, 0, 2, 1]])
+    expected = whole.hf.get_parameter(name).detach()[[2, 1]]
+    torch.testing.assert_close(placed.initial_value([name], param.shape), expected)
+
+
+def test_fused_expert_rows_are_read_in_the_order_asked(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    fused = torch.randn(4, 6, 3)
+    save_file({"model.layers.0.mlp.experts.down_proj": fused}, str(tmp_path / "model.safetensors"))
+    weights = SafetensorsWeights(tmp_path)
+    torch.testing.assert_close(weights.get("model.layers.0.mlp.experts.down_proj", [3, 1]), fused[[3, 1]])
+    torch.testing.assert_close(weights.get("model.layers.0.mlp.experts.down_proj"), fused)
+
 
 def test_fused_weights_are_read_from_per_expert_checkpoints(tmp_path: Path) -> None:
     # save_pretrained writes Mixtral's experts one by one under the old block name (block_sparse_moe.experts.<e>.w1).
@@ -107,7 +123,8 @@ def test_fused_weights_are_read_from_per_expert_checkpoints(tmp_path: Path) -> N
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         fused = loaded.get_parameter(name).detach()
         torch.testing.assert_close(weights.get(name), fused)
-        torch.testing.assert_close(weights.get(name, slice(2, 4)), fused[2:4])
+        torch.testing.assert_close(weights.get(name, [2, 3]), fused[2:4])
+        torch.testing.assert_close(weights.get(name, [3, 0]), fused[[3, 0]])  # a placed rank's experts, in its order
     torch.testing.assert_close(weights.get("model.layers.0.mlp.gate.weight"), loaded.model.layers[0].mlp.gate.weight)
     # Read from model.path there is no model.config to override: no balancing-weight lever for the report.
     from_path = build_hf_model(_model_cfg(TINY_MIXTRAL, path=str(directory)), seed=0)

@@ -295,6 +295,7 @@ def test_fault_specs() -> None:
     assert parse_fault("enospc@save=6,rank=1") == Fault("save", 6, rank=1, kind="enospc")
     assert parse_fault("nan_grad@step=3") == Fault("step", 3, kind="nan_grad")
     assert parse_fault("hot_expert@step=2,layer=1") == Fault("step", 2, kind="hot_expert", layer=1)
+    assert parse_fault("hot_expert@step=1,layer=1,experts=2") == Fault("step", 1, kind="hot_expert", layer=1, experts=2)
     bad_specs = ("sigterm@step=1", "sigkill@rank=1", "sigkill@step=1,save=2", "sigkill@step=x", "enospc@step=2")
     for bad in (*bad_specs, "raise@save=3", "hang@step=1,rank=-1", "sigkill@step=1,layer=0"):
         with pytest.raises(ValueError, match="DISTTRAIN_FAULT"):

@@ -81,3 +81,37 @@ def validate_megatron_experts(cfg: MegatronConfig, model: ModelConfig | CustomMo
             f"tp={cfg.tp} does not split the model's {experts} experts evenly (the tp ranks split them)",
             f"use a strategy.tp dividing {experts}: {_divisors(experts)}",
         )
+
+
+def moe_layer_count(model: ModelConfig | CustomModelConfig | HFModelConfig) -> int:
+    """MoE layers of the built-in model or an HF MoE model (every block routes its MLP); 0 otherwise."""
+    if not routed_experts(model):
+        return 0
+    return model.n_layers if isinstance(model, ModelConfig) else hf_shape(model).n_layers  # type: ignore[arg-type]
+
+
+def validate_expert_placement(
+    placement: list[list[int]] | None, ep: int, model: ModelConfig | CustomModelConfig | HFModelConfig
+) -> None:
+    """Refuse a ``strategy.expert_placement`` that is not one permutation of the experts, or one per MoE layer."""
+    if placement is None:
+        return
+    key = "strategy.expert_placement"
+    if ep <= 1:
+        raise ConfigError(
+            key, f"places experts on the ranks of an expert-parallel group, and strategy.ep={ep}",
+            "set strategy.ep to a degree > 1, or strategy.expert_placement=null",
+        )  # fmt: skip
+    experts, layers = routed_experts(model), moe_layer_count(model)
+    if len(placement) not in (1, layers):
+        raise ConfigError(
+            key, f"has {len(placement)} permutations; model {model.name} has {layers} MoE layers",
+            f"give one permutation per MoE layer ({layers}) or a single one for every layer",
+        )  # fmt: skip
+    for layer, order in enumerate(placement):
+        if sorted(order) != list(range(experts)):
+            raise ConfigError(
+                key, f"entry {layer} ({order}) is not a permutation of the {experts} expert ids 0..{experts - 1}",
+                f"list every expert id 0..{experts - 1} exactly once; rank k of each ep group holds entries "
+                f"[k*{experts // ep}, (k+1)*{experts // ep})",
+            )  # fmt: skip

@@ -254,6 +254,10 @@ class FSDPConfig:
     # Expert parallelism (MoE models): experts sharded over groups of ep consecutive ranks, tokens exchanged by
     # all-to-all; the dense parts stay FSDP-sharded over every rank, experts FSDP-sharded over world / ep.
     ep: int = 1
+    # Which experts each rank of an ep group holds, per MoE layer: a permutation of the expert ids whose k-th
+    # E / ep entries are the experts of the group's k-th rank (null: contiguous, rank k holds [k E / ep, ...)).
+    # One permutation applies to every layer. The report's expert_imbalance finding proposes balanced ones.
+    expert_placement: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -62,9 +62,9 @@ class SafetensorsWeights:
     def holds(self, name: str) -> bool:
         return legacy_name(name, self.files) is not None or legacy_expert_sources(name, self.files) is not None
 
-    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        """The tensor ``name`` (only ``rows`` of dim 0 when given); a fused expert weight the file stores per expert
-        (``config.hf.legacy_expert_sources``) is assembled from the experts in ``rows`` alone."""
+    def get(self, name: str, rows: list[int] | None = None) -> torch.Tensor:
+        """The tensor ``name`` (only ``rows`` of dim 0, in that order, when given); a fused expert weight the file
+        stores per expert (``config.hf.legacy_expert_sources``) is assembled from the experts in ``rows`` alone."""
         from safetensors import safe_open
 
         held = legacy_name(name, self.files)
@@ -72,9 +72,10 @@ class SafetensorsWeights:
             with safe_open(str(self.files[held]), framework="pt") as handle:
                 if rows is None:
                     return handle.get_tensor(held)
-                return handle.get_slice(held)[rows]
+                stored = handle.get_slice(held)
+                return torch.cat([stored[row : row + 1] for row in rows])
         sources = legacy_expert_sources(name, self.files) or []
-        chosen = sources if rows is None else sources[rows]
+        chosen = sources if rows is None else [sources[row] for row in rows]
         return torch.stack([torch.cat([self.get(part) for part in parts]) for parts in chosen])
 
 
@@ -179,18 +180,18 @@ class HFCausalLM(nn.Module):
             found.setdefault(id(param), ([], param))[0].append(name.replace(_WRAPPED, ""))
         return list(found.values())
 
-    def expert_rows(self) -> dict[str, tuple[slice, int]]:
-        """Names of expert weights this rank holds only some experts of (``strategy.ep``) -> (the rows it holds,
-        the experts of the whole tensor): their starting values are those rows of the whole tensor's."""
+    def expert_rows(self) -> dict[str, tuple[list[int], int]]:
+        """Names of expert weights this rank holds only some experts of (``strategy.ep``) -> (the global ids of the
+        rows it holds, the experts of the whole tensor): their starting values are those rows of the whole tensor's."""
         rows = {}
         for module_name, module in self.hf.named_modules():
             if isinstance(module, HFExperts) and module.ep_size > 1:
-                keep = slice(module.offset, module.offset + module.num_local)
+                keep = module.held_ids
                 for weight in FUSED_WEIGHTS:
                     rows[f"{module_name}.{weight}".replace(_WRAPPED, "")] = (keep, module.num_experts)
         return rows
 
-    def _whole(self, name: str, shape: torch.Size) -> tuple[torch.Size, slice | None]:
+    def _whole(self, name: str, shape: torch.Size) -> tuple[torch.Size, list[int] | None]:
         if not name.endswith(tuple(f".experts.{weight}" for weight in FUSED_WEIGHTS)):
             return shape, None  # not an expert weight: no walk over the modules for it (called per parameter)
         held = self.expert_rows().get(name)

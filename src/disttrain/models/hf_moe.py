@@ -57,7 +57,7 @@ class HFExperts(ExpertLayer):
         self.gate_up_proj = original.gate_up_proj
         self.down_proj = original.down_proj
         self.act_fn = original.act_fn
-        self.offset = 0  # global id of the first local expert
+        self.offset = 0  # slot of the first local expert (its global id unless placed)
         self.grad_scale = 1.0  # 1 / ep under expert parallelism (see ScaleGrad)
         self.grouped_gemm: bool | None = None  # None: where grouped_gemm_fits; True/False force it (tests)
         self._logits: torch.Tensor | None = None
@@ -78,8 +78,9 @@ class HFExperts(ExpertLayer):
         return self.offset
 
     def keep_experts(self, keep: slice, grad_scale: float) -> None:
+        rows = self.slot_ids(keep)
         for name in FUSED_WEIGHTS:
-            setattr(self, name, nn.Parameter(getattr(self, name).detach()[keep].clone()))
+            setattr(self, name, nn.Parameter(getattr(self, name).detach()[rows].clone()))
         self.offset = keep.start
         self.grad_scale = grad_scale
         self.held_experts = keep.stop - keep.start
@@ -94,8 +95,9 @@ class HFExperts(ExpertLayer):
         n, k = top_k_index.shape
         flat_expert = top_k_index.reshape(-1)
         flat_token = torch.arange(n, device=hidden.device).repeat_interleave(k)
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        flat_slot = self.to_slots(flat_expert)
+        order = torch.argsort(flat_slot, stable=True)
+        counts = torch.bincount(flat_slot, minlength=self.num_experts)
         routed = self.run_experts(hidden[flat_token[order]], counts, self._compute)
         weighted = routed * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden).index_add_(0, flat_token[order], weighted.to(hidden.dtype))

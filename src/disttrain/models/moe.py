@@ -83,7 +83,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, num_local: int, offset: int = 0) -> None:
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
-        self.offset = offset  # global id of the first local expert (expert parallelism)
+        self.offset = offset  # slot of the first local expert (expert parallelism): its global id unless placed
+        self.ids: list[int] | None = None  # global ids of the local rows when placed (strategy.expert_placement)
         self.grad_scale = 1.0  # 1 / ep under expert parallelism (see ScaleGrad)
         self.grouped_gemm: bool | None = None  # None: where grouped_gemm_fits; True/False force it (tests)
         d, h = cfg.d_model, cfg.expert_hidden
@@ -265,6 +266,10 @@ class ExpertLayer(nn.Module, abc.ABC):
         self.tp_group: object | None = None
         self.tp_size = 1
         self.held_experts = num_experts  # experts this rank computes
+        # strategy.expert_placement: slot -> global expert id (the ep group's k-th rank holds slots [k E / ep, ...))
+        # and its inverse; None: slot = id. Routing, counters and checkpoints speak global ids, the exchange slots.
+        self.placement: list[int] | None = None
+        self.slot_of: torch.Tensor | None = None
         self.layer_id: int | None = None  # the block's index in the whole model, where the builder says
         self.comm_observer: CommObserver | None = None  # told the seconds of each collective (diagnostics)
         # The data-parallel group whose batch the balancing loss sees (None: all).
@@ -296,12 +301,38 @@ class ExpertLayer(nn.Module, abc.ABC):
     @property
     @abc.abstractmethod
     def first_expert(self) -> int:
-        """Global id of this rank's first expert."""
+        """Slot of this rank's first expert (its global id unless ``placement`` says otherwise)."""
 
     @abc.abstractmethod
     def keep_experts(self, keep: slice, grad_scale: float) -> None:
-        """Hold only experts ``keep`` of the stacked weights, their gradients scaled by ``grad_scale``."""
+        """Hold only the experts in slots ``keep`` (rows ``held_ids``), their gradients scaled by ``grad_scale``."""
         ...
+
+    def place(self, placement: list[int] | None) -> None:
+        """Set which expert each slot holds (before ``keep_experts``); None or the identity: slot = id."""
+        if placement is None or placement == list(range(self.num_experts)):
+            self.placement, self.slot_of = None, None
+            return
+        self.placement = list(placement)
+        self.slot_of = torch.argsort(torch.tensor(placement))
+
+    def slot_ids(self, keep: slice) -> list[int]:
+        """Global ids of the experts in slots ``keep``."""
+        slots = range(keep.start, keep.stop)
+        return [self.placement[s] for s in slots] if self.placement is not None else list(slots)
+
+    @property
+    def held_ids(self) -> list[int]:
+        """Global ids of this rank's experts, in the order of its stacked weights' rows."""
+        return self.slot_ids(slice(self.first_expert, self.first_expert + self.num_local))
+
+    def to_slots(self, experts: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> the slots the exchange sorts by (unchanged without a placement)."""
+        if self.slot_of is None:
+            return experts
+        if self.slot_of.device != experts.device:
+            self.slot_of = self.slot_of.to(experts.device)
+        return self.slot_of[experts]
 
     @property
     def num_local(self) -> int:
@@ -407,11 +438,13 @@ class MoE(ExpertLayer):
 
     def keep_experts(self, keep: slice, grad_scale: float) -> None:
         experts = self.experts
+        rows = self.slot_ids(keep)
         for name in ("w1", "w2", "w3"):
             weight = getattr(experts, name)
             if weight is not None:
-                setattr(experts, name, nn.Parameter(weight.detach()[keep].clone()))
+                setattr(experts, name, nn.Parameter(weight.detach()[rows].clone()))
         experts.offset = keep.start
+        experts.ids = rows if self.placement is not None else None
         experts.grad_scale = grad_scale
         self.held_experts = keep.stop - keep.start
 
@@ -443,8 +476,9 @@ class MoE(ExpertLayer):
             keep = position < capacity
             self._count(1, flat_expert[~keep])
             flat_expert, flat_token, flat_weight = flat_expert[keep], flat_token[keep], flat_weight[keep]
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        flat_slot = self.to_slots(flat_expert)
+        order = torch.argsort(flat_slot, stable=True)
+        counts = torch.bincount(flat_slot, minlength=self.num_experts)
         tokens = x
         if self.tp_group is not None:
             tokens = CopyToGroup.apply(x, self.tp_group, self.comm_observer)
@@ -460,14 +494,28 @@ class MoE(ExpertLayer):
         return out.view(shape)
 
 
-def shard_experts(model: nn.Module, ep_rank: int, ep_size: int, ep_group: object, balance_group: object) -> int:
-    """Keep experts ``[ep_rank * E / ep, ...)`` of every MoE layer (a slice of the stacked weights) and route through
-    ``ep_group``; the balancing statistics come from ``balance_group``. Returns the MoE layers changed."""
+def shard_experts(
+    model: nn.Module,
+    ep_rank: int,
+    ep_size: int,
+    ep_group: object,
+    balance_group: object,
+    placement: list[list[int]] | None = None,
+) -> int:
+    """Keep the experts of slots ``[ep_rank * E / ep, ...)`` of every MoE layer and route through ``ep_group``;
+    the balancing statistics come from ``balance_group``. ``placement`` (strategy.expert_placement) says which
+    expert each slot holds, per layer or one for all; None: slot = expert id. Returns the MoE layers changed."""
     layers = moe_layers(model)
-    for layer in layers:
+    if placement is not None and len(placement) not in (1, len(layers)):
+        raise ValueError(
+            f"strategy.expert_placement has {len(placement)} permutations; the model has {len(layers)} MoE layers "
+            "(give one per MoE layer, or one for all)"
+        )
+    for index, layer in enumerate(layers):
         layer.balance_group = balance_group
         if ep_size == 1:
             continue
+        layer.place(None if placement is None else placement[index if len(placement) > 1 else 0])
         local = layer.num_experts // ep_size
         layer.keep_experts(slice(ep_rank * local, (ep_rank + 1) * local), 1.0 / ep_size)
         layer.ep_group, layer.ep_size = ep_group, ep_size

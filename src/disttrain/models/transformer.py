@@ -305,12 +305,14 @@ def canonical_name(name: str) -> str:
 def _expert_init(
     seed: int, name: str, experts: GroupedExperts, param: torch.Tensor, std: float, residual_scale: float
 ) -> torch.Tensor:
-    """Each expert drawn from its own seed (name + global expert id): a rank holding experts ``[offset, ...)``
-    under expert parallelism draws exactly the values the whole model has there. ``w2`` is a residual output."""
+    """Each expert drawn from its own seed (name + global expert id): a rank holding experts ``[offset, ...)`` (or
+    those ``ids`` under a placement) under expert parallelism draws exactly the values the whole model has there.
+    ``w2`` is a residual output."""
     scale = residual_scale if name.endswith(".w2") else 1.0
+    ids = experts.ids or range(experts.offset, experts.offset + param.shape[0])
     rows = []
     for j in range(param.shape[0]):
-        gen = torch.Generator().manual_seed(_param_seed(seed, f"{name}.{experts.offset + j}"))
+        gen = torch.Generator().manual_seed(_param_seed(seed, f"{name}.{ids[j]}"))
         rows.append(torch.empty(param.shape[1:], dtype=torch.float32).normal_(0.0, std * scale, generator=gen))
     return torch.stack(rows)
 

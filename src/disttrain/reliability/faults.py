@@ -15,9 +15,10 @@ Kinds, and where they strike:
   where the module runs backward itself), the loss stays finite;
 - ``hang@step=N``: the forward of step N blocks forever outside any collective (the hang watchdog's case);
 - ``enospc@save=N``: the checkpoint write of step N fails with ``OSError(ENOSPC)`` naming the file;
-- ``hot_expert@step=N[,layer=L]``: from step N on, this rank's router of MoE layer L (default 0) favours expert 0
-  (its logit raised by ``HOT_EXPERT_BIAS``): every token picks it, the load imbalance ``expert_imbalance`` reports
-  (not a failure: the diagnosis benchmarks' injected skew).
+- ``hot_expert@step=N[,layer=L][,experts=K]``: from step N on, this rank's router of MoE layer L (default 0)
+  favours experts 0..K-1 (default K=1; their logits raised by ``HOT_EXPERT_BIAS``): every token picks them, the
+  load imbalance ``expert_imbalance`` reports (not a failure: the diagnosis benchmarks' injected skew). Under the
+  contiguous expert-parallel placement, K hot experts up to ``E / ep`` all sit on the group's first rank.
 
 Steps count from 1, as the step records and crash records number them (step N runs while ``global_step`` is
 N-1; the non-finite guard's messages give that ``global_step``). ``rank=R`` is the global rank (default 0);
@@ -62,6 +63,7 @@ class Fault:
     attempt: int = 0
     kind: str = "sigkill"
     layer: int = 0  # hot_expert only: the MoE layer whose router is skewed
+    experts: int = 1  # hot_expert only: how many experts (0..experts-1) it favours
 
 
 def parse_fault(spec: str) -> Fault:
@@ -72,7 +74,8 @@ def parse_fault(spec: str) -> Fault:
     fields: dict[str, int] = {}
     for item in filter(None, args.split(",")):
         key, _, value = item.partition("=")
-        if key not in (*WHERE, "rank", "attempt", *(("layer",) if kind == "hot_expert" else ())) or not value.isdigit():
+        extra = ("layer", "experts") if kind == "hot_expert" else ()
+        if key not in (*WHERE, "rank", "attempt", *extra) or not value.isdigit():
             raise ValueError(f"{FAULT_ENV}: cannot read '{item}' in '{spec}'")
         fields[key] = int(value)
     where = [w for w in WHERE if w in fields]
@@ -81,7 +84,13 @@ def parse_fault(spec: str) -> Fault:
     if where[0] not in KINDS[kind]:
         raise ValueError(f"{FAULT_ENV}: {kind} strikes at {' or '.join(f'{w}=N' for w in KINDS[kind])}, in '{spec}'")
     return Fault(
-        where[0], fields[where[0]], fields.get("rank", 0), fields.get("attempt", 0), kind, fields.get("layer", 0)
+        where[0],
+        fields[where[0]],
+        fields.get("rank", 0),
+        fields.get("attempt", 0),
+        kind,
+        fields.get("layer", 0),
+        fields.get("experts", 1),
     )
 
 
@@ -137,14 +146,14 @@ class FaultInjection(pl.Callback):
                 f"{FAULT_ENV}: hot_expert layer={fault.layer}, but the model has {len(routers)} MoE layers"
             )
 
-        def favour_expert_0(module: torch.nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor | None:
+        def favour_first_experts(module: torch.nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor | None:
             if not module.training or self.step < fault.step:
                 return None
             bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
-            bias[0] = HOT_EXPERT_BIAS
+            bias[: fault.experts] = HOT_EXPERT_BIAS
             return logits + bias
 
-        routers[fault.layer].register_forward_hook(favour_expert_0)
+        routers[fault.layer].register_forward_hook(favour_first_experts)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         step = trainer.global_step + 1

@@ -14,9 +14,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from disttrain.models.moe import moe_layers, shard_experts
 
 
-def apply_expert_parallel(model: nn.Module, dp_mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
-    """Keep this rank's experts and wire the groups; returns the mesh the experts are FSDP-sharded over (None when
-    ``ep`` is 1 and the experts are plain block parameters). A dense model is left alone."""
+def apply_expert_parallel(
+    model: nn.Module, dp_mesh: DeviceMesh, ep: int, placement: list[list[int]] | None = None
+) -> DeviceMesh | None:
+    """Keep this rank's experts (``placement``: which experts each rank of a group holds, per layer) and wire the
+    groups; returns the mesh the experts are FSDP-sharded over (None when ``ep`` is 1 and the experts are plain
+    block parameters). A dense model is left alone."""
     if not moe_layers(model):
         return None
     balance_group = dp_mesh.get_group()  # the balancing loss sees the counts of the whole data-parallel batch
@@ -24,7 +27,7 @@ def apply_expert_parallel(model: nn.Module, dp_mesh: DeviceMesh, ep: int) -> Dev
         shard_experts(model, 0, 1, None, balance_group)
         return None
     mesh = init_device_mesh(dp_mesh.device_type, (dp_mesh.size() // ep, ep), mesh_dim_names=("edp", "ep"))
-    shard_experts(model, mesh["ep"].get_local_rank(), ep, mesh["ep"].get_group(), balance_group)
+    shard_experts(model, mesh["ep"].get_local_rank(), ep, mesh["ep"].get_group(), balance_group, placement)
     return mesh["edp"]
 
 

@@ -55,7 +55,7 @@ def apply_fsdp(
     dp_mesh = mesh["data_parallel"]  # type: ignore[index]
     if cfg.dp_replicate > 1:
         dp_mesh = hybrid_mesh(dp_mesh, cfg.dp_replicate)
-    expert_mesh = apply_expert_parallel(model, dp_mesh, cfg.ep)
+    expert_mesh = apply_expert_parallel(model, dp_mesh, cfg.ep, cfg.expert_placement)
     if cfg.activation_checkpointing:
         apply_checkpointing(model)  # type: ignore[operator]
     options = {

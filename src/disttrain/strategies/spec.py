@@ -14,7 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from disttrain.config.degrees import megatron_degrees, validate_megatron
 from disttrain.config.errors import ConfigError, did_you_mean, require_one_of
-from disttrain.config.experts import validate_expert_parallel, validate_megatron_experts
+from disttrain.config.experts import (
+    validate_expert_parallel,
+    validate_expert_placement,
+    validate_megatron_experts,
+)
 from disttrain.config.schema import (
     COMM_HOOKS,
     AutoStrategyConfig,
@@ -215,6 +219,7 @@ class FSDPSpec(StrategySpec):
                 f"use one of {ok} (hw.num_nodes={cfg.hw.num_nodes} shards within each node)",
             )
         validate_expert_parallel(fsdp.ep, cfg.model, world)
+        validate_expert_placement(fsdp.expert_placement, fsdp.ep, cfg.model)
         if fsdp.ep > 1 and replicas > 1:
             raise ConfigError(
                 "strategy.ep", "expert parallelism with HSDP (strategy.dp_replicate > 1) is not built yet",
