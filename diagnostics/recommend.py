@@ -679,7 +679,16 @@ def for_expert_imbalance(finding: Finding, ctx: RunContext) -> list[Recommendati
                 gain(finding, share, f"the excess capped at {CAPACITY_FACTOR - 1:.2f} of the mean load")
             )
         )
+    # A placement first where it expects the most: it leaves the model's function alone (the other two change the
+    # training) and its gain is read from the measured loads.
+    placed = [r for r in recs if r.key == "strategy.expert_placement"]
+    if placed and _gain_of(placed[0]) >= max(_gain_of(r) for r in recs):
+        return placed + [r for r in recs if r not in placed]
     return recs
+
+
+def _gain_of(rec: Recommendation) -> float:
+    return float(rec.expected_gain.get("fraction") or 0.0)
 
 
 def _placement_lever(finding: Finding, ctx: RunContext, excess: float) -> list[Recommendation]:

@@ -39,7 +39,8 @@ Record kinds (all carry ``kind``, ``rank`` and ``t``, a unix time in seconds):
 - ``nonfinite``: a step had a non-finite loss or gradient (``what``); ``action`` is ``skipped`` (its update was
   dropped, ``skipped_total`` so far) or ``stopped`` (``trainer.nan_policy``).
 - ``expert_layout``: once, mixture-of-experts models only: experts, top-k, the ``ep`` degree, the experts this rank
-  computes (``first_expert``, ``num_local``), capacity factor, balancing weight, routed FLOPs per token.
+  computes (``first_expert``, ``num_local``: its first slot and how many; ``placement``: per layer, the expert each
+  slot holds, null where slot = expert id), capacity factor, balancing weight, routed FLOPs per token.
 - ``experts``: every optimizer step, MoE models only: per layer and expert, the assignments this rank's tokens were
   routed to (``routed``) and those dropped over capacity (``dropped``).
 - ``end``: the rank finished cleanly; ``collectors_s`` is the time the always-on collectors took on the training
@@ -98,11 +99,11 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
         "block_backward_s", "edges_forward_s", "edges_backward_s", "optimizer_step_s", "wall_s",
     ),
     "error": ("source", "message"),
-    "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective"),
+    "hang": ("last_step", "timeout_s", "stacks_dir", "in_collective", "waiting_on_loader"),
     "nonfinite": ("step", "what", "action", "skipped_total"),
     "expert_layout": (
         "layers", "num_experts", "top_k", "ep", "first_expert", "num_local", "capacity_factor", "aux_loss_coef",
-        "aux_loss_key", "capacity_key", "routed_flops_per_token", "layer_ids",
+        "aux_loss_key", "capacity_key", "routed_flops_per_token", "layer_ids", "placement",
     ),
     "experts": ("step", "routed", "dropped"),
     "end": ("steps", "wall_s", "collectors_s"),

@@ -67,6 +67,10 @@ class Scenario:
     late_rank: int | None = None
     all_to_all: bool = False
     all_to_all_share: float = 1.0  # of each call's time; the rest is FSDP's all-gathers and reduce-scatters
+    # Positions (in a step's calls) of the all-to-alls that end the experts' compute; at those rank 0 (holding the
+    # busier experts) computed ``after_experts_skew`` longer and the others wait for it.
+    after_experts: tuple[int, ...] = ()
+    after_experts_skew: float = 0.0
     rank0_hold: tuple[int, float] | None = None  # (every, seconds): rank 0 is held between steps (writing logs)
     # (rank, every, phase, seconds): that rank (None: every rank) stalls that long in that phase every N-th step
     stall: tuple[int | None, int, str, float] | None = None
@@ -348,10 +352,12 @@ def _skewed_calls(
     transfer = sc.comm / 4 / max(1, sc.phase_calls)
     for i in range(max(0, sc.phase_calls - 1)):
         late = sc.late_rank if sc.late_rank is not None else i % world
+        hot = sc.after_experts_skew if len(calls[0]) in sc.after_experts else 0.0
+        work = [sc.call_skew * (r == late) + hot * (r == 0) for r in range(world)]
         for r in range(world):
-            wait = 0.0 if r == late else sc.call_skew
-            rows[r][phase] += sc.call_skew * (r == late) + wait + transfer
-            late_work[r] += sc.call_skew * (r == late)
+            wait = max(work) - work[r]  # the others arrive when the last one does
+            rows[r][phase] += work[r] + wait + transfer
+            late_work[r] += work[r]
             in_phase[r][phase] += wait + transfer
             calls[r].append(wait + transfer)
 
@@ -451,6 +457,7 @@ def _write_telemetry(run_dir: Path, sc: Scenario, man: dict) -> None:
                     {
                         "all_to_all_s": sc.all_to_all_share * (r.forward_comm + r.backward_comm),
                         "all_to_all_calls_s": [sc.all_to_all_share * c for c in r.calls],
+                        **({"all_to_all_after_experts": list(sc.after_experts)} if sc.after_experts else {}),
                     }
                     if sc.all_to_all and sc.timed_collectives
                     else {}

@@ -56,6 +56,8 @@ class StepRecord:
     # The same collectives' seconds call by call, in the order the rank issued them (analysis/phase_comm).
     comm_calls_s: list[float] | None = None
     all_to_all_calls_s: list[float] | None = None
+    # Positions in all_to_all_calls_s of the exchanges that end the experts' compute (None: not recorded).
+    all_to_all_after_experts: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,16 @@ def _step(rec: dict[str, Any]) -> StepRecord | None:
         start_t=num(rec.get("start_t")),
         comm_calls_s=_calls(rec.get("comm_calls_s")),
         all_to_all_calls_s=_calls(rec.get("all_to_all_calls_s")),
+        all_to_all_after_experts=_positions(rec.get("all_to_all_after_experts")),
         **{k: num(rec.get(k)) for k in keys},
     )
+
+
+def _positions(value: Any) -> list[int] | None:
+    """A list of non-negative list positions, or None where it is missing or malformed."""
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return None
+    return list(value)
 
 
 def _calls(value: Any) -> list[float] | None:

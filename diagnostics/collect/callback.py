@@ -356,6 +356,7 @@ class DiagnosticsCallback(pl.Callback):
                     {
                         "all_to_all_s": phases.all_to_all_s,
                         "all_to_all_calls_s": [round(c, 6) for c in phases.all_to_all_calls_s],
+                        "all_to_all_after_experts": phases.all_to_all_after_experts,
                     }
                     if self.times_all_to_all and phases.phase_comm_known
                     else {}

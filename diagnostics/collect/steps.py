@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 
 from lightning.pytorch.profilers import Profiler
 
+# The op an MoE layer names the exchanges that end its experts' compute (models/moe.ALL_TO_ALL_AFTER_EXPERTS: the
+# model reports ops by name, so the collectors need no import of it).
+ALL_TO_ALL_AFTER_EXPERTS = "all_to_all_after_experts"
+
 
 @dataclass
 class StepPhases:
@@ -46,6 +50,9 @@ class StepPhases:
     # same order): the analysis takes each call's minimum over the ranks, the transfer without anyone's wait.
     comm_calls_s: list[float] = field(default_factory=list)
     all_to_all_calls_s: list[float] = field(default_factory=list)
+    # Positions in all_to_all_calls_s of the exchanges that end the experts' compute (where a rank waits for the
+    # peer holding busier experts); the others come before it (routing, attention: the same work on every rank).
+    all_to_all_after_experts: list[int] = field(default_factory=list)
     # False when an engine ran the step's micro-batches itself (schedule_ran): Lightning's phase hooks did not
     # bracket its forward and backward, so which phase a collective fell in is unknown.
     phase_comm_known: bool = True
@@ -160,7 +167,9 @@ class PhaseTimer:
 
     def model_collective_ran(self, op: str, seconds: float) -> None:
         """A collective the model issued itself (an MoE layer's ``all_to_all`` or balancing ``all_reduce``)."""
-        if self._count_collective(seconds) and op == "all_to_all":
+        if self._count_collective(seconds) and op.startswith("all_to_all"):
+            if op == ALL_TO_ALL_AFTER_EXPERTS:
+                self.current.all_to_all_after_experts.append(len(self.current.all_to_all_calls_s))
             self.current.all_to_all_s += seconds
             self.current.all_to_all_calls_s.append(seconds)
 

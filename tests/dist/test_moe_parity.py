@@ -84,6 +84,8 @@ def test_expert_parallel_matches_one_process_and_counts_every_routed_token(
         assert len(steps) == STEPS - 1  # the first step has no previous end to be timed from
         for s in steps:
             assert s["forward_comm_s"] > 0 and s["backward_comm_s"] > 0
+            # Those ending the experts' compute: each layer's combine forward, its dispatch's reverse in backward.
+            assert s["all_to_all_after_experts"] == [2, 5, 7, 9]
             assert len(s["all_to_all_calls_s"]) == 10 and s["all_to_all_s"] == pytest.approx(
                 sum(s["all_to_all_calls_s"]), abs=1e-5
             )

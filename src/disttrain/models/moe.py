@@ -133,6 +133,9 @@ def regroup(counts: torch.Tensor) -> torch.Tensor:
 # Reports the seconds of one collective an MoE layer issued: (op, seconds). Set by the diagnostics (a rank that
 # waits for a slower peer waits inside these calls, in the phase that issued them; see diagnostics/collect).
 CommObserver = Callable[[str, float], None]
+# The op name of the token exchanges that end this rank's expert compute (combine forward, the dispatch's reverse in
+# backward): a peer holding busier experts is waited for there. The other exchanges are "all_to_all".
+ALL_TO_ALL_AFTER_EXPERTS = "all_to_all_after_experts"
 
 
 def _timed(
@@ -161,22 +164,30 @@ class AllToAll(torch.autograd.Function):
         in_splits: list[int],
         group: object,
         observer: CommObserver | None,
+        ops: tuple[str, str],
     ) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.observer = (out_splits, in_splits), group, observer  # type: ignore[attr-defined]
-        return _exchange(x, out_splits, in_splits, group, observer)
+        ctx.backward_op = ops[1]  # type: ignore[attr-defined]
+        return _exchange(x, out_splits, in_splits, group, observer, ops[0])
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_splits, in_splits = ctx.splits  # type: ignore[attr-defined]
-        back = _exchange(grad, in_splits, out_splits, ctx.group, ctx.observer)  # type: ignore[attr-defined]
-        return back, None, None, None, None
+        op = ctx.backward_op  # type: ignore[attr-defined]
+        back = _exchange(grad, in_splits, out_splits, ctx.group, ctx.observer, op)  # type: ignore[attr-defined]
+        return back, None, None, None, None, None
 
 
 def _exchange(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object, observer: CommObserver | None
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: object,
+    observer: CommObserver | None,
+    op: str = "all_to_all",
 ) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    _timed(observer, "all_to_all", dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits, group=group)
+    _timed(observer, op, dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
@@ -236,9 +247,15 @@ class ReduceFromGroup(torch.autograd.Function):
 
 
 def _all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: object, observer: CommObserver | None
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: object,
+    observer: CommObserver | None,
+    ops: tuple[str, str],
 ) -> torch.Tensor:
-    return AllToAll.apply(x, out_splits, in_splits, group, observer)
+    """The differentiable exchange; ``ops`` names its forward and backward calls for the observer."""
+    return AllToAll.apply(x, out_splits, in_splits, group, observer, ops)
 
 
 class ExpertLayer(nn.Module, abc.ABC):
@@ -402,12 +419,13 @@ class ExpertLayer(nn.Module, abc.ABC):
         received = received.view(self.ep_size, local)
         send_splits = counts.view(self.ep_size, local).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
-        tokens = _all_to_all(x, recv_splits, send_splits, group, observer)  # dispatch
+        before, after = "all_to_all", ALL_TO_ALL_AFTER_EXPERTS
+        tokens = _all_to_all(x, recv_splits, send_splits, group, observer, (before, after))  # dispatch
         by_expert = regroup(received)
         out = compute(tokens[by_expert], received.sum(0).tolist())
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        return _all_to_all(out[back], send_splits, recv_splits, group, observer)  # combine
+        return _all_to_all(out[back], send_splits, recv_splits, group, observer, (after, before))  # combine
 
 
 class MoE(ExpertLayer):
