@@ -17,7 +17,7 @@ throughput(skewed) - 1; throughput from rank 0's median steady step (``diagnosis
 and no warning for it on the balanced arm. A measurement: prints and exits 0 whatever the outcome; quote
 ``uptime``'s load average with its figures.
 
-    python benchmarks/expert_imbalance.py [--repeats 3] [--experts 2] [--keep DIR]
+    python benchmarks/expert_imbalance.py [--repeats 3] [--experts 2] [--expert-hidden 768] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ BASE = [
     "optimizer.lr=1e-3",  # a gentle lr: the balanced arm's router stays near even
 ]
 
+MODEL: list[str] = []  # --expert-hidden's override
+
 
 def fault(experts: int) -> str:
     return ";".join(f"hot_expert@step=1,layer=1,experts={experts},rank={rank}" for rank in (0, 1))
@@ -62,7 +64,7 @@ def run_arm(hot_experts: int, run_dir: Path, extra: tuple[str, ...] = ()) -> Run
     if hot_experts:
         os.environ["DISTTRAIN_FAULT"] = fault(hot_experts)
     try:
-        return run_train([*BASE, *extra], run_dir, base=SHORT)
+        return run_train([*BASE, *MODEL, *extra], run_dir, base=SHORT)
     finally:
         os.environ.pop("DISTTRAIN_FAULT", None)
 
@@ -72,7 +74,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--experts", type=int, default=1, help="hot experts the skewed router favours (0..K-1)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    parser.add_argument(
+        "--expert-hidden", type=int, default=None, help="model.expert_ffn_hidden (moe-micro: 64; wider cost more)"
+    )
     args = parser.parse_args()
+    if args.expert_hidden:
+        MODEL.append(f"model.expert_ffn_hidden={args.expert_hidden}")
     root = args.keep or Path(tempfile.mkdtemp(prefix="expert-imbalance-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []

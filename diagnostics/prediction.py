@@ -116,7 +116,8 @@ def one_line(record: dict[str, Any]) -> str:
                 f"({errors[key]:+.0%})"
             )
     if not parts:
-        return "planner: " + (record.get("unpredicted") or "nothing comparable was measured")
+        why = record.get("unpredicted")
+        return f"planner: step time not predicted: {why}" if why else "planner: nothing comparable was measured"
     basis = "calibrated" if "measured" in (record.get("basis") or {}).values() else "datasheet"
     line = f"planner ({basis}) predicted vs measured: " + ", ".join(parts)
     sheet = compare(record.get("datasheet") or {}, record.get("measured") or {})

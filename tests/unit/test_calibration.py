@@ -180,7 +180,7 @@ def test_errors_are_predicted_over_measured_and_rows_show_what_either_side_has()
     line = one_line(record)
     assert line.startswith("planner (calibrated) predicted vs measured: step time 120.0 ms vs 100.0 ms (+20%)")
     assert "communication per step 20.0 ms vs 40.0 ms (-50%)" in line
-    assert one_line({"unpredicted": "no peak"}) == "planner: no peak"
+    assert one_line({"unpredicted": "no peak"}) == "planner: step time not predicted: no peak"
 
 
 def test_training_state_counts_parameters_gradients_and_adam_states_once() -> None:

@@ -165,7 +165,8 @@ def test_run_prediction_says_which_numbers_it_used_and_why_it_could_not_time_the
     cfg = parse_run_config(compose_train([]))
     without = predict_run(cfg, parallel_layout(cfg), None)
     assert without is not None and "step_time_s" not in without["predicted"]
-    assert "peak_tflops" in without["unpredicted"]
+    assert "peak_tflops" in without["unpredicted"] and "diagnostics.calibrate=true" in without["unpredicted"]
+    assert one_line(without).startswith("planner: step time not predicted: hw profile 'cpu' has no peak_tflops")
     assert without["predicted"]["state_bytes"] == 16 * 1_828_992  # fp32 weights, gradients, two Adam moments
     compute = ("block_forward_backward", "edges_forward_backward", "optimizer_step")
     assert {v for k, v in without["basis"].items() if k not in compute} == {"none"}

@@ -44,7 +44,9 @@ def predict_run(cfg: RunConfig, parallel: ParallelLayout, calibration: Calibrati
     try:
         candidate = plan_layout(shape, layout, work, profile.hw, assumptions, profile.parts)
     except ValueError as err:  # no peak FLOP/s or no bandwidth for a link this layout uses
-        record["unpredicted"] = str(err)
+        # Without a peak the run could have measured its own (diagnostics on with calibrate) or been given one.
+        fix = "" if calibration is not None else " and no calibration measured one (diagnostics.calibrate=true)"
+        record["unpredicted"] = f"{err}{fix}"
         memory = memory_per_gpu(shape, layout, work, assumptions.flash_attention)
     else:
         memory, estimate = candidate.memory, candidate.estimate
