@@ -394,6 +394,9 @@ class ExpertLayer(nn.Module, abc.ABC):
             loss = z if loss is None else loss + z
         return loss
 
+    # Eager under torch.compile (model.compile=true compiles whole blocks): the experts' token counts are data,
+    # and traced as shapes they recompile every step and then fail (an expert given no tokens).
+    @torch.compiler.disable
     def run_experts(
         self, x: torch.Tensor, counts: torch.Tensor, compute: Callable[[torch.Tensor, list[int]], torch.Tensor]
     ) -> torch.Tensor:
