@@ -154,7 +154,8 @@ def _timed(
 
 class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits, differentiable (backward is the reverse exchange), each exchange
-    timed for ``observer`` (gloo and the host-synchronous backends block for the slowest rank inside the call)."""
+    timed for ``observer`` (gloo and the host-synchronous backends block for the slowest rank inside the call)
+    under the op names ``ops`` gives its forward and backward calls."""
 
     @staticmethod
     def forward(
@@ -244,18 +245,6 @@ class ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad, None, None
-
-
-def _all_to_all(
-    x: torch.Tensor,
-    out_splits: list[int],
-    in_splits: list[int],
-    group: object,
-    observer: CommObserver | None,
-    ops: tuple[str, str],
-) -> torch.Tensor:
-    """The differentiable exchange; ``ops`` names its forward and backward calls for the observer."""
-    return AllToAll.apply(x, out_splits, in_splits, group, observer, ops)
 
 
 class ExpertLayer(nn.Module, abc.ABC):
@@ -423,12 +412,12 @@ class ExpertLayer(nn.Module, abc.ABC):
         send_splits = counts.view(self.ep_size, local).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
         before, after = "all_to_all", ALL_TO_ALL_AFTER_EXPERTS
-        tokens = _all_to_all(x, recv_splits, send_splits, group, observer, (before, after))  # dispatch
+        tokens = AllToAll.apply(x, recv_splits, send_splits, group, observer, (before, after))  # dispatch
         by_expert = regroup(received)
         out = compute(tokens[by_expert], received.sum(0).tolist())
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        return _all_to_all(out[back], send_splits, recv_splits, group, observer, (after, before))  # combine
+        return AllToAll.apply(out[back], send_splits, recv_splits, group, observer, (after, before))  # combine
 
 
 class MoE(ExpertLayer):
