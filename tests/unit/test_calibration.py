@@ -222,3 +222,21 @@ def test_the_plan_table_says_which_numbers_are_datasheet_measured_or_missing() -
     )
     measured = calibrated_profile(hw_profile("cpu"), Calibration(matmul_flops_per_s={"fp32": 1e10}), "fp32").sources
     assert sources_line(measured).startswith("hw numbers: peak_tflops measured; not modelled: hbm_bandwidth_gbps")
+
+
+def test_pipeline_sends_and_receives_are_not_compared_with_the_predicted_link_time() -> None:
+    """A stage's sends and receives last as long as it waits for its neighbour (the bubble): a zero-bubble pp=2
+    run compared 16.7 ms predicted with 416.9 ms of them. Collectives alone (no pipeline) are compared."""
+    from types import SimpleNamespace
+
+    from diagnostics.prediction import measured_from_analysis
+
+    summary = SimpleNamespace(step_time={"p50": 0.5}, tokens_per_s=1000.0)
+
+    def analysis(collective_share: float) -> SimpleNamespace:
+        phases = [SimpleNamespace(profile_comm_s=0.4, profile_collective_share=collective_share,
+                                  peak_allocated_bytes=None, training_state_bytes=None)]  # fmt: skip
+        return SimpleNamespace(summary=summary, phases=phases)
+
+    assert measured_from_analysis(analysis(1.0), {})["comm_s"] == 0.4  # type: ignore[arg-type]
+    assert "comm_s" not in measured_from_analysis(analysis(0.1), {})  # type: ignore[arg-type]
