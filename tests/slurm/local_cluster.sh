@@ -33,6 +33,9 @@ die() { echo "local_cluster: error: $*" >&2; exit 1; }
 
 alive() { [[ -n "${1:-}" ]] && kill -0 "$1" 2>/dev/null; }
 pid_of() { [[ -f "$1" ]] && cat "$1" 2>/dev/null || true; }
+# A daemon's pid file can be rewritten right after it first appears (one CI run: slurmd-n1.pid gone between the
+# check and the copy): copy it as part of the wait, retried until it succeeds.
+record_pid() { [[ -s "$1" ]] && cp "$1" "$2"; }  # record_pid DAEMON_PID_FILE OUR_RECORD
 started_by_us() { alive "$(pid_of "$PID_DIR/$1")"; }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
@@ -140,7 +143,7 @@ start_munge() {
   chmod 755 /run/munge
   runuser -u munge -- /usr/sbin/munged
   wait_for 10 munged test -S /run/munge/munge.socket.2
-  cp /run/munge/munged.pid "$PID_DIR/munged"
+  wait_for 10 "munged pid" record_pid /run/munge/munged.pid "$PID_DIR/munged"
 }
 
 db_sql() { mariadb --no-defaults --socket="$RUN_DIR/mysqld.sock" -uroot -e "$1"; }
@@ -168,8 +171,7 @@ start_database() {
 start_slurmdbd() {
   started_by_us slurmdbd && return 0
   /usr/sbin/slurmdbd
-  wait_for 30 slurmdbd test -s "$RUN_DIR/slurmdbd.pid"
-  cp "$RUN_DIR/slurmdbd.pid" "$PID_DIR/slurmdbd"
+  wait_for 30 slurmdbd record_pid "$RUN_DIR/slurmdbd.pid" "$PID_DIR/slurmdbd"
   wait_for 60 "slurmdbd (accounting)" sacctmgr -n list cluster
   sacctmgr -n list cluster format=cluster | grep -qw disttrain || sacctmgr -i add cluster disttrain >/dev/null
 }
@@ -177,8 +179,7 @@ start_slurmdbd() {
 start_slurmctld() {
   started_by_us slurmctld && return 0
   /usr/sbin/slurmctld
-  wait_for 30 slurmctld test -s "$RUN_DIR/slurmctld.pid"
-  cp "$RUN_DIR/slurmctld.pid" "$PID_DIR/slurmctld"
+  wait_for 30 slurmctld record_pid "$RUN_DIR/slurmctld.pid" "$PID_DIR/slurmctld"
   wait_for 60 slurmctld scontrol ping
 }
 
@@ -186,8 +187,7 @@ start_slurmds() {
   for ((n = 1; n <= NODES; n++)); do
     started_by_us "slurmd-n$n" && continue
     /usr/sbin/slurmd -N "n$n"
-    wait_for 30 "slurmd n$n" test -s "$RUN_DIR/slurmd-n$n.pid"
-    cp "$RUN_DIR/slurmd-n$n.pid" "$PID_DIR/slurmd-n$n"
+    wait_for 30 "slurmd n$n" record_pid "$RUN_DIR/slurmd-n$n.pid" "$PID_DIR/slurmd-n$n"
   done
   nodes_idle() { [[ $(sinfo -h -N -o '%t' | grep -cE '^(idle|mix|alloc)') -eq $NODES ]]; }
   for ((i = 0; i < 240; i++)); do
