@@ -94,14 +94,12 @@ class SlowLoaderData(CountingData):
         return DataLoader(items, batch_size=self.micro_batch_size, shuffle=True, drop_last=True, **workers)
 
 
-class _StuckItems(torch.utils.data.Dataset):
+class _StuckItems(_SlowItems):
     """Items that block forever from the ``at_item``-th read on (in a loader worker: the rank waits on it)."""
 
     def __init__(self, data: TensorDataset, at_item: int) -> None:
-        self.data, self.at_item, self.reads = data, at_item, 0
-
-    def __len__(self) -> int:
-        return len(self.data)
+        super().__init__(data, delay_s=0.0)
+        self.at_item, self.reads = at_item, 0
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.reads += 1
@@ -109,7 +107,7 @@ class _StuckItems(torch.utils.data.Dataset):
             import threading
 
             threading.Event().wait()  # never set
-        return self.data[index]
+        return super().__getitem__(index)
 
 
 class StuckLoaderData(CountingData):

@@ -120,13 +120,13 @@ def kill_loader_workers(pid: int) -> None:
             os.kill(worker, signal.SIGKILL)
 
 
-def dump_with_loader_workers(pid: int) -> tuple[str, list[str]]:
+def dump_with_loader_workers(pid: int) -> tuple[str, list[str] | None]:
     """A rank's stacks, and when its main thread waits for its DataLoader workers, theirs appended (a worker stuck
-    in a dataset's ``__getitem__``, a collate function or deadlocked at its fork is the hang's real place); with the
-    innermost frame of each worker's main thread."""
+    in a dataset's ``__getitem__``, a collate function or deadlocked at its fork is the hang's real place), with
+    where each worker is (``top_frame``); None instead of that list when the rank does not wait on its loader."""
     dump = dump_stack(pid)
     if not waits_on_loader(dump):
-        return dump, []
+        return dump, None
     frames = []
     for worker in loader_workers(pid):
         worker_dump = dump_stack(worker)
@@ -206,7 +206,7 @@ class Watchdog(threading.Thread):
             dump, worker_frames = dump_with_loader_workers(pid)
             (hang_dir / f"rank{rank:04d}.txt").write_text(dump)
             collective[str(rank)] = in_collective(dump)
-            if waits_on_loader(dump):
+            if worker_frames is not None:
                 on_loader[str(rank)] = worker_frames
         self.write(
             "hang",

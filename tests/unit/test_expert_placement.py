@@ -56,7 +56,7 @@ def test_placed_rows_tile_the_one_process_tensor_once(world: int, ep: int, exper
     placement = rng.sample(range(experts), experts)
     local = experts // ep
     shape = torch.Size((local, 6, 4))
-    layout = placed_layout(shape, fsdp_dim, world > ep, ep, placement, world)
+    layout = placed_layout(shape, fsdp_dim, ep, placement, world)
     covered = torch.zeros(experts, 6, 4, dtype=torch.int64)
     for holder, pieces in layout.items():
         for _, meta in pieces:

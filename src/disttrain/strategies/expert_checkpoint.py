@@ -87,7 +87,7 @@ class ExpertViews:
         if isinstance(tensor, DTensor) and isinstance(tensor.placements[0], Shard):
             fsdp_dim = tensor.placements[0].dim
         if placement is not None:
-            return placed_view(shard, torch.Size(whole), fsdp_dim, isinstance(tensor, DTensor), ep, placement)
+            return placed_view(shard, torch.Size(whole), fsdp_dim, ep, placement)
         shape = torch.Size((local * ep, *whole[1:]))
         stride = torch.empty(shape, device="meta").stride()
         mesh = self._mesh(ep, shard.device.type)
@@ -120,16 +120,14 @@ def _chunk(size: int, parts: int, index: int) -> range:
 
 
 def placed_layout(
-    group_shape: torch.Size, fsdp_dim: int, sharded: bool, ep: int, placement: list[int], world: int
+    group_shape: torch.Size, fsdp_dim: int, ep: int, placement: list[int], world: int
 ) -> dict[int, list[tuple[int, ShardMetadata]]]:
     """rank -> (row of its local shard, where that row sits in the one-process ``[E, ...]`` tensor) for a placed
-    expert weight: each rank holds the experts of its slots (``placement``), FSDP2-split over the ranks holding the
-    same experts along ``fsdp_dim`` (``torch.chunk``'s pieces) when ``sharded``. Together they tile the whole tensor
-    once."""
+    expert weight: each rank holds the experts of its slots (``placement``), FSDP2-split over the ``world / ep``
+    ranks holding the same experts along ``fsdp_dim`` (``torch.chunk``'s pieces), as the contiguous views assume.
+    Together they tile the whole tensor once."""
     local, rest = group_shape[0], list(group_shape[1:])
-    edp = world // ep if sharded else 1
-    if not sharded and world // ep > 1:
-        raise NotImplementedError("placed experts replicated over several groups without FSDP2 sharding")
+    edp = world // ep
     out: dict[int, list[tuple[int, ShardMetadata]]] = {}
     for holder in range(world):
         edp_rank, ep_rank = divmod(holder, ep)
@@ -146,13 +144,13 @@ def placed_layout(
 
 
 def placed_view(
-    shard: torch.Tensor, group_shape: torch.Size, fsdp_dim: int, sharded: bool, ep: int, placement: list[int]
+    shard: torch.Tensor, group_shape: torch.Size, fsdp_dim: int, ep: int, placement: list[int]
 ) -> ShardedTensor:
     """This rank's piece of a placed expert weight as shards of the one-process ``[E, ...]`` tensor: one per held
     expert (a rank's experts are not contiguous there), each a view of ``shard`` (DCP writes from and loads into
     the model's own storage). Every rank describes the whole layout from the placement, so no collective runs."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    layout = placed_layout(group_shape, fsdp_dim, sharded, ep, placement, world)
+    layout = placed_layout(group_shape, fsdp_dim, ep, placement, world)
     every, mine = [], []
     for holder, pieces in layout.items():
         for row_index, meta in pieces:
