@@ -24,6 +24,7 @@ measurement: it prints the table and exits 0 whether the targets are met or not.
     python benchmarks/diagnosis_accuracy.py [--repeats 2] [--only NAME ...] [--json PATH] [--keep DIR]
     python benchmarks/diagnosis_accuracy.py --from DIR [--repeats N]   # re-judge kept runs with today's analysis
     python benchmarks/diagnosis_accuracy.py --seed N --from DIR        # the same for a kept matrix of that seed
+    python benchmarks/diagnosis_accuracy.py --seed N --world 4         # a generated matrix of 4-rank runs
 """
 
 from __future__ import annotations
@@ -555,6 +556,7 @@ def main() -> None:
         "--seed", type=int, help="run a generated matrix (benchmarks/diagnosis_matrix.py) instead of the fixed list"
     )
     parser.add_argument("--size", type=int, default=40, help="scenarios in a generated matrix (default 40)")
+    parser.add_argument("--world", type=int, default=2, help="ranks per run in a generated matrix (default 2)")
     parser.add_argument("--json", type=Path, help="write the verdicts here")
     parser.add_argument("--keep", type=Path, help="keep the run directories here (default: a temporary one)")
     parser.add_argument(
@@ -566,7 +568,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.seed is not None:
-        run_matrix(args.seed, args.size, args.repeats, args.reuse or args.keep, args.json, reuse=args.reuse is not None)
+        keep = args.reuse or args.keep
+        run_matrix(args.seed, args.size, args.repeats, keep, args.json, reuse=args.reuse is not None, world=args.world)
         return
     names = [s.name for s in SCENARIOS]
     unknown = [n for n in args.only if n not in names]
@@ -588,9 +591,15 @@ def main() -> None:
 
 
 def run_matrix(
-    seed: int, size: int, repeats: int, keep: Path | None, json_path: Path | None, reuse: bool = False
+    seed: int,
+    size: int,
+    repeats: int,
+    keep: Path | None,
+    json_path: Path | None,
+    reuse: bool = False,
+    world: int = 2,
 ) -> None:
-    draws = draw_matrix(seed, size)
+    draws = draw_matrix(seed, size, world)
     with tempfile.TemporaryDirectory() as tmp:
         root = keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -608,7 +617,7 @@ def run_matrix(
     print(format_table(verdicts))
     if json_path:
         json_path.write_text(json.dumps([asdict(v) for v in verdicts], indent=2) + "\n")
-    print(f"seed {seed}: {matrix_summary(verdicts)}")
+    print(f"seed {seed}{f', {world} ranks' if world != 2 else ''}: {matrix_summary(verdicts)}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """A generated matrix of diagnosis scenarios: strategy x fault x rank x magnitude x model, drawn from a seed.
 
-A fixed list of scenarios invites tuning the detectors to it; a new seed draws a new matrix. Each draw is a 2-rank
-CPU run with one injected fault (``benchmarks/injected.py``) and its counterfactual, the same run without the
-fault. The fault's size is a share of the counterfactual's own step (``magnitude``, 10% to 300%), so the
-counterfactual runs first and the fault is scaled from what it measured. Ground truth is the measured cost
-(1 - mean throughput with the fault / without it), not the injector's label: a fault that costs less than
-``HEALTHY_GAIN`` of the run is judged as a healthy run (no warning or critical finding), and a slow link is
-``comm_bound`` only where its measured cost reaches comm_bound's threshold (``low_overlap`` below).
+A fixed list of scenarios invites tuning the detectors to it; a new seed draws a new matrix. Each draw is a CPU run
+(2 ranks, or ``world`` ranks: 4 share this box's 2 cores) with one injected fault (``benchmarks/injected.py``) and
+its counterfactual, the same run without the fault. The fault's size is a share of the counterfactual's own step
+(``magnitude``, 10% to 300%), so the counterfactual runs first and the fault is scaled from what it measured.
+Ground truth is the measured cost (1 - mean throughput with the fault / without it), not the injector's label: a
+fault that costs less than ``HEALTHY_GAIN`` of the run is judged as a healthy run (no warning or critical finding),
+and a slow link is ``comm_bound`` only where its measured cost reaches comm_bound's threshold (``low_overlap``
+below).
 
 Pure: drawing and describing scenarios; ``diagnosis_accuracy.py --seed N`` runs them.
 """
@@ -55,13 +56,15 @@ class Draw:
     magnitude: float  # the fault's time per occurrence, as a share of the counterfactual's step
     model: str
     every: int = 1  # stall: one occurrence every N steps
+    world: int = 2  # ranks of the run
 
     @property
     def name(self) -> str:
         where = "all" if self.rank is None else f"rank{self.rank}"
         size = "" if self.fault == "none" else f"-{round(100 * self.magnitude)}pct"
         every = f"-every{self.every}" if self.every > 1 else ""
-        return f"{self.fault}-{where}-{self.strategy}-{self.model}{size}{every}"
+        world = f"-w{self.world}" if self.world != 2 else ""
+        return f"{self.fault}-{where}-{self.strategy}-{self.model}{size}{every}{world}"
 
     @property
     def inherent(self) -> tuple[str, ...]:
@@ -80,7 +83,9 @@ class Draw:
         return [*self._base(), *local]
 
     def _base(self) -> list[str]:
+        world = [f"hw.devices_per_node={self.world}"] if self.world != 2 else []
         return [
+            *world,
             *STRATEGIES[self.strategy],
             *MODEL_OVERRIDES[self.model],
             *PLUGIN_DATA,
@@ -111,10 +116,11 @@ class Draw:
         """The finding the report should lead with, given the measured cost (None: a quiet, healthy report)."""
         if self.fault == "none" or (measured_cost is not None and measured_cost < HEALTHY_GAIN):
             return None, []
-        ranks = [0, 1] if self.rank is None else [self.rank]
+        every_rank = list(range(self.world))
+        ranks = every_rank if self.rank is None else [self.rank]
         if self.fault == "slow-link":
             kind = "comm_bound" if measured_cost is None or measured_cost >= COMM_BOUND_FRACTION else "low_overlap"
-            return kind, [0, 1]
+            return kind, every_rank
         if self.fault in ("data-one", "data-all") or (self.fault == "stall" and self.model != "user"):
             return "input_bound", ranks
         return "straggler", ranks
@@ -141,10 +147,10 @@ def compatible(strategy: str, fault: str, model: str) -> bool:
     return not (strategy == "megatron-tp2" and fault in ("forward", "backward", "data-one", "stall"))
 
 
-def draw_matrix(seed: int, size: int = 40) -> list[Draw]:
+def draw_matrix(seed: int, size: int = 40, world: int = 2) -> list[Draw]:
     """``size`` scenarios from ``seed``: every fault kind and every strategy at least once (where compatible), the
-    rest drawn uniformly over the compatible (strategy, fault, model) cells, with rank, magnitude (log-uniform) and
-    stall period drawn per scenario."""
+    rest drawn uniformly over the compatible (strategy, fault, model) cells, with rank (of ``world``), magnitude
+    (log-uniform) and stall period drawn per scenario."""
     rng = random.Random(seed)
     cells = [(s, f, m) for s in STRATEGIES for f in FAULTS for m in MODELS if compatible(s, f, m)]
     chosen: list[tuple[str, str, str]] = []
@@ -157,9 +163,9 @@ def draw_matrix(seed: int, size: int = 40) -> list[Draw]:
         chosen.append(rng.choice(cells))
     draws = []
     for strategy, fault, model in chosen:
-        rank = rng.choice([0, 1]) if fault in ("forward", "backward", "optimizer", "data-one", "stall") else None
+        rank = rng.randrange(world) if fault in ("forward", "backward", "optimizer", "data-one", "stall") else None
         low, high = MAGNITUDE
         magnitude = 0.0 if fault == "none" else round(math.exp(rng.uniform(math.log(low), math.log(high))), 3)
         every = rng.randint(*STALL_EVERY) if fault == "stall" else 1
-        draws.append(Draw(strategy, fault, rank, magnitude, model, every))
+        draws.append(Draw(strategy, fault, rank, magnitude, model, every, world))
     return draws

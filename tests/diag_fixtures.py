@@ -46,6 +46,7 @@ class Scenario:
     slow_phase: str | None = None  # or: slow_rank spends slow_s more in this phase (data|forward|...|other)
     slow_s: float = 0.0
     cpu_count: int | None = None  # of the host (None: unknown, as from an older collector); 1 thread per rank
+    cpu_util: tuple[float, ...] | None = None  # each rank's CPU use (percent of a core) in its samples; None: 95-97
     data_cpu: float | None = None  # share of the data wait spent computing on the training thread (None: unrecorded)
     # Ranks also meet before forward, as DDP's buffer broadcast or FSDP's first all-gather makes them: a rank
     # that waits there for a slower one has the wait inside its forward time.
@@ -639,7 +640,7 @@ def _sample(w: TelemetryWriter, sc: Scenario, rank: int, step: int, t: float) ->
             t=t,
             source="cpu",
             device_index=None,
-            cpu_util_pct=95.0 + step % 3,
+            cpu_util_pct=95.0 + step % 3 if sc.cpu_util is None else sc.cpu_util[rank],
             rss_bytes=(1.2 + 0.01 * step) * GIB,
             mem_total_bytes=64 * GIB,
         )

@@ -21,7 +21,8 @@ def test_a_seed_draws_a_covering_matrix_of_runnable_scenarios(seed: int) -> None
     assert draw_matrix(seed + 100, 40) != draws  # a new seed, a new matrix
 
 
-def test_every_draw_composes_with_the_real_config(tmp_path) -> None:
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_draw_composes_with_the_real_config(world: int) -> None:
     """Both arms of every cell (strategy x fault x model) compose and validate as ``python -m train`` would."""
     from disttrain.config.parse import parse_run_config
     from disttrain.strategies.layout import validate_run
@@ -33,11 +34,24 @@ def test_every_draw_composes_with_the_real_config(tmp_path) -> None:
             for model in ("builtin", "user", "hf"):
                 if not compatible(strategy, fault, model):
                     continue
-                rank = None if fault == "data-all" else 1
-                draw = Draw(strategy, fault, rank, 0.5, model, 5 if fault == "stall" else 1)
+                rank = None if fault == "data-all" else world - 1
+                draw = Draw(strategy, fault, rank, 0.5, model, 5 if fault == "stall" else 1, world)
                 commands.update(tuple(overrides) for overrides in (draw.counterfactual(), draw.fault_overrides(0.2)))
     for overrides in sorted(commands):
-        validate_run(parse_run_config(compose_train(list(overrides))))
+        cfg = parse_run_config(compose_train(list(overrides)))
+        validate_run(cfg)
+        assert cfg.hw.devices_per_node * cfg.hw.num_nodes == world
+
+
+def test_a_four_rank_matrix_draws_its_slow_rank_among_four_and_expects_every_rank_where_all_are_slow() -> None:
+    draws = draw_matrix(3, 40, world=4)
+    assert all(d.world == 4 and "hw.devices_per_node=4" in d.counterfactual() for d in draws)
+    assert {d.rank for d in draws if d.rank is not None} == {0, 1, 2, 3}
+    assert all(d.name.endswith("-w4") for d in draws)
+    assert Draw("ddp", "data-all", None, 1.0, "hf", world=4).expected(0.3) == ("input_bound", [0, 1, 2, 3])
+    assert Draw("ddp", "slow-link", None, 1.0, "builtin", world=4).expected(0.4) == ("comm_bound", [0, 1, 2, 3])
+    assert Draw("fsdp", "backward", 2, 1.0, "user", world=4).expected(0.4) == ("straggler", [2])
+    assert "hw.devices_per_node=4" not in Draw("ddp", "none", None, 0.0, "user").counterfactual()  # 2: the default
 
 
 def test_the_expected_finding_follows_the_measured_cost() -> None:
