@@ -129,11 +129,13 @@ class Draw:
 HEALTHY_GAIN = 0.05  # as in diagnosis_accuracy.py: below this measured cost a fault is not worth a warning
 
 
-def compatible(strategy: str, fault: str, model: str) -> bool:
+def compatible(strategy: str, fault: str, model: str, world: int = 2) -> bool:
     """What can run here: forward/backward faults need the user model (the injection points are its own); Megatron
-    takes the reference model only; a slow link is DDP's comm hook over the built-in model (its gradient bytes are
-    known); model=hf runs under DDP and FSDP."""
+    takes the reference model only, on an even number of ranks (tp=2 or pp=2 divides it); a slow link is DDP's comm
+    hook over the built-in model (its gradient bytes are known); model=hf runs under DDP and FSDP."""
     megatron = strategy.startswith("megatron")
+    if megatron and world % 2:
+        return False
     if fault in ("forward", "backward") and model != "user":
         return False
     if megatron and model != "builtin":
@@ -152,11 +154,11 @@ def draw_matrix(seed: int, size: int = 40, world: int = 2) -> list[Draw]:
     rest drawn uniformly over the compatible (strategy, fault, model) cells, with rank (of ``world``), magnitude
     (log-uniform) and stall period drawn per scenario."""
     rng = random.Random(seed)
-    cells = [(s, f, m) for s in STRATEGIES for f in FAULTS for m in MODELS if compatible(s, f, m)]
+    cells = [(s, f, m) for s in STRATEGIES for f in FAULTS for m in MODELS if compatible(s, f, m, world)]
     chosen: list[tuple[str, str, str]] = []
     for fault in FAULTS:
         chosen.append(rng.choice([c for c in cells if c[1] == fault]))
-    for strategy in STRATEGIES:
+    for strategy in [s for s in STRATEGIES if any(c[0] == s for c in cells)]:
         if not any(c[0] == strategy for c in chosen):
             chosen.append(rng.choice([c for c in cells if c[0] == strategy]))
     while len(chosen) < size:

@@ -44,6 +44,7 @@ from diagnostics.analysis.thresholds import (
     STRAGGLER_MIN_COST,
     STRAGGLER_PERSISTENCE,
     STRAGGLER_RATIO,
+    STRAGGLER_SECONDARY_SHARE,
 )
 
 # (segment of the step record, its phase). DDP's comm wait is where the others catch up with a slow rank: the
@@ -108,7 +109,25 @@ def lateness_growth(run: RunTelemetry) -> list[tuple[float, dict[int, list[float
         spans = [(ends[r][0], ends[r][-1]) for r in rows]
         job_step_s = job_step_moved(spans, previous_end if previous_step == step - 1 else None)
         previous_end, previous_step = max(end for _, end in spans), step
-        out.append((job_step_s, {r: [late[r][i + 1] - late[r][i] for i in range(len(SEGMENTS))] for r in rows}))
+        out.append((job_step_s, {r: _growth(late, r) for r in rows}))
+    return out
+
+
+def _growth(late: dict[int, list[float]], rank: int) -> list[float]:
+    """How far ``rank`` fell behind in each segment, less what it may have spent waiting for a rank that was already
+    later when the segment began. A collective that relays through ranks (gloo's broadcast tree: DDP's buffer
+    broadcast at the start of forward, on 4 ranks) holds the relay rank until the late rank arrives while the
+    others go on: the relay rank falls behind inside its phase, but never further than the late rank already was
+    (4 ranks, rank 3 slow in its optimizer: rank 1 read slow in forward by the same 68 ms). A rank slow in its own
+    work while another is late gets past that lateness, and the part beyond it still counts."""
+    others = [r for r in late if r != rank]
+    out = []
+    for i in range(len(SEGMENTS)):
+        grew = late[rank][i + 1] - late[rank][i]
+        if grew > 0 and others:
+            already = max(late[r][i] for r in others) - late[rank][i]
+            grew -= min(grew, max(0.0, already))
+        out.append(grew)
     return out
 
 
@@ -175,14 +194,16 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
     stalls = _stalls(run, steps, phases)
     if not slow:
         return stalls
-    flagged = sorted(slow, key=lambda r: -slow[r][1])
-    worst = flagged[0]
+    worst = max(slow, key=lambda r: slow[r][1])
+    flagged = sorted(
+        (r for r in slow if slow[r][1] >= STRAGGLER_SECONDARY_SHARE * slow[worst][1]), key=lambda r: -slow[r][1]
+    )
     if stalls and stalls[0].ranks == [worst] and stalls[0].cost_fraction > shares[worst]:
         # Behind in most steps by a little, and by a lot every few steps: the typical step's cost would hide the
         # stalls that make up most of the loss (a forward stall of 1.4 steps every 6th step, seed 11: the median
         # read 3%, the run lost 17%, the stalls' cost 20%).
         return stalls
-    hosts = {p.rank: p.hostname for p in phases if p.rank in slow and p.hostname}
+    hosts = {p.rank: p.hostname for p in phases if p.rank in flagged and p.hostname}
     evidence = {
         "slow_phase": slow[worst][0],
         "slow_phase_by_rank": {r: slow[r][0] for r in flagged},
@@ -201,10 +222,10 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         f"(+{1e3 * slow[r][1]:.0f} ms per step)"
         for r in flagged
     ]
-    waiting = sorted(set(table) - set(slow))
+    waiting = sorted(set(table) - set(flagged))
     message = "; ".join(parts)
     if waiting:
-        message += f": {ranks_verb(waiting, 'waits', 'wait')} for {'it' if len(slow) == 1 else 'them'}"
+        message += f": {ranks_verb(waiting, 'waits', 'wait')} for {'it' if len(flagged) == 1 else 'them'}"
     basis = (
         f"time rank {worst} falls behind the earliest rank per step beyond the other ranks' median / that step's time, "
         f"median over {len(steps)} steps"

@@ -39,6 +39,11 @@ INPUT_BOUND_PERSISTENCE = 0.5
 # cost) and in at least 70% of the steps (random preemption puts a rank behind in about half of them).
 STRAGGLER_MIN_COST = 0.05
 STRAGGLER_PERSISTENCE = 0.7
+# Another rank is named beside the one that falls behind most only if it falls behind at least this share as much:
+# a much smaller lag is what waiting inside an untimed collective leaves behind (4 ranks, gloo's broadcast tree: the
+# rank relaying DDP's buffer broadcast to a late rank lagged 12 ms a step beside that rank's 79 ms) or what the
+# scheduler hands out when ranks share cores. Fixing the first shows the next.
+STRAGGLER_SECONDARY_SHARE = 1 / 3
 # An intermittent straggler (detect_ranks._stalls): a step in which one rank fell behind the others, beyond its usual
 # excess, by at least STALL_FRACTION of the typical step and STALL_NOISE times the spread of its own excess (a robust
 # standard deviation) is a stall; it takes MIN_STALLS of them to call it a pattern, not a one-off. On this 2-core box

@@ -508,3 +508,46 @@ def test_pipeline_stages_that_differ_only_inside_the_schedule_raise_no_straggler
     found = {f.kind: f for f in analyse(run_dir).findings}
     assert "straggler" not in found and "pipeline_bubble" in found
     assert "waiting for rank 1" in found["pipeline_bubble"].message  # the busier stage: the rest is imbalance
+
+
+def test_a_rank_held_inside_its_phase_by_a_rank_already_later_is_not_blamed_for_it() -> None:
+    """Gloo's broadcast tree on 4 ranks: rank 1 relays DDP's buffer broadcast to rank 3, late from its optimizer, and
+    waits inside its forward while ranks 0 and 2 go on. Lateness (ms) at each segment boundary of one step."""
+    from diagnostics.analysis.detect_ranks import SEGMENTS, _growth
+
+    n = len(SEGMENTS) + 1
+    forward = [name for _, name in SEGMENTS].index("forward")
+
+    def path(start: float, *steps: tuple[int, float]) -> list[float]:
+        out = [start] * n
+        for segment, value in steps:
+            out[segment + 1 :] = [value] * (n - segment - 1)
+        return out
+
+    late = {0: path(0.0), 2: path(0.0), 3: path(70.0, (forward, 75.0))}
+    held = {**late, 1: path(10.0, (forward, 78.0))}
+    assert _growth(held, 1)[forward] == pytest.approx(8.0)  # only what it lost beyond rank 3's lateness
+    own = {0: path(0.0), 2: path(0.0), 3: path(0.0), 1: path(0.0, (forward, 60.0))}
+    assert _growth(own, 1)[forward] == pytest.approx(60.0)  # nobody was later: all of it is its own
+    assert _growth(held, 3)[forward] == pytest.approx(5.0)  # the late rank's own lag in forward still counts
+
+
+@pytest.mark.parametrize(("second_s", "named"), [(0.04, [2]), (0.15, [1, 2])])
+def test_a_second_rank_is_named_only_when_it_lags_comparably(tmp_path: Path, second_s: float, named: list[int]) -> None:
+    """Rank 2 lags 0.3 s a step in forward; rank 1 lags ``second_s`` in its optimizer every step (either above the
+    straggler's 5% of the step): an eighth of it is what relaying a collective or a shared host's scheduling leaves
+    behind, half of it is a second slow rank."""
+    found = findings_of(
+        tmp_path,
+        "healthy",
+        overrides=("hw.devices_per_node=4",),
+        slow_rank=2,
+        slow_phase="forward",
+        slow_s=0.3,
+        stall=(1, 1, "optimizer", second_s),
+    )
+    straggler = found["straggler"]
+    assert straggler.ranks == named and straggler.evidence["slow_phase"] == "forward"
+    assert set(straggler.evidence["falls_behind_s_per_step"]) == set(named)
+    if named == [2]:
+        assert "ranks 0,1,3 wait for it" in straggler.message

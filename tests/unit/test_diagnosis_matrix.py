@@ -21,7 +21,7 @@ def test_a_seed_draws_a_covering_matrix_of_runnable_scenarios(seed: int) -> None
     assert draw_matrix(seed + 100, 40) != draws  # a new seed, a new matrix
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_draw_composes_with_the_real_config(world: int) -> None:
     """Both arms of every cell (strategy x fault x model) compose and validate as ``python -m train`` would."""
     from disttrain.config.parse import parse_run_config
@@ -32,7 +32,7 @@ def test_every_draw_composes_with_the_real_config(world: int) -> None:
     for strategy in STRATEGIES:
         for fault in FAULTS:
             for model in ("builtin", "user", "hf"):
-                if not compatible(strategy, fault, model):
+                if not compatible(strategy, fault, model, world):
                     continue
                 rank = None if fault == "data-all" else world - 1
                 draw = Draw(strategy, fault, rank, 0.5, model, 5 if fault == "stall" else 1, world)
@@ -52,6 +52,12 @@ def test_a_four_rank_matrix_draws_its_slow_rank_among_four_and_expects_every_ran
     assert Draw("ddp", "slow-link", None, 1.0, "builtin", world=4).expected(0.4) == ("comm_bound", [0, 1, 2, 3])
     assert Draw("fsdp", "backward", 2, 1.0, "user", world=4).expected(0.4) == ("straggler", [2])
     assert "hw.devices_per_node=4" not in Draw("ddp", "none", None, 0.0, "user").counterfactual()  # 2: the default
+
+
+def test_an_odd_world_draws_no_layout_it_cannot_split() -> None:
+    draws = draw_matrix(5, 20, world=3)
+    assert {d.strategy for d in draws} == {"ddp", "fsdp", "deepspeed-2", "deepspeed-3"}
+    assert {d.rank for d in draws if d.rank is not None} <= {0, 1, 2}
 
 
 def test_the_expected_finding_follows_the_measured_cost() -> None:
