@@ -99,18 +99,38 @@ def top_frame(dump: str) -> str:
 
 
 def loader_workers(pid: int) -> list[int]:
-    """PIDs of ``pid``'s DataLoader worker processes (its children named ``LOADER_WORKER_NAME``); Linux /proc only,
-    elsewhere none."""
+    """PIDs of ``pid``'s DataLoader worker processes: its children named ``LOADER_WORKER_NAME``, and those still
+    named as their parent (a worker names itself first thing in its loop: one that deadlocked right after its fork
+    never does, and it is the one the rank waits for); Linux /proc only, elsewhere none."""
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         with contextlib.suppress(OSError, ValueError):
             children += [int(c) for c in task.read_text().split()]
-    named = []
+    try:
+        parent = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        parent = None
+    workers = []
     for child in sorted(set(children)):
         with contextlib.suppress(OSError):
-            if Path(f"/proc/{child}/comm").read_text().strip() == LOADER_WORKER_NAME:
-                named.append(child)
-    return named
+            if Path(f"/proc/{child}/comm").read_text().strip() in (LOADER_WORKER_NAME, parent):
+                workers.append(child)
+    return workers
+
+
+def worker_frame(dump: str) -> str:
+    """Where a DataLoader worker is: idle (waiting for an index), its innermost frame in the user's code inside its
+    loop (a dataset's ``__getitem__``, a collate function), or, not in its loop at all, where it stopped after its
+    fork. A worker's stack also holds the frames it inherited from the fork (the rank's training loop): those say
+    nothing about the worker."""
+    frames = [line.strip() for line in main_thread_stack(dump).splitlines()[1:] if line.strip()]
+    loop = next((i for i, f in enumerate(frames) if f.startswith("_worker_loop ")), None)
+    if loop is None:
+        return f"not in its worker loop (stopped after its fork) at {frames[0]}" if frames else ""
+    inside = frames[:loop]
+    if inside and inside[-1].startswith(("get (multiprocessing/queues.py", "Queue.get (multiprocessing/queues.py")):
+        return "idle, waiting for an index"
+    return next((f for f in inside if not _library_frame(f)), inside[0] if inside else frames[loop])
 
 
 def kill_loader_workers(pid: int) -> None:
@@ -131,7 +151,7 @@ def dump_with_loader_workers(pid: int) -> tuple[str, list[str] | None]:
     for worker in loader_workers(pid):
         worker_dump = dump_stack(worker)
         dump += f"\n=== DataLoader worker process {worker} of pid {pid} ===\n{worker_dump}"
-        frames.append(f"worker {worker} at {top_frame(worker_dump) or 'an unknown frame'}")
+        frames.append(f"worker {worker}: {worker_frame(worker_dump) or 'at an unknown frame'}")
     return dump, frames
 
 

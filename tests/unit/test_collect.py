@@ -32,6 +32,7 @@ from diagnostics.collect.watchdog import (
     node_ranks,
     top_frame,
     waits_on_loader,
+    worker_frame,
 )
 
 
@@ -348,6 +349,46 @@ def test_hang_stacks_tell_a_rank_waiting_on_its_loader_workers() -> None:
     assert top_frame(worker) == "__getitem__ (my_data.py:40)"
     assert top_frame(STACK_SLEEPING) == "forward (my_model.py:12)"
     assert loader_workers(os.getpid()) == []  # no DataLoader workers in this process
+
+
+def stack(*frames: str) -> str:
+    """A py-spy main-thread dump with these frames, innermost first."""
+    return 'Thread 7 (idle): "MainThread"\n' + "".join(f"    {f}\n" for f in frames)
+
+
+# What a worker inherits from its fork: the rank's own frames below its worker loop.
+INHERITED = ("Popen._launch (multiprocessing/popen_fork.py:71)", "__iter__ (lightning/pytorch/loops/fetchers.py:52)",
+             "run_job (train.py:52)")  # fmt: skip
+LOOP = ("_worker_loop (torch/utils/data/_utils/worker.py:334)", "BaseProcess.run (multiprocessing/process.py:108)")
+
+
+def test_a_loader_workers_place_is_read_inside_its_loop_not_from_the_frames_its_fork_inherited() -> None:
+    """A worker's stack ends in the rank's own frames (it was forked from the training loop): a CI hang read
+    "worker at run_job (train.py:52)" for a worker that sat idle in its loop."""
+    idle = stack(
+        "poll (multiprocessing/connection.py:257)", "Queue.get (multiprocessing/queues.py:113)", *LOOP, *INHERITED
+    )
+    assert worker_frame(idle) == "idle, waiting for an index"
+    fetch = "fetch (torch/utils/data/_utils/fetch.py:52)"
+    reading = stack("wait (threading.py:327)", "__getitem__ (my_data.py:40)", fetch, *LOOP, *INHERITED)
+    assert worker_frame(reading) == "__getitem__ (my_data.py:40)"
+    forked = stack("acquire (threading.py:120)", "_bootstrap (multiprocessing/process.py:314)", *INHERITED)
+    assert worker_frame(forked) == "not in its worker loop (stopped after its fork) at acquire (threading.py:120)"
+
+
+def test_a_child_still_named_as_its_rank_counts_as_a_loader_worker() -> None:
+    """A worker names itself pt_data_worker first thing in its loop; one deadlocked right after its fork never does."""
+    import multiprocessing
+    import time
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    child.start()
+    try:
+        assert child.pid in loader_workers(os.getpid())
+    finally:
+        child.kill()
+        child.join()
+    assert child.pid not in loader_workers(os.getpid())
 
 
 def test_hang_stacks_classify_the_rank_outside_collectives() -> None:
