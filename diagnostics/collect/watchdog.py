@@ -99,21 +99,23 @@ def top_frame(dump: str) -> str:
 
 
 def loader_workers(pid: int) -> list[int]:
-    """PIDs of ``pid``'s DataLoader worker processes: its children named ``LOADER_WORKER_NAME``, and those still
-    named as their parent (a worker names itself first thing in its loop: one that deadlocked right after its fork
-    never does, and it is the one the rank waits for); Linux /proc only, elsewhere none."""
+    """PIDs of ``pid``'s DataLoader worker processes: its children named ``LOADER_WORKER_NAME``, and its forks that
+    have not named themselves yet (a worker names itself first thing in its loop: one deadlocked right after its fork
+    never does, and it is the one the rank waits for; a fork still runs its parent's command line, which a spawned
+    helper such as a compile worker does not); Linux /proc only, elsewhere none."""
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         with contextlib.suppress(OSError, ValueError):
             children += [int(c) for c in task.read_text().split()]
     try:
-        parent = Path(f"/proc/{pid}/comm").read_text().strip()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        parent = None
+        command = None
     workers = []
     for child in sorted(set(children)):
         with contextlib.suppress(OSError):
-            if Path(f"/proc/{child}/comm").read_text().strip() in (LOADER_WORKER_NAME, parent):
+            named = Path(f"/proc/{child}/comm").read_text().strip() == LOADER_WORKER_NAME
+            if named or Path(f"/proc/{child}/cmdline").read_bytes() == command:
                 workers.append(child)
     return workers
 

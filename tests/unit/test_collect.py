@@ -348,7 +348,6 @@ def test_hang_stacks_tell_a_rank_waiting_on_its_loader_workers() -> None:
     worker = 'Thread 7 (idle): "MainThread"\n    wait (threading.py:327)\n    __getitem__ (my_data.py:40)\n'
     assert top_frame(worker) == "__getitem__ (my_data.py:40)"
     assert top_frame(STACK_SLEEPING) == "forward (my_model.py:12)"
-    assert loader_workers(os.getpid()) == []  # no DataLoader workers in this process
 
 
 def stack(*frames: str) -> str:
@@ -376,19 +375,25 @@ def test_a_loader_workers_place_is_read_inside_its_loop_not_from_the_frames_its_
     assert worker_frame(forked) == "not in its worker loop (stopped after its fork) at acquire (threading.py:120)"
 
 
-def test_a_child_still_named_as_its_rank_counts_as_a_loader_worker() -> None:
+def test_a_fork_that_has_not_named_itself_counts_as_a_loader_worker_a_spawned_helper_does_not() -> None:
     """A worker names itself pt_data_worker first thing in its loop; one deadlocked right after its fork never does."""
     import multiprocessing
-    import time
+    import subprocess
+    import sys
 
-    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
-    child.start()
+    fork = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    fork.start()
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert child.pid in loader_workers(os.getpid())
+        time.sleep(0.2)  # the helper's exec
+        workers = loader_workers(os.getpid())
+        assert fork.pid in workers and helper.pid not in workers
     finally:
-        child.kill()
-        child.join()
-    assert child.pid not in loader_workers(os.getpid())
+        fork.kill()
+        helper.kill()
+        fork.join()
+        helper.wait()
+    assert fork.pid not in loader_workers(os.getpid())
 
 
 def test_hang_stacks_classify_the_rank_outside_collectives() -> None:
