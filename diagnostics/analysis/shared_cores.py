@@ -137,11 +137,10 @@ def bound_by_idle_cores(findings: list[Finding], run: RunTelemetry) -> list[Find
 
 
 def _bounded(finding: Finding, run: RunTelemetry, hosts: dict[int, HostCores]) -> Finding:
-    held = {id(hosts[r]): hosts[r] for r in finding.ranks if r in hosts}
-    if not held or any(r not in hosts for r in finding.ranks):
+    if not finding.ranks or any(r not in hosts for r in finding.ranks):
         return finding
     bounds: list[tuple[float, float, HostCores]] = []
-    for host in held.values():
+    for host in {hosts[r].hostname: hosts[r] for r in finding.ranks}.values():
         removed = _removed_cpu_share(finding, run, host)
         if removed is None:
             return finding

@@ -91,11 +91,20 @@ def _library_frame(frame: str) -> bool:
     return top in sys.stdlib_module_names or top in TRAINING_STACK
 
 
+def _main_frames(dump: str) -> list[str]:
+    """The main thread's frames of a py-spy dump, innermost first."""
+    return [line.strip() for line in main_thread_stack(dump).splitlines()[1:] if line.strip()]
+
+
+def _user_frame(frames: list[str]) -> str:
+    """The innermost frame in the user's code, else the innermost one; "" if none."""
+    return next((f for f in frames if not _library_frame(f)), frames[0] if frames else "")
+
+
 def top_frame(dump: str) -> str:
     """Where the main thread of a py-spy dump is: its innermost frame in the user's code (a dataset blocked in a
     read shows ``MyData.__getitem__``, not ``Condition.wait``), else its innermost frame; "" if none."""
-    frames = [line.strip() for line in main_thread_stack(dump).splitlines()[1:] if line.strip()]
-    return next((f for f in frames if not _library_frame(f)), frames[0] if frames else "")
+    return _user_frame(_main_frames(dump))
 
 
 def loader_workers(pid: int) -> list[int]:
@@ -125,14 +134,14 @@ def worker_frame(dump: str) -> str:
     loop (a dataset's ``__getitem__``, a collate function), or, not in its loop at all, where it stopped after its
     fork. A worker's stack also holds the frames it inherited from the fork (the rank's training loop): those say
     nothing about the worker."""
-    frames = [line.strip() for line in main_thread_stack(dump).splitlines()[1:] if line.strip()]
+    frames = _main_frames(dump)
     loop = next((i for i, f in enumerate(frames) if f.startswith("_worker_loop ")), None)
     if loop is None:
         return f"not in its worker loop (stopped after its fork) at {frames[0]}" if frames else ""
     inside = frames[:loop]
     if inside and inside[-1].startswith(("get (multiprocessing/queues.py", "Queue.get (multiprocessing/queues.py")):
         return "idle, waiting for an index"
-    return next((f for f in inside if not _library_frame(f)), inside[0] if inside else frames[loop])
+    return _user_frame(inside) or frames[loop]
 
 
 def kill_loader_workers(pid: int) -> None:
@@ -145,7 +154,7 @@ def kill_loader_workers(pid: int) -> None:
 def dump_with_loader_workers(pid: int) -> tuple[str, list[str] | None]:
     """A rank's stacks, and when its main thread waits for its DataLoader workers, theirs appended (a worker stuck
     in a dataset's ``__getitem__``, a collate function or deadlocked at its fork is the hang's real place), with
-    where each worker is (``top_frame``); None instead of that list when the rank does not wait on its loader."""
+    where each worker is (``worker_frame``); None instead of that list when the rank does not wait on its loader."""
     dump = dump_stack(pid)
     if not waits_on_loader(dump):
         return dump, None
