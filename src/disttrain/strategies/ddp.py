@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from disttrain.config.schema import DDPConfig
 from disttrain.strategies.checkpointing import UniversalCheckpointing
 from disttrain.strategies.comm_hooks import build_comm_hook
+from disttrain.strategies.loaders import ForkGuardedLoaders
 from disttrain.strategies.powersgd import PowerSGDComm, state_path
 
 
@@ -45,7 +46,7 @@ FORWARD_SYNC_KWARG = (
 )
 
 
-class HookedDDPStrategy(UniversalCheckpointing, DDPStrategy):
+class HookedDDPStrategy(ForkGuardedLoaders, UniversalCheckpointing, DDPStrategy):
     """DDPStrategy that registers its comm hook on any device and checkpoints PowerSGD's per-rank state."""
 
     @property
@@ -87,7 +88,7 @@ class HookedDDPStrategy(UniversalCheckpointing, DDPStrategy):
             rank_zero_warn(f"PowerSGD resumed without its {'; '.join(dropped)}: they start from zero")
 
 
-class OneProcessStrategy(UniversalCheckpointing, SingleDeviceStrategy):
+class OneProcessStrategy(ForkGuardedLoaders, UniversalCheckpointing, SingleDeviceStrategy):
     """One process (DDP's world of 1): Lightning's single-device strategy, with the universal checkpoint layout."""
 
 

@@ -32,6 +32,7 @@ from disttrain.config.schema import DeepSpeedConfig
 from disttrain.strategies import deepspeed_state as ds
 from disttrain.strategies.checkpointing import UniversalCheckpointing
 from disttrain.strategies.deepspeed_state import full_model_state, full_optimizer_state, partition_numels
+from disttrain.strategies.loaders import ForkGuardedLoaders
 
 # DeepSpeed's op name for its CPU shared-memory collectives (deepspeed/ops/op_builder/cpu/comm.py).
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -73,7 +74,7 @@ def disable_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
 
 
-class CPUCapableDeepSpeedStrategy(UniversalCheckpointing, DeepSpeedStrategy):
+class CPUCapableDeepSpeedStrategy(ForkGuardedLoaders, UniversalCheckpointing, DeepSpeedStrategy):
     """Lightning's DeepSpeedStrategy, unchanged on GPUs; on CPU it skips the three CUDA-only assumptions.
 
     Checkpoints are the universal layout: ZeRO partitions gathered under single-process names on save and scattered

@@ -23,6 +23,7 @@ from disttrain.models.transformer import _assign, canonical_name
 from disttrain.planner.shapes import expert_shard_dim
 from disttrain.strategies.checkpointing import UniversalCheckpointing
 from disttrain.strategies.expert_parallel import apply_expert_parallel, expert_modules
+from disttrain.strategies.loaders import ForkGuardedLoaders
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -131,7 +132,7 @@ def maybe_materialize_shards(model: nn.Module, mesh: DeviceMesh) -> None:
         set_model_state_dict(model, full, options=options)
 
 
-class FSDPStrategy(UniversalCheckpointing, ModelParallelStrategy):
+class FSDPStrategy(ForkGuardedLoaders, UniversalCheckpointing, ModelParallelStrategy):
     """ModelParallelStrategy (FSDP2 on a DeviceMesh) writing and reading the universal checkpoint layout."""
 
     def __init__(self, *args: Any, cpu_offload: bool = False, **kwargs: Any) -> None:

@@ -14,10 +14,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from disttrain.config.degrees import MegatronDegrees
 from disttrain.strategies.checkpointing import UniversalCheckpointing
+from disttrain.strategies.loaders import ForkGuardedLoaders
 from disttrain.strategies.megatron.engine import build_mesh
 
 
-class MegatronStrategy(UniversalCheckpointing, ModelParallelStrategy):
+class MegatronStrategy(ForkGuardedLoaders, UniversalCheckpointing, ModelParallelStrategy):
     def __init__(self, degrees: MegatronDegrees, backend: str) -> None:
         super().__init__(
             data_parallel_size=degrees.dp,
