@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from disttrain.config.degrees import megatron_degrees
 from disttrain.config.schema import MegatronConfig, ModelConfig
+from disttrain.launch.process_exit import finish_and_exit
 from disttrain.models.module import param_groups
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 
@@ -105,3 +106,7 @@ def worker(rank: int, world: int, port: int, model_json: str, layouts_json: str,
         # No barrier on the way out of a failure: the other ranks may be blocked in a collective with this one, and
         # the spawner ends them once it sees this rank fail.
         dist.destroy_process_group()
+    # Every result is written: end without the interpreter's teardown of C++ objects, which aborts now and then
+    # around the gloo threads DTensor's meshes keep alive ("terminate called without an active exception", seen
+    # once in CI; src/disttrain/launch/process_exit.py). A failure above still reaches mp.spawn as an exception.
+    finish_and_exit(0)
