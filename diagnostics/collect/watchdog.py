@@ -137,6 +137,12 @@ def worker_frame(dump: str) -> str:
     frames = _main_frames(dump)
     loop = next((i for i, f in enumerate(frames) if f.startswith("_worker_loop ")), None)
     if loop is None:
+        if frames and frames[0].startswith("_launch (") and "popen_fork.py" in frames[0]:
+            # Still inside os.fork (the child's Python never ran): CPython's fork deadlock.
+            return (
+                f"stuck inside its fork at {frames[0]} (CPython's fork deadlock gh-112275, Python before 3.11.10 or "
+                "3.12: upgrade, or give the DataLoader multiprocessing_context='forkserver')"
+            )
         return f"not in its worker loop (stopped after its fork) at {frames[0]}" if frames else ""
     inside = frames[:loop]
     if inside and inside[-1].startswith(("get (multiprocessing/queues.py", "Queue.get (multiprocessing/queues.py")):

@@ -373,6 +373,11 @@ def test_a_loader_workers_place_is_read_inside_its_loop_not_from_the_frames_its_
     assert worker_frame(reading) == "__getitem__ (my_data.py:40)"
     forked = stack("acquire (threading.py:120)", "_bootstrap (multiprocessing/process.py:314)", *INHERITED)
     assert worker_frame(forked) == "not in its worker loop (stopped after its fork) at acquire (threading.py:120)"
+    in_fork = stack(
+        "_launch (multiprocessing/popen_fork.py:66)", "__init__ (multiprocessing/popen_fork.py:19)", *INHERITED
+    )
+    assert worker_frame(in_fork).startswith("stuck inside its fork at _launch (multiprocessing/popen_fork.py:66)")
+    assert "gh-112275" in worker_frame(in_fork) and "forkserver" in worker_frame(in_fork)
 
 
 def test_a_fork_that_has_not_named_itself_counts_as_a_loader_worker_a_spawned_helper_does_not() -> None:
