@@ -15,6 +15,10 @@ Each arm runs in its own process (an at-fork hook cannot be removed), arms inter
 the guard's kills of a silent child. On an unaffected Python (3.12+, 3.11.10+) every arm should read 0 hangs.
 
     python benchmarks/fork_deadlock.py --iters 2000 --repeats 2
+    python benchmarks/fork_deadlock.py --startup 40    # what the guard costs: time to a loader's first batch
+
+``--startup N``: no churners; N interleaved pairs of a 2-worker loader's ``iter()`` + first batch, torch's fork
+against the guard's (each worker's fork waits for the child's confirmation), median and spread of each.
 """
 
 from __future__ import annotations
@@ -90,6 +94,33 @@ def run_arm(arm: str, iters: int, churners: int, batch_timeout_s: float, confirm
     }
 
 
+def startup(pairs: int, workers: int = 2) -> None:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from disttrain.reliability.fork_guard import CONFIRMED_FORK
+
+    items = TensorDataset(torch.arange(64.0))
+    times: dict[str, list[float]] = {"fork": [], "guard": []}
+    for _ in range(pairs):
+        for arm in times:
+            loader = DataLoader(items, batch_size=4, num_workers=workers)
+            if arm == "guard":
+                loader.multiprocessing_context = CONFIRMED_FORK
+            started = time.perf_counter()
+            batches = iter(loader)
+            next(batches)
+            times[arm].append(1e3 * (time.perf_counter() - started))
+            del batches
+    for arm, ms in times.items():
+        print(
+            f"{arm:6s} first batch of a {workers}-worker loader: median {statistics.median(ms):.1f} ms "
+            f"({min(ms):.1f}..{max(ms):.1f}) over {pairs}"
+        )
+    ratio = statistics.median(times["guard"]) / statistics.median(times["fork"])
+    print(f"guard / fork: {ratio:.2f}; load {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=2000, help="DataLoader iterators per arm and repeat")
@@ -97,8 +128,12 @@ def main() -> None:
     parser.add_argument("--churners", type=int, default=4)
     parser.add_argument("--batch-timeout-s", type=float, default=5.0)
     parser.add_argument("--confirm-timeout-s", type=float, default=2.0)
+    parser.add_argument("--startup", type=int, metavar="PAIRS", help="measure the guard's start-up cost instead")
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, in its own process
     args = parser.parse_args()
+    if args.startup:
+        startup(args.startup)
+        return
     if args.arm:
         print(json.dumps(run_arm(args.arm, args.iters, args.churners, args.batch_timeout_s, args.confirm_timeout_s)))
         return
