@@ -1,8 +1,9 @@
 """Does ``expert_imbalance`` name the injected hot experts' rank and layer, at the cost the skew really has, and
 does the placement it proposes gain what it expects?
 
-Arms on 2 CPU ranks, moe-micro under ``strategy=fsdp strategy.ep=2`` (rank 0 computes experts 0-1, rank 1
-experts 2-3), interleaved per repeat (skewed, balanced, placed) so drift on a shared machine hits all of them:
+Arms on 2 CPU ranks, moe-micro (or ``--model hf-tiny-mixtral``: transformers' Mixtral, whose router the fault
+routes again) under ``strategy=fsdp strategy.ep=2`` (rank 0 computes experts 0-1, rank 1 experts 2-3),
+interleaved per repeat (skewed, balanced, placed) so drift on a shared machine hits all of them:
 
 - skewed: ``DISTTRAIN_FAULT=hot_expert@step=1,layer=1,experts=K`` on both ranks: layer 1's router favours experts
   0..K-1 (K=1: every token's top-2 holds expert 0 and rank 0 computes about two thirds of that layer's assignments;
@@ -18,6 +19,7 @@ and no warning for it on the balanced arm. A measurement: prints and exits 0 wha
 ``uptime``'s load average with its figures.
 
     python benchmarks/expert_imbalance.py [--repeats 3] [--experts 2] [--expert-hidden 768] [--keep DIR]
+    python benchmarks/expert_imbalance.py --model hf-tiny-mixtral --experts 2 --expert-hidden 768   # transformers'
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from diagnosis_accuracy import SHORT, RunResult, run_train  # noqa: E402
 
 TOLERANCE = 0.07
 BASE = [
-    "model=moe-micro",
     "strategy=fsdp",
     "strategy.ep=2",
     "hw.devices_per_node=2",
@@ -43,7 +44,7 @@ BASE = [
     "optimizer.lr=1e-3",  # a gentle lr: the balanced arm's router stays near even
 ]
 
-MODEL: list[str] = []  # --expert-hidden's override
+MODEL: list[str] = []  # --model and --expert-hidden's overrides
 
 
 def fault(experts: int) -> str:
@@ -75,11 +76,20 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=1, help="hot experts the skewed router favours (0..K-1)")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     parser.add_argument(
-        "--expert-hidden", type=int, default=None, help="model.expert_ffn_hidden (moe-micro: 64; wider cost more)"
+        "--model", default="moe-micro", help="a MoE preset: moe-micro (built-in) or hf-tiny-mixtral (transformers)"
+    )
+    parser.add_argument(
+        "--expert-hidden",
+        type=int,
+        default=None,
+        help="each expert's hidden size (moe-micro: 64, hf-tiny-mixtral: 96; wider cost more)",
     )
     args = parser.parse_args()
+    MODEL.append(f"model={args.model}")
     if args.expert_hidden:
-        MODEL.append(f"model.expert_ffn_hidden={args.expert_hidden}")
+        # An HF model's experts are sized by its own config; the built-in model's by expert_ffn_hidden.
+        key = "model.config.intermediate_size" if args.model.startswith("hf-") else "model.expert_ffn_hidden"
+        MODEL.append(f"{key}={args.expert_hidden}")
     root = args.keep or Path(tempfile.mkdtemp(prefix="expert-imbalance-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []

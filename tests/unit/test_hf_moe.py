@@ -74,6 +74,36 @@ def test_balancing_loss_is_transformers_router_aux_loss(family: str) -> None:
     torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", sorted(TINY_MOE_CONFIGS))
+def test_hot_expert_fault_routes_every_token_of_its_layer_to_the_favoured_experts(family: str) -> None:
+    """transformers' routers choose inside their forward: the fault routes their tokens again from biased logits,
+    renormalised as the family does, and the balancing loss reads the same biased logits."""
+    from disttrain.reliability.faults import HOT_EXPERT_BIAS, FaultInjection, parse_fault
+
+    model = build_hf_model(_model_cfg(TINY_MOE_CONFIGS[family]), seed=3).train()
+    k = TINY_MOE_CONFIGS[family]["num_experts_per_tok"]
+    injection = FaultInjection([parse_fault(f"hot_expert@step=2,layer=1,experts={k}")])
+    injection.rank = 0
+    injection.on_train_start(None, model)  # type: ignore[arg-type]
+    tokens = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(2))
+    first, second = moe_layers(model)
+    router = second.routing_module
+    for step, hot in ((1, False), (2, True)):
+        injection.step = step
+        seen: list[tuple] = []
+        handle = router.register_forward_hook(lambda m, a, out, seen=seen: seen.append(out))
+        model(tokens)
+        handle.remove()
+        routed = second.take_counts()[0]
+        assert (routed[:k] == [48] * k) is hot and sum(routed) == 48 * k  # every token's top-k: the favoured ones
+        assert sum(first.take_counts()[0][:k]) < 48 * k  # the other layer routes as trained
+        if hot:
+            logits, weights, _ = seen[0]
+            assert logits.max(dim=-1).values.min() > HOT_EXPERT_BIAS - 1  # the loss reads the biased logits
+            renormalised = getattr(router, "norm_topk_prob", True)
+            assert torch.allclose(weights.sum(-1), torch.ones(48), atol=1e-5) == renormalised
+
+
 def test_balancing_loss_weight_is_shared_over_layers_and_off_at_zero() -> None:
     model = build_hf_model(_model_cfg(TINY_MIXTRAL), seed=0)
     coefs = [layer.aux_loss_coef for layer in moe_layers(model)]

@@ -61,7 +61,13 @@ class HFExperts(ExpertLayer):
         self.grad_scale = 1.0  # 1 / ep under expert parallelism (see ScaleGrad)
         self.grouped_gemm: bool | None = None  # None: where grouped_gemm_fits; True/False force it (tests)
         self._logits: torch.Tensor | None = None
+        # Held outside the module tree (a tuple): the router is the MoE block's child, not this layer's.
+        self._router = (router,)
         router.register_forward_hook(self._keep_logits)
+
+    @property
+    def routing_module(self) -> nn.Module:
+        return self._router[0]
 
     def _keep_logits(self, module: nn.Module, args: Any, output: Any) -> None:
         # The router returns (logits, top-k weights, top-k indices); the balancing loss needs the logits.

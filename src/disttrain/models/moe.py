@@ -294,6 +294,12 @@ class ExpertLayer(nn.Module, abc.ABC):
     balance_key: str | None = "model.aux_loss_coef"
     capacity_key: str | None = "model.capacity_factor"
 
+    @property
+    @abc.abstractmethod
+    def routing_module(self) -> nn.Module:
+        """The module whose output routes the tokens: the router logits (built-in), or transformers' router's
+        (logits, top-k weights, top-k indices)."""
+
     @abc.abstractmethod
     def expert_weights(self) -> list[nn.Parameter]:
         """The stacked expert weights ``[E_local, ...]``."""
@@ -435,6 +441,10 @@ class MoE(ExpertLayer):
         self.tp_offset = 0
         shared_hidden = cfg.num_shared_experts * cfg.expert_hidden
         self.shared = MLP(replace(cfg, ffn_hidden=shared_hidden)) if cfg.num_shared_experts else None
+
+    @property
+    def routing_module(self) -> nn.Module:
+        return self.router
 
     def expert_weights(self) -> list[nn.Parameter]:
         return [w for w in (self.experts.w1, self.experts.w2, self.experts.w3) if w is not None]

@@ -16,7 +16,8 @@ Kinds, and where they strike:
 - ``hang@step=N``: the forward of step N blocks forever outside any collective (the hang watchdog's case);
 - ``enospc@save=N``: the checkpoint write of step N fails with ``OSError(ENOSPC)`` naming the file;
 - ``hot_expert@step=N[,layer=L][,experts=K]``: from step N on, this rank's router of MoE layer L (default 0)
-  favours experts 0..K-1 (default K=1; their logits raised by ``HOT_EXPERT_BIAS``): every token picks them, the
+  favours experts 0..K-1 (default K=1; their logits raised by ``HOT_EXPERT_BIAS``; a transformers router, which
+  chooses inside its forward, routes again from the raised logits): every token picks them, the
   load imbalance ``expert_imbalance`` reports (not a failure: the diagnosis benchmarks' injected skew). Under the
   contiguous expert-parallel placement, K hot experts up to ``E / ep`` all sit on the group's first rank.
 
@@ -106,6 +107,23 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def biased_routing(router: torch.nn.Module, output: Any, experts: int) -> Any:
+    """``output`` of a router with experts ``0..experts-1`` favoured by ``HOT_EXPERT_BIAS`` on their logits: the
+    logits themselves (built-in), or transformers' (logits, top-k weights, top-k indices) routed again from them as
+    its router does (softmax, top-k, renormalised unless ``norm_topk_prob`` is false)."""
+    logits = output[0] if isinstance(output, tuple) else output
+    bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    bias[:experts] = HOT_EXPERT_BIAS
+    logits = logits + bias
+    if not isinstance(output, tuple):
+        return logits
+    _, weights, chosen = output
+    top, indices = torch.topk(torch.softmax(logits.float(), dim=-1), chosen.shape[-1], dim=-1)
+    if getattr(router, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(weights.dtype), indices
+
+
 class FaultInjection(pl.Callback):
     """Strikes this rank with its faults at the configured points (see the module docstring)."""
 
@@ -140,20 +158,19 @@ class FaultInjection(pl.Callback):
             module.register_forward_hook(self._after_forward)
 
     def _skew_router(self, pl_module: pl.LightningModule, fault: Fault) -> None:
-        routers = [m.router for m in pl_module.modules() if hasattr(m, "router") and hasattr(m, "take_counts")]
+        routers = [m.routing_module for m in pl_module.modules() if hasattr(m, "routing_module")]
         if fault.layer >= len(routers):
             raise ValueError(
                 f"{FAULT_ENV}: hot_expert layer={fault.layer}, but the model has {len(routers)} MoE layers"
             )
 
-        def favour_first_experts(module: torch.nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor | None:
+        def favour_first_experts(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if not module.training or self.step < fault.step:
                 return None
-            bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
-            bias[: fault.experts] = HOT_EXPERT_BIAS
-            return logits + bias
+            return biased_routing(module, output, fault.experts)
 
-        routers[fault.layer].register_forward_hook(favour_first_experts)
+        # Before the layer's own hooks (an HF layer reads the logits for its balancing loss from one).
+        routers[fault.layer].register_forward_hook(favour_first_experts, prepend=True)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         step = trainer.global_step + 1
