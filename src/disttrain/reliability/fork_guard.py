@@ -2,8 +2,8 @@
 
 CPython before 3.12 (and before 3.11.10, 3.10.15, 3.9.20, 3.8.20) reinitialises the interpreter's thread-state
 lock in a forked child only after it has already taken it (gh-112275). A fork taken while another thread holds that
-lock gives a child that waits on it forever, before it runs a line of Python. In a training rank some thread holds it
-whenever a native thread enters Python for the first time: gloo's (and NCCL's) work threads do so each time they
+lock gives a child that waits on it forever, before it runs a line of Python. In a training rank a native thread holds
+it, briefly, each time it enters Python without a thread state of its own: gloo's work threads do so each time they
 drop the last reference to a tensor Python has let go of (``ProcessGroupGloo::AsyncWork::~AsyncWork`` ->
 ``decref_pyobject`` -> ``PyThreadState_New``), right after a collective, e.g. the one Lightning runs just before it
 forks the DataLoader workers. The rank then waits for a batch that never comes (seen in CI: the worker's stack ended
