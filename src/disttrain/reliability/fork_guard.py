@@ -26,7 +26,6 @@ import os
 import select
 import signal
 import sys
-import time
 from multiprocessing import context as mp_context
 from multiprocessing import popen_fork
 from typing import Any
@@ -72,18 +71,9 @@ class ForkNeverConfirmed(RuntimeError):
 
 def _wait_for_confirmation(fd: int, timeout_s: float) -> bool:
     """True once the child confirmed or died (EOF: its failure is the process's own, reported as usual); False if
-    it stayed silent for ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            ready, _, _ = select.select([fd], [], [], left)
-        except InterruptedError:
-            continue
-        if ready:
-            return True
+    it stayed silent for ``timeout_s`` (``select`` resumes after a signal with the time left, PEP 475)."""
+    readable, _, _ = select.select([fd], [], [], timeout_s)
+    return bool(readable)
 
 
 class _ConfirmedForkPopen(popen_fork.Popen):
