@@ -25,6 +25,7 @@ measurement: it prints the table and exits 0 whether the targets are met or not.
     python benchmarks/diagnosis_accuracy.py --from DIR [--repeats N]   # re-judge kept runs with today's analysis
     python benchmarks/diagnosis_accuracy.py --seed N --from DIR        # the same for a kept matrix of that seed
     python benchmarks/diagnosis_accuracy.py --seed N --world 4         # a generated matrix of 4-rank runs
+    python benchmarks/diagnosis_accuracy.py --seed N --work mixed      # faults asleep or computing, per draw
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from diagnosis_matrix import Draw, draw_matrix  # noqa: E402
+from diagnosis_matrix import WORK_CHOICES, Draw, draw_matrix  # noqa: E402
 
 HEALTHY_GAIN = 0.05  # a healthy run may have this much to gain without a warning being justified
 COST_TOLERANCE = 0.05  # reported cost within 5 points of the measured one
@@ -557,6 +558,12 @@ def main() -> None:
     )
     parser.add_argument("--size", type=int, default=40, help="scenarios in a generated matrix (default 40)")
     parser.add_argument("--world", type=int, default=2, help="ranks per run in a generated matrix (default 2)")
+    parser.add_argument(
+        "--work",
+        choices=WORK_CHOICES,
+        default="sleep",
+        help="a generated matrix's faults asleep (default), computing, or mixed (drawn per scenario)",
+    )
     parser.add_argument("--json", type=Path, help="write the verdicts here")
     parser.add_argument("--keep", type=Path, help="keep the run directories here (default: a temporary one)")
     parser.add_argument(
@@ -569,7 +576,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.seed is not None:
         keep = args.reuse or args.keep
-        run_matrix(args.seed, args.size, args.repeats, keep, args.json, reuse=args.reuse is not None, world=args.world)
+        reuse = args.reuse is not None
+        run_matrix(args.seed, args.size, args.repeats, keep, args.json, reuse=reuse, world=args.world, work=args.work)
         return
     names = [s.name for s in SCENARIOS]
     unknown = [n for n in args.only if n not in names]
@@ -598,8 +606,9 @@ def run_matrix(
     json_path: Path | None,
     reuse: bool = False,
     world: int = 2,
+    work: str = "sleep",
 ) -> None:
-    draws = draw_matrix(seed, size, world)
+    draws = draw_matrix(seed, size, world, work)
     with tempfile.TemporaryDirectory() as tmp:
         root = keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

@@ -4,10 +4,11 @@ A fixed list of scenarios invites tuning the detectors to it; a new seed draws a
 (2 ranks, or ``world`` ranks: 4 share this box's 2 cores) with one injected fault (``benchmarks/injected.py``) and
 its counterfactual, the same run without the fault. The fault's size is a share of the counterfactual's own step
 (``magnitude``, 10% to 300%), so the counterfactual runs first and the fault is scaled from what it measured.
-Ground truth is the measured cost (1 - mean throughput with the fault / without it), not the injector's label: a
-fault that costs less than ``HEALTHY_GAIN`` of the run is judged as a healthy run (no warning or critical finding),
-and a slow link is ``comm_bound`` only where its measured cost reaches comm_bound's threshold (``low_overlap``
-below).
+A fault holds its rank asleep (a wait: I/O, a remote store) or computing (more work, a slower core: ``work``,
+``--work compute|mixed``); the two differ where ranks share cores. Ground truth is the measured cost (1 - mean
+throughput with the fault / without it), not the injector's label: a fault that costs less than ``HEALTHY_GAIN`` of
+the run is judged as a healthy run (no warning or critical finding), and a slow link is ``comm_bound`` only where its
+measured cost reaches comm_bound's threshold (``low_overlap`` below).
 
 Pure: drawing and describing scenarios; ``diagnosis_accuracy.py --seed N`` runs them.
 """
@@ -33,6 +34,7 @@ FAULTS = ("forward", "backward", "optimizer", "data-one", "data-all", "stall", "
 MODELS = ("builtin", "user", "hf")
 MAGNITUDE = (0.1, 3.0)  # of the counterfactual's step
 STALL_EVERY = (4, 10)
+WORK_CHOICES = ("sleep", "compute", "mixed")  # mixed: each draw's fault asleep or computing, drawn per draw
 
 PLUGIN_DATA = ["~data", "+data._target_=benchmarks.injected.RandomTokens"]
 USER_MODEL = [
@@ -57,6 +59,7 @@ class Draw:
     model: str
     every: int = 1  # stall: one occurrence every N steps
     world: int = 2  # ranks of the run
+    work: str = "sleep"  # the fault's time asleep or computing (benchmarks/injected.py ``hold``)
 
     @property
     def name(self) -> str:
@@ -64,7 +67,8 @@ class Draw:
         size = "" if self.fault == "none" else f"-{round(100 * self.magnitude)}pct"
         every = f"-every{self.every}" if self.every > 1 else ""
         world = f"-w{self.world}" if self.world != 2 else ""
-        return f"{self.fault}-{where}-{self.strategy}-{self.model}{size}{every}{world}"
+        work = "-cpu" if self.work == "compute" else ""
+        return f"{self.fault}-{where}-{self.strategy}-{self.model}{size}{every}{world}{work}"
 
     @property
     def inherent(self) -> tuple[str, ...]:
@@ -98,15 +102,17 @@ class Draw:
         ranks = [] if self.rank is None else [f"+data.slow_ranks=[{self.rank}]"]
         model_ranks = [] if self.rank is None else [f"+model.slow_ranks=[{self.rank}]"]
         every = [f"+data.stall_every={self.every}"] if self.every > 1 else []
+        work = [] if self.work == "sleep" else [f"+model.work={self.work}"]
+        data_work = [] if self.work == "sleep" else [f"+data.work={self.work}"]
         base = self._base()
         if self.fault in ("forward", "backward") or (self.fault == "stall" and self.model == "user"):
             phase = "forward" if self.fault == "stall" else self.fault
             stall = [f"+model.stall_every={self.every}"] if self.every > 1 else []
-            return [*base, f"+model.phase={phase}", f"+model.sleep_s={seconds}", *model_ranks, *stall]
+            return [*base, f"+model.phase={phase}", f"+model.sleep_s={seconds}", *model_ranks, *stall, *work]
         if self.fault == "optimizer":
-            return [*base, f"+data.optimizer_sleep_s={seconds}", *ranks]
+            return [*base, f"+data.optimizer_sleep_s={seconds}", *ranks, *data_work]
         if self.fault in ("data-one", "data-all", "stall"):
-            return [*base, f"+data.delay_s={seconds}", *ranks, *every]
+            return [*base, f"+data.delay_s={seconds}", *ranks, *every, *data_work]
         if self.fault == "slow-link":
             # The link takes magnitude x step to move a step's gradients.
             return [*base, f"+data.link_bytes_per_s={GRADIENT_BYTES[self.model] / max(seconds, 1e-3):.4g}"]
@@ -149,11 +155,14 @@ def compatible(strategy: str, fault: str, model: str, world: int = 2) -> bool:
     return not (strategy == "megatron-tp2" and fault in ("forward", "backward", "data-one", "stall"))
 
 
-def draw_matrix(seed: int, size: int = 40, world: int = 2) -> list[Draw]:
+def draw_matrix(seed: int, size: int = 40, world: int = 2, work: str = "sleep") -> list[Draw]:
     """``size`` scenarios from ``seed``: every fault kind and every strategy at least once (where compatible), the
     rest drawn uniformly over the compatible (strategy, fault, model) cells, with rank (of ``world``), magnitude
-    (log-uniform) and stall period drawn per scenario."""
-    rng = random.Random(seed)
+    (log-uniform) and stall period drawn per scenario. ``work``: every fault asleep, computing, or ``mixed`` (each
+    draw's own, from a stream of its own, so a seed draws the same scenarios whatever ``work`` says)."""
+    if work not in WORK_CHOICES:
+        raise ValueError(f"work: unknown {work!r}; use one of {', '.join(WORK_CHOICES)}")
+    rng, work_rng = random.Random(seed), random.Random(f"work-{seed}")
     cells = [(s, f, m) for s in STRATEGIES for f in FAULTS for m in MODELS if compatible(s, f, m, world)]
     chosen: list[tuple[str, str, str]] = []
     for fault in FAULTS:
@@ -169,5 +178,7 @@ def draw_matrix(seed: int, size: int = 40, world: int = 2) -> list[Draw]:
         low, high = MAGNITUDE
         magnitude = 0.0 if fault == "none" else round(math.exp(rng.uniform(math.log(low), math.log(high))), 3)
         every = rng.randint(*STALL_EVERY) if fault == "stall" else 1
-        draws.append(Draw(strategy, fault, rank, magnitude, model, every, world))
+        kind = work_rng.choice(("sleep", "compute")) if work == "mixed" else work
+        kind = "sleep" if fault in ("none", "slow-link") else kind  # nothing held / the link's delay is a wait
+        draws.append(Draw(strategy, fault, rank, magnitude, model, every, world, kind))
     return draws

@@ -1,8 +1,9 @@
 """Injected bottlenecks for ``benchmarks/diagnosis_accuracy.py``: a model and a datamodule plugged in by ``_target_``.
 
-Each injection is a sleep on chosen local ranks in one phase of the step (data, forward, backward, optimizer),
-or DDP's gradient all-reduce over an emulated slow link (``link_bytes_per_s``: a delay per collective in proportion
-to the bytes it sends, on top of whichever ``strategy.comm_hook`` the run uses), switched off by its own argument,
+Each injection holds chosen local ranks in one phase of the step (data, forward, backward, optimizer), asleep or
+computing (``work``: a wait on I/O, or more work / a slower core), or sends DDP's gradient all-reduce over an emulated
+slow link (``link_bytes_per_s``: a delay per collective in proportion to the bytes it sends, on top of whichever
+``strategy.comm_hook`` the run uses), switched off by its own argument,
 so a scenario's counterfactual is the same command with the fault off. The communication counterfactual keeps
 every rank's gradients local (``local_grads=true``): the same per-rank work without the gradient all-reduce.
 All of it is benchmark-only: nothing here is imported by the product.
@@ -18,6 +19,27 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+WORK = ("sleep", "compute")
+
+
+def hold(seconds: float, work: str = "sleep") -> None:
+    """Hold this thread for ``seconds``: ``sleep`` waits (I/O, a remote store: the core is free meanwhile);
+    ``compute`` spends ``seconds`` of this thread's CPU on matmuls, as a rank with more work or a slower core does.
+    Compute is a fixed amount of CPU, not of wall time: on a contended box it stretches, as real work does. The
+    matmuls release the GIL as torch's kernels do, and are few (~0.2 ms each on this box): the profiler window
+    records every op, and tens of thousands of tiny ones made its step seconds long, a cost of the injection.
+    """
+    if work == "sleep":
+        time.sleep(seconds)
+        return
+    if work != "compute":
+        raise ValueError(f"work: unknown kind {work!r}; use one of {', '.join(WORK)}")
+    a, b = torch.rand(192, 192), torch.rand(192, 192)
+    out = torch.empty(192, 192)
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        torch.mm(a, b, out=out)
 
 
 def local_rank() -> int:
@@ -156,8 +178,8 @@ def slow_down_gradient_link(link: SlowLink) -> None:
 _optimizer_sleep: dict[str, object] = {}
 
 
-def sleep_in_optimizer_step(sleep_s: float, slow_ranks: list[int] | None, every: int = 1) -> None:
-    """Every optimizer step on ``slow_ranks`` ends with a ``sleep_s`` sleep (a global torch optimizer hook).
+def sleep_in_optimizer_step(sleep_s: float, slow_ranks: list[int] | None, every: int = 1, work: str = "sleep") -> None:
+    """Every optimizer step on ``slow_ranks`` ends held for ``sleep_s`` (``hold``; a global torch optimizer hook).
 
     A post-step hook, not a pre-step one: Lightning runs forward and backward in the closure that
     ``optimizer.step`` calls, so a pre-step sleep would land before the forward.
@@ -169,7 +191,7 @@ def sleep_in_optimizer_step(sleep_s: float, slow_ranks: list[int] | None, every:
 
     if not _optimizer_sleep:
         register_optimizer_step_post_hook(_sleep_after_step)
-    _optimizer_sleep.update(sleep_s=sleep_s, slow_ranks=slow_ranks, every=every, steps=0)
+    _optimizer_sleep.update(sleep_s=sleep_s, slow_ranks=slow_ranks, every=every, steps=0, work=work)
 
 
 def _sleep_after_step(optimizer: object, args: object, kwargs: object) -> None:
@@ -177,7 +199,7 @@ def _sleep_after_step(optimizer: object, args: object, kwargs: object) -> None:
     if _optimizer_sleep["steps"] % _optimizer_sleep["every"]:  # type: ignore[operator]
         return
     if is_slow_here(_optimizer_sleep["slow_ranks"]):  # type: ignore[arg-type]
-        time.sleep(_optimizer_sleep["sleep_s"])  # type: ignore[arg-type]
+        hold(_optimizer_sleep["sleep_s"], _optimizer_sleep["work"])  # type: ignore[arg-type]
 
 
 class RandomTokens(pl.LightningDataModule):
@@ -185,7 +207,8 @@ class RandomTokens(pl.LightningDataModule):
 
     ``optimizer_sleep_s`` slows the optimizer step of ``slow_ranks`` instead, and ``link_bytes_per_s`` makes
     DDP's gradient all-reduce as slow as over a link of that bandwidth (set here so that a built-in model can
-    carry the fault); ``local_grads`` is the communication counterfactual (see ``local_gradient_hook``).
+    carry the fault); ``local_grads`` is the communication counterfactual (see ``local_gradient_hook``). ``work``:
+    the delays sleep or compute (``hold``).
     """
 
     def __init__(
@@ -201,6 +224,7 @@ class RandomTokens(pl.LightningDataModule):
         num_sequences: int = 2048,
         stall_every: int = 1,
         num_workers: int = 0,
+        work: str = "sleep",
     ) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(0)
@@ -211,8 +235,11 @@ class RandomTokens(pl.LightningDataModule):
         self.slow_ranks = slow_ranks
         self.stall_every = stall_every  # the delay only on every N-th batch: an intermittent stall
         self.num_workers = num_workers  # loader processes: the lever of an input-bound run (tune_accuracy.py)
+        if work not in WORK:
+            raise ValueError(f"data.work: unknown kind {work!r}; use one of {', '.join(WORK)}")
+        self.work = work
         if optimizer_sleep_s:
-            sleep_in_optimizer_step(optimizer_sleep_s, slow_ranks, stall_every)
+            sleep_in_optimizer_step(optimizer_sleep_s, slow_ranks, stall_every, work)
         if local_grads:
             use_ddp_comm_hook(local_gradient_hook)
         elif link_bytes_per_s:
@@ -225,7 +252,7 @@ class RandomTokens(pl.LightningDataModule):
         def collate(items: list) -> tuple[torch.Tensor, torch.Tensor]:
             batches[0] += 1
             if delay_s and batches[0] % self.stall_every == 0:
-                time.sleep(delay_s)
+                hold(delay_s, self.work)
             return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
         workers = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
@@ -238,23 +265,24 @@ class RandomTokens(pl.LightningDataModule):
 
 
 class SleepInBackward(torch.autograd.Function):
-    """Identity whose backward sleeps: a rank that is slow in its backward pass."""
+    """Identity whose backward is held (``hold``): a rank that is slow in its backward pass."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sleep_s: float) -> torch.Tensor:
-        ctx.sleep_s = sleep_s
+    def forward(ctx, x: torch.Tensor, sleep_s: float, work: str) -> torch.Tensor:
+        ctx.sleep_s, ctx.work = sleep_s, work
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.sleep_s)
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        hold(ctx.sleep_s, ctx.work)
+        return grad, None, None
 
 
 class InjectedModel(nn.Module):
-    """An MLP language model (``blocks`` for FSDP) that sleeps ``sleep_s`` in ``phase`` on ``slow_ranks``.
+    """An MLP language model (``blocks`` for FSDP) held ``sleep_s`` in ``phase`` on ``slow_ranks``.
 
-    ``phase`` is forward, backward or optimizer; ``sleep_s=0`` is the healthy counterfactual.
+    ``phase`` is forward, backward or optimizer; ``sleep_s=0`` is the healthy counterfactual; ``work``: asleep or
+    computing (``hold``).
     """
 
     def __init__(
@@ -268,17 +296,20 @@ class InjectedModel(nn.Module):
         slow_ranks: list[int] | None = None,
         local_grads: bool = False,
         stall_every: int = 1,
+        work: str = "sleep",
     ) -> None:
         super().__init__()
         if phase not in ("forward", "backward", "optimizer"):
             raise ValueError(f"model.phase: unknown phase {phase!r}; use forward, backward or optimizer")
+        if work not in WORK:
+            raise ValueError(f"model.work: unknown kind {work!r}; use one of {', '.join(WORK)}")
         self.embed = nn.Embedding(vocab_size, width)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
         self.head = nn.Linear(width, vocab_size)
-        self.phase, self.sleep_s, self.slow_ranks = phase, sleep_s, slow_ranks
+        self.phase, self.sleep_s, self.slow_ranks, self.work = phase, sleep_s, slow_ranks, work
         self.stall_every, self.calls = stall_every, 0  # sleep only in every N-th training forward: a stall
         if sleep_s and phase == "optimizer":
-            sleep_in_optimizer_step(sleep_s, slow_ranks, stall_every)
+            sleep_in_optimizer_step(sleep_s, slow_ranks, stall_every, work)
         if local_grads:
             use_ddp_comm_hook(local_gradient_hook)
 
@@ -288,10 +319,10 @@ class InjectedModel(nn.Module):
         slow = self.training and self.sleep_s > 0 and is_slow_here(self.slow_ranks)
         slow = slow and self.calls % self.stall_every == 0
         if slow and self.phase == "forward":
-            time.sleep(self.sleep_s)
+            hold(self.sleep_s, self.work)
         h = self.embed(tokens)
         if slow and self.phase == "backward":
-            h = SleepInBackward.apply(h, self.sleep_s)
+            h = SleepInBackward.apply(h, self.sleep_s, self.work)
         for block in self.blocks:
             h = block(h)
         return self.head(h)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks.diagnosis_matrix import FAULTS, STRATEGIES, Draw, compatible, draw_matrix
@@ -35,8 +37,10 @@ def test_every_draw_composes_with_the_real_config(world: int) -> None:
                 if not compatible(strategy, fault, model, world):
                     continue
                 rank = None if fault == "data-all" else world - 1
-                draw = Draw(strategy, fault, rank, 0.5, model, 5 if fault == "stall" else 1, world)
-                commands.update(tuple(overrides) for overrides in (draw.counterfactual(), draw.fault_overrides(0.2)))
+                for work in ("sleep", "compute") if world == 2 else ("sleep",):  # a fault's keys: the same anywhere
+                    draw = Draw(strategy, fault, rank, 0.5, model, 5 if fault == "stall" else 1, world, work)
+                    arms = (draw.counterfactual(), draw.fault_overrides(0.2))
+                    commands.update(tuple(overrides) for overrides in arms)
     for overrides in sorted(commands):
         cfg = parse_run_config(compose_train(list(overrides)))
         validate_run(cfg)
@@ -82,3 +86,28 @@ def test_a_healthy_ddp_draw_is_measured_against_local_gradients_and_other_layout
     assert set(Draw("fsdp", "none", None, 0.0, "user").inherent) == {"low_overlap", "comm_bound"}
     assert set(Draw("megatron-pp2", "data-all", None, 0.3, "builtin").inherent) == {
         "pipeline_bubble", "low_overlap", "comm_bound"}  # fmt: skip
+
+
+def test_work_holds_a_fault_computing_without_changing_which_scenarios_a_seed_draws() -> None:
+    asleep, mixed, computing = (draw_matrix(11, 30, work=work) for work in ("sleep", "mixed", "compute"))
+    assert [replace(d, work="sleep") for d in mixed] == asleep == [replace(d, work="sleep") for d in computing]
+    assert {d.work for d in asleep} == {"sleep"}
+    assert {d.work for d in mixed} == {"sleep", "compute"}  # drawn per scenario
+    assert all(d.work == "sleep" for d in computing if d.fault in ("none", "slow-link"))  # nothing held / a wait
+    assert all(d.name.endswith("-cpu") == (d.work == "compute") for d in mixed)
+    assert draw_matrix(11, 30, work="mixed") == mixed  # reproducible
+    with pytest.raises(ValueError, match="work"):
+        draw_matrix(11, 30, work="busy")
+
+
+@pytest.mark.parametrize(
+    ("fault", "model", "key"),
+    [("backward", "user", "+model.work=compute"), ("optimizer", "builtin", "+data.work=compute"),
+     ("data-one", "hf", "+data.work=compute"), ("stall", "user", "+model.work=compute"),
+     ("stall", "builtin", "+data.work=compute")],
+)  # fmt: skip
+def test_a_computing_fault_reaches_the_code_that_holds_its_rank(fault: str, model: str, key: str) -> None:
+    draw = Draw("ddp", fault, 1, 0.5, model, 5 if fault == "stall" else 1, work="compute")
+    assert key in draw.fault_overrides(0.2)
+    assert not any(".work=" in o for o in draw.counterfactual())  # the counterfactual has no fault to hold
+    assert not any(".work=" in o for o in replace(draw, work="sleep").fault_overrides(0.2))  # sleep: the default
