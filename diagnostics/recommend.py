@@ -7,6 +7,7 @@ finding without a config lever (a slow host, a hot GPU, a hang) says so in ``why
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ from diagnostics.analysis import Analysis, Finding
 from diagnostics.analysis.comm_split import strategy_split
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import pct
+from diagnostics.analysis.pauses import INTERVAL_KEYS
 from diagnostics.analysis.thresholds import AMORTIZED_MIN, PLACEMENT_MIN_CUT, TOKENS_MATERIAL, TP_MATERIAL
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
@@ -54,6 +56,9 @@ class Recommendation:
     # ``diagnose --ab`` compares step times; a lever against non-finite values changes whether a run survives,
     # which two short runs cannot show, so it is not offered for A/B.
     ab_testable: bool = True
+    # What its A/B compares: the training steps' tokens/s, or ``loop_tokens_per_s`` (the loop's wall-clock rate,
+    # validation and checkpoint writes included) for a lever that changes time outside the steps.
+    metric: str = "tokens_per_s"
 
     @property
     def override(self) -> str:
@@ -491,6 +496,56 @@ def for_host_overhead(finding: Finding, ctx: RunContext) -> list[Recommendation]
     return recs
 
 
+# A kind of pause is made this much rarer at least: its share of the loop then falls to about this, so the run's
+# pauses together stay under the warning cost.
+PAUSE_TARGET_SHARE = 0.02
+PAUSE_TRADE_OFFS = {
+    "validation": "a validation loss every {n} steps instead of every {old}",
+    "checkpoint": "a crash or preemption loses up to {n} steps of work instead of {old}",
+}
+
+
+_PAUSE_NAMES = {"validation": "validations", "checkpoint": "checkpoint writes"}
+
+
+def periodic_count(every: int, max_steps: int) -> int:
+    """Pauses due before the last step (the one at the last step comes whatever the interval)."""
+    return (max_steps - 1) // every if every > 0 else 0
+
+
+def for_pauses(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    """Each kind of pause made rarer, most costly first: its interval multiplied until its share is about
+    PAUSE_TARGET_SHARE (but one still comes before the last step); the gain is the share of its pauses that no
+    longer come in the run's steps."""
+    shares = finding.evidence.get("share_by_what") or {}
+    max_steps = ctx.get("trainer.max_steps")
+    recs: list[Recommendation] = []
+    for what, share in sorted(shares.items(), key=lambda item: -float(item[1] or 0.0)):
+        key, share = INTERVAL_KEYS.get(what), float(share or 0.0)
+        every = ctx.get(key) if key else None
+        if key is None or not isinstance(every, int) or every < 1 or not isinstance(max_steps, int):
+            recs.append(_no_lever(f"{what} every ? steps: its interval is not in this run's config", "-"))
+            continue
+        before = periodic_count(every, max_steps)
+        # At most as rare as keeps one of them inside the run: a run validates or saves for a reason.
+        factor = max(2, min(math.ceil(share / PAUSE_TARGET_SHARE), before))
+        rarer = every * factor
+        saved = 1.0 - periodic_count(rarer, max_steps) / before if before else 0.0
+        why = (
+            f"{_PAUSE_NAMES.get(what, what)} take {pct(share)} of the training loop, every {every} steps; every "
+            f"{rarer} steps they come "
+            f"{factor}x less often"
+        )
+        effect = f"{pct(share * saved)} less wall-clock time for the same steps; " + PAUSE_TRADE_OFFS.get(
+            what, "{n} steps apart instead of {old}"
+        ).format(n=rarer, old=every)
+        basis = f"the {what} pauses that no longer come: {before} -> {periodic_count(rarer, max_steps)} in the run"
+        fraction = finding.cost_fraction or 1.0
+        rec = replace(_rec(key, rarer, why, effect), metric="loop_tokens_per_s")
+        recs.append(rec.gaining(gain(finding, share * saved / fraction, basis)))
+    return recs
+
+
 def for_low_mfu(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     recs: list[Recommendation] = []
     if ctx.on_gpu and ctx.get("precision.name") == "fp32":
@@ -733,6 +788,7 @@ RECOMMENDERS = {
     "host_overhead": for_host_overhead,
     "low_mfu": for_low_mfu,
     "pipeline_bubble": for_pipeline_bubble,
+    "pauses": for_pauses,
     "throttling": for_throttling,
     "hang": for_hang,
 }
@@ -814,6 +870,7 @@ class AbTest:
     # The share of the step the recommendation expects to save: stored beside the measured change in the verdict.
     expected_gain: float | None = None
     finding: str | None = None  # the kind of the finding it answers (the advice ledger scores advice per kind)
+    metric: str = "tokens_per_s"  # what its arms compare (Recommendation.metric)
 
     def shell(self) -> str:
         return f"# {self.note}\npython -m train " + " ".join(shlex.quote(a) for a in self.argv)
@@ -851,7 +908,7 @@ def ab_test(rec: Recommendation, ctx: RunContext, original: list[str], run_dir: 
     recommended = (*base, *rec.pinned, f"{key}={rec.value}")
     gain = rec.expected_gain.get("fraction")
     expected = float(gain) if isinstance(gain, (int, float)) else None
-    return AbTest(rec.key, multirun, note, tuple(original), recommended, rec.override, expected)
+    return AbTest(rec.key, multirun, note, tuple(original), recommended, rec.override, expected, metric=rec.metric)
 
 
 def _original_overrides(analysis: Analysis) -> list[str]:

@@ -106,6 +106,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
         "aux_loss_key", "capacity_key", "routed_flops_per_token", "layer_ids", "placement",
     ),
     "experts": ("step", "routed", "dropped"),
+    "pause": ("what", "step", "seconds", "start_t"),  # validation or a checkpoint write (collect/steps.Pause)
     "end": ("steps", "wall_s", "collectors_s"),
 }  # fmt: skip
 

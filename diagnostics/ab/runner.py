@@ -34,6 +34,7 @@ class Arm:
     label: str  # "original" or the recommendation's override
     overrides: tuple[str, ...]  # after ``python -m train``
     expected_gain: float | None = None  # share of the step the recommendation expects to save (None: original)
+    metric: str = "tokens_per_s"  # what its test compares (RunOutcome.rate): the steps' rate or the loop's
 
     def argv(self, run_dir: Path) -> list[str]:
         return [*self.overrides, f"hydra.run.dir={run_dir}"]
@@ -47,7 +48,7 @@ def plan_arms(tests: list[AbTest]) -> list[Arm]:
     if not tests:
         return []
     arms = [Arm(ORIGINAL, "original", tests[0].original)]
-    return arms + [Arm(f"B{i}", t.override, t.recommended, t.expected_gain) for i, t in enumerate(tests, 1)]
+    return arms + [Arm(f"B{i}", t.override, t.recommended, t.expected_gain, t.metric) for i, t in enumerate(tests, 1)]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,14 @@ class RunOutcome:
     tokens_per_s: float | None  # None: the run failed
     error: str | None = None
     seconds: float = 0.0
+    # Tokens over the training loop's wall-clock time, validation and checkpoint writes included (analysis.pauses).
+    loop_tokens_per_s: float | None = None
+
+    def rate(self, metric: str) -> float | None:
+        """``tokens_per_s`` (training steps only) or ``loop_tokens_per_s``; None for a failed run."""
+        if self.tokens_per_s is None:
+            return None
+        return self.loop_tokens_per_s if metric == "loop_tokens_per_s" else self.tokens_per_s
 
 
 @dataclass
@@ -73,10 +82,10 @@ class AbSet:
     rounds: int = 0
 
     def aligned(self, arm: ArmRuns) -> tuple[list[float | None], list[float | None]]:
-        """(original, arm) tokens/s over the rounds ``arm`` ran: the paired samples of its test."""
-        original = self.arms[0]
+        """(original, arm) rates over the rounds ``arm`` ran, in the arm's metric: the paired samples of its test."""
+        original, metric = self.arms[0], arm.arm.metric
         rounds = sorted(arm.rounds)
-        return [original.rounds[r].tokens_per_s for r in rounds], [arm.rounds[r].tokens_per_s for r in rounds]
+        return [original.rounds[r].rate(metric) for r in rounds], [arm.rounds[r].rate(metric) for r in rounds]
 
 
 def next_set_dir(run_dir: Path) -> Path:
@@ -101,11 +110,17 @@ def claim_set_dir(run_dir: Path) -> Path:
 
 def tokens_per_s(run_dir: Path) -> float | None:
     """The run's tokens/s as its report states it (the analysis reader), or None without telemetry."""
+    return rates(run_dir)[0]
+
+
+def rates(run_dir: Path) -> tuple[float | None, float | None]:
+    """(training steps' tokens/s, the loop's wall-clock tokens/s) as the report states them; Nones without
+    telemetry."""
     try:
         summary, _ = summarize(load_run(run_dir))
     except FileNotFoundError:
-        return None
-    return summary.tokens_per_s
+        return None, None
+    return summary.tokens_per_s, (summary.loop or {}).get("loop_tokens_per_s")
 
 
 def _last_line(log: Path) -> str:
@@ -131,17 +146,19 @@ def run_train(argv: list[str], run_dir: Path) -> RunOutcome:
     seconds = time.monotonic() - start
     if code != 0:
         return RunOutcome(run_dir, None, f"exit code {code}: {_last_line(log)} (log: {log})", seconds)
-    value = tokens_per_s(run_dir)
+    value, loop = rates(run_dir)
     if value is None:
         return RunOutcome(run_dir, None, f"no tokens/s recorded in {run_dir}/telemetry (log: {log})", seconds)
-    return RunOutcome(run_dir, value, None, seconds)
+    return RunOutcome(run_dir, value, None, seconds, loop)
 
 
 Launcher = Callable[[Arm, Path], RunOutcome]
 
 
-def _say_outcome(say: Callable[[str], None], round_no: int, arm: Arm, outcome: RunOutcome) -> None:
+def _say_outcome(say: Callable[[str], None], round_no: int, arm: Arm, outcome: RunOutcome, loop: bool) -> None:
     what = f"{outcome.tokens_per_s:,.0f} tokens/s" if outcome.tokens_per_s is not None else f"failed, {outcome.error}"
+    if loop and outcome.loop_tokens_per_s is not None:
+        what += f" ({outcome.loop_tokens_per_s:,.0f} with validation and checkpoints)"
     say(f"ab: round {round_no} {arm.name} ({arm.label}): {what} [{outcome.seconds:.0f} s]")
 
 
@@ -159,11 +176,12 @@ def run_ab(
     arms = [ArmRuns(arm) for arm in plan_arms(tests)]
     ab = AbSet(set_dir or claim_set_dir(run_dir), arms)
     active = arms[1:]
+    loop = any(runs.arm.metric == "loop_tokens_per_s" for runs in active)
     for round_no in range(1, max_repeats + 1):
         for runs in [arms[0], *active]:  # the original first: every round has its own baseline
             outcome = launch(runs.arm, ab.set_dir.resolve() / f"{round_no:02d}-{runs.arm.name}")
             runs.rounds[round_no] = outcome
-            _say_outcome(say, round_no, runs.arm, outcome)
+            _say_outcome(say, round_no, runs.arm, outcome, loop)
         ab.rounds = round_no
         if round_no >= repeats:
             active = [runs for runs in active if needs_more(*ab.aligned(runs))]

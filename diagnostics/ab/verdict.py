@@ -21,8 +21,8 @@ MERGE_LOCK = ".verdict.lock"  # held while the merged verdict is read and rewrit
 SCHEMA_VERSION = 1
 
 
-def _arm_json(runs: list[RunOutcome], run_root: Path) -> dict[str, Any]:
-    stats = arm_stats([r.tokens_per_s for r in runs])
+def _arm_json(runs: list[RunOutcome], run_root: Path, metric: str) -> dict[str, Any]:
+    stats = arm_stats([r.rate(metric) for r in runs])
     return {
         "median_tokens_per_s": stats.median,
         "min_tokens_per_s": stats.low,
@@ -30,7 +30,7 @@ def _arm_json(runs: list[RunOutcome], run_root: Path) -> dict[str, Any]:
         "spread": stats.spread,
         "runs": stats.runs,
         "failed": stats.failed,
-        "tokens_per_s": [r.tokens_per_s for r in runs],
+        "tokens_per_s": [r.rate(metric) for r in runs],
         "run_dirs": [os.path.relpath(r.run_dir, run_root) for r in runs],
         "errors": [r.error for r in runs if r.error],
     }
@@ -40,7 +40,8 @@ def _test_json(ab: AbSet, runs: ArmRuns, run_root: Path) -> dict[str, Any]:
     rounds = sorted(runs.rounds)
     original = [ab.arms[0].rounds[r] for r in rounds]
     mine = [runs.rounds[r] for r in rounds]
-    verdict = judge([r.tokens_per_s for r in original], [r.tokens_per_s for r in mine])
+    metric = runs.arm.metric
+    verdict = judge([r.rate(metric) for r in original], [r.rate(metric) for r in mine])
     change = verdict.change
     expected = expected_change(runs.arm.expected_gain)
     return {
@@ -57,8 +58,10 @@ def _test_json(ab: AbSet, runs: ArmRuns, run_root: Path) -> dict[str, Any]:
         "pairs": change.pairs if change else 0,
         "resolved": change.resolved if change else False,
         "rounds": rounds,
-        "original": _arm_json(original, run_root),
-        "recommended": _arm_json(mine, run_root),
+        # tokens_per_s: the training steps' rate; loop_tokens_per_s: the loop's, validation and checkpoints included.
+        "metric": metric,
+        "original": _arm_json(original, run_root, metric),
+        "recommended": _arm_json(mine, run_root, metric),
         "command": {"original": list(ab.arms[0].arm.overrides), "recommended": list(runs.arm.overrides)},
     }
 
@@ -163,6 +166,8 @@ def to_markdown(data: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |")
     for v in data["recommendations"]:
         lines += ["", f"## `{v['override']}` ({v['set']}, arm {v['arm']}): {v['verdict']}", "", v["reason"], ""]
+        if v.get("metric") == "loop_tokens_per_s":
+            lines += [f"Compared: {metric_label(v)} (the lever changes time outside the training steps).", ""]
         lines.append("| round | original tokens/s | recommended tokens/s | run dirs |")
         lines.append("|---|---|---|---|")
         a, b = v["original"], v["recommended"]
@@ -172,6 +177,13 @@ def to_markdown(data: dict[str, Any]) -> str:
         if a["errors"] or b["errors"]:
             lines += ["", *(f"- failed: {err}" for err in a["errors"] + b["errors"])]
     return "\n".join(lines) + "\n"
+
+
+def metric_label(test: dict[str, Any]) -> str:
+    """What a test's tokens/s figures are: the training steps' rate, or the loop's wall-clock rate."""
+    if test.get("metric") == "loop_tokens_per_s":
+        return "wall-clock tokens/s (validation and checkpoints included)"
+    return "tokens/s"
 
 
 def _write(path: Path, text: str) -> None:
@@ -204,7 +216,7 @@ def text_table(data: dict[str, Any], set_name: str | None = None) -> str:
         a, b = v["original"], v["recommended"]
         predicted = f"; expected {_pct(v['expected_change'])}" if v.get("expected_change") is not None else ""
         lines.append(
-            f"  {v['override']}: {phrase(v)}{predicted}; tokens/s median {_rate(a['median_tokens_per_s'])} -> "
+            f"  {v['override']}: {phrase(v)}{predicted}; {metric_label(v)} median {_rate(a['median_tokens_per_s'])} -> "
             f"{_rate(b['median_tokens_per_s'])} (spread {_spread(a)} / {_spread(b)})"
         )
     if set_name is None and (error := prediction_error_points(data)) is not None:

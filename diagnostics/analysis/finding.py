@@ -18,6 +18,7 @@ KINDS = (
     "throttling",
     "pipeline_bubble",
     "expert_imbalance",
+    "pauses",
     "low_overlap",
     "host_overhead",
     "low_mfu",

@@ -23,6 +23,7 @@ from diagnostics.analysis.detect_steps import (
 )
 from diagnostics.analysis.finding import Finding
 from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.pauses import detect_pauses, loop_time
 from diagnostics.analysis.shared_cores import bound_by_idle_cores
 from diagnostics.analysis.summary import RankPhases, Summary
 
@@ -79,6 +80,7 @@ def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> l
         # would cost comm_bound's exposed communication a second time; with free cores it offers its own (overlap).
         findings = [f for f in findings if not (f.kind == "low_overlap" and f.evidence.get("host_cores_busy"))]
     findings += detect_low_mfu(run, summary)
+    findings += detect_pauses(run, loop_time(run))
     findings = explained_by_experts(findings, detect_expert_imbalance(run))
     findings = bound_by_idle_cores(findings, run)
     nonfinite = detect_nonfinite(run)

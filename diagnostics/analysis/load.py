@@ -121,6 +121,8 @@ class RankTelemetry:
     # from this rank's tokens and dropped, per layer and expert (collect/experts.py).
     expert_layout: dict[str, Any] | None = None
     experts: list[dict[str, Any]] = field(default_factory=list)
+    # Validation and checkpoint writes, each {"what", "step", "seconds", "start_t"} (collect/steps.Pause).
+    pauses: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
     first_t: float | None = None
 
@@ -251,6 +253,8 @@ def _add(tele: RankTelemetry, rec: dict[str, Any], windows: list[RanksWindow]) -
         tele.nonfinite.append(rec)
     elif kind == "experts":
         tele.experts.append(rec)
+    elif kind == "pause":
+        tele.pauses.append(rec)
     elif kind in ("meta", "memory", "throughput", "hang", "end", "expert_layout"):
         setattr(tele, kind, rec)
 

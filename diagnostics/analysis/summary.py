@@ -7,6 +7,7 @@ from itertools import pairwise
 from typing import Any
 
 from diagnostics.analysis.load import RankTelemetry, RunTelemetry, StepRecord, num
+from diagnostics.analysis.pauses import loop_time
 from diagnostics.analysis.phase_comm import TimedComm, timed_comm
 from diagnostics.analysis.stats import mean, median, percentile, present, steady
 from diagnostics.mfu import AccountingError, checked_utilization, flops_utilization
@@ -57,8 +58,11 @@ class Summary:
     world_size: int
     device: str  # gpu | cpu | unknown: what the samplers saw
     steps_recorded: int
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # over training steps only
     tokens_per_s_source: str | None = None
+    # The training loop's wall-clock time, its validation and checkpoint pauses, and the tokens per second it
+    # delivers with them (analysis.pauses); None without timed step records.
+    loop: dict[str, Any] | None = None
     mfu: float | None = None
     hfu: float | None = None
     peak_flops: float | None = None
@@ -285,4 +289,6 @@ def summarize(run: RunTelemetry) -> tuple[Summary, list[RankPhases]]:
         "steps": len(step_times),
     }
     summary.peak_memory = _peak_memory(phases, run)
+    loop = loop_time(run)
+    summary.loop = loop.to_json() if loop is not None else None
     return summary, phases

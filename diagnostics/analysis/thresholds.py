@@ -62,6 +62,10 @@ STALL_MIN_COST = 0.02
 # ranks; identical ranks on shared CPUs differ by ~5-10% from scheduling noise, 25% is outside that band.
 STRAGGLER_RATIO = 1.25
 
+# pauses: validation and checkpoint writes are work the user asked for, not a fault; below the warning cost their
+# share of the loop is the price of that (the default run: 4 validations of 8 batches and 2 saves in 220 steps).
+PAUSES_MIN_SHARE = COST_WARNING
+
 # comm_bound: exposed communication (the wait at the collective that is neither data nor local compute).
 # The *minimum* over ranks is used, because every rank pays true communication while only the fast ranks pay
 # waiting for a straggler. A quarter of the step in exposed communication is where overlap or fewer

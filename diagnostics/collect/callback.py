@@ -304,6 +304,7 @@ class DiagnosticsCallback(pl.Callback):
                 "training_state", lambda: training_state_bytes(pl_module, trainer.optimizers)
             )
         phases = self.timed(self.timer.finish_step)
+        self._record_pauses(trainer)
         if self.watchdog is not None:
             self.watchdog.beat(step)
         if self.profiler is not None:  # the one-time window: its cost is measured on its own (benchmarks/)
@@ -406,25 +407,39 @@ class DiagnosticsCallback(pl.Callback):
             )
         self.window = []
 
-    def on_validation_start(self, *args: Any) -> None:
-        self.timer.phase = "validation"
+    def on_validation_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        self.timer.pause_ended()  # a checkpoint written between steps ended where validation starts
+        self.timer.pause_started("validation")
         if self.watchdog is not None:
             self.watchdog.beat(self._last_step)
 
-    def on_validation_end(self, *args: Any) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        self.timer.pause_ended()
+        self._record_pauses(trainer)
         # Validation is not part of a training step: restart the step clock after it.
         self.timer.reset_clock()
-        self.timer.phase = "other"
         if self.watchdog is not None:
             self.watchdog.beat(self._last_step)
 
     def on_save_checkpoint(self, *args: Any) -> None:
-        self.timer.phase = "checkpoint"  # the write follows this hook; the next data fetch ends the phase
+        # The write follows this hook; this callback's next step end, data fetch or batch start ends it.
+        self.timer.pause_started("checkpoint")
         if self.watchdog is not None:
             self.watchdog.beat(self._last_step)
 
+    def _record_pauses(self, trainer: pl.Trainer) -> None:
+        """Write the pauses that ended (what, seconds, start): the analysis' share of the loop spent outside steps."""
+        for pause in self.timer.take_pauses():
+            self.write("pause", what=pause.what, step=trainer.global_step, seconds=pause.seconds, start_t=pause.start_t)
+
     # -- end ------------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.timer.pause_ended()
+        self._record_pauses(trainer)
         self.teardown_collectors()
         memory: dict[str, Any] = {"peak_rss_bytes": rss_bytes()}
         if self.training_state:

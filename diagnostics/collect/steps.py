@@ -3,12 +3,15 @@
 Data wait is the time inside the dataloader's ``next()``, which Lightning brackets with profiler actions
 (``DataWaitProfiler``). The other phases come from Lightning's hook order: batch start -> forward -> before/
 after backward -> before optimizer step -> batch end; whatever else happens between two steps (hooks,
-logging, checkpoint writes) is ``other_s``. DDP all-reduces during backward and waits for the last buckets at its
-end, so backward wall time mixes compute with waiting for slower ranks. A callback autograd runs once the
-backward's last gradient is computed (queued from the loss's gradient hook, ahead of DDP's and FSDP2's own end-of-
-backward callbacks) marks when this rank's own backward compute ended, for any model; the rest of backward is
-exposed communication and waiting for the last rank. Where it does not fire (an engine running backward outside
-autograd's graph task) the whole backward counts as compute, and the comm wait is read from the profiler window.
+logging) is ``other_s``. Validation and checkpoint writes are pauses, not step time (``Pause``): a save in a
+step's end hooks is taken out of that step, and one between steps moves the next step's start to its end.
+
+DDP all-reduces during backward and waits for the last buckets at its end, so backward wall time mixes compute with
+waiting for slower ranks. A callback autograd runs once the backward's last gradient is computed (queued from the
+loss's gradient hook, ahead of DDP's and FSDP2's own end-of-backward callbacks) marks when this rank's own backward
+compute ended, for any model; the rest of backward is exposed communication and waiting for the last rank. Where it
+does not fire (an engine running backward outside autograd's graph task) the whole backward counts as compute, and
+the comm wait is read from the profiler window.
 """
 
 from __future__ import annotations
@@ -82,6 +85,15 @@ class StepPhases:
         return self.pipeline_wait_s / self.step_s if self.pipelined and self.step_s > 0 else None
 
 
+@dataclass(frozen=True)
+class Pause:
+    """Time the training loop spent outside its steps: validation, or a checkpoint write."""
+
+    what: str  # "validation" | "checkpoint"
+    seconds: float
+    start_t: float  # Unix time it began (ranks on one host share the clock)
+
+
 @dataclass
 class PhaseTimer:
     """Accumulates micro-batch phases into the current optimizer step; ``finish_step`` returns and resets."""
@@ -97,15 +109,56 @@ class PhaseTimer:
     _optimizer_start: float | None = None
     # Where this rank is now (one of diagnostics.crash.PHASES): a crash record names it.
     phase: str = "other"
+    # The pause under way: (what, start, its Unix time, whether it began inside a step not yet finished).
+    _pause: tuple[str, float, float, bool] | None = None
+    _paused_in_step_s: float = 0.0
+    _step_open: bool = False  # a phase of the next step was timed since the last finish_step
+    pauses: list[Pause] = field(default_factory=list)  # ended, not yet taken by the recorder
 
     def now(self) -> float:
         return self.clock()  # type: ignore[operator]
 
+    def pause_started(self, what: str) -> None:
+        """Validation or a checkpoint write began. Inside a step (a save from the step's end hooks, before
+        ``finish_step``) its time is taken out of that step; between steps the next step starts when it ends.
+        A pause inside another (a checkpoint saved from validation's hooks) is part of the outer one."""
+        if self._pause is not None:
+            return
+        now = self.now()
+        if self._optimizer_start is not None:  # the optimizer step ended where the save began
+            self.current.optimizer_s += now - self._optimizer_start
+            self._optimizer_start = None
+        start_t: float = self.wall_clock()  # type: ignore[operator]
+        self._pause = (what, now, start_t, self._step_open)
+        self.phase = what
+
+    def pause_ended(self) -> None:
+        """The pause under way (if any) ended now."""
+        if self._pause is None:
+            return
+        what, start, start_t, inside = self._pause
+        self._pause = None
+        seconds = max(0.0, self.now() - start)
+        self.pauses.append(Pause(what, seconds, start_t))
+        if inside:
+            self._paused_in_step_s += seconds
+        elif self._last_step_end is not None:
+            self._last_step_end += seconds
+            self._last_step_end_wall += seconds
+        self.phase = "other"
+
+    def take_pauses(self) -> list[Pause]:
+        taken, self.pauses = self.pauses, []
+        return taken
+
     def data_fetched(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self._step_open = True
         self.current.data_wait_s += seconds
         self.current.data_cpu_s += cpu_seconds
 
     def batch_start(self) -> None:
+        self.pause_ended()  # a save between steps ends, at the latest, where the next batch starts
+        self._step_open = True
         self._batch_start = self.now()
         self.phase = "forward"
 
@@ -182,24 +235,27 @@ class PhaseTimer:
 
     def finish_step(self) -> StepPhases | None:
         """Close the optimizer step that just ended; None for the very first (no previous end to measure from)."""
+        self.pause_ended()  # a save from the step's end hooks ran before this
         now = self.now()
         self.phase = "other"
         if self._optimizer_start is not None:
             self.current.optimizer_s += now - self._optimizer_start
             self._optimizer_start = None
         done, previous_end, previous_wall = self.current, self._last_step_end, self._last_step_end_wall
+        paused, self._paused_in_step_s, self._step_open = self._paused_in_step_s, 0.0, False
         self.current = StepPhases()
         self._last_step_end = now
         self._last_step_end_wall = self.wall_clock()  # type: ignore[operator]
         if previous_end is None:
             return None
-        done.step_s = now - previous_end
+        done.step_s = max(0.0, now - previous_end - paused)
         done.start_t = previous_wall
         return done
 
     def reset_clock(self) -> None:
-        """Forget the last step end (after validation or a checkpoint, whose time is not a training step's)."""
+        """Forget the last step end (after validation, whose time is not a training step's)."""
         self._last_step_end = None
+        self._paused_in_step_s, self._step_open = 0.0, False
         self.current = StepPhases()
 
 
@@ -215,9 +271,10 @@ class DataWaitProfiler(Profiler):
 
     def start(self, action_name: str) -> None:
         if action_name.endswith(self.ACTION):
-            self._started[action_name] = (time.perf_counter(), time.thread_time())
             if self.timer is not None:
+                self.timer.pause_ended()  # a save between steps ends where the next batch is fetched
                 self.timer.phase = "data"
+            self._started[action_name] = (time.perf_counter(), time.thread_time())
 
     def stop(self, action_name: str) -> None:
         started = self._started.pop(action_name, None)

@@ -66,9 +66,18 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def scale_of(kind: str) -> str:
+    """What a finding's cost is a share of: the step, or for pauses (outside the steps) the loop's wall time."""
+    return "the run's time" if kind == "pauses" else "the step"
+
+
+def scale_of_rec(rec: Any) -> str:
+    return "the run's time" if getattr(rec, "metric", "tokens_per_s") == "loop_tokens_per_s" else "the step"
+
+
 def cost_text(finding: Any) -> str:
     """``23% of the step``: a finding's cost as the report shows it."""
-    return f"{pct(finding.cost_fraction, 0)} of the step"
+    return f"{pct(finding.cost_fraction, 0)} of {scale_of(finding.kind)}"
 
 
 def gain_text(rec: Any) -> str:
@@ -76,4 +85,4 @@ def gain_text(rec: Any) -> str:
     expected = rec.expected_gain
     if not getattr(rec, "ab_testable", True):  # a stability lever: its gain is not in step time
         return str(expected.get("basis"))
-    return f"saves ~{pct(expected.get('fraction'), 0)} of the step: {expected.get('basis')}"
+    return f"saves ~{pct(expected.get('fraction'), 0)} of {scale_of_rec(rec)}: {expected.get('basis')}"

@@ -15,10 +15,10 @@ from diagnostics.analysis import thresholds as thresholds_module
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.stats import rounded
 from diagnostics.analysis.tail import tail_line
-from diagnostics.analysis.thresholds import COST_WARNING
+from diagnostics.analysis.thresholds import COST_WARNING, PAUSES_MIN_SHARE
 from diagnostics.prediction import one_line, prediction_of
 from diagnostics.recommend import Recommendation
-from diagnostics.report.fmt import flatten, gib, pct, peak_memory, rate, seconds
+from diagnostics.report.fmt import flatten, gib, pct, peak_memory, rate, scale_of, scale_of_rec, seconds
 
 SCHEMA_VERSION = 1
 TEXT_FINDINGS = 7  # the end-of-run summary stays within ~12 lines
@@ -144,9 +144,14 @@ class Report:
             mfu += " [MFU accounting error: see report]"
         label, peak = peak_memory(s.peak_memory)
         st = s.step_time
+        loop = s.loop or {}
+        paused = ""
+        if (loop.get("share") or 0.0) >= PAUSES_MIN_SHARE and loop.get("loop_tokens_per_s"):
+            # The steps' rate is what the hardware does; with pauses this large, the run delivers less.
+            paused = f" ({rate(loop['loop_tokens_per_s'])} with validation and checkpoints)"
         return (
-            f"{rate(s.tokens_per_s)} tokens/s | {mfu} | step p50 {seconds(st.get('p50'))} p90 {seconds(st.get('p90'))}"
-            f" p99 {seconds(st.get('p99'))} | peak {label} {gib(peak)}"
+            f"{rate(s.tokens_per_s)} tokens/s{paused} | {mfu} | step p50 {seconds(st.get('p50'))}"
+            f" p90 {seconds(st.get('p90'))} p99 {seconds(st.get('p99'))} | peak {label} {gib(peak)}"
         )
 
     def top_fix(self) -> tuple[Finding, Recommendation | None] | None:
@@ -181,7 +186,8 @@ class Report:
             return f"{lead} (no config lever: see report)"
         if not rec.ab_testable:
             return f"{lead}; try {rec.override} (not measured)"
-        return f"{lead}, {rec.override} expected to save ~{pct(rec.expected_gain['fraction'], 0)} of the step"
+        saved = pct(rec.expected_gain["fraction"], 0)
+        return f"{lead}, {rec.override} expected to save ~{saved} of {scale_of_rec(rec)}"
 
     def text_summary(self) -> str:
         """A few lines for the end of a run: the verdict, headline numbers, findings with their first override."""
@@ -189,7 +195,8 @@ class Report:
         pairs = list(zip(self.findings, self.recommendations, strict=True))
         for finding, recs in pairs[:TEXT_FINDINGS]:
             # A crash or a non-finite stop does not slow steps down: it ends the run.
-            price = "[run stopped]" if ended_run(finding) else f"[{pct(finding.cost_fraction, 0)} of step]"
+            scale = "step" if scale_of(finding.kind) == "the step" else scale_of(finding.kind)
+            price = "[run stopped]" if ended_run(finding) else f"[{pct(finding.cost_fraction, 0)} of {scale}]"
             lines.append(f"  {finding.severity:<8} {finding.kind} {price}: {finding.message}{self.next_step(recs)}")
         if len(pairs) > TEXT_FINDINGS:
             lines.append(f"  ... and {len(pairs) - TEXT_FINDINGS} more findings in the report")

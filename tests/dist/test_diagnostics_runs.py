@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from diagnostics.telemetry import telemetry_path
 from tests.conftest import REPO, run_cli
 
 if TYPE_CHECKING:
@@ -72,6 +73,32 @@ def test_sleeping_rank_is_named_as_straggler_although_ddp_equalizes_step_times(s
         per_rank[0]["step_s"], per_rank[1]["step_s"])  # fmt: skip
     assert abs(step_0 - step_1) / step_1 < 0.1  # DDP made the step times equal: the gather is what tells
     assert not findings(report, "input_bound")
+
+
+def test_validating_and_saving_every_few_steps_is_reported_as_pauses_with_rarer_intervals(tmp_path: Path) -> None:
+    """Healthy steps, but 64 validation batches and a checkpoint every 5 of 40 steps: the step-based detectors see
+    nothing (the collectors keep both out of the steps), the loop's time says where the run goes. Not exclusive:
+    the pauses take most of the loop, far from the 5% line, whatever runs beside it."""
+    args = [*SHORT, *USER_MODEL[:-1], "+data._target_=tests.plugins.CountingData",
+            "+model._target_=tests.plugins.BigramModel", "trainer.val_every_n_steps=5", "trainer.val_batches=64",
+            "trainer.ckpt_every_n_steps=5"]  # fmt: skip
+    report = report_of(args, tmp_path)
+    (finding,) = findings(report, "pauses")
+    assert finding["ranks"] == [0, 1] and finding["severity"] == "critical"
+    # Steps 5, 10, ..., 35 pause inside the measured loop; the validation and checkpoint at step 40 come after it.
+    by_what = finding["evidence"]["by_what"]
+    assert {what: by_what[what]["count"] for what in by_what} == {"validation": 7, "checkpoint": 7}
+    assert finding["cost"]["fraction"] == pytest.approx(finding["evidence"]["share"], abs=1e-3)
+    first = finding["recommendations"][0]["override"]
+    key, value = first.split("=")
+    assert key in ("trainer.val_every_n_steps", "trainer.ckpt_every_n_steps") and int(value) % 5 == 0 < int(value) - 5
+    loop = report["summary"]["loop"]
+    assert loop["loop_tokens_per_s"] < report["summary"]["tokens_per_s"] * (1 - loop["share"]) * 1.1
+    for rank in (0, 1):
+        records = [json.loads(line) for line in telemetry_path(tmp_path / "run", rank).read_text().splitlines()]
+        pauses = [(r["what"], r["step"]) for r in records if r["kind"] == "pause"]
+        steps = range(5, 41, 5)
+        assert sorted(pauses) == sorted([("checkpoint", s) for s in steps] + [("validation", s) for s in steps])
 
 
 @pytest.mark.exclusive
