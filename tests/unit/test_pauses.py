@@ -218,3 +218,17 @@ def test_an_ab_of_a_pause_lever_compares_the_loops_rate(tmp_path: Path) -> None:
     assert test["original"]["tokens_per_s"] == [601.0, 602.0, 603.0]
     assert "wall-clock tokens/s (validation and checkpoints included)" in text_table(verdict)
     assert RunOutcome(tmp_path, None, "failed", 1.0, 5.0).rate("loop_tokens_per_s") is None
+
+
+def test_tune_never_tries_a_pause_lever_and_says_why(tmp_path: Path) -> None:
+    """Tune's runs time the steps and save nothing: a pause lever would not show there, and how often to validate
+    or save is the user's trade-off. Not even ``tune.allow`` with every class opens it."""
+    from disttrain.tune.levers import MATH_CHANGING
+    from disttrain.tune.rules import candidates
+
+    analysis = analyse(write_run(tmp_path / "run", pauses={"validation": (5, 0.6), "checkpoint": (5, 0.2)}))
+    found, skipped = candidates(analysis, recommend_all(analysis), [], MATH_CHANGING, 0.05)
+    assert not [c for c in found if c.finding == "pauses"]
+    reasons = {s.override.split("=")[0]: s.reason for s in skipped if s.finding == "pauses"}
+    assert set(reasons) == {"trainer.val_every_n_steps", "trainer.ckpt_every_n_steps"}
+    assert all("choice tune leaves to you" in r and "tune.allow" not in r for r in reasons.values())

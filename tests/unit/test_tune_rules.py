@@ -51,6 +51,8 @@ KEEP_GLOBAL = ("trainer.global_batch_size=32",)
         ("precision", "bf16-mixed", (), "precision", False),
         ("optimizer.lr", "0.001", (), "other", False),
         ("some.unknown_key", "1", (), "other", False),
+        ("trainer.val_every_n_steps", "50", (), "pauses", False),  # the user's trade-off, never tried by tune
+        ("trainer.ckpt_every_n_steps", "500", (), "pauses", False),
     ],
 )
 def test_lever_classes(key: str, value: str, pinned: tuple[str, ...], lever: str, preserves: bool) -> None:

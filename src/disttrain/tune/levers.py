@@ -5,6 +5,8 @@ with error feedback, activation checkpointing, resharding, compile, logging, the
 batch (more or less accumulation) and the parallel layout at the same global batch. Everything else changes what
 the optimizer sees (the global batch, precision, lossy gradient compression, optimizer settings) and is tried
 only when ``tune.allow`` names its class. An unknown key is treated as changing the math: tune never guesses.
+How often the run validates or saves (``pauses``) is never tried: tune's runs measure the steps, and the trade-off
+(the loss curve's resolution, the work a crash loses) is the user's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ KEY_CLASSES = {
     "strategy.virtual_stages": "layout",
     "trainer.global_batch_size": "global_batch",
     "precision": "precision",
+    "trainer.val_every_n_steps": "pauses",
+    "trainer.ckpt_every_n_steps": "pauses",
 }
 PRESERVING = (
     "loader",
@@ -100,6 +104,13 @@ def classify(
     if name in PRESERVING:
         kept = " at the same global batch" if name in GLOBAL_BATCH_MOVERS else ""
         return Lever(name, True, f"{name}{kept}: the same optimizer steps over the same tokens")
+    if name == "pauses":
+        # Tune's runs measure the steps' rate (and save no checkpoints): a pause lever shows only in the loop's.
+        why = (
+            f"{key}: how often the run validates or saves trades its loss curve or the work a crash loses for time, "
+            "a choice tune leaves to you (python -m diagnose RUN --ab --run measures it)"
+        )
+        return Lever(name, False, why)
     if name == "other":
         return Lever(name, False, f"{key} is not a lever tune knows to keep the training math")
     return Lever(name, False, f"{key}={value} changes what the optimizer sees ({name})")

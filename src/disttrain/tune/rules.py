@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from diagnostics.analysis import Analysis
 from diagnostics.analysis.context import RunContext
 from diagnostics.recommend import AbTest, Recommendation, ab_test
-from disttrain.tune.levers import Lever, classify, global_pin, key_of
+from disttrain.tune.levers import MATH_CHANGING, Lever, classify, global_pin, key_of
 
 ARMS = 2  # the current best and one candidate per A/B
 
@@ -72,7 +72,8 @@ def candidates(
                 continue
             lever = classify(rec.key, rec.value, rec.pinned, ctx.global_batch(), feedback)
             if not lever.preserves_math and lever.name not in allowed:
-                reason = f"{lever.why}; tune.allow=[{lever.name}] tries it"
+                opens = f"; tune.allow=[{lever.name}] tries it" if lever.name in MATH_CHANGING else ""
+                reason = lever.why + opens
                 skipped.append(Skipped(finding.kind, ranks, rec.override, reason))
                 continue
             test = ab_test(rec, ctx, original, analysis.run.run_dir)
