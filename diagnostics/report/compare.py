@@ -38,7 +38,7 @@ class Comparison:
         lines = [f"A: {self.a.run_dir}", f"B: {self.b.run_dir}", "", "config changes (A -> B):"]
         lines += [f"  {k}: {va} -> {vb}" for k, va, vb in self.config_changes] or ["  none (same config)"]
         lines += ["", "metrics (A -> B):"]
-        lines += [f"  {name:<16} {va:>14} -> {vb:<14} {change}" for name, va, vb, change in self.metrics]
+        lines += [f"  {name:<20} {va:>14} -> {vb:<14} {change}" for name, va, vb, change in self.metrics]
         lines += ["", "findings:"]
         lines += [f"  gone in B:  {f.kind} ({f.severity}): {f.message}" for f in self.disappeared]
         lines += [f"  new in B:   {f.kind} ({f.severity}): {f.message}" for f in self.appeared]
@@ -69,12 +69,17 @@ def _metrics(a: Report, b: Report) -> list[tuple[str, str, str, str]]:
     ta, tb = a.analysis.run.meta("tokens_per_step"), b.analysis.run.meta("tokens_per_step")
     if ta and tb and ta != tb:  # a step of a different batch is not comparable: tokens/s is
         step_change = f"(tokens per step {ta} -> {tb}: compare tokens/s)"
-    return [
+    rows = [
         ("tokens/s", rate(sa.tokens_per_s), rate(sb.tokens_per_s), _relative(sa.tokens_per_s, sb.tokens_per_s, True)),
         ("MFU", pct(mfu(sa)), pct(mfu(sb)), _relative(mfu(sa), mfu(sb), True)),
         ("step time p50", seconds(pa), seconds(pb), step_change),
         ("peak memory", gib(ma), gib(mb), _relative(ma, mb, False)),
     ]
+    la, lb = ((s.loop or {}).get("loop_tokens_per_s") for s in (sa, sb))
+    if la and lb and any((s.loop or {}).get("paused_s") for s in (sa, sb)):
+        # Validation and checkpoint writes: what the loop delivered with them (the steps' rate above leaves them out).
+        rows.insert(1, ("tokens/s with pauses", rate(la), rate(lb), _relative(la, lb, True)))
+    return rows
 
 
 def _explain(cmp: Comparison) -> list[str]:

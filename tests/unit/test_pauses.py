@@ -232,3 +232,18 @@ def test_tune_never_tries_a_pause_lever_and_says_why(tmp_path: Path) -> None:
     reasons = {s.override.split("=")[0]: s.reason for s in skipped if s.finding == "pauses"}
     assert set(reasons) == {"trainer.val_every_n_steps", "trainer.ckpt_every_n_steps"}
     assert all("choice tune leaves to you" in r and "tune.allow" not in r for r in reasons.values())
+
+
+def test_compare_shows_what_the_loop_delivered_beside_the_steps_rate(tmp_path: Path) -> None:
+    from diagnostics.report import build_report
+    from diagnostics.report.compare import compare_reports
+
+    often = write_run(tmp_path / "a", pauses={"validation": (5, 0.6)})
+    rarer = write_run(tmp_path / "b", pauses={"validation": (35, 0.6)})
+    cmp = compare_reports(build_report(often), build_report(rarer))
+    rows = {name: (a, b, change) for name, a, b, change in cmp.metrics}
+    assert rows["tokens/s"][2] == "(same)"  # the steps ran alike
+    a, b, change = rows["tokens/s with pauses"]
+    # 39 steps of 0.1 s with 7 validations of 0.6 s inside the loop, then 1
+    assert (a, b) == (f"{39_000 / 8.1:,.0f}", f"{39_000 / 4.5:,.0f}") and "(better)" in change
+    assert "trainer.val_every_n_steps: 5 -> 35" in cmp.text()
