@@ -38,8 +38,20 @@ def summary_rows(report: Report) -> list[list[object]]:
     datasheet = "n/a: no datasheet peak for this hardware and dtype"
     if s.peak_flops:
         datasheet = f"{pct(s.mfu)} / {pct(s.hfu)} of {flops(s.peak_flops)} per device ({s.peak_flops_source})"
+    loop = s.loop or {}
+    paused: list[list[object]] = []
+    if loop.get("paused_s"):
+        kinds = ", ".join(f"{what} {v['count']}x {seconds(v['seconds'])}" for what, v in loop["by_what"].items())
+        paused = [
+            [
+                "tokens/s with validation and checkpoints",
+                f"{rate(loop.get('loop_tokens_per_s'))} ({pct(loop.get('share'))} of the loop's "
+                f"{seconds(loop.get('loop_s'))} outside the steps: {kinds})",
+            ]
+        ]
     return [
         ["tokens/s", f"{rate(s.tokens_per_s)} ({s.tokens_per_s_source or 'n/a'})"],
+        *paused,
         ["MFU / HFU", datasheet],
         ["calibrated MFU / HFU", f"{pct(s.calibrated_mfu)} / {pct(s.calibrated_hfu)} of {calibrated} per device"],
         ["step time p50 / p90 / p99", " / ".join(seconds(s.step_time.get(q)) for q in ("p50", "p90", "p99"))],

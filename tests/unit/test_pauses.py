@@ -247,3 +247,14 @@ def test_compare_shows_what_the_loop_delivered_beside_the_steps_rate(tmp_path: P
     # 39 steps of 0.1 s with 7 validations of 0.6 s inside the loop, then 1
     assert (a, b) == (f"{39_000 / 8.1:,.0f}", f"{39_000 / 4.5:,.0f}") and "(better)" in change
     assert "trainer.val_every_n_steps: 5 -> 35" in cmp.text()
+
+
+def test_the_report_tables_the_loops_rate_and_its_pauses(tmp_path: Path) -> None:
+    from diagnostics.report import build_report
+    from diagnostics.report.markdown import summary_rows
+
+    rows = dict(summary_rows(build_report(write_run(tmp_path / "run", pauses={"checkpoint": (5, 0.3)}))))
+    row = str(rows["tokens/s with validation and checkpoints"])
+    assert row.startswith(f"{39_000 / 6.0:,.0f} (35.0% of the loop's 6.00 s outside the steps: checkpoint 7x 2.10 s")
+    quiet = dict(summary_rows(build_report(write_run(tmp_path / "quiet", pauses={}))))
+    assert "tokens/s with validation and checkpoints" not in quiet
