@@ -496,16 +496,14 @@ def for_host_overhead(finding: Finding, ctx: RunContext) -> list[Recommendation]
     return recs
 
 
-# A kind of pause is made this much rarer at least: its share of the loop then falls to about this, so the run's
-# pauses together stay under the warning cost.
+# A kind of pause is made rarer until its share of the loop falls to about this, so the run's pauses together stay
+# under the warning cost; a kind already at or below it is left alone (a rarer one would save less than noise).
 PAUSE_TARGET_SHARE = 0.02
+PAUSE_NAMES = {"validation": "validations", "checkpoint": "checkpoint writes"}
 PAUSE_TRADE_OFFS = {
     "validation": "a validation loss every {n} steps instead of every {old}",
     "checkpoint": "a crash or preemption loses up to {n} steps of work instead of {old}",
 }
-
-
-_PAUSE_NAMES = {"validation": "validations", "checkpoint": "checkpoint writes"}
 
 
 def periodic_count(every: int, max_steps: int) -> int:
@@ -522,27 +520,29 @@ def for_pauses(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     recs: list[Recommendation] = []
     for what, share in sorted(shares.items(), key=lambda item: -float(item[1] or 0.0)):
         key, share = INTERVAL_KEYS.get(what), float(share or 0.0)
+        if share <= PAUSE_TARGET_SHARE:
+            continue
         every = ctx.get(key) if key else None
-        if key is None or not isinstance(every, int) or every < 1 or not isinstance(max_steps, int):
-            recs.append(_no_lever(f"{what} every ? steps: its interval is not in this run's config", "-"))
+        periodic = isinstance(every, int) and isinstance(max_steps, int) and periodic_count(every, max_steps) > 0
+        if key is None or not isinstance(every, int) or not isinstance(max_steps, int) or not periodic:
+            # Pauses no interval of the run's config makes periodic (a signal's checkpoints, a user callback's saves).
+            shown = f"{key}={every}" if key and every is not None else "no interval in the run's config"
+            recs.append(_no_lever(f"{PAUSE_NAMES.get(what, what)} take {pct(share)} of the loop ({shown})", "-"))
             continue
         before = periodic_count(every, max_steps)
         # At most as rare as keeps one of them inside the run: a run validates or saves for a reason.
         factor = max(2, min(math.ceil(share / PAUSE_TARGET_SHARE), before))
-        rarer = every * factor
-        saved = 1.0 - periodic_count(rarer, max_steps) / before if before else 0.0
+        rarer, after = every * factor, periodic_count(every * factor, max_steps)
+        saved = 1.0 - after / before
         why = (
-            f"{_PAUSE_NAMES.get(what, what)} take {pct(share)} of the training loop, every {every} steps; every "
-            f"{rarer} steps they come "
-            f"{factor}x less often"
+            f"{PAUSE_NAMES.get(what, what)} take {pct(share)} of the training loop, every {every} steps; every "
+            f"{rarer} steps they come {factor}x less often"
         )
-        effect = f"{pct(share * saved)} less wall-clock time for the same steps; " + PAUSE_TRADE_OFFS.get(
-            what, "{n} steps apart instead of {old}"
-        ).format(n=rarer, old=every)
-        basis = f"the {what} pauses that no longer come: {before} -> {periodic_count(rarer, max_steps)} in the run"
-        fraction = finding.cost_fraction or 1.0
+        trade_off = PAUSE_TRADE_OFFS.get(what, "{n} steps apart instead of {old}").format(n=rarer, old=every)
+        effect = f"{pct(share * saved)} less wall-clock time for the same steps; {trade_off}"
+        basis = f"the {what} pauses that no longer come: {before} -> {after} in the run"
         rec = replace(_rec(key, rarer, why, effect), metric="loop_tokens_per_s")
-        recs.append(rec.gaining(gain(finding, share * saved / fraction, basis)))
+        recs.append(rec.gaining(gain(finding, share * saved / (finding.cost_fraction or 1.0), basis)))
     return recs
 
 

@@ -193,13 +193,30 @@ def test_the_report_makes_each_costly_pause_rarer_and_tests_it_on_the_loops_rate
     assert {t.metric for t in tests if t.finding == "pauses"} == {"loop_tokens_per_s"}
 
 
-def test_a_pause_without_its_interval_in_the_config_has_no_lever(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("config", "shown"),
+    [({}, "no interval in the run's config"),
+     ({"trainer": {"max_steps": 40, "val_every_n_steps": 0}}, "trainer.val_every_n_steps=0"),
+     ({"trainer": {"max_steps": 40, "val_every_n_steps": 40}}, "trainer.val_every_n_steps=40")],
+)  # fmt: skip
+def test_a_pause_no_interval_of_the_config_makes_periodic_has_no_lever(
+    tmp_path: Path, config: dict, shown: str
+) -> None:
+    """Pauses the run's config does not schedule (a user callback's saves, a signal's checkpoint): said, no override."""
     run = write_run(tmp_path / "run", pauses={"validation": (5, 0.3)})
-    (run / "run.json").write_text(json.dumps({"config": {}, "status": "completed"}))
+    (run / "run.json").write_text(json.dumps({"config": config, "status": "completed"}))
     analysis = analyse(run)
     (index,) = [i for i, f in enumerate(analysis.findings) if f.kind == "pauses"]
     (rec,) = recommend_all(analysis)[index]
-    assert rec.key is None and "interval is not in this run's config" in rec.why
+    assert rec.key is None and rec.why == f"No config lever: validations take 35% of the loop ({shown})"
+
+
+def test_a_kind_of_pause_already_at_its_target_share_is_left_alone(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", steps=100, pauses={"validation": (5, 0.6), "checkpoint": (50, 0.05)})
+    analysis = analyse(run)
+    (index,) = [i for i, f in enumerate(analysis.findings) if f.kind == "pauses"]
+    assert analysis.findings[index].evidence["share_by_what"]["checkpoint"] < 0.02
+    assert [r.key for r in recommend_all(analysis)[index]] == ["trainer.val_every_n_steps"]
 
 
 def test_an_ab_of_a_pause_lever_compares_the_loops_rate(tmp_path: Path) -> None:
