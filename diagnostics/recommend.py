@@ -19,7 +19,13 @@ from diagnostics.analysis.comm_split import strategy_split
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import pct
 from diagnostics.analysis.pauses import INTERVAL_KEYS
-from diagnostics.analysis.thresholds import AMORTIZED_MIN, PLACEMENT_MIN_CUT, TOKENS_MATERIAL, TP_MATERIAL
+from diagnostics.analysis.thresholds import (
+    AMORTIZED_MIN,
+    PAUSE_TARGET_SHARE,
+    PLACEMENT_MIN_CUT,
+    TOKENS_MATERIAL,
+    TP_MATERIAL,
+)
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
 # cost host memory; the target is the cores each rank has, at least 2 so that one batch loads while one waits.
@@ -496,9 +502,6 @@ def for_host_overhead(finding: Finding, ctx: RunContext) -> list[Recommendation]
     return recs
 
 
-# A kind of pause is made rarer until its share of the loop falls to about this, so the run's pauses together stay
-# under the warning cost; a kind already at or below it is left alone (a rarer one would save less than noise).
-PAUSE_TARGET_SHARE = 0.02
 PAUSE_NAMES = {"validation": "validations", "checkpoint": "checkpoint writes"}
 PAUSE_TRADE_OFFS = {
     "validation": "a validation loss every {n} steps instead of every {old}",

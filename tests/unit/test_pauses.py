@@ -166,6 +166,18 @@ def test_pauses_under_the_warning_cost_are_the_price_of_validating(tmp_path: Pat
     assert analysis.summary.loop["share"] == pytest.approx(3 * seconds / (3.9 + 3 * seconds), abs=1e-3)
 
 
+@pytest.mark.parametrize(("seconds", "share", "severity"), [(0.07, 0.0511, "info"), (0.12, 0.0845, "warning")])
+def test_pauses_are_graded_on_what_rarer_intervals_can_return(
+    tmp_path: Path, seconds: float, share: float, severity: str
+) -> None:
+    """The default run's 4-5% of validation is reported, as info: brought to the 2% a run keeps, 3 points come back."""
+    run = write_run(tmp_path / "run", pauses={"validation": (10, seconds)})
+    (finding,) = [f for f in analyse(run).findings if f.kind == "pauses"]
+    assert finding.cost_fraction == pytest.approx(share, abs=1e-3)
+    assert finding.evidence["reachable_share"] == pytest.approx(share - 0.02, abs=1e-3)
+    assert finding.severity == severity
+
+
 @pytest.mark.parametrize(("every", "max_steps", "expected"), [(5, 60, 11), (5, 61, 12), (50, 220, 4), (7, 7, 0)])
 def test_periodic_count_leaves_out_the_pause_at_the_last_step(every: int, max_steps: int, expected: int) -> None:
     assert periodic_count(every, max_steps) == expected
