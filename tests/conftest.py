@@ -9,6 +9,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+# Two xdist workers share this machine's cores, so every process the tests start (and torch in the workers, which
+# reads this at import) takes one intra-op thread: a one-rank run taking both cores beside another test's job waits
+# at each op's barrier for a parked sibling thread (the suite measured 3.7-4.8 s steps of a 0.3 s step).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser

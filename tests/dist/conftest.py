@@ -9,10 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_cli
-from tests.dist.test_diagnostics_runs import SHORT, USER_MODEL
-
-# How long rank 1's forward sleeps in the shared straggler run (SleepyRankModel's default).
-SLEEP_S = 0.2
+from tests.dist.test_diagnostics_runs import SHORT, SLEEP_S, USER_MODEL
 
 
 @dataclass(frozen=True)
@@ -26,8 +23,8 @@ class FinishedRun:
 def sleepy_rank_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
     """A user's own model and datamodule by ``_target_`` (SleepyRankModel, a BigramModel whose rank 1 sleeps in
     forward, over CountingData) on 2 ranks with the CSV logger: a straggler DDP hides. One launch serves the
-    diagnosis of the straggler (test_diagnostics_runs), the logger's live metrics (test_live_metrics) and the
-    plug-in path (test_runs)."""
+    diagnosis of the straggler, the logger's live metrics and the plug-in path, all in test_diagnostics_runs.py (one
+    file: xdist gives a file to one worker, and two workers would each launch it)."""
     run_dir = tmp_path_factory.mktemp("sleepy") / "run"
     args = [*SHORT, "trainer.max_steps=30", "trainer.val_every_n_steps=30", *USER_MODEL,
             "+model._target_=tests.plugins.SleepyRankModel", f"+model.sleep_s={SLEEP_S}"]  # fmt: skip

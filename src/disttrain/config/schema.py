@@ -385,7 +385,7 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     seed: int = 1337
     deterministic: bool = False
-    num_threads: int | None = None  # torch intra-op threads per process; None: cores / local processes
+    num_threads: int | None = None  # torch intra-op threads per process; None: OMP_NUM_THREADS, else cores / local
     keep_last_n: int | None = None  # checkpoints to keep (newest first); None keeps all
     nan_policy: str = "stop"  # non-finite loss/gradients: stop | skip (skip the update, up to max_nan_skips)
     max_nan_skips: int = 10  # with nan_policy=skip: steps skipped before the run stops anyway

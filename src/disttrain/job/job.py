@@ -21,7 +21,7 @@ from disttrain.job.finish import conclude
 from disttrain.job.launcher_death import stop_watching, watch_this_process
 from disttrain.job.manifest import record_start, write_start
 from disttrain.job.prepare import Prepared
-from disttrain.launch.env import ProcessRole, say
+from disttrain.launch.env import ProcessRole, cpu_threads, say
 from disttrain.launch.exit_codes import NONFINITE, RunStopped
 from disttrain.launch.local import LocalRanks, spawn_local_ranks
 from disttrain.models.factory import ModelFacts
@@ -99,7 +99,7 @@ class Job:
         run_cfg = self.prepared.run_cfg
         if run_cfg.hw.accelerator == "cpu":
             local = self.prepared.parallel.devices_per_node
-            torch.set_num_threads(run_cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // local))
+            torch.set_num_threads(cpu_threads(run_cfg.trainer.num_threads, local))
         pl.seed_everything(run_cfg.trainer.seed, workers=True, verbose=False)
         parts, module, datamodule = build_run(run_cfg, self.prepared.parallel, self.run_dir, self.facts)
         if self.role.is_global_zero and parts.diagnostics is not None and parts.diagnostics.on_hang is not None:
