@@ -44,6 +44,10 @@ def single_process_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[i
 
 
 COMMON = [
+    # gpt-nano's 4 blocks (pipeline stages and block names need them) at a third of its width: a ninth of its step.
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.ffn_hidden=256",
     "data.num_train_tokens=65536",
     "data.num_val_tokens=8192",
     f"trainer.max_steps={STEPS}",
