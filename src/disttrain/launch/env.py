@@ -64,8 +64,9 @@ def say_once(*args: object, **kwargs: object) -> None:
 
 
 def cpu_threads(configured: int | None, local_processes: int, environ: Mapping[str, str] | None = None) -> int:
-    """Intra-op threads for a CPU rank: ``trainer.num_threads`` when set, else ``OMP_NUM_THREADS`` (the variable
-    torchrun and every OpenMP program honour: a user who set it means it), else the cores shared by the local ranks.
+    """Intra-op threads for a CPU rank: ``trainer.num_threads`` when set, else ``OMP_NUM_THREADS`` (torch and every
+    OpenMP program honour it; torchrun sets it to 1 for several processes per node), else the cores shared by the
+    local ranks.
 
     A process that takes every core while another job shares them loses more than its share: its threads wait at
     each op's barrier for a sibling the scheduler parked (one rank beside a 2-rank run on 2 cores: 690-800 ms a step
