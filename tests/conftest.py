@@ -65,12 +65,18 @@ def compose_train_each(base: list[str], variants: list[list[str]]) -> list[DictC
         )
         if structural not in by_structure:
             by_structure[structural] = compose_train([*base, *structural])
-        cfg = by_structure[structural].copy()
-        for override in parsed:
-            if override.input_line not in structural:
-                OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
-        composed.append(cfg)
+        plain = [o.input_line or "" for o in parsed if o.input_line not in structural]
+        composed.append(with_plain_overrides(by_structure[structural], plain))
     return composed
+
+
+def with_plain_overrides(composed: DictConfig, overrides: list[str]) -> DictConfig:
+    """A copy of a composed config with plain ``key=value`` overrides applied as Hydra applies them (its grammar,
+    ``OmegaConf.update`` under the struct flag: an unknown key fails): no second compose."""
+    cfg = composed.copy()
+    for override in OverridesParser.create().parse_overrides(overrides):
+        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
+    return cfg
 
 
 def group_options(group: str) -> list[str]:

@@ -31,7 +31,8 @@ from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.candidates import megatron_layouts
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, host_memory_limit, memory_limit, plan_layout
 from disttrain.planner.spec import MEGATRON_DP_TYPES
-from disttrain.strategies.layout import ParallelLayout, layout_of
+from disttrain.strategies.layout import ParallelLayout, batch_plan, layout_of, parallel_layout
+from disttrain.strategies.memory_fixes import fitting_overrides
 
 GIB = 2**30
 # Relative step-time difference below which strategy=auto treats two layouts as equally fast.
@@ -87,13 +88,27 @@ def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: boo
         )
     limit = memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
     if limit and memory.total > limit:
+        fixes = fitting_overrides(cfg, batch_plan(cfg).global_batch_size, limit, predicted_memory)
+        if fixes:
+            same_layout = f"add {' or '.join(fixes)}, "
+        else:
+            states = memory.total - memory.activations
+            same_layout = (
+                f"no micro-batch or recomputation fits with strategy={cfg.strategy.name} (all but the activations "
+                f"take {states / GIB:.1f} GiB): "
+            )
         raise ConfigError(
             "strategy",
             f"predicted {memory.total / GIB:.1f} GiB per GPU with strategy={cfg.strategy.name} exceeds the "
             f"{limit / GIB:.1f} GiB usable on hw={cfg.hw.name}",
-            "run `python -m plan` with the same model/hw/trainer overrides for layouts that fit (or "
-            "strategy=auto), lower trainer.micro_batch_size, or add check_memory=false to launch anyway",
+            f"{same_layout}run `python -m plan` with the same model/hw/trainer overrides for other layouts that fit "
+            "(or strategy=auto), or add check_memory=false to launch anyway",
         )
+
+
+def predicted_memory(cfg: RunConfig) -> MemoryBreakdown | None:
+    """The launch-time prediction for a variant of a run, validated like the run itself."""
+    return predict_memory(cfg, parallel_layout(cfg))
 
 
 def auto_candidates(cfg: RunConfig) -> list[StrategyConfig]:
