@@ -67,6 +67,11 @@ class Recommendation:
     metric: str = "tokens_per_s"
 
     @property
+    def gain_estimated(self) -> bool:
+        """False where nothing in the run's telemetry sized the gain: its 0 is "unknown", not "nothing"."""
+        return self.expected_gain.get("basis") != NOT_ESTIMATED["basis"]
+
+    @property
     def override(self) -> str:
         """The override(s) to add to the original command; empty when no config lever exists."""
         if self.key is None:
@@ -338,7 +343,14 @@ def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
             recs.append(_rec("strategy.reduce_dtype", "bf16", why, "half the gradient bytes").gaining(half))
         if ctx.get("strategy.reshard_after_forward") is True:
             why = "keep gathered parameters from forward to backward: one all-gather per block instead of two"
-            recs.append(_rec("strategy.reshard_after_forward", False, why, "a third less traffic, more memory"))
+            rec = _rec("strategy.reshard_after_forward", False, why, "a third less traffic, more memory")
+            if "gradient_reduction" in split:
+                # What is not gradient reduction (or tokens) is the blocks' all-gathers, forward's and backward's
+                # alike: backward's half of them goes.
+                gathers = max(0.0, 1.0 - float(split["gradient_reduction"]) - tokens)
+                basis = f"backward's all-gathers: half of the all-gathers' {pct(gathers)} of the communication"
+                rec = rec.gaining(gain(finding, HALF * gathers, basis))
+            recs.append(rec)
     return recs
 
 
@@ -910,7 +922,7 @@ def ab_test(rec: Recommendation, ctx: RunContext, original: list[str], run_dir: 
     multirun = ("-m", *base, *rec.pinned, swept, sweep_dir)
     recommended = (*base, *rec.pinned, f"{key}={rec.value}")
     gain = rec.expected_gain.get("fraction")
-    expected = float(gain) if isinstance(gain, (int, float)) else None
+    expected = float(gain) if isinstance(gain, (int, float)) and rec.gain_estimated else None
     return AbTest(rec.key, multirun, note, tuple(original), recommended, rec.override, expected, metric=rec.metric)
 
 

@@ -85,4 +85,6 @@ def gain_text(rec: Any) -> str:
     expected = rec.expected_gain
     if not getattr(rec, "ab_testable", True):  # a stability lever: its gain is not in step time
         return str(expected.get("basis"))
+    if not getattr(rec, "gain_estimated", True):
+        return f"saving {expected.get('basis')}"
     return f"saves ~{pct(expected.get('fraction'), 0)} of {scale_of_rec(rec)}: {expected.get('basis')}"

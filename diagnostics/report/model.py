@@ -186,6 +186,8 @@ class Report:
             return f"{lead} (no config lever: see report)"
         if not rec.ab_testable:
             return f"{lead}; try {rec.override} (not measured)"
+        if not rec.gain_estimated:
+            return f"{lead}; try {rec.override} (saving not estimated: `diagnose --ab` measures it)"
         saved = pct(rec.expected_gain["fraction"], 0)
         return f"{lead}, {rec.override} expected to save ~{saved} of {scale_of_rec(rec)}"
 
