@@ -90,6 +90,7 @@ def test_a_killed_sweep_rerun_continues_its_study(tmp_path: Path) -> None:
     deadline = time.time() + 300
     while not (sweep / "1" / "run.json").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
+    assert proc.poll() is None, f"the sweep ended (exit {proc.returncode}) before its second trial started training"
     os.killpg(proc.pid, signal.SIGKILL)  # the sweep dies while its second trial trains
     proc.wait()
     first = trials(sweep)
