@@ -89,5 +89,17 @@ def main(cfg: DictConfig) -> None:
         print("precision=fp8: planned as bf16-mixed (same states and traffic; step time an upper bound), ddp/fsdp only")
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """Check the command as ``python -m train`` would (one line, exit code 2), then hand it to Hydra."""
+    from disttrain.job.preflight import check_overrides
+
+    try:
+        check_overrides(sys.argv[1:], CONF_DIR, "plan")
+    except ConfigError as err:
+        print(f"disttrain: config error: {err}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT_CODE)
     main()
+
+
+if __name__ == "__main__":
+    run()

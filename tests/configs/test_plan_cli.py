@@ -110,6 +110,21 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "start"),
+    [
+        (["hw=8xa10"], "hw: unknown option '8xa10' (did you mean '8xa100'?)"),
+        (["model.n_layer=3"], "model.n_layer: is not a setting of model (did you mean 'n_layers'?)"),
+        (["trainer=fast"], "trainer: unknown option 'fast'"),
+    ],
+)
+def test_a_wrong_group_option_or_key_is_one_line_as_in_train(args: list[str], start: str, tmp_path: Path) -> None:
+    result = run_plan(args, tmp_path)
+    assert result.returncode == USER_ERROR_EXIT_CODE, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith(f"disttrain: config error: {start}")
+
+
+@pytest.mark.parametrize(
     ("value", "count"),
     [("7.5B", 7_500_000_000), (7.5e9, 7_500_000_000), ("70b", 70 * 10**9), ("1T", 10**12), (125, 125)],
 )

@@ -177,6 +177,35 @@ def check_key_exists(cfg: DictConfig, key: str) -> None:
     )
 
 
+def check_overrides(argv: list[str], conf_dir: Path, config_name: str) -> None:
+    """The one-line errors of ``python -m train`` for another entry point's command (``python -m plan``): an
+    unreadable override, an unknown group option or key, anything else Hydra cannot compose. Commands with Hydra's
+    own flags are left to Hydra."""
+    if any(a.startswith("-") for a in argv):
+        return
+    overrides = parse_overrides(argv)
+    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()} - {"hydra"}
+    for o in overrides:
+        if o.key_or_group in groups and o.package is None and not o.is_delete():
+            check_group_option(conf_dir, o)
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        try:
+            composed = compose(
+                config_name=config_name, overrides=[o.input_line for o in overrides if o.key_or_group in groups]
+            )
+            for o in overrides:
+                if (
+                    o.type == OverrideType.CHANGE
+                    and o.key_or_group not in groups
+                    and not o.key_or_group.startswith("hydra")
+                ):
+                    check_key_exists(composed, o.key_or_group)
+            compose(config_name=config_name, overrides=argv)
+        except HydraException as err:
+            message = str(err).splitlines()[0]
+            raise ConfigError("overrides", f"cannot compose the config ({message})", "check the overrides") from None
+
+
 def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
     """Raise ConfigError for anything wrong with ``python -m train ARGV``; when it is fine, the prepared job for
     ``run_from_hydra`` to go on with (None for a multirun, whose jobs each prepare their own) and the dir to claim.

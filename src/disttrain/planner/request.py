@@ -47,7 +47,8 @@ def _check_hw(hw: HardwareProfile, precision: PrecisionConfig) -> None:
         raise ConfigError(
             "hw.peak_tflops",
             f"hw={hw.name} has no {dtype} peak, so no step time can be predicted",
-            f"plan for a GPU profile (e.g. hw=8xa100) or add +hw.peak_tflops.{dtype}=<measured TFLOP/s>",
+            f"pass calibration=<a run dir of this machine> (its measured speeds; a CPU run trains in fp32: add "
+            f"precision=fp32), plan for a GPU profile (e.g. hw=8xa100), or add +hw.peak_tflops.{dtype}=<TFLOP/s>",
         )
     if hw.devices_per_node > 1 and not hw.intra_node_bandwidth_gbps:
         raise ConfigError("hw.intra_node_bandwidth_gbps", "is needed for more than one device per node", "set it")
