@@ -24,9 +24,13 @@ from diagnostics.analysis.load import RunTelemetry
 def comm_split(run: RunTelemetry, context: RunContext) -> dict[str, Any] | None:
     """``{"once_per_step", "tensor_parallel", "gradient_reduction" (where known): shares, "basis": ...}`` of the
     run's communication time, or None where neither the prediction nor the strategy says. FSDP's gradient share is
-    the profiled collectives' own where the window timed both kinds (``measured_reduction_share``)."""
+    the profiled collectives' own where the window timed both kinds (``measured_reduction_share``), and so is
+    ZeRO-3's, which gathers every micro-batch too."""
     split = predicted_split(run) or strategy_split(context)
-    if split is None or context.strategy != "fsdp":
+    gathers_every_micro_batch = context.strategy == "fsdp" or (
+        context.strategy == "deepspeed" and context.get("strategy.stage") == 3
+    )
+    if split is None or not gathers_every_micro_batch:
         return split
     measured = measured_reduction_share(run)
     if measured is None:

@@ -237,6 +237,13 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
         evidence["all_to_all"] = exchange
         if exchange["of_phase_transfer"] >= TOKENS_DOMINATE:
             moving = f"tokens between expert-parallel ranks (all-to-all: {_pct(exchange['transfer'])} of the step)"
+    headroom = [
+        p.device_memory_bytes - p.peak_reserved_bytes for p in phases if p.device_memory_bytes and p.peak_reserved_bytes
+    ]
+    if headroom:  # what a lever that holds more per rank (ZeRO-2's whole parameters) has to fit in
+        evidence["device_headroom_bytes"] = min(headroom)
+    if isinstance(params := run.meta("num_parameters"), int):
+        evidence["num_parameters"] = params
     ranks = sorted(set(exposed) | set(saturation))
     # Whole-run step records for every rank, or the windows of at least two ranks, must agree on the floor.
     corroborated = len(steps) == timed or len(profile) >= 2

@@ -7,6 +7,7 @@ the ranks in turn, as a shared host's scheduler makes them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import pytest
 
 from diagnostics.analysis import analyse
 from diagnostics.analysis.comm_split import collective_kind
+from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.phase_comm import call_minimum
-from diagnostics.recommend import recommend_all
+from diagnostics.recommend import recommend_all, zero2_lever
 from tests.diag_fixtures import SCENARIOS, write_run
 
 SKEW, CALLS = SCENARIOS["moe_waits"].call_skew, SCENARIOS["moe_waits"].phase_calls
@@ -139,6 +141,29 @@ def test_fsdps_gradient_share_is_the_profiled_collectives_own_and_prices_keeping
     assert "profiled" in finding.evidence["comm_split"]["basis"]
     (keep,) = [r for r in recs if r.key == "strategy.reshard_after_forward"]
     assert keep.expected_gain["fraction"] == pytest.approx(0.5 * (2 / 3) * finding.cost_fraction, abs=1e-3)
+
+
+def test_zero3_comm_bound_offers_zero2_costed_on_the_gathers_it_keeps_once_per_step(tmp_path: Path) -> None:
+    """ZeRO-3 gathers parameters every micro-batch (forward and backward); ZeRO-2 gathers the updated ones once per
+    step: at one micro-batch per step it keeps half the gathers' bytes. Here 2 parts gathering to 1 reducing."""
+    ops = ("gloo:all_gather", "nccl:all_gather_into_tensor_coalesced", "gloo:all_reduce", "c10d::_allgather_base_")
+    overrides = ("strategy=deepspeed", "strategy.stage=3")
+    run = analyse(write_run(tmp_path / "zero3", "comm_bound", overrides=overrides, comm_ops=ops))
+    found = {f.kind: (f, r) for f, r in zip(run.findings, recommend_all(run), strict=True)}
+    finding, recs = found["comm_bound"]
+    assert finding.evidence["comm_split"]["gradient_reduction"] == pytest.approx(1 / 3, abs=1e-4)
+    (zero2,) = [r for r in recs if r.key == "strategy.stage"]
+    assert zero2.value == "2"
+    assert zero2.expected_gain["fraction"] == pytest.approx((2 / 3) * 0.5 * finding.cost_fraction, abs=1e-3)
+    stage2 = analyse(write_run(tmp_path / "zero2", "comm_bound", overrides=("strategy=deepspeed",), comm_ops=ops))
+    assert not [r for rs in recommend_all(stage2) for r in rs if r.key == "strategy.stage"]
+    # On devices whose measured headroom cannot hold whole parameters (why ZeRO-3 is often chosen), not offered.
+    ctx = RunContext.from_run(run.run)
+    fits = {**finding.evidence, "device_headroom_bytes": 40 * 2**30, "num_parameters": 7_000_000_000}
+    full = {**fits, "device_headroom_bytes": 4 * 2**30}
+    split = finding.evidence["comm_split"]
+    assert zero2_lever(dataclasses.replace(finding, evidence=fits), ctx, split, 0.0)
+    assert zero2_lever(dataclasses.replace(finding, evidence=full), ctx, split, 0.0) == []
 
 
 def test_collectives_are_told_by_backend_op_and_annotations_are_not() -> None:
