@@ -66,10 +66,10 @@ def collective_kind(op: str) -> str | None:
 
 
 def measured_reduction_share(run: RunTelemetry) -> float | None:
-    """The gradient reductions' share of FSDP's collective time in the ranks' last profiler windows: the
-    all-gathers (forward's and, resharded, backward's) against the reduce-scatters. The planner prices each from
-    link speeds probed at start-up, which for small calls on gloo scatter several-fold between runs (a 2-core
-    3-rank run: 0.42 and 0.79 in two runs of one command, 0.50-0.54 profiled in both)."""
+    """The gradient reductions' share of the collective time in the ranks' last profiler windows, for layouts that
+    gather parameters every micro-batch (FSDP, ZeRO-3): the all-gathers against the reduce-scatters. The planner
+    prices each from link speeds probed at start-up, which for small calls on gloo scatter several-fold between
+    runs (a 2-core 3-rank run: 0.42 and 0.79 in two runs of one command, 0.50-0.54 profiled in both)."""
     seconds = {"gather": 0.0, "reduce": 0.0}
     for tele in run.ranks.values():
         for op, spent in (tele.profiles[-1].comm_by_op if tele.profiles else {}).items():

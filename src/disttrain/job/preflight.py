@@ -109,6 +109,11 @@ def check_plain_name(key: str, value: str) -> None:
         )
 
 
+def config_groups(conf_dir: Path) -> set[str]:
+    """The config groups a command may choose options of (``model``, ``hw``, ...); Hydra's own are not ours."""
+    return {p.name for p in conf_dir.iterdir() if p.is_dir()} - {"hydra"}
+
+
 def check_group_option(conf_dir: Path, override: Override) -> None:
     group = override.key_or_group
     options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
@@ -184,7 +189,7 @@ def check_overrides(argv: list[str], conf_dir: Path, config_name: str) -> None:
     if any(a.startswith("-") for a in argv):
         return
     overrides = parse_overrides(argv)
-    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()} - {"hydra"}
+    groups = config_groups(conf_dir)
     for o in overrides:
         if o.key_or_group in groups and o.package is None and not o.is_delete():
             check_group_option(conf_dir, o)
@@ -220,7 +225,7 @@ def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
     if any(a.startswith("-") for a in args):
         return Preflighted(None, None)
     overrides = parse_overrides(args)
-    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()} - {"hydra"}
+    groups = config_groups(conf_dir)
     for o in overrides:
         if o.key_or_group == "hydra/launcher" and not multirun:
             raise ConfigError(

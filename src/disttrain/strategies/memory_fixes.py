@@ -21,8 +21,7 @@ from disttrain.config.schema import (
     StrategyConfig,
 )
 from disttrain.planner import MemoryBreakdown
-
-GIB = 2**30
+from disttrain.planner.plan import GIB
 
 Predictor = Callable[[RunConfig], MemoryBreakdown | None]
 
