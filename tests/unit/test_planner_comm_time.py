@@ -171,7 +171,8 @@ def test_megatron_without_pipelining_gathers_weights_every_micro_batch() -> None
 def test_tensor_parallel_activation_collectives_as_the_engine_issues_them(preset: str, per_layer: int) -> None:
     """Forward: the two row-parallel outputs. Backward: one per column-parallel input projection (q, k, v, w1, and
     w3 under SwiGLU), since each module sums its own input gradient. Plus the vocab-parallel embedding output and
-    the LM head's input gradient."""
+    the LM head's input gradient, and the vocab-parallel loss's three per-token reductions (tests/fake counts them
+    on the engine itself)."""
     from disttrain.planner.comm import process_groups
 
     shape = model_shape(model(preset))
@@ -181,6 +182,7 @@ def test_tensor_parallel_activation_collectives_as_the_engine_issues_them(preset
     group = process_groups(layout, hw("8xa100"))["tp"]
     # DTensor issues them as functional collectives, which a calibration prices on their own
     expected = collective_bytes("functional_all_reduce", activation, group).scale(per_layer * shape.n_layers + 2)
+    expected += collective_bytes("functional_all_reduce", 2 * shape.seq_len * 4, group).scale(3)
     assert comm_plan(shape, layout, workload, hw("8xa100")).mb_exposed == expected
 
 

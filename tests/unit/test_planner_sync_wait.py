@@ -11,7 +11,7 @@ from diagnostics.calibration import expected_max_of_normals, sync_figures
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import validate_profile
 from disttrain.planner import Layout, Workload, collective_bytes, comm_plan, model_shape, plan_layout
-from disttrain.planner.comm import Group, Sync, link_time, tp_collectives_per_layer
+from disttrain.planner.comm import LOSS_PARALLEL_COLLECTIVES, Group, Sync, link_time, tp_collectives_per_layer
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from disttrain.planner.step_time import sync_wait_seconds
 from tests.conftest import hw_profile as hw
@@ -89,7 +89,8 @@ def test_tensor_parallel_pays_a_wait_per_activation_collective_ddp_one_per_step(
     box = dataclasses.replace(CPU, compute_jitter=0.02, sync_overhead_us=400.0)
     work = Workload(16, 32, shape.seq_len, "fp32")
     tp_layout = Layout("megatron", tp=2, microbatches=2)
-    per_mb = tp_collectives_per_layer(shape.swiglu) * shape.n_layers + 2  # + the embedding's and the head's
+    # + the embedding's and the head's, and the vocab-parallel loss's three reductions
+    per_mb = tp_collectives_per_layer(shape.swiglu) * shape.n_layers + 2 + LOSS_PARALLEL_COLLECTIVES
     traffic = comm_plan(shape, tp_layout, work, box)
     assert traffic.mb_syncs == (Sync(2, per_mb),) and traffic.step_syncs == (Sync(2, 1),)
     tp = plan_layout(shape, tp_layout, work, box, DEFAULT_ASSUMPTIONS).estimate

@@ -32,6 +32,10 @@ FALLBACK_OP = {"functional_all_reduce": "all_reduce"}
 # under SwiGLU: each sums its input gradient over the TP group itself); full recomputation repeats the forward
 # two. Megatron-LM fuses QKV and the MLP's input projections, which makes it four per layer. tp_collectives_per_layer
 # counts them.
+# Vocab-parallel cross-entropy (``strategy.loss_parallel`` under tp > 1, on the stage holding the head): forward
+# reduces each token's logit max, sum of exponentials and target logit over the TP group, one fp32 value per token
+# each (what the profiler shows as three [tokens, 1] all-reduces per micro-batch); its backward is local.
+LOSS_PARALLEL_COLLECTIVES = 3
 DDP_BUCKET_BYTES = 25 * 2**20  # strategy.bucket_cap_mb's default: one all-reduce call per bucket
 TP_COLLECTIVES_PER_RECOMPUTED_LAYER = 2
 
@@ -410,7 +414,18 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
     tp_modules += edge_collectives
     tp_modules = tp_modules if tp > 1 else 0
     exposed = tp_traffic = collective_bytes("functional_all_reduce", activation, groups["tp"]).scale(tp_count)
-    syncs = [Sync(tp, tp_count)] if tp > 1 else []
+    loss_count = 0
+    if tp > 1:  # the loss on the head's vocab-sharded logits: reduce per-token statistics, or gather the logits
+        tokens = workload.micro_batch_size * workload.seq_len
+        if layout.loss_parallel:
+            loss_count = LOSS_PARALLEL_COLLECTIVES
+            loss = collective_bytes("functional_all_reduce", 4 * tokens, groups["tp"]).scale(loss_count)
+        else:
+            loss_count = 1
+            logits = tokens * shape.vocab_size * compute_bytes(precision)
+            loss = collective_bytes("all_gather", logits, groups["tp"])
+        exposed = tp_traffic = tp_traffic + loss
+    syncs = [Sync(tp, tp_count + loss_count)] if tp > 1 else []
     chunks = layout.virtual_stages if layout.schedule in ("interleaved_1f1b", "zero_bubble") else 1
     if pp > 1:
         message = activation / tp if layout.sequence_parallel else activation

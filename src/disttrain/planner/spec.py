@@ -48,6 +48,9 @@ class Layout:
     # FSDP2 expert parallelism (``strategy.ep``): groups of ``ep`` ranks each hold every routed expert once and
     # exchange tokens by all-to-all; 1: every rank holds (its FSDP shard of) every expert.
     ep: int = 1
+    # Megatron tp > 1: the cross-entropy runs on the vocab-sharded logits (``strategy.loss_parallel``, the default),
+    # reducing each token's max, sum of exponentials and target logit over the tp ranks instead of gathering logits.
+    loss_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.dp_type not in MEGATRON_DP_TYPES + MEGATRON_LM_DP_TYPES:
@@ -103,6 +106,8 @@ class Layout:
         }
         if self.dp_type != "fsdp":  # the config's default
             options["dp_type"] = self.dp_type
+        if not self.loss_parallel:  # the config's default is true
+            options["loss_parallel"] = False
         if self.dp_type == "hsdp":
             options["dp_replicate"] = self.dp_replicate
         if self.pp > 1:  # strategy=megatron ignores the schedule without pipelining

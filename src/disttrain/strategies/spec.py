@@ -364,6 +364,7 @@ class MegatronSpec(StrategySpec):
             microbatches=accumulation,
             schedule_microbatches=m.num_microbatches,
             sequence_parallel=m.sequence_parallel and m.tp > 1,
+            loss_parallel=m.loss_parallel,
             schedule=m.schedule if m.pp > 1 else "none",
             virtual_stages=m.virtual_stages,
             recompute=m.activation_checkpointing,
