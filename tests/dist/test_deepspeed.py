@@ -17,6 +17,7 @@ import torch
 
 from disttrain.config.schema import ModelConfig
 from disttrain.models import build_model
+from disttrain.planner import Layout, Workload, model_shape, model_state_bytes
 from tests.conftest import TINY_MODEL, read_manifest
 from tests.dist.test_parity_and_resume import model_weights, run, train_losses
 
@@ -120,6 +121,29 @@ def test_zero_3_each_rank_holds_only_its_parameter_partitions(runs: dict[str, Pa
         assert held["params"] == expected, f"rank {rank}"
         assert held["fp32_partition"] == expected, f"rank {rank}"
     assert expected[0] < totals[0] and expected[0] * WORLD >= totals[0]
+
+
+def training_state_bytes(run_dir: Path, rank: int = 0) -> int:
+    """The bytes of parameters, gradients and optimizer states the run counted on ``rank`` (its memory record)."""
+    lines = (run_dir / "telemetry" / f"rank{rank:04d}.jsonl").read_text().splitlines()
+    (counted,) = [r["training_state_bytes"] for line in lines if (r := json.loads(line)).get("training_state_bytes")]
+    return counted
+
+
+def planned_state_bytes(run_dir: Path, layout: Layout) -> int:
+    config = read_manifest(run_dir)["config"]
+    shape = model_shape(ModelConfig(**config["model"]))
+    workload = Workload(config["trainer"]["micro_batch_size"], 8, shape.seq_len, "fp32")
+    memory = model_state_bytes(shape, layout, workload)
+    return memory.params + memory.grads + memory.optimizer_states
+
+
+def test_zero_3_training_state_is_what_the_planner_predicts(runs: dict[str, Path]) -> None:
+    """fp32 ZeRO-3 keeps a separate fp32 master partition beside the parameter partition (DeepSpeed copies it even in
+    fp32), then momentum, variance and the gradient partition: 20 bytes per partitioned element. A few bytes of
+    Adam's step counters apart."""
+    layout = Layout("deepspeed", dp=WORLD, zero_stage=3, persistence_threshold=0)
+    assert training_state_bytes(runs["zero3"]) == pytest.approx(planned_state_bytes(runs["zero3"], layout), abs=64)
 
 
 def test_zero_3_collectives_are_timed_inside_forward_backward_and_the_optimizer_step(runs: dict[str, Path]) -> None:

@@ -20,6 +20,7 @@ reference: 2 more launches, ~20 s at load 3.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import signal
 import socket
@@ -29,9 +30,10 @@ from pathlib import Path
 
 import pytest
 
+from disttrain.planner import Layout
 from tests.conftest import load_checkpoint, read_manifest, run_cli
 from tests.dist.test_deepspeed import COMMON as DEEPSPEED_COMMON
-from tests.dist.test_deepspeed import STEPS
+from tests.dist.test_deepspeed import STEPS, planned_state_bytes, training_state_bytes
 from tests.dist.test_parity_and_resume import train_losses
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -47,7 +49,17 @@ LAYOUTS = {
     "ddp x1": ["strategy=ddp", "hw.devices_per_node=1", "trainer.micro_batch_size=4", "trainer.global_batch_size=8"],
     "fsdp x4": ["strategy=fsdp", "hw.devices_per_node=4", "trainer.micro_batch_size=2"],
     "fsdp x2": ["strategy=fsdp", "hw.devices_per_node=2", "trainer.micro_batch_size=4"],
-    "deepspeed-3 x2": ["strategy=deepspeed", "strategy.stage=3", "hw.devices_per_node=2", "trainer.micro_batch_size=4"],
+    # With the step records on (no profile, calibration or report): the run counts its training state.
+    "deepspeed-3 x2": [
+        "strategy=deepspeed",
+        "strategy.stage=3",
+        "hw.devices_per_node=2",
+        "trainer.micro_batch_size=4",
+        "diagnostics=default",
+        "diagnostics.profile=false",
+        "diagnostics.calibrate=false",
+        "diagnostics.report=false",
+    ],
     "deepspeed-2 x2": ["strategy=deepspeed", "strategy.stage=2", "hw.devices_per_node=2", "trainer.micro_batch_size=4"],
     "megatron tp2 x2": ["strategy=megatron", "strategy.tp=2", "hw.devices_per_node=2", "trainer.micro_batch_size=8"],
     "megatron pp2 x2": [
@@ -112,6 +124,16 @@ def test_resume_continues_the_uninterrupted_losses(name: str, runs: dict[str, Pa
     manifest = read_manifest(runs[name])
     assert manifest["config"]["strategy"]["name"] == LAYOUTS[layout][0].split("=")[1]
     assert manifest["world"]["world_size"] == int(layout.rsplit("x", 1)[1])
+
+
+def test_zero3_keeps_its_persistent_parameters_whole_as_the_planner_predicts(runs: dict[str, Path]) -> None:
+    """Under the default persistence threshold (1e5 elements: here every tensor) ZeRO-3 keeps each parameter whole on
+    every rank beside its partition: the state the run counted is the planner's, persistent parameters included."""
+    run_dir = runs["ddp->deepspeed-3"]
+    layout = Layout("deepspeed", dp=2, zero_stage=3)
+    planned = planned_state_bytes(run_dir, layout)
+    assert training_state_bytes(run_dir) == pytest.approx(planned, abs=64)
+    assert planned > planned_state_bytes(run_dir, dataclasses.replace(layout, persistence_threshold=0))
 
 
 @pytest.mark.parametrize("name", [name for name, *_ in RESUMES])

@@ -40,6 +40,11 @@ def gpu_model_states(shape, layout: Layout) -> int:
     return m.params + m.grads + m.optimizer_states + fp32_grads + largest
 
 
+def estimator_zero3(**options) -> Layout:
+    """ZeRO-3 as DeepSpeed's estimator assumes it: every parameter partitioned (no persistence threshold)."""
+    return Layout("deepspeed", zero_stage=3, persistence_threshold=0, **options)
+
+
 def printed_rows(capsys) -> list[tuple[float, float, str]]:
     rows = re.findall(r"^\s+([0-9.]+)GB \|\s+([0-9.]+)GB \| (.*)$", capsys.readouterr().out, re.MULTILINE)
     return [(float(cpu), float(gpu), options) for cpu, gpu, options in rows]
@@ -64,7 +69,7 @@ def test_zero2_gpu_bytes_equal_deepspeeds_estimator(shape, nodes: int, per_node:
 def test_zero3_offload_gpu_and_host_bytes_equal_deepspeeds_estimator(shape, nodes: int, per_node: int, capsys) -> None:
     dp, n, largest = nodes * per_node, shape.num_parameters, shape.largest_module_parameters
     for offload_params in (True, False):
-        layout = Layout("deepspeed", dp=dp, zero_stage=3, offload_optimizer=True, offload_params=offload_params)
+        layout = estimator_zero3(dp=dp, offload_optimizer=True, offload_params=offload_params)
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(n, largest, per_node, nodes, True, offload_params, True)
         assert gpu_model_states(shape, layout) == gpu
         # The estimator's CPU column is per node with a 1.5 safety factor (zero.Init: no full-model load).
@@ -73,20 +78,27 @@ def test_zero3_offload_gpu_and_host_bytes_equal_deepspeeds_estimator(shape, node
     estimate_zero3_model_states_mem_needs_all_cold(n, largest, per_node, nodes)
     rows = printed_rows(capsys)  # (param, optimizer offload) = (cpu, cpu) x zero_init 1/0, then (none, cpu) x 1/0
     for row, offload_params in zip(rows[:4], (True, True, False, False), strict=True):
-        layout = Layout("deepspeed", dp=dp, zero_stage=3, offload_optimizer=True, offload_params=offload_params)
+        layout = estimator_zero3(dp=dp, offload_optimizer=True, offload_params=offload_params)
         assert row[1] == round(gpu_model_states(shape, layout) / GIB, 2), row
 
 
 def test_zero3_without_offload_keeps_the_16bit_gradient_partition_deepspeeds_estimator_leaves_out() -> None:
     dp, n = 8, LLAMA_70B.num_parameters
     _, gpu, _ = estimate_zero3_model_states_mem_needs(n, LLAMA_70B.largest_module_parameters, dp, 1, False, False)
-    assert gpu_model_states(LLAMA_70B, Layout("deepspeed", dp=dp, zero_stage=3)) - gpu == 2 * n // dp
+    assert gpu_model_states(LLAMA_70B, estimator_zero3(dp=dp)) - gpu == 2 * n // dp
+    # What the estimator leaves out too: the parameters under the persistence threshold (llama-70b's norms), whole
+    # on every rank beside their partition.
+    persistent = LLAMA_70B.small_parameters(100_000)
+    assert persistent == (2 * 80 + 1) * 8192
+    with_persistent = gpu_model_states(LLAMA_70B, Layout("deepspeed", dp=dp, zero_stage=3))
+    assert with_persistent - gpu_model_states(LLAMA_70B, estimator_zero3(dp=dp)) == 2 * persistent
 
 
 def test_llama70b_zero3_with_parameter_and_optimizer_offload_keeps_no_gradients_on_the_gpu() -> None:
     layout = Layout("deepspeed", dp=8, zero_stage=3, offload_optimizer=True, offload_params=True)
     memory = model_state_bytes(LLAMA_70B, layout, Workload(1, 8, 4096, "bf16-mixed"))
-    assert (memory.params, memory.grads, memory.optimizer_states) == (0, 0, 0)
+    # Only the persistent parameters (the norms, 16-bit) stay on the GPU.
+    assert (memory.params, memory.grads, memory.optimizer_states) == (2 * LLAMA_70B.small_parameters(100_000), 0, 0)
     # The working set only: the largest layer (4 bytes/element) and Lightning's reduce/all-gather buckets.
     assert memory.buffers == 4 * LLAMA_70B.largest_module_parameters + 4 * 200_000_000 + 2 * 200_000_000
     stage1 = model_state_bytes(LLAMA_70B, Layout("deepspeed", dp=8, zero_stage=1, offload_optimizer=True),

@@ -194,8 +194,10 @@ def test_zero3_working_set_has_the_largest_layer_and_offload_moves_states_to_hos
     both = model_state_bytes(
         shape, Layout("deepspeed", dp=8, zero_stage=3, offload_optimizer=True, offload_params=True), workload
     )
-    assert (both.params, both.optimizer_states) == (0, 0)
-    assert both.host == z3.params + z3.optimizer_states + 4 * -(-shape.num_parameters // 8)
+    persistent = 2 * shape.small_parameters(100_000)  # the norms: whole on every rank, also under offload
+    assert persistent == 2 * (2 * 32 + 1) * 4096
+    assert (both.params, both.optimizer_states) == (persistent, 0)
+    assert both.host == z3.params - persistent + z3.optimizer_states + 4 * -(-shape.num_parameters // 8)
 
 
 def test_raw_count_has_no_activations() -> None:

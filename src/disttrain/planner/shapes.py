@@ -150,6 +150,12 @@ class ModelShape:
             per_module[t.module] = per_module.get(t.module, 0) + t.numel
         return max(per_module.values())
 
+    def small_parameters(self, threshold: int) -> int:
+        """Elements of the tensors with at most ``threshold`` elements (ZeRO-3's persistent parameters; 0 for a raw
+        count, whose tensors are unknown)."""
+        tensors = self.block * self.n_layers + self.embedding + self.head
+        return sum(t.numel for t in tensors if t.numel <= threshold)
+
     def fsdp_shard_parameters(self, shards: int) -> int:
         """Parameter elements one rank holds when every tensor is sharded over ``shards`` ranks on dim 0."""
         if not self.known:

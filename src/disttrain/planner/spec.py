@@ -48,6 +48,9 @@ class Layout:
     # FSDP2 expert parallelism (``strategy.ep``): groups of ``ep`` ranks each hold every routed expert once and
     # exchange tokens by all-to-all; 1: every rank holds (its FSDP shard of) every expert.
     ep: int = 1
+    # DeepSpeed ZeRO-3 (``strategy.param_persistence_threshold``): parameters of at most this many elements are not
+    # partitioned for compute; every rank keeps them whole beside their partition.
+    persistence_threshold: int = 100_000
     # Megatron tp > 1: the cross-entropy runs on the vocab-sharded logits (``strategy.loss_parallel``, the default),
     # reducing each token's max, sum of exponentials and target logit over the tp ranks instead of gathering logits.
     loss_parallel: bool = True

@@ -315,6 +315,7 @@ class DeepSpeedSpec(StrategySpec):
             offload_optimizer=ds.offload_optimizer,
             offload_params=ds.offload_params,
             recompute="full" if ds.activation_checkpointing else "none",
+            persistence_threshold=ds.param_persistence_threshold,
         )
 
     def build(self, cfg: RunConfig, world_size: int, apply_checkpointing: object) -> StrategyBuild:
