@@ -351,7 +351,7 @@ def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
                 basis = f"backward's all-gathers: half of the all-gathers' {pct(gathers)} of the communication"
                 rec = rec.gaining(gain(finding, HALF * gathers, basis))
             recs.append(rec)
-    elif ctx.strategy == "deepspeed" and ctx.get("strategy.stage") == 3 and "gradient_reduction" in split:
+    elif ctx.zero3 and "gradient_reduction" in split:
         recs += zero2_lever(finding, ctx, split, tokens)
     return recs
 

@@ -27,10 +27,7 @@ def comm_split(run: RunTelemetry, context: RunContext) -> dict[str, Any] | None:
     the profiled collectives' own where the window timed both kinds (``measured_reduction_share``), and so is
     ZeRO-3's, which gathers every micro-batch too."""
     split = predicted_split(run) or strategy_split(context)
-    gathers_every_micro_batch = context.strategy == "fsdp" or (
-        context.strategy == "deepspeed" and context.get("strategy.stage") == 3
-    )
-    if split is None or not gathers_every_micro_batch:
+    if split is None or not (context.strategy == "fsdp" or context.zero3):  # layouts that gather every micro-batch
         return split
     measured = measured_reduction_share(run)
     if measured is None:

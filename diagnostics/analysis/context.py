@@ -87,6 +87,11 @@ class RunContext:
         return self.get("strategy.name")
 
     @property
+    def zero3(self) -> bool:
+        """DeepSpeed ZeRO-3: parameters partitioned, each module's gathered before its forward and its backward."""
+        return self.strategy == "deepspeed" and self.get("strategy.stage") == 3
+
+    @property
     def on_gpu(self) -> bool:
         return self.get("hw.accelerator") == "gpu"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diagnostics.telemetry import telemetry_path
 from disttrain.config.schema import ModelConfig
 from disttrain.models import build_model
 from disttrain.planner import Layout, Workload, model_shape, model_state_bytes
@@ -125,7 +126,7 @@ def test_zero_3_each_rank_holds_only_its_parameter_partitions(runs: dict[str, Pa
 
 def training_state_bytes(run_dir: Path, rank: int = 0) -> int:
     """The bytes of parameters, gradients and optimizer states the run counted on ``rank`` (its memory record)."""
-    lines = (run_dir / "telemetry" / f"rank{rank:04d}.jsonl").read_text().splitlines()
+    lines = telemetry_path(run_dir, rank).read_text().splitlines()
     (counted,) = [r["training_state_bytes"] for line in lines if (r := json.loads(line)).get("training_state_bytes")]
     return counted
 

@@ -153,8 +153,11 @@ class ModelShape:
     def small_parameters(self, threshold: int) -> int:
         """Elements of the tensors with at most ``threshold`` elements (ZeRO-3's persistent parameters; 0 for a raw
         count, whose tensors are unknown)."""
-        tensors = self.block * self.n_layers + self.embedding + self.head
-        return sum(t.numel for t in tensors if t.numel <= threshold)
+
+        def small(tensors: tuple[ParamTensor, ...]) -> int:
+            return sum(t.numel for t in tensors if t.numel <= threshold)
+
+        return self.n_layers * small(self.block) + small(self.embedding + self.head)
 
     def fsdp_shard_parameters(self, shards: int) -> int:
         """Parameter elements one rank holds when every tensor is sharded over ``shards`` ranks on dim 0."""
