@@ -59,12 +59,12 @@ def run_layout(model: ModelConfig, strategy: MegatronConfig, world: int, rounds:
     container = torch.nn.ModuleList(engine.chunks)
     optimizer = optimizer_for(container)
     dp_rank, dp = degrees.coordinates(dist.get_rank())["dp"], degrees.dp
-    losses = []
+    losses, norms = [], []
     for inputs, targets in global_batches(model):
         rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
         optimizer.zero_grad(set_to_none=True)
         loss = engine.forward_backward(inputs[rows], targets[rows], lambda loss: loss.backward())
-        engine.clip_grad_norm_(CLIP)
+        norms.append(engine.clip_grad_norm_(CLIP).item())
         optimizer.step()
         # Every rank holds its data-parallel group's mean: the world mean is the global-batch loss.
         dist.all_reduce(loss)
@@ -77,6 +77,7 @@ def run_layout(model: ModelConfig, strategy: MegatronConfig, world: int, rounds:
     dist.all_reduce(eval_loss)
     return {
         "losses": losses,
+        "norms": norms,
         "eval_loss": eval_loss.item() / world,
         "local_numel": held,
         "stages": engine.stage_ids,

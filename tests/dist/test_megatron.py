@@ -30,25 +30,26 @@ GPT = replace(GPT_SMALL, name="gpt-tiny", n_layers=4, vocab_size=64)
 LLAMA = replace(LLAMA_SMALL, name="llama-tiny", n_layers=4, vocab_size=64)
 
 
-def reference_losses(model_cfg: ModelConfig) -> tuple[list[float], float]:
-    """Per-step training losses of one process, and the loss of the evaluation batch after the last step."""
+def reference_losses(model_cfg: ModelConfig) -> tuple[list[float], list[float], float]:
+    """Per-step training losses and gradient norms (before clipping) of one process, and the loss of the
+    evaluation batch after the last step."""
     torch.manual_seed(0)
     model = build_model(model_cfg, seed=11)
     optimizer = optimizer_for(model)
-    losses = []
+    losses, norms = [], []
     for inputs, targets in global_batches(model_cfg):
         optimizer.zero_grad(set_to_none=True)
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
         losses.append(loss.item())
     inputs, targets = eval_batch(model_cfg)
     with torch.no_grad():
         logits = model(inputs)
         eval_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-    return losses, eval_loss.item()
+    return losses, norms, eval_loss.item()
 
 
 def _free_port() -> int:
@@ -63,14 +64,17 @@ def run_layouts(tmp_path, world: int, model_cfg: ModelConfig, layouts: dict[str,
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-def assert_parity(results: list[dict], reference: tuple[list[float], float]) -> None:
-    """Training losses step by step, then evaluation (forward only through every stage), as one process."""
-    losses, eval_loss = reference
+def assert_parity(results: list[dict], reference: tuple[list[float], list[float], float]) -> None:
+    """Training losses and the clipped gradient norm step by step, then evaluation (forward only through every
+    stage), as one process."""
+    losses, norms, eval_loss = reference
     for name in results[0]:
         for rank, per_rank in enumerate(results):
             got = per_rank[name]["losses"]
             worst = max(abs(a - b) for a, b in zip(got, losses, strict=True))
             assert worst <= TOLERANCE, f"{name} rank {rank}: max |dloss| {worst:.2e} vs one process ({got} vs {losses})"
+            got = per_rank[name]["norms"]
+            assert got == pytest.approx(norms, rel=TOLERANCE), f"{name} rank {rank}: gradient norms {got} vs {norms}"
             evaluated = per_rank[name]["eval_loss"]
             assert evaluated == pytest.approx(eval_loss, abs=TOLERANCE), f"{name} rank {rank}: evaluation loss"
 

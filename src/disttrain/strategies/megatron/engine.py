@@ -94,12 +94,7 @@ def build_mesh(degrees: MegatronDegrees, device_type: str) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (degrees.pp, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-    if degrees.tp > 1:
-        # FSDP x TP gradients are sharded over dp_shard and tp: their norm (clipping) then takes one all-reduce
-        # over the flattened axes instead of two sequential ones, which DTensor warns about on every rank.
-        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-    return mesh
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
 
 
 def _schedule_class(name: str) -> type:
@@ -408,6 +403,6 @@ class MegatronEngine:
             # The tied weight has two copies with the same (summed) gradient: count it once, at the first stage.
             copies = {id(chunk.lm_head.weight) for chunk in self.chunks if chunk.lm_head is not None}
             counted = [p for p in params if id(p) not in copies]
-        norm = global_grad_norm(counted, self.pp_group)
+        norm = global_grad_norm(counted, self.mesh.size() // self.settings.degrees.pp, self.device)
         clip_grads_(params, max_norm, norm)
         return norm

@@ -14,31 +14,39 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def global_grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The L2 norm of all gradients of the whole model, identical on every rank.
+def global_grad_norm(params: list[nn.Parameter], ranks_per_stage: int, device: torch.device) -> torch.Tensor:
+    """The L2 norm of all gradients of the whole model, identical on every rank, in one all-reduce over the world.
 
-    Gradients are DTensors on different meshes (FSDP-only on the data-parallel axes, FSDP x TP on
-    data-parallel x tp): each group's norm is computed by DTensor, which reduces over sharded axes only, so
-    replicated copies are not double counted. Pipeline stages hold disjoint parameters: sum over ``pp_group``.
+    Every rank of a pipeline stage holds all of the stage's parameters, each gradient split into as many shards
+    as the product of the sizes of the mesh axes it is sharded on (FSDP's data-parallel axes, TP's), each shard
+    held by ``ranks_per_stage / shards`` ranks. Each rank adds its shards' squares divided by that count, so the
+    sum over the world counts every element once, stages included (they hold disjoint parameters). One blocking
+    collective a step instead of one per (mesh, placements) group and another over the pipeline: each of them
+    waits for the slowest rank.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    by_mesh: dict[tuple, list[torch.Tensor]] = {}
-    plain: list[torch.Tensor] = []
-    for g in grads:
-        if isinstance(g, DTensor):
-            by_mesh.setdefault((id(g.device_mesh), g.placements), []).append(g)
-        else:
-            plain.append(g)
-    device = grads[0].device if grads else torch.device("cpu")
-    square = torch.zeros((), dtype=torch.float32, device=_local(grads[0]).device if grads else device)
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=False)
-        square += norm.full_tensor().float() ** 2
-    if plain:
-        square += torch.nn.utils.get_total_norm(plain, norm_type=2.0, foreach=False).float() ** 2
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(square, group=pp_group)
+    by_holders: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_holders.setdefault(_holders_per_shard(p.grad, ranks_per_stage), []).append(_local(p.grad))
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for holders, group in sorted(by_holders.items()):
+        square += torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=False).float().square() / holders
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(square)
     return square.sqrt()
+
+
+def _holders_per_shard(grad: torch.Tensor, ranks_per_stage: int) -> int:
+    """How many ranks of a stage hold the same shard of ``grad``: the stage's ranks over its number of shards."""
+    if not isinstance(grad, DTensor):
+        return ranks_per_stage
+    shards = 1
+    for axis, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError(f"a gradient with a pending reduction ({grad.placements}) has no norm of its own yet")
+        if not placement.is_replicate():  # Shard, and FSDP's strided shard under TP (not a Shard subclass)
+            shards *= grad.device_mesh.size(axis)
+    return ranks_per_stage // shards
 
 
 @torch.no_grad()
