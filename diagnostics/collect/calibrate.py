@@ -134,6 +134,10 @@ BUS_FACTORS["functional_all_reduce"] = BUS_FACTORS["all_reduce"]
 # 0.27 ms and 8 MiB 8.6 ms (its algorithm changes with the size), so a one-element call's latency under-prices
 # every tensor-sized call 3-10x.
 LATENCY_SIZE_DIVISOR = 32
+# Calls timed at that size for the latency (their median). On a shared 2-core box one call of a functional all-reduce
+# of 256 KiB takes 0.4-4 ms depending on the moment: the median of 5 moved 0.4..4.3 ms between consecutive probes (a
+# TP run's predicted step by +-15%), the median of 15 0.6..1.0 ms in most probes. A call costs ~1 ms there.
+LATENCY_CALLS = 15
 
 
 def collective_bandwidth(op: str, group: object | None, nbytes: int, device: torch.device, repeats: int = 3) -> dict:
@@ -148,7 +152,7 @@ def collective_bandwidth(op: str, group: object | None, nbytes: int, device: tor
     n = dist.get_world_size(group)
     seconds, size = _median_call(op, group, max(n, nbytes // 4 // n * n), n, device, repeats)
     small_numel = max(n, nbytes // LATENCY_SIZE_DIVISOR // 4 // n * n)
-    small_seconds, small_size = _median_call(op, group, small_numel, n, device, repeats + 2)
+    small_seconds, small_size = _median_call(op, group, small_numel, n, device, max(repeats + 2, LATENCY_CALLS))
     call = _fastest_call(op, group, n, device)
     algbw = size / seconds / 1e9
     busbw = algbw * BUS_FACTORS[op](n)

@@ -388,7 +388,10 @@ def test_a_collectives_latency_is_read_off_a_tensor_sized_call_not_one_element(
     # gloo's all-reduce on 2 CPU ranks as measured: 8 MiB in 8.6 ms, 256 KiB in 3.1 ms, one element in 0.27 ms
     timings = {8 << 20: 8.6e-3, 256 << 10: 3.1e-3}
 
+    calls: dict[int, int] = {}
+
     def median_call(op: str, group: object, numel: int, n: int, device: torch.device, repeats: int) -> tuple:
+        calls[numel * 4] = repeats
         return timings[numel * 4], numel * 4
 
     monkeypatch.setattr(calibrate, "_median_call", median_call)
@@ -401,6 +404,8 @@ def test_a_collectives_latency_is_read_off_a_tensor_sized_call_not_one_element(
     # what the 256 KiB call cost beyond its bytes at the 8 MiB call's bandwidth: 2.83 ms, not the one element's 0.27
     assert record["latency_us"] == pytest.approx((3.1e-3 - (256 << 10) / (busbw * 1e9)) * 1e6)
     assert record["latency_us"] == pytest.approx(2831, rel=0.01)
+    # the latency's median over enough calls that one moment of a shared host does not make it (the bandwidth's 3)
+    assert calls == {8 << 20: 3, 256 << 10: calibrate.LATENCY_CALLS} and calibrate.LATENCY_CALLS >= 15
     # never below the one-element call (a size past the algorithm's switch can look free)
     timings[256 << 10] = 0.1e-3
     assert calibrate.collective_bandwidth("all_reduce", None, 8 << 20, torch.device("cpu"))["latency_us"] == 270.0
