@@ -152,26 +152,15 @@ PARTS_SECONDS_KEYS = (
 
 
 def parts_figures(records: list[dict]) -> dict[str, Any] | None:
-    """The ranks' parts records as one: each rank's faster probe (start or end, by the sum of its parts: load from
-    other processes only slows them, as the matmul rate), then each time the median over ranks; the shape of the
-    first complete record (records of another shape, which a rank cannot have measured in the same run, are left
-    out). None without a complete record."""
+    """The ranks' parts records as one: each time the median over ranks; the shape of the first complete record
+    (records of another shape, which a rank cannot have measured in the same run, are left out). None without a
+    complete record."""
     complete = [r for r in records if all(_positive(r.get(k)) for k in PARTS_SECONDS_KEYS)]
     if not complete:
         return None
     shape = {k: complete[0].get(k) for k in PARTS_SHAPE_KEYS}
-    fastest: dict[object, dict] = {}
-    for r in complete:
-        if all(r.get(k) == v for k, v in shape.items()):
-            rank = r.get("rank")
-            if rank not in fastest or _parts_seconds(r) < _parts_seconds(fastest[rank]):
-                fastest[rank] = r
-    same = list(fastest.values())
+    same = [r for r in complete if all(r.get(k) == v for k, v in shape.items())]
     return {**shape, **{k: statistics.median(float(r[k]) for r in same) for k in PARTS_SECONDS_KEYS}}
-
-
-def _parts_seconds(record: dict) -> float:
-    return sum(float(record[k]) for k in PARTS_SECONDS_KEYS)
 
 
 def calibration_from_telemetry(run_dir: Path) -> Calibration:

@@ -195,7 +195,7 @@ class DiagnosticsCallback(pl.Callback):
             self.calibrate_links(trainer, device)
             # After the links' barriers: every rank times its parts at once, as every rank computes in a step (on
             # a host whose cores the ranks share, a rank probing alone would see a core to itself).
-            self.calibrate_parts(device, "start")
+            self.calibrate_parts(device)
         self.sampler = DeviceSampler(reader, self.write, self.settings.sample_interval_s)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -453,12 +453,6 @@ class DiagnosticsCallback(pl.Callback):
         self.write("memory", **memory)
         if self.settings.calibrate:
             self.calibrate(pl_module.device, "end")
-            if pl_module.device.type == "cpu":
-                # Again at the end: a start-up probe caught in a moment when other processes slowed a shared host
-                # (seen: every part 1.3-1.7x slower than at the end, a ZeRO-2 step predicted +56%) is outvoted by
-                # the faster of the two. Not on a GPU, whose kernels other processes do not slow that way, and
-                # where the probe resets the allocator's peak that the run's summary reads after this.
-                self.calibrate_parts(pl_module.device, "end")
         tokens_per_s = self.tokens_per_s()
         if tokens_per_s:
             self.guarded("throughput", lambda: self._throughput(trainer.world_size, tokens_per_s))
@@ -473,17 +467,16 @@ class DiagnosticsCallback(pl.Callback):
             self.calibrated = max(self.calibrated or 0.0, result["flops_per_s"])
             self.write("calibration", when=when, **result)
 
-    def calibrate_parts(self, device: torch.device, when: str) -> None:
+    def calibrate_parts(self, device: torch.device) -> None:
         """Time the run's own block, edges and block optimizer step (what the planner composes each layout's step
-        from), at the run's ``when`` (start or end). Per rank, no collectives: a rank whose probe fails records the
-        error and the others go on."""
+        from). Per rank, no collectives: a rank whose probe fails records the error and the others go on."""
         f = self.facts
         if f.parts_probe is None:
             return
         probe = f.parts_probe
         result = self.guarded("parts_calibration", lambda: time_model_parts(device, probe(device), f.micro_batch_size))
         if result:
-            self.write("parts_calibration", when=when, precision=f.precision, **result)
+            self.write("parts_calibration", precision=f.precision, **result)
 
     def calibrate_links(self, trainer: pl.Trainer, device: torch.device) -> None:
         """Bus bandwidth of each collective over the run's links, and this device's memory bandwidth: what the

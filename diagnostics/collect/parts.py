@@ -1,9 +1,8 @@
-"""The run's own parts, timed at start-up and on a CPU again at the end (the planner keeps each rank's faster): forward
-and backward of one transformer block and of the model's edges (embedding, final norm, LM head and the loss) at the
-run's micro-batch, sequence length and precision on the run's device, and one optimizer step over a block's
-parameters. The planner composes each layout's step from them (``disttrain.planner.measured``): what a
-FLOPs-over-matmul-rate estimate misses (non-matmul kernels, autograd, the optimizer, launch overhead) is in the
-measurement.
+"""The run's own parts, timed at start-up: forward and backward of one transformer block and of the model's edges
+(embedding, final norm, LM head and the loss) at the run's micro-batch, sequence length and precision on the run's
+device, and one optimizer step over a block's parameters. The planner composes each layout's step from them
+(``disttrain.planner.measured``): what a FLOPs-over-matmul-rate estimate misses (non-matmul kernels, autograd, the
+optimizer, launch overhead) is in the measurement.
 
 An HF model comes as its own config at two layers (``disttrain.models.probe_parts.hf_model_parts``): hooks time each
 decoder layer's forward and backward inside the whole model's passes, and the rest of each pass is the edges.

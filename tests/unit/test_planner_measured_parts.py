@@ -163,26 +163,6 @@ def _parts_record(**overrides: object) -> dict:
     return {**record, **overrides}
 
 
-def test_each_rank_keeps_its_faster_probe_start_or_end_before_the_median_over_ranks(tmp_path: Path) -> None:
-    """A start-up probe caught in a slow moment of the host (every part ~1.6x) is outvoted by the end's; the other
-    rank's slower end is outvoted by its start. The chosen probe is one moment's: its parts are not mixed."""
-    probes = {
-        0: [("start", 0.016, 0.0032), ("end", 0.010, 0.0020)],
-        1: [("start", 0.012, 0.0019), ("end", 0.013, 0.0018)],
-    }
-    for rank, records in probes.items():
-        writer = TelemetryWriter(tmp_path, rank)
-        for when, forward, optimizer in records:
-            writer.write(
-                "parts_calibration", when=when, **_parts_record(block_forward_s=forward, optimizer_step_s=optimizer)
-            )
-        writer.close()
-    parts = calibration_from_telemetry(tmp_path).parts
-    assert parts is not None
-    assert parts["block_forward_s"] == pytest.approx((0.010 + 0.012) / 2)
-    assert parts["optimizer_step_s"] == pytest.approx((0.0020 + 0.0019) / 2)  # rank 1's start, not its end's 0.0018
-
-
 def test_calibration_takes_the_median_part_over_ranks_and_the_profile_says_measured(tmp_path: Path) -> None:
     for rank, forward in enumerate((0.010, 0.030, 0.012)):
         writer = TelemetryWriter(tmp_path, rank)
