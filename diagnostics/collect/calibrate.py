@@ -135,8 +135,8 @@ BUS_FACTORS["functional_all_reduce"] = BUS_FACTORS["all_reduce"]
 # every tensor-sized call 3-10x.
 LATENCY_SIZE_DIVISOR = 32
 # Calls timed at that size for the latency (their median). On a shared 2-core box one call of a functional all-reduce
-# of 256 KiB takes 0.4-4 ms depending on the moment: the median of 5 moved 0.4..4.3 ms between consecutive probes (a
-# TP run's predicted step by +-15%), the median of 15 0.6..1.0 ms in most probes. A call costs ~1 ms there.
+# of 256 KiB takes 0.4-4 ms depending on the moment: over 8 consecutive probes the median of 5 moved 0.4..4.3 ms (a
+# TP run's predicted step by +-15%), the median of 15 0.4..0.8 ms (benchmarks/RESULTS.md, planner accuracy).
 LATENCY_CALLS = 15
 
 
