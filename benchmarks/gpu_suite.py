@@ -67,6 +67,9 @@ RUNS = [
     TrainRun("gpt2-124m bf16 eager", GPT2 + EAGER, 60, 40, trace=True),
     # Host-bound at micro 16 (the 2026-11-27 H200 window: 44% GPU busy): twice the work per launch.
     TrainRun("gpt2-124m bf16 micro 32", ["model=gpt2-124m", "trainer.micro_batch_size=32"], 60, 55, trace=True),
+    # The default on one GPU under DDP records each compiled block as a CUDA graph; this is the compiled run
+    # without them (what multi-GPU DDP and FSDP runs launch), kernel by kernel.
+    TrainRun("gpt2-124m bf16 no cudagraphs", [*GPT2, "model.compile_mode=default"], 60, 50, trace=True),
     TrainRun("llama-1b bf16 eager", LLAMA + EAGER, 40, 60, trace=True),
     # 200 steps each: fp8's loss is compared with bf16's over the same 200 steps.
     TrainRun("llama-1b bf16", LLAMA, 200, 90, trace=True),
@@ -87,6 +90,8 @@ class Suite:
     dry_run: bool
     hw: list[str]
     runs: list[str] = field(default_factory=list)  # names of RUNS to run (empty: all)
+    benches: list[str] = field(default_factory=list)  # names of the overhead section's benchmarks (empty: all)
+    tests: list[str] = field(default_factory=lambda: ["tests/gpu"])  # what the tests section hands pytest
     started: float = field(default_factory=time.monotonic)
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -327,13 +332,18 @@ def fp8_loss_check(suite: Suite) -> None:
 
 
 # -- overhead and tests -------------------------------------------------------------------------------------------
+# The overhead section's benchmarks: their arguments and estimated seconds on an H100/H200.
+OVERHEAD_BENCHES = {
+    "overhead.py": ([str(REPO / "benchmarks/overhead.py"), "--strategies", "ddp", "--repeats", "1"], 180),
+    "diagnostics_overhead.py": ([str(REPO / "benchmarks/diagnostics_overhead.py"), "--repeats", "1"], 150),
+}
+
+
 def overhead(suite: Suite) -> None:
     extra = ["--extra", *suite.hw, *COMMON, *GPT2]
-    benches = [
-        ("overhead.py", [str(REPO / "benchmarks/overhead.py"), "--strategies", "ddp", "--repeats", "1"], 150),
-        ("diagnostics_overhead.py", [str(REPO / "benchmarks/diagnostics_overhead.py"), "--repeats", "1"], 150),
-    ]
-    for name, args, estimate in benches:
+    for name, (args, estimate) in OVERHEAD_BENCHES.items():
+        if suite.benches and name not in suite.benches:
+            continue
         if not suite.fits(name, estimate):
             continue
         argv = [sys.executable, *args, "--steps", "60", *extra]
@@ -344,12 +354,16 @@ def overhead(suite: Suite) -> None:
         suite.save()
 
 
+TESTS_CAP_S = 240
+
+
 def gpu_tests(suite: Suite) -> None:
     if not suite.fits("tests/gpu", 150):
         return
-    argv = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"]
-    argv += ["--collect-only"] if suite.dry_run else ["-n", "8"]
-    code, tail = suite.command("tests/gpu", argv, timeout_s=suite.left_s())
+    argv = [sys.executable, "-m", "pytest", *suite.tests, "-p", "no:cacheprovider"]
+    argv += ["-q", "--collect-only"] if suite.dry_run else ["-n", "8", "-v", "--durations=20"]
+    # At most TESTS_CAP_S: a hung test must not take the window's other sections with it.
+    code, tail = suite.command("tests/gpu", argv, timeout_s=min(suite.left_s(), TESTS_CAP_S))
     suite.results["tests/gpu"] = {"exit": code, "tail": tail[-1500:]}
 
 
@@ -395,9 +409,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_suite_out")))
     parser.add_argument("--dry-run", action="store_true", help="compose and collect only (runs on CPU)")
     parser.add_argument("--runs", nargs="+", default=[], choices=[r.name for r in RUNS], metavar="NAME")
+    parser.add_argument("--benches", nargs="+", default=[], choices=list(OVERHEAD_BENCHES), metavar="NAME")
+    parser.add_argument("--tests", nargs="+", default=["tests/gpu"], help="pytest paths/node ids (tests section)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    suite = Suite(args.budget_s, args.out, args.dry_run, gpu_hw(), runs=args.runs)
+    suite = Suite(args.budget_s, args.out, args.dry_run, gpu_hw(), args.runs, args.benches, args.tests)
     for name in args.only:
         try:
             SECTIONS[name](suite)

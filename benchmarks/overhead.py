@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -50,7 +49,13 @@ from disttrain.data.datamodule import TokenDataModule
 from disttrain.data.sampling import ResumableShardedSampler
 from disttrain.launch.local import free_port
 from disttrain.models import build_model
-from disttrain.models.module import lr_lambda, param_groups
+from disttrain.models.module import (
+    compiled_next_token_loss,
+    lr_lambda,
+    next_token_loss,
+    param_groups,
+    use_fused_adamw,
+)
 from disttrain.strategies.layout import validate_run, world_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,19 +65,39 @@ REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"diagnostics=default": 0.97, "diagnostics=off": 0.99}
 
 
-def wrap(model: torch.nn.Module, strategy: object, world: int, device: torch.device) -> torch.nn.Module:
-    """DDP, or FSDP2 on one data-parallel mesh: a unit per transformer block, then the root."""
+class WithLoss(torch.nn.Module):
+    """The model with its loss in one forward: what a hand-written compiled loop compiles (nanoGPT's recipe)."""
+
+    def __init__(self, model: torch.nn.Module, loss: Callable = next_token_loss) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.model(inputs), targets)
+
+
+def wrap(
+    model: torch.nn.Module, strategy: object, world: int, device: torch.device, compile_model: bool
+) -> torch.nn.Module:
+    """The model and its loss, under DDP (compiled whole before wrapping, as nanoGPT does) or FSDP2 on one
+    data-parallel mesh (a unit per transformer block, then the root; each block compiled first and the loss
+    compiled apart, as torchtitan does)."""
     model = model.to(device)
     if not isinstance(strategy, FSDPConfig):
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        with_loss: torch.nn.Module = WithLoss(model)
+        if compile_model:
+            with_loss = torch.compile(with_loss)  # type: ignore[assignment]
+        return DistributedDataParallel(with_loss, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world,))
-    for block in model.blocks:
+    for index, block in enumerate(model.blocks):
+        if compile_model:
+            block = model.blocks[index] = torch.compile(block)
         fully_shard(block, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    return model
+    return WithLoss(model, compiled_next_token_loss() if compile_model else next_token_loss)
 
 
 def sync_gradients(model: torch.nn.Module, on: bool) -> object:
@@ -81,7 +106,7 @@ def sync_gradients(model: torch.nn.Module, on: bool) -> object:
 
     if isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext() if on else model.no_sync()
-    model.set_requires_gradient_sync(on)  # type: ignore[operator]
+    model.model.set_requires_gradient_sync(on)  # type: ignore[operator]
     return contextlib.nullcontext()
 
 
@@ -113,9 +138,12 @@ def set_up_hand_written(rank: int, world: int, port: int, overrides: list[str]) 
     data.setup()
     sampler = ResumableShardedSampler(len(data.train_set), world, rank, cfg.trainer.seed)
     loader = iter(DataLoader(data.train_set, batch_size=plan.micro_batch_size, sampler=sampler, drop_last=True))
-    model = wrap(build_model(cfg.model, seed=cfg.trainer.seed), cfg.strategy, world, device)
+    compile_model = bool(cfg.model.compile)
+    model = wrap(build_model(cfg.model, seed=cfg.trainer.seed), cfg.strategy, world, device, compile_model)
     o = cfg.optimizer
-    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    groups = param_groups(model, o.weight_decay)
+    fused = use_fused_adamw([p for g in groups for p in g["params"]], o.fused) or None
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, o.warmup_steps, cfg.trainer.max_steps, o.min_lr_ratio)
     )
@@ -150,9 +178,7 @@ def hand_written_worker(rank: int, world: int, port: int, overrides: list[str], 
                 sync_gradients(model, micro == plan.accumulation - 1),
                 torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
             ):
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-                (loss / plan.accumulation).backward()
+                (model(inputs, targets) / plan.accumulation).backward()
         if cfg.trainer.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         optimizer.step()
