@@ -32,7 +32,8 @@ def test_moe_forward_backward_on_cuda_counts_on_the_device() -> None:
 def test_moe_trains_under_fsdp_on_one_gpu(model: str, tmp_path: Path) -> None:
     """The built-in MoE and transformers' Mixtral (its fused experts run by the project's layer), bf16 FSDP2."""
     args = [f"model={model}", "strategy=fsdp", "hw=1xa100", "hw.devices_per_node=1", "precision=bf16-mixed"]
-    args += ["trainer.max_steps=30", "trainer.ckpt_every_n_steps=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    # An HF model's run ends by exporting its last checkpoint (hf_model/): one at the end, none before.
+    args += ["trainer.max_steps=30", "trainer.ckpt_every_n_steps=30", f"hydra.run.dir={tmp_path / 'run'}"]
     result = run_cli(args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_manifest(tmp_path / "run")["status"] == "completed"

@@ -362,6 +362,9 @@ class ExpertLayer(nn.Module, abc.ABC):
         self.tokens_per_expert.zero_()
         return routed, dropped
 
+    # Eager under torch.compile: the counter is moved to the routing's device on first use, and that reassignment
+    # traced inside a compiled block left the graph expecting one row of it on the next step (seen on an H200).
+    @torch.compiler.disable
     def _count(self, row: int, experts: torch.Tensor) -> None:
         # Validation batches are not part of a step's load, and activation checkpointing's recomputation (a forward
         # run by the autograd engine, inside backward) would count the same tokens twice.
