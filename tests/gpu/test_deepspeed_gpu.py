@@ -7,6 +7,7 @@ CPU (gloo) paths are proven in tests/dist/test_deepspeed.py.
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,22 @@ def test_zero3_optimizer_offload_trains_on_one_gpu(tmp_path: Path) -> None:
     """Offload steps the host partition with DeepSpeedCPUAdam, whose op DeepSpeed compiles at launch."""
     args = ["hw=1xa100", "hw.devices_per_node=1", "strategy=deepspeed", "strategy.stage=3", "precision=bf16-mixed"]
     train_and_check([*args, "strategy.offload_optimizer=true"], tmp_path, stage=3)
+
+
+def test_zero_infinity_nvme_offload_trains_on_one_gpu(tmp_path: Path) -> None:
+    """ZeRO-Infinity: optimizer states and parameter partitions swapped to a directory through DeepSpeed's async I/O
+    op (libaio, compiled at launch); the run swaps in its own folder under nvme_path and removes it at the end,
+    leaving whatever else the directory holds."""
+    # DeepSpeed's async I/O opens its swap files with O_DIRECT, which tmpfs refuses: DISTTRAIN_NVME_DIR names a
+    # directory on a real drive where /tmp is not one.
+    nvme = Path(os.environ.get("DISTTRAIN_NVME_DIR", tmp_path)) / f"nvme-{tmp_path.name}"
+    nvme.mkdir(parents=True)
+    (nvme / "other-data.bin").write_bytes(b"keep")
+    args = ["hw=1xa100", "hw.devices_per_node=1", "strategy=deepspeed", "strategy.stage=3", "precision=bf16-mixed"]
+    args += ["strategy.offload_optimizer=nvme", "strategy.offload_params=nvme", f"strategy.nvme_path={nvme}"]
+    manifest = train_and_check(args, tmp_path, stage=3)
+    assert manifest["config"]["strategy"]["offload_optimizer"] == "nvme"
+    assert sorted(p.name for p in nvme.iterdir()) == ["other-data.bin"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")

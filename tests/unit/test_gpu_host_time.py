@@ -28,13 +28,26 @@ def test_host_waiting_for_a_busy_gpu_is_not_host_overhead(tmp_path):
 
 def test_an_idle_gpu_between_launches_is_host_overhead_costed_by_its_idle_share(tmp_path):
     # 0.25 s a step with no kernel running on a ~0.57 s step: the profile's device idle share is the cost.
-    analysis = analyse(write_run(tmp_path / "run", "healthy", overrides=GPU_RUN, host_gap=0.25))
+    # A run's manifest records model.compile as decided (on, for a GPU under DDP).
+    compiled = (*GPU_RUN, "model.compile=true")
+    analysis = analyse(write_run(tmp_path / "run", "healthy", overrides=compiled, host_gap=0.25))
     host = {f.kind: f for f in analysis.findings}["host_overhead"]
     idle = 0.25 / (0.25 + 0.10 + 0.20 + 0.02 + 0.02 + 0.001 + 0.0005)
     assert host.cost_fraction == pytest.approx(idle, abs=0.08)
     assert analysis.summary.step_shares["host"] == pytest.approx(host.cost_fraction, abs=0.05)
-    # Already compiled (model.compile decided on for a GPU): the lever left is more work per launch.
-    assert any(r.override.startswith("trainer.micro_batch_size") for r in host_recommendations(analysis))
+    # Already compiled (model.compile decided on for a GPU): the levers left are more work per launch and, under
+    # DDP on two GPUs (where CUDA graphs are not the default), replaying each block's kernels as a graph.
+    overrides = [r.override for r in host_recommendations(analysis)]
+    assert any(o.startswith("trainer.micro_batch_size") for o in overrides)
+    assert "model.compile_mode=reduce-overhead" in overrides
+
+
+def test_cuda_graphs_are_not_offered_again_nor_where_the_config_refuses_them(tmp_path):
+    for extra in (("model.compile_mode=reduce-overhead",), ("strategy=fsdp",)):
+        overrides = (*GPU_RUN, "model.compile=true", *extra)
+        run = write_run(tmp_path / "-".join(extra), "healthy", overrides=overrides, host_gap=0.25)
+        overrides = [r.override for r in host_recommendations(analyse(run))]
+        assert not [o for o in overrides if o.startswith("model.compile_mode")], extra
 
 
 def host_recommendations(analysis):

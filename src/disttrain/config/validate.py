@@ -13,6 +13,8 @@ from pathlib import Path
 from disttrain.config.errors import ConfigError, require_one_of, require_positive
 from disttrain.config.hf import check_hf_weights, hf_shape, max_positions
 from disttrain.config.schema import (
+    COMPILE_MODES,
+    CUDAGRAPH_MODES,
     MAX_TABLE_ENTRIES,
     MLPS,
     NORMS,
@@ -137,6 +139,14 @@ def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout", f"must be in [0, 1), got {m.dropout}", "use e.g. model.dropout=0.0")
     require_positive("model.init_std", m.init_std)
+    if m.compile_mode is not None:
+        require_one_of("model.compile_mode", m.compile_mode, COMPILE_MODES)
+        if m.compile is False:
+            raise ConfigError(
+                "model.compile_mode",
+                f"{m.compile_mode!r} applies to compiled blocks, and model.compile is off (off on CPU unless set)",
+                "add model.compile=true, or drop model.compile_mode",
+            )
     validate_moe(m)
 
 
@@ -238,10 +248,31 @@ def validate_fp8(cfg: RunConfig) -> None:
         )
 
 
+def validate_cudagraphs(cfg: RunConfig) -> None:
+    """CUDA graphs replay fixed addresses and shapes: parameters that FSDP/ZeRO/TP gather into new memory each step,
+    or experts that get a different number of tokens each step, would re-record graphs instead of replaying them."""
+    m = cfg.model
+    if not isinstance(m, ModelConfig) or m.compile_mode not in CUDAGRAPH_MODES:
+        return
+    if cfg.strategy.name != "ddp":
+        raise ConfigError(
+            "model.compile_mode",
+            f"{m.compile_mode!r} records CUDA graphs, which replay under strategy=ddp only (not {cfg.strategy.name})",
+            "use strategy=ddp, or model.compile_mode=max-autotune-no-cudagraphs",
+        )
+    if m.is_moe:
+        raise ConfigError(
+            "model.compile_mode",
+            f"{m.compile_mode!r} records CUDA graphs, and a mixture of experts routes a varying number of tokens",
+            "drop model.compile_mode for MoE models",
+        )
+
+
 def validate_fields(cfg: RunConfig) -> None:
     """Every config group's own checks and those across groups that need no strategy rule (the strategy's own, and
     the batch plan they imply, are strategies/layout.py's: ``validate_run``)."""
     validate_model(cfg.model)
+    validate_cudagraphs(cfg)
     t, o = cfg.trainer, cfg.optimizer
     for key in ("max_steps", "micro_batch_size", "val_every_n_steps", "log_every_n_steps"):
         require_positive(f"trainer.{key}", getattr(t, key))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from disttrain.config.schema import RunConfig
+from disttrain.config.schema import CUDAGRAPH_MODES, RunConfig
 from disttrain.strategies.layout import ParallelLayout
 
 
@@ -33,8 +33,7 @@ def describe_launch(cfg: RunConfig, parallel: ParallelLayout, num_parameters: in
         + (f" ({cfg.precision.recipe} scaling; MFU against the bf16 peak)" if cfg.precision.fp8 else "")
         + f" (compute dtype {cfg.precision.compute_dtype})",
         f"model        {cfg.model.name}: {num_parameters:,} parameters ({human_count(num_parameters)}),"
-        f" seq_len {cfg.model.seq_len}, {human_count(flops_per_token)}FLOP/token (6N + 12LHQT)"
-        + (", torch.compile" if cfg.model.compile else ""),
+        f" seq_len {cfg.model.seq_len}, {human_count(flops_per_token)}FLOP/token (6N + 12LHQT)" + _compiled(cfg.model),
         f"batch        global {plan.global_batch_size} = micro {plan.micro_batch_size} x dp {plan.data_parallel_size}"
         f" x accumulation {plan.accumulation}; {tokens_per_step:,} tokens/step",
         f"data         {cfg.data.name} ({_options(cfg.data)})",
@@ -96,3 +95,12 @@ def describe_result(result: RunResult) -> str:
         lines.append(f"  memory      {measured}")
     lines.append(f"  run dir     {result.run_dir}")
     return "\n".join(lines)
+
+
+def _compiled(model: object) -> str:
+    if not getattr(model, "compile", False):
+        return ""
+    mode = getattr(model, "compile_mode", None)
+    if mode in CUDAGRAPH_MODES:
+        return f", torch.compile ({mode}: CUDA graphs)"
+    return ", torch.compile" + (f" ({mode})" if mode else "")

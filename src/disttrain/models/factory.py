@@ -80,7 +80,7 @@ def _build_reference_model(
     if model.compile:
         # Per-block compilation (the torchtitan recipe) keeps FSDP's per-block hooks outside the graphs.
         for index, block in enumerate(module.blocks):
-            module.blocks[index] = torch.compile(block)
+            module.blocks[index] = torch.compile(block, mode=model.compile_mode)
     return module
 
 

@@ -76,6 +76,7 @@ class LanguageModelModule(pl.LightningModule):
         log_every_n_steps: int = 1,
         accumulation: int = 1,
         compile_loss: bool = False,
+        cudagraphs: bool = False,
     ) -> None:
         super().__init__()
         self.model_factory = model_factory
@@ -86,6 +87,10 @@ class LanguageModelModule(pl.LightningModule):
         self.log_every_n_steps = log_every_n_steps
         self.accumulation = accumulation
         self.compile_loss = compile_loss
+        # Blocks compiled into CUDA graphs (model.compile_mode=reduce-overhead) reuse their output memory on every
+        # replay: each forward starts a new generation, so validation's no-grad graphs never read outputs that a
+        # later replay has overwritten.
+        self.cudagraphs = cudagraphs
         self._micro_losses: list[torch.Tensor] = []
         self.model: nn.Module | None = None
         self._moe_layers: list = []  # a mixture-of-experts model's MoE layers (their auxiliary losses)
@@ -103,6 +108,8 @@ class LanguageModelModule(pl.LightningModule):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         assert self.model is not None, "configure_model() builds the model"
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         return self.model(tokens)
 
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

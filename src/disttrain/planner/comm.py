@@ -226,6 +226,10 @@ class CommPlan:
     step_bwd: LinkBytes = ZERO  # once, hidden behind the last micro-batch's backward (gradient reduction)
     step_exposed: LinkBytes = ZERO  # once, exposed (post-step all-gathers, host optimizer traffic)
     host_optimizer_parameters: int = 0  # parameters the host's optimizer updates per step (offload)
+    # ZeRO-Infinity's NVMe traffic, reads and writes: per step (the optimizer's states in and out) and per
+    # micro-batch (the parameter partition read for forward and backward); exposed, at ``assumptions.nvme_gbps``.
+    nvme_step_bytes: float = 0.0
+    nvme_mb_bytes: float = 0.0
     # Blocking syncs (the planner charges each the wait for the group's last rank): per micro-batch (TP activation
     # collectives, pipeline sends, FSDP/ZeRO gradient reductions) and per step (the world-wide gradient and
     # non-finite checks before the optimizer step). Prefetched all-gathers are not syncs: their slack absorbs drift.
@@ -377,6 +381,11 @@ def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: di
     if layout.offload_params:  # each rank fetches its partition before the forward and backward all-gathers
         host_mb += LinkBytes(host=2 * p16 * shard)
     host_params = shard if layout.offload_optimizer else 0
+    # NVMe (stage 3 only): the fp32 master, momentum and variance in and out around the step; the parameter
+    # partition read before forward and backward and written back after the step.
+    nvme_step = 2 * 12 * shard if layout.nvme_optimizer else 0
+    nvme_step += p16 * shard if layout.nvme_params else 0
+    nvme_mb = 2 * p16 * shard if layout.nvme_params else 0
     syncs = (Sync(dp, 1),) if stage > 1 and dp > 1 else ()  # stages 2/3 reduce (and wait) every micro-batch
     if stage == 1:
         return CommPlan(
@@ -397,6 +406,8 @@ def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: di
         step_exposed=host_step,
         host_optimizer_parameters=host_params,
         mb_syncs=syncs,
+        nvme_step_bytes=nvme_step,
+        nvme_mb_bytes=nvme_mb,
     )
 
 

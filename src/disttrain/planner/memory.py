@@ -44,6 +44,15 @@ LOGITS_BYTES_PER_ELEMENT = 12
 # overlap_comm (on by default) double-buffers the reduce bucket.
 DEEPSPEED_REDUCE_BUCKET = 200_000_000
 DEEPSPEED_ALLGATHER_BUCKET = 200_000_000
+# ZeRO-Infinity's swap buffers as DeepSpeed 0.19 sizes them with our config: the optimizer swapper pins
+# offload_optimizer.buffer_count fp32 buffers of the largest sub-group (zero_optimization.sub_group_size, which
+# strategies/deepspeed.py sets to NVME_SUB_GROUP under optimizer offload to nvme: at DeepSpeed's 1e9 the buffers
+# would take more host memory than the states they swap); the parameter swapper offload_param.buffer_count buffers
+# of offload_param.buffer_size elements (DeepSpeed's defaults).
+NVME_SUB_GROUP = 100_000_000
+NVME_OPTIMIZER_BUFFERS = 4
+NVME_PARAM_BUFFERS = 5
+NVME_PARAM_BUFFER_ELEMENTS = 100_000_000
 # Megatron pipeline stages keep send/recv buffers for forward activations and backward gradients.
 PIPELINE_P2P_BUFFERS = 4
 
@@ -59,6 +68,7 @@ class MemoryBreakdown:
     buffers: int
     step_temporaries: int = 0
     host: int = 0  # offloaded states kept in host memory for this GPU's rank (not part of ``total``)
+    nvme: int = 0  # ZeRO-Infinity: offloaded states swapped to NVMe for this GPU's rank (not part of ``total``)
 
     @property
     def total(self) -> int:
@@ -67,7 +77,7 @@ class MemoryBreakdown:
         return states + max(self.activations + self.buffers, self.step_temporaries)
 
     def to_json(self) -> dict[str, int]:
-        return {
+        keys = {
             "params": self.params,
             "grads": self.grads,
             "optimizer_states": self.optimizer_states,
@@ -76,6 +86,7 @@ class MemoryBreakdown:
             "total": self.total,
             "host": self.host,
         }
+        return {**keys, "nvme": self.nvme} if self.nvme else keys  # only ZeRO-Infinity layouts swap to NVMe
 
 
 def compute_bytes(precision: str) -> int:
@@ -276,7 +287,17 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
         buffers += 4 * shape.largest_module_parameters + p16 * min(DEEPSPEED_ALLGATHER_BUCKET, n)
     else:
         buffers += p16 * min(DEEPSPEED_ALLGATHER_BUCKET, n)
-    host = 0
+    host = nvme = 0
+    if layout.nvme_optimizer:
+        # ZeRO-Infinity: the states (K bytes per parameter of the partition) live on NVMe and are swapped through
+        # DeepSpeed's pinned host buffers (offload_optimizer.buffer_count of them, each the largest sub-group in
+        # fp32); the fp32 gradient partition stays on the host as under ZeRO-Offload.
+        nvme += k * shard
+        host += NVME_OPTIMIZER_BUFFERS * 4 * min(shard, NVME_SUB_GROUP) - k * shard
+    if layout.nvme_params:
+        # The 16-bit partition on NVMe, read through offload_param.buffer_count pinned buffers of buffer_size.
+        nvme += p16 * shard
+        host += NVME_PARAM_BUFFERS * p16 * NVME_PARAM_BUFFER_ELEMENTS - p16 * shard
     if layout.offload_optimizer:
         # ZeRO-Offload: states, the step and the fp32 gradient partition move to the host. Stage 3 allocates its
         # gradient partition buffer on the CPU; stage 2 copies each reduced bucket into the CPU fp32 gradients.
@@ -290,7 +311,7 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
     if layout.offload_params:  # ZeRO-Infinity: the 16-bit parameter partition lives on the host too
         host += p16 * shard
         params = p16 * persistent  # the persistent parameters stay whole on the device
-    return MemoryBreakdown(params, grads, optimizer, 0, buffers, host=host)
+    return MemoryBreakdown(params, grads, optimizer, 0, buffers, host=host, nvme=nvme)
 
 
 def _megatron_states(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
@@ -366,6 +387,7 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, workload: Workload, flash_
             states.buffers,
             states.step_temporaries,
             states.host,
+            states.nvme,
         )
         if best is None or candidate.total > best.total:
             best = candidate

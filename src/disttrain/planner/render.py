@@ -30,6 +30,8 @@ def _breakdown(c: CandidatePlan) -> str:
         parts.append(f"step {_gib(m.step_temporaries)}")
     if m.host:
         parts.append(f"host {_gib(m.host)}")
+    if m.nvme:
+        parts.append(f"nvme {_gib(m.nvme)}")
     return " ".join(parts)
 
 

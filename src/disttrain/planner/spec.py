@@ -34,6 +34,9 @@ class Layout:
     zero_stage: int = 0  # DeepSpeed ZeRO stage 1 | 2 | 3
     offload_optimizer: bool = False  # DeepSpeed optimizer offload; FSDP cpu_offload sets both offloads
     offload_params: bool = False
+    # DeepSpeed ZeRO-Infinity: the offloaded optimizer states / parameter partitions live on NVMe, not in host memory.
+    nvme_optimizer: bool = False
+    nvme_params: bool = False
     reshard_after_forward: bool = True  # FSDP2: free gathered parameters after forward (gather again in backward)
     recompute: str = "none"  # none | selective (Megatron: attention core) | full (whole block)
     sequence_parallel: bool = False  # Megatron: shard norms/dropout activations over tp along the sequence
@@ -96,8 +99,8 @@ class Layout:
         if self.strategy == "deepspeed":
             return {
                 "stage": self.zero_stage,
-                "offload_optimizer": self.offload_optimizer,
-                "offload_params": self.offload_params,
+                "offload_optimizer": _offload_value(self.offload_optimizer, self.nvme_optimizer),
+                "offload_params": _offload_value(self.offload_params, self.nvme_params),
                 "activation_checkpointing": self.recompute == "full",
             }
         options = {
@@ -141,7 +144,11 @@ class Layout:
             experts = f" EP{self.ep}" if self.ep > 1 else ""
             return f"FSDP2 {kind}{experts}{keep}{offload}{ckpt}"
         if self.strategy == "deepspeed":
-            where = [name for name, on in (("opt", self.offload_optimizer), ("param", self.offload_params)) if on]
+            offloads = (
+                ("opt", self.offload_optimizer, self.nvme_optimizer),
+                ("param", self.offload_params, self.nvme_params),
+            )
+            where = [name + ("->nvme" if nvme else "") for name, on, nvme in offloads if on]
             offload = f" +offload({','.join(where)})" if where else ""
             return f"ZeRO-{self.zero_stage}{offload}{ckpt}"
         sp = " SP" if self.sequence_parallel else ""
@@ -199,6 +206,9 @@ class Assumptions:
     # Parameters per second the host optimizer updates for one GPU's shard under offload (a vectorised CPU
     # Adam on the cores one GPU's process gets); an order-of-magnitude figure, override it with a measurement.
     cpu_optimizer_params_per_s: float = 1.0e9
+    # NVMe bandwidth of one node for ZeRO-Infinity's swaps, GB/s (shared by its devices): one PCIe Gen4 drive reads
+    # ~6-7 and writes less; a node striping several drives has more. A datasheet figure, not measured here.
+    nvme_gbps: float = 6.0
     # SDPA/flash attention keeps O(s) per head (q, k, v, output, logsumexp) instead of the s x s scores.
     flash_attention: bool = True
 
@@ -211,6 +221,7 @@ ASSUMPTION_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "comm_overlap": (0.0, 1.0, True),
     "host_link_gbps": (0.0, float("inf"), False),
     "cpu_optimizer_params_per_s": (0.0, float("inf"), False),
+    "nvme_gbps": (0.0, float("inf"), False),
 }
 
 
@@ -243,3 +254,8 @@ def parse_parameter_count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or value != int(value):
         raise ValueError(f"expected a positive whole parameter count, got {value!r}")
     return int(value)
+
+
+def _offload_value(on: bool, nvme: bool) -> bool | str:
+    """A DeepSpeed offload option as ``strategy.offload_*`` takes it: false, true (the host) or nvme."""
+    return "nvme" if on and nvme else on

@@ -59,6 +59,7 @@ class StepEstimate:
     # Where forward, backward and the optimizer step came from: measured (the run's own parts), scaled (parts of
     # another model or workload, by FLOPs) or flops (FLOPs over the matmul rate x the assumed efficiency).
     compute_basis: str = "flops"
+    nvme_s: float = 0.0  # ZeRO-Infinity's reads and writes of swapped states, waited for (at assumptions.nvme_gbps)
 
 
 @dataclass(frozen=True)
@@ -231,12 +232,15 @@ def estimate_step(
         + seconds(comm.step_exposed)
     )
     host_optimizer = comm.host_optimizer_parameters / assumptions.cpu_optimizer_params_per_s
+    # ZeRO-Infinity's swaps wait for the node's NVMe, which its devices share.
+    nvme_bytes = comm.nvme_step_bytes + layout.microbatches * comm.nvme_mb_bytes
+    nvme = nvme_bytes * hw.devices_per_node / (assumptions.nvme_gbps * 1e9)
     exposed_share = 1.0 - overlap
     syncs = [Sync(s.group, s.calls * m * (exposed_share if s.hideable else 1.0)) for s in comm.mb_syncs]
     syncs += list(comm.step_syncs)
     overhead = (hw.sync_overhead_us or 0.0) * 1e-6
     sync_wait = sync_wait_seconds(m * (forward + backward), syncs, hw.compute_jitter, overhead)
-    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + optimizer + sync_wait
+    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + nvme + optimizer + sync_wait
     tokens_per_s = workload.tokens_per_step / step
     util = mfu_from_throughput(tokens_per_s, model_per_token, layout.world_size, peak, hardware_per_token)
     return StepEstimate(
@@ -246,6 +250,7 @@ def estimate_step(
         bubble_s=pipeline * bubble,
         host_optimizer_s=host_optimizer,
         optimizer_step_s=optimizer,
+        nvme_s=nvme,
         sync_wait_s=sync_wait,
         host_dispatch_s=m * dispatch,
         fsdp_host_s=m * fsdp_host,

@@ -11,6 +11,8 @@ GPUs also CPU offload; and every Megatron TP x PP x DP layout the planner enumer
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 from diagnostics.calibration import Calibration
 from disttrain.config.degrees import validate_megatron
@@ -68,7 +70,29 @@ def describe_memory(cfg: RunConfig, memory: MemoryBreakdown) -> str:
         host_limit = host_memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
         if host_limit is not None:
             line += f", {'fits in' if memory.host <= host_limit else 'EXCEEDS'} {host_limit / GIB:.1f} GiB usable"
+    if memory.nvme:
+        line += f"; nvme (swapped) {memory.nvme / GIB:.2f} GiB {per}"
     return line
+
+
+def check_nvme_space(cfg: RunConfig, memory: MemoryBreakdown) -> None:
+    """ZeRO-Infinity's swap files of every device on this node fit the free space at strategy.nvme_path (the drive
+    is the node's own: each node checks its own when its ranks start; this checks the launching node's)."""
+    nvme_path = getattr(cfg.strategy, "nvme_path", None)
+    if not memory.nvme or not nvme_path:
+        return
+    path = Path(nvme_path).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)
+    free = shutil.disk_usage(existing).free
+    needed = memory.nvme * cfg.hw.devices_per_node
+    if needed > free:
+        raise ConfigError(
+            "strategy.nvme_path",
+            f"predicted {needed / GIB:.1f} GiB of swapped states per node ({memory.nvme / GIB:.1f} GiB per device "
+            f"x {cfg.hw.devices_per_node}) exceeds the {free / GIB:.1f} GiB free at '{existing}'",
+            "free space there, point strategy.nvme_path at a larger drive, offload less to nvme, or add "
+            "check_memory=false to launch anyway",
+        )
 
 
 def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: bool) -> None:
@@ -86,6 +110,7 @@ def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: boo
             "set hw.host_memory_gib to the node's real memory, offload less (strategy.offload_params=false), "
             "use more nodes, or add check_memory=false to launch anyway",
         )
+    check_nvme_space(cfg, memory)
     limit = memory_limit(cfg.hw, DEFAULT_ASSUMPTIONS.headroom)
     if limit and memory.total > limit:
         fixes = fitting_overrides(cfg, batch_plan(cfg).global_batch_size, limit, predicted_memory)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from torch import nn
 
 from disttrain.checkpoint import universal
 from disttrain.config.schema import DeepSpeedConfig
+from disttrain.planner.memory import NVME_SUB_GROUP
 from disttrain.strategies import deepspeed_state as ds
 from disttrain.strategies.checkpointing import UniversalCheckpointing
 from disttrain.strategies.deepspeed_state import full_model_state, full_optimizer_state, partition_numels
@@ -55,16 +58,44 @@ def deepspeed_config(cfg: DeepSpeedConfig, micro_batch_size: int) -> dict[str, A
     }
     if cfg.stage == 3:
         zero["stage3_param_persistence_threshold"] = cfg.param_persistence_threshold
-    if cfg.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if cfg.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    offloads = (("offload_optimizer", cfg.optimizer_offload_device), ("offload_param", cfg.param_offload_device))
+    for key, device in offloads:
+        if device is not None:
+            zero[key] = {"device": device, "pin_memory": True}
+            if device == "nvme":  # DeepSpeed's async I/O defaults (block size, queue depth) stand
+                zero[key]["nvme_path"] = cfg.nvme_path
+    if cfg.optimizer_offload_device == "nvme":
+        zero["sub_group_size"] = NVME_SUB_GROUP  # the size of each pinned swap buffer (planner/memory.py)
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "zero_optimization": zero,
         # The optimizer is the LightningModule's torch AdamW, which DeepSpeed calls "untested" with ZeRO.
         "zero_allow_untested_optimizer": True,
     }
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's JIT builder parses it: it reads each entry as dot-separated integers,
+    so the arch-specific suffix of entries like ``9.0a`` (a CUDA image's setting) fails its build of the async I/O
+    op that NVMe offload loads; the suffix-free arch builds the same op for that GPU."""
+    kept: list[str] = []
+    for entry in value.replace(" ", ";").split(";"):
+        arch, ptx = (entry[:-4], "+PTX") if entry.endswith("+PTX") else (entry, "")
+        arch = arch.strip().rstrip("abcdefghijklmnopqrstuvwxyz")
+        if arch and arch + ptx not in kept:
+            kept.append(arch + ptx)
+    return ";".join(kept)
+
+
+def remove_swap_files(swap_folder: Path, rank: int) -> None:
+    """This rank's ZeRO-Infinity swap files (DeepSpeed's ``zero_stage_3/*/rank<r>`` under the run's own folder),
+    then whatever folders that leaves empty: each rank removes only its own, so none races another."""
+    for folder in swap_folder.glob(f"zero_stage_3/*/rank{rank}"):
+        shutil.rmtree(folder, ignore_errors=True)
+    emptied = [*sorted(swap_folder.glob("zero_stage_3/*")), swap_folder / "zero_stage_3", swap_folder]
+    for folder in emptied:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty: another rank's files stay
 
 
 def disable_shm_comm_build() -> None:
@@ -81,8 +112,15 @@ class CPUCapableDeepSpeedStrategy(ForkGuardedLoaders, UniversalCheckpointing, De
     back on load (``strategies/deepspeed_state.py``), in place of DeepSpeed's per-rank files.
     """
 
+    swap_folder: Path | None = None  # this run's own folder under strategy.nvme_path (ZeRO-Infinity), if any
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return full_model_state(self.lightning_module)
+
+    def teardown(self) -> None:
+        super().teardown()
+        if self.swap_folder is not None:
+            remove_swap_files(self.swap_folder, self.global_rank)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return full_optimizer_state(self.lightning_module, self.deepspeed_engine.optimizer)
@@ -248,6 +286,11 @@ def build_deepspeed(
     strategy = CPUCapableDeepSpeedStrategy(
         config=deepspeed_config(cfg, micro_batch_size), process_group_backend=backend
     )
+    if cfg.uses_nvme:
+        assert cfg.nvme_path is not None  # validated, then made this run's own folder (nvme_swap_folder)
+        strategy.swap_folder = Path(cfg.nvme_path)
+        if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
 
     def plan(model: nn.Module, mesh: object) -> None:
         apply_deepspeed(model, mesh, cfg, strategy, apply_checkpointing)

@@ -8,8 +8,11 @@ class here instead of a branch in every module. Importing this module costs no t
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from disttrain.config.degrees import megatron_degrees, validate_megatron
@@ -21,6 +24,8 @@ from disttrain.config.experts import (
 )
 from disttrain.config.schema import (
     COMM_HOOKS,
+    CUDAGRAPH_MODES,
+    OFFLOAD_DEVICES,
     AutoStrategyConfig,
     DDPConfig,
     DeepSpeedConfig,
@@ -29,6 +34,7 @@ from disttrain.config.schema import (
     MegatronConfig,
     ModelConfig,
     RunConfig,
+    offload_device,
 )
 from disttrain.planner import Layout
 
@@ -120,6 +126,7 @@ class StrategySpec:
             log_every_n_steps=cfg.trainer.log_every_n_steps,
             accumulation=accumulation,
             compile_loss=bool(cfg.model.compile),  # None: off
+            cudagraphs=bool(cfg.model.compile) and getattr(cfg.model, "compile_mode", None) in CUDAGRAPH_MODES,
         )
 
 
@@ -255,6 +262,61 @@ class FSDPSpec(StrategySpec):
         return "deferred"  # apply_fsdp materializes this rank's shards after fully_shard
 
 
+def validate_offload(ds: DeepSpeedConfig) -> None:
+    """Offload devices, and ZeRO-Infinity's needs: stage 3 and a writable nvme_path (before any rank starts)."""
+    for key in ("offload_optimizer", "offload_params"):
+        device = offload_device(getattr(ds, key))
+        if device is not None and device not in OFFLOAD_DEVICES:
+            raise ConfigError(
+                f"strategy.{key}",
+                f"{getattr(ds, key)!r} is not an offload device",
+                f"use strategy.{key}=cpu, nvme or false",
+            )
+        if device == "nvme" and ds.stage != 3:
+            raise ConfigError(
+                f"strategy.{key}",
+                f"offload to nvme (ZeRO-Infinity) swaps ZeRO stage 3's partitions, got stage {ds.stage}",
+                f"use strategy.stage=3, or strategy.{key}=cpu",
+            )
+    if not ds.uses_nvme:
+        if ds.nvme_path is not None:
+            raise ConfigError(
+                "strategy.nvme_path",
+                "is set but nothing is offloaded to nvme",
+                "add strategy.offload_optimizer=nvme (and/or offload_params=nvme), or drop strategy.nvme_path",
+            )
+        return
+    if not ds.nvme_path:
+        raise ConfigError(
+            "strategy.nvme_path",
+            "offload to nvme needs a directory on a local NVMe drive to swap to",
+            "add strategy.nvme_path=/local_nvme/swap (each run swaps in its own folder under it)",
+        )
+    path = Path(ds.nvme_path).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            "strategy.nvme_path",
+            f"'{path}' cannot be created here ({existing} is not a writable directory)",
+            "point strategy.nvme_path at a writable directory on a local NVMe drive",
+        )
+
+
+def nvme_swap_folder(nvme_path: str, run_dir: Path) -> Path:
+    """The run's own folder under ``strategy.nvme_path``: DeepSpeed empties its swap folders when it starts, so two
+    runs given one nvme_path must not share them (the name is the same on every rank of a run)."""
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return Path(nvme_path).expanduser() / f"disttrain-{run_dir.name}-{digest}"
+
+
+def with_run_swap_folder(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """``cfg`` with a ZeRO-Infinity run's nvme_path made its own folder (unchanged for any other run)."""
+    ds = cfg.strategy
+    if not isinstance(ds, DeepSpeedConfig) or not ds.uses_nvme or ds.nvme_path is None:
+        return cfg
+    return replace(cfg, strategy=replace(ds, nvme_path=str(nvme_swap_folder(ds.nvme_path, run_dir))))
+
+
 class DeepSpeedSpec(StrategySpec):
     name = "deepspeed"
     norm_clipped_by_torch = False  # the DeepSpeed engine clips (gradient_clipping in its config)
@@ -269,6 +331,7 @@ class DeepSpeedSpec(StrategySpec):
                 f"{ds.stage} is not a ZeRO stage (1: optimizer states, 2: + gradients, 3: + parameters)",
                 "use strategy.stage=1, 2 or 3 (strategy=ddp for no sharding)",
             )
+        validate_offload(ds)
         for key in ("offload_optimizer", "offload_params"):
             if getattr(ds, key) and cfg.hw.accelerator == "cpu":
                 raise ConfigError(
@@ -312,8 +375,10 @@ class DeepSpeedSpec(StrategySpec):
             dp=dp,
             microbatches=accumulation,
             zero_stage=ds.stage,
-            offload_optimizer=ds.offload_optimizer,
-            offload_params=ds.offload_params,
+            offload_optimizer=ds.optimizer_offload_device is not None,
+            offload_params=ds.param_offload_device is not None,
+            nvme_optimizer=ds.optimizer_offload_device == "nvme",
+            nvme_params=ds.param_offload_device == "nvme",
             recompute="full" if ds.activation_checkpointing else "none",
             persistence_threshold=ds.param_persistence_threshold,
         )

@@ -43,7 +43,7 @@ from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.layout import ParallelLayout
-from disttrain.strategies.spec import StrategyBuild, spec_of
+from disttrain.strategies.spec import StrategyBuild, spec_of, with_run_swap_folder
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
@@ -252,6 +252,7 @@ def build_run(
     cfg: RunConfig, parallel: ParallelLayout, run_dir: Path, facts: ModelFacts
 ) -> tuple[TrainerParts, LanguageModelModule, pl.LightningDataModule]:
     """Everything ``trainer.fit`` needs: the Trainer and its callbacks, the module, the datamodule."""
+    cfg = with_run_swap_folder(cfg, run_dir)
     spec = spec_of(cfg.strategy)
     strategy = spec.build(cfg, parallel.world_size, apply_activation_checkpointing)
     module = spec.build_module(cfg, parallel.batch.accumulation, strategy, facts)
