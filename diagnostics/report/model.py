@@ -161,6 +161,16 @@ class Report:
                 return finding, next((r for r in recs if r.override), None)
         return None
 
+    def uncorroborated(self) -> tuple[Finding, Recommendation | None] | None:
+        """The costliest info finding that is info only for want of a second source (one rank's profiler window:
+        a one-GPU run has no other), when it would cost COST_WARNING or more: the verdict must not call that
+        nothing."""
+        for finding, recs in zip(self.findings, self.recommendations, strict=True):
+            unsure = finding.evidence.get("corroborated") is False
+            if finding.severity == "info" and unsure and (finding.cost_fraction or 0.0) >= COST_WARNING:
+                return finding, next((r for r in recs if r.override), None)
+        return None
+
     def verdict(self) -> str:
         """Where the step goes, and what the top fix is expected to buy."""
         shares = self.analysis.summary.step_shares
@@ -174,6 +184,11 @@ class Report:
                     f"transfer, {pct(exchange['waiting'], 0)} waiting)"
                 )
         top = self.top_fix()
+        if top is None and (unsure := self.uncorroborated()) is not None:
+            finding, rec = unsure
+            cost = pct(finding.cost_fraction, 0)
+            lead = f"{split}; {finding.kind} may cost {cost} but rests on one source only (info)"
+            return lead + (f": `diagnose --ab` with {rec.override} measures it" if rec else "")
         if top is None:
             return f"{split}; nothing costs {pct(COST_WARNING, 0)} of the step or more: no fix worth making"
         finding, rec = top

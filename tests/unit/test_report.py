@@ -98,6 +98,20 @@ def test_markdown_and_text_summary(tmp_path: Path) -> None:
     assert lines[-1].startswith(f"report: {run_dir / 'report' / 'report.html'}")
 
 
+def test_a_costly_finding_from_one_source_is_not_called_nothing(tmp_path: Path) -> None:
+    """A one-GPU run has one profiler window: its host_overhead is info (one source), and the verdict says what it
+    may cost and how to measure it, not "nothing costs 5%" (an H200's gpt2-124m run said both at once)."""
+    from diagnostics.telemetry import telemetry_path
+
+    run_dir = write_run(tmp_path / "one", "host_overhead")
+    lines = telemetry_path(run_dir, 1).read_text().splitlines()
+    telemetry_path(run_dir, 1).write_text("".join(line + "\n" for line in lines if '"profile"' not in line))
+    verdict = build_report(run_dir).text_summary().splitlines()[0]
+    assert "no fix worth making" not in verdict
+    assert re.search(r"host_overhead may cost \d+% but rests on one source only \(info\)", verdict), verdict
+    assert "`diagnose --ab` with trainer.micro_batch_size=" in verdict
+
+
 def test_healthy_text_summary_says_nothing_is_wrong(tmp_path: Path) -> None:
     report = build_report(write_run(tmp_path / "ok", "healthy"))
     assert "nothing costs 5% of the step or more: no fix worth making" in report.text_summary().splitlines()[0]
