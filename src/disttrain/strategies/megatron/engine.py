@@ -36,6 +36,7 @@ from disttrain.strategies.megatron.grads import (
     TiedEmbeddingSync,
     clip_grads_,
     global_grad_norm,
+    local_tensor,
     stage_group,
     tied_embedding_group,
 )
@@ -115,13 +116,6 @@ def _schedule_class(name: str) -> type:
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # dtype code, number of dims, up to six dims
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what a pipeline stage passes on, as torch's PipelineStage does), else ``t``."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
@@ -370,7 +364,7 @@ class MegatronEngine:
             out = mine[stage](x if stage == 0 else act)
             if stage == len(owner) - 1:
                 return self._loss_fn(out, y)
-            act = _local(out)
+            act = local_tensor(out)
             if owner[stage + 1] != self.pp_rank:
                 self._send_activation(act, owner[stage + 1])
         return None

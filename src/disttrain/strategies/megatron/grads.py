@@ -10,7 +10,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what a pipeline stage passes on, as torch's PipelineStage does), else ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -27,7 +28,7 @@ def global_grad_norm(params: list[nn.Parameter], ranks_per_stage: int, device: t
     by_holders: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            by_holders.setdefault(_holders_per_shard(p.grad, ranks_per_stage), []).append(_local(p.grad))
+            by_holders.setdefault(_holders_per_shard(p.grad, ranks_per_stage), []).append(local_tensor(p.grad))
     square = torch.zeros((), dtype=torch.float32, device=device)
     for holders, group in sorted(by_holders.items()):
         square += torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=False).float().square() / holders
@@ -55,7 +56,7 @@ def clip_grads_(params: list[nn.Parameter], max_norm: float, total_norm: torch.T
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            _local(p.grad).mul_(coef.to(_local(p.grad).device, _local(p.grad).dtype))
+            local_tensor(p.grad).mul_(coef.to(local_tensor(p.grad).device, local_tensor(p.grad).dtype))
 
 
 class TiedEmbeddingSync:
@@ -72,7 +73,7 @@ class TiedEmbeddingSync:
 
     @torch.no_grad()
     def sync(self) -> None:
-        grads = [_local(p.grad) for p in self.local_params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.local_params if p.grad is not None]
         if not grads:
             return
         total = grads[0].clone()
