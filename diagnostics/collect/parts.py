@@ -68,6 +68,10 @@ def _layers_in_model(
     return medians[0], medians[1], medians[2], medians[3]
 
 
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 def _block_and_edges(
     parts: dict, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device, repeats: int
 ) -> tuple[float, float, float, float]:
@@ -82,14 +86,18 @@ def _block_and_edges(
         with autocast():
             return block(hidden, *rope)
 
+    loss = parts.get("loss") or _cross_entropy
+    warmup = int(parts.get("warmup", 1))
+
     def edges_forward() -> torch.Tensor:
         with autocast():
             logits = edges(tokens)
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets)
+        return loss(logits, targets)
 
     def forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[float, float]:
         forward_s, backward_s = [], []
-        for i in range(repeats + 1):  # the first pass warms up (allocator, kernels' first launch)
+        # The first passes warm up (allocator, kernels' first launch; a compiled block compiles in its first).
+        for i in range(repeats + warmup):
             sync()
             start = time.perf_counter()
             out = forward()
@@ -97,7 +105,7 @@ def _block_and_edges(
             middle = time.perf_counter()
             out.float().sum().backward()
             sync()
-            if i:
+            if i >= warmup:
                 forward_s.append(middle - start)
                 backward_s.append(time.perf_counter() - middle)
         return statistics.median(forward_s), statistics.median(backward_s)
@@ -143,6 +151,7 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
         "edges_backward_s": edges_b,
         "optimizer_step_s": optimizer_s,
         "repeats": repeats,
+        "compiled": parts.get("compiled"),  # the block's torch.compile mode, None when timed eager
         "clock": "wall",
         "wall_s": time.perf_counter() - start,
         # The cores this rank's compute threads got while it probed (on a CPU; ~1 when the host is the run's alone):

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from disttrain.config.hf import hf_shape, load_hf_config
-from disttrain.config.schema import HFModelConfig, ModelConfig, OptimizerConfig
+from disttrain.config.schema import CUDAGRAPH_MODES, HFModelConfig, ModelConfig, OptimizerConfig
 from disttrain.models.hf import HFCausalLM
-from disttrain.models.module import param_groups, use_fused_adamw
+from disttrain.models.module import compiled_next_token_loss, next_token_loss, param_groups, use_fused_adamw
 from disttrain.models.transformer import Block, Transformer, rope_cache
 
 # Lightning precision name -> (dtype the parameters are held in, dtype autocast runs the matmuls in or None).
@@ -51,8 +51,15 @@ def model_parts(
     rope = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device) if cfg.pos_emb == "rope" else None
 
     factory: Callable[[], torch.optim.Optimizer] = functools.partial(block_optimizer, block, optimizer)
+    compiled = probe_compiles(cfg)
+    timed: nn.Module = torch.compile(block, mode=cfg.compile_mode) if compiled else block
     return {
-        "block": block,
+        "block": timed,
+        # What the run's loss is: compiled with its blocks (models/module.py), else eager.
+        "loss": compiled_next_token_loss() if cfg.compile else next_token_loss,
+        # Compiling takes the first pass; the run's blocks reuse the compiled code (same class, shapes, dtypes).
+        "warmup": 2 if compiled else 1,
+        "compiled": (cfg.compile_mode or "default") if compiled else None,
         "edges": edges,
         "rope": rope,
         "autocast": _autocast(device, autocast_dtype),
@@ -63,6 +70,13 @@ def model_parts(
         "seq_len": cfg.seq_len,
         "block_numel": sum(p.numel() for p in block.parameters()),
     }
+
+
+def probe_compiles(cfg: ModelConfig) -> bool:
+    """Whether the probe times its block compiled as the run's are: when the run compiles its blocks, except into
+    CUDA graphs (a probe's graphs would hold a private memory pool through the run; the probe then times the block
+    eager and the prediction says so)."""
+    return bool(cfg.compile) and cfg.compile_mode not in CUDAGRAPH_MODES
 
 
 # The HF probe's copy of the model: two layers, so each layer is timed between two others' work, as in the run.
