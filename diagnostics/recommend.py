@@ -532,6 +532,8 @@ def _cuda_graphs(ctx: RunContext) -> list[Recommendation]:
     44.1 ms without (GPU busy 96% against 52%)."""
     if not ctx.on_gpu or ctx.get("strategy.name") != "ddp" or (ctx.get("model.num_experts") or 0) > 0:
         return []
+    if not ctx.has("model.compile_mode"):  # a model=hf or user model: compiled whole, no mode key to set
+        return []
     if ctx.get("model.compile_mode") in ("reduce-overhead", "max-autotune"):
         return []
     why = "CUDA graphs replay each compiled block's kernels in one launch instead of launching them one by one"

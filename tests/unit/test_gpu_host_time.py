@@ -43,7 +43,7 @@ def test_an_idle_gpu_between_launches_is_host_overhead_costed_by_its_idle_share(
 
 
 def test_cuda_graphs_are_not_offered_again_nor_where_the_config_refuses_them(tmp_path):
-    for extra in (("model.compile_mode=reduce-overhead",), ("strategy=fsdp",)):
+    for extra in (("model.compile_mode=reduce-overhead",), ("strategy=fsdp",), ("model=hf-tiny-llama",)):
         overrides = (*GPU_RUN, "model.compile=true", *extra)
         run = write_run(tmp_path / "-".join(extra), "healthy", overrides=overrides, host_gap=0.25)
         overrides = [r.override for r in host_recommendations(analyse(run))]
