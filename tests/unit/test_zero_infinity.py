@@ -161,3 +161,28 @@ def test_memory_check_refuses_swap_files_larger_than_the_drives_free_space(tmp_p
     check_fits(cfg, memory, check_memory=True)  # exactly enough room
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real._replace(free=0))
     check_fits(cfg, memory, check_memory=False)  # check_memory=false launches anyway
+
+
+def test_parameter_swap_buffers_fit_the_largest_parameters_partition() -> None:
+    """DeepSpeed asserts, after launch, that each parameter's partition fits one offload_param buffer (1e8 elements
+    by default): llama-1b's 128256 x 2048 embedding on one GPU is 262M. The buffer follows the model's shape."""
+    from disttrain.strategies.spec import nvme_param_buffer
+
+    one_gpu = ["hw.devices_per_node=1", "model=llama-1b", "strategy.stage=3", "strategy.offload_params=nvme"]
+    cfg = run_config([*one_gpu, "strategy.nvme_path=/tmp"])
+    buffer = nvme_param_buffer(cfg, 1)
+    assert buffer == 128256 * 2048  # the largest leaf module's parameters, whole on one rank
+    zero = deepspeed_config(cfg.strategy, 1, buffer)["zero_optimization"]
+    assert zero["offload_param"]["buffer_size"] == buffer
+    memory = predict_memory(cfg, parallel_layout(cfg))
+    assert memory is not None
+    host = run_config([*one_gpu[:-1], "strategy.offload_params=cpu"])
+    on_host = predict_memory(host, parallel_layout(host))
+    assert on_host is not None
+    # The parameter partition leaves the host for the drive; 5 pinned bf16 buffers of that size take its place.
+    assert on_host.host - memory.host == memory.nvme - NVME_PARAM_BUFFERS * 2 * buffer
+    # Eight ranks of llama-7b: each partition fits DeepSpeed's own default, which stays.
+    assert nvme_param_buffer(run_config([*NVME_OPT, "strategy.offload_params=nvme", "strategy.nvme_path=/tmp"]), 8) == (
+        NVME_PARAM_BUFFER_ELEMENTS
+    )
+    assert nvme_param_buffer(run_config(["strategy.stage=3"]), 8) is None  # nothing swapped to NVMe

@@ -297,7 +297,7 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
     if layout.nvme_params:
         # The 16-bit partition on NVMe, read through offload_param.buffer_count pinned buffers of buffer_size.
         nvme += p16 * shard
-        host += NVME_PARAM_BUFFERS * p16 * NVME_PARAM_BUFFER_ELEMENTS - p16 * shard
+        host += NVME_PARAM_BUFFERS * p16 * nvme_param_buffer_elements(shape, dp) - p16 * shard
     if layout.offload_optimizer:
         # ZeRO-Offload: states, the step and the fp32 gradient partition move to the host. Stage 3 allocates its
         # gradient partition buffer on the CPU; stage 2 copies each reduced bucket into the CPU fp32 gradients.
@@ -312,6 +312,13 @@ def _deepspeed_states(shape: ModelShape, layout: Layout, precision: str) -> Memo
         host += p16 * shard
         params = p16 * persistent  # the persistent parameters stay whole on the device
     return MemoryBreakdown(params, grads, optimizer, 0, buffers, host=host, nvme=nvme)
+
+
+def nvme_param_buffer_elements(shape: ModelShape, dp: int) -> int:
+    """``offload_param.buffer_size`` under parameter offload to NVMe: DeepSpeed's 1e8 elements, or more where a
+    parameter's partition would not fit one buffer (it asserts that at run time, after launch: llama-1b's 128256 x 2048
+    embedding on one GPU is 262M elements). A leaf module's parameters bound its largest parameter."""
+    return max(NVME_PARAM_BUFFER_ELEMENTS, math.ceil(shape.largest_module_parameters / max(dp, 1)))
 
 
 def _megatron_states(shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:

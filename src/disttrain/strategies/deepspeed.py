@@ -41,11 +41,15 @@ from disttrain.strategies.loaders import ForkGuardedLoaders
 SHM_COMM_OP = "deepspeed_shm_comm"
 
 
-def deepspeed_config(cfg: DeepSpeedConfig, micro_batch_size: int) -> dict[str, Any]:
+def deepspeed_config(
+    cfg: DeepSpeedConfig, micro_batch_size: int, param_buffer_elements: int | None = None
+) -> dict[str, Any]:
     """The DeepSpeed JSON config for these options.
 
     Lightning fills in what the Trainer owns: ``gradient_accumulation_steps`` (from accumulate_grad_batches),
     ``gradient_clipping`` (from gradient_clip_val) and the bf16/fp16 sections (from precision).
+    ``param_buffer_elements``: the swap buffers' size under parameter offload to NVMe
+    (``planner.memory.nvme_param_buffer_elements``; DeepSpeed's default where the model's shape is unknown).
     """
     zero: dict[str, Any] = {
         "stage": cfg.stage,
@@ -64,6 +68,8 @@ def deepspeed_config(cfg: DeepSpeedConfig, micro_batch_size: int) -> dict[str, A
             zero[key] = {"device": device, "pin_memory": True}
             if device == "nvme":  # DeepSpeed's async I/O defaults (block size, queue depth) stand
                 zero[key]["nvme_path"] = cfg.nvme_path
+    if cfg.param_offload_device == "nvme" and param_buffer_elements:
+        zero["offload_param"]["buffer_size"] = param_buffer_elements
     if cfg.optimizer_offload_device == "nvme":
         zero["sub_group_size"] = NVME_SUB_GROUP  # the size of each pinned swap buffer (planner/memory.py)
     return {
@@ -280,11 +286,15 @@ def apply_deepspeed(
 
 
 def build_deepspeed(
-    cfg: DeepSpeedConfig, micro_batch_size: int, backend: str, apply_checkpointing: Callable[[nn.Module], None]
+    cfg: DeepSpeedConfig,
+    micro_batch_size: int,
+    backend: str,
+    apply_checkpointing: Callable[[nn.Module], None],
+    param_buffer_elements: int | None = None,
 ) -> tuple[CPUCapableDeepSpeedStrategy, Callable[[nn.Module, object], None]]:
     """The strategy and the plan ``LightningModule.configure_model`` applies to the freshly built model."""
     strategy = CPUCapableDeepSpeedStrategy(
-        config=deepspeed_config(cfg, micro_batch_size), process_group_backend=backend
+        config=deepspeed_config(cfg, micro_batch_size, param_buffer_elements), process_group_backend=backend
     )
     if cfg.uses_nvme:
         assert cfg.nvme_path is not None  # validated, then made this run's own folder (nvme_swap_folder)

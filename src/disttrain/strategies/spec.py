@@ -302,6 +302,19 @@ def validate_offload(ds: DeepSpeedConfig) -> None:
         )
 
 
+def nvme_param_buffer(cfg: RunConfig, world_size: int) -> int | None:
+    """The swap buffers' size for parameter offload to NVMe from the model's shape (None: not offloading parameters
+    to NVMe, or a user model whose shape the planner cannot see: DeepSpeed's default then)."""
+    from disttrain.config.hf import reference_shape
+    from disttrain.planner.memory import nvme_param_buffer_elements
+    from disttrain.planner.shapes import model_shape
+
+    if not isinstance(cfg.strategy, DeepSpeedConfig) or cfg.strategy.param_offload_device != "nvme":
+        return None
+    shape = reference_shape(cfg.model)
+    return None if shape is None else nvme_param_buffer_elements(model_shape(shape), world_size)
+
+
 def nvme_swap_folder(nvme_path: str, run_dir: Path) -> Path:
     """The run's own folder under ``strategy.nvme_path``: DeepSpeed empties its swap folders when it starts, so two
     runs given one nvme_path must not share them (the name is the same on every rank of a run)."""
@@ -388,7 +401,9 @@ class DeepSpeedSpec(StrategySpec):
         from disttrain.strategies.deepspeed import build_deepspeed
 
         backend = process_group_backend(cfg.hw.accelerator)
-        strategy, plan = build_deepspeed(self.config, cfg.trainer.micro_batch_size, backend, apply_checkpointing)  # type: ignore[arg-type]
+        ds: DeepSpeedConfig = self.config
+        buffer = nvme_param_buffer(cfg, world_size)
+        strategy, plan = build_deepspeed(ds, cfg.trainer.micro_batch_size, backend, apply_checkpointing, buffer)  # type: ignore[arg-type]
         # Lightning turns the precision into DeepSpeed's bf16/fp16 config sections itself.
         return StrategyBuild(strategy, plan, cfg.precision.lightning)
 
