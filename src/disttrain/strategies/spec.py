@@ -22,6 +22,7 @@ from disttrain.config.experts import (
     validate_expert_placement,
     validate_megatron_experts,
 )
+from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     COMM_HOOKS,
     CUDAGRAPH_MODES,
@@ -37,6 +38,8 @@ from disttrain.config.schema import (
     offload_device,
 )
 from disttrain.planner import Layout
+from disttrain.planner.memory import nvme_param_buffer_elements
+from disttrain.planner.shapes import model_shape
 
 if TYPE_CHECKING:
     from disttrain.models.factory import ModelFacts
@@ -305,10 +308,6 @@ def validate_offload(ds: DeepSpeedConfig) -> None:
 def nvme_param_buffer(cfg: RunConfig, world_size: int) -> int | None:
     """The swap buffers' size for parameter offload to NVMe from the model's shape (None: not offloading parameters
     to NVMe, or a user model whose shape the planner cannot see: DeepSpeed's default then)."""
-    from disttrain.config.hf import reference_shape
-    from disttrain.planner.memory import nvme_param_buffer_elements
-    from disttrain.planner.shapes import model_shape
-
     if not isinstance(cfg.strategy, DeepSpeedConfig) or cfg.strategy.param_offload_device != "nvme":
         return None
     shape = reference_shape(cfg.model)
