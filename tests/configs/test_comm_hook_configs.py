@@ -1,4 +1,5 @@
-"""strategy.comm_hook: every hook composes and builds a strategy that registers it; bad values name key and fix."""
+"""strategy.comm_hook and optimizer=onebit_adam: every hook composes and builds a strategy that registers it (1-bit
+Adam its own, shared with its optimizer); bad values name key and fix."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import COMM_HOOKS, DDPConfig
 from disttrain.models import apply_activation_checkpointing, build_model
 from disttrain.strategies.comm_hooks import bf16_hook_for_gloo
-from disttrain.strategies.ddp import HookedDDPStrategy, build_ddp
+from disttrain.strategies.ddp import HookedDDPStrategy, OneProcessStrategy, build_ddp, build_one_process
 from disttrain.strategies.layout import validate_run
+from disttrain.strategies.onebit import OneBitComm, onebit_hook
 from disttrain.strategies.powersgd import PowerSGDComm, powersgd_hook
 from disttrain.strategies.spec import build_strategy
 from tests.conftest import compose_train
@@ -115,6 +117,19 @@ BAD = [
     (["strategy.comm_hook=powersgd", "strategy.powersgd_rank=two"], "strategy.powersgd_rank", "expected int",
      "to a int"),
     (["+strategy.powersgd_ranks=2"], "strategy.powersgd_ranks", "did you mean 'powersgd_rank'", "valid keys"),
+    (["optimizer=onebit_adam", "strategy=fsdp"], "optimizer", "strategy=fsdp reduces gradients its own way",
+     "strategy=ddp"),
+    (["optimizer=onebit_adam", "strategy=deepspeed"], "optimizer", "strategy=deepspeed", "strategy=ddp"),
+    (["optimizer=onebit_adam", "strategy=megatron", "strategy.tp=2"], "optimizer", "strategy=megatron",
+     "strategy=ddp"),
+    (["optimizer=onebit_adam", "strategy=auto"], "optimizer", "strategy=auto", "strategy=ddp"),
+    (["optimizer=onebit_adam", "strategy.comm_hook=powersgd"], "strategy.comm_hook", "sends no gradients",
+     "strategy.comm_hook=none"),
+    (["optimizer=onebit_adam", "optimizer.freeze_steps=0"], "optimizer.freeze_steps", "must be >= 1",
+     "optimizer.freeze_steps < 220"),
+    (["optimizer=onebit_adam", "optimizer.freeze_steps=220"], "optimizer.freeze_steps", "end before",
+     "1 <= optimizer.freeze_steps < 220"),
+    (["optimizer.name=onebit"], "optimizer.name", "is not one of", "optimizer.name=adamw"),
 ]  # fmt: skip
 
 
@@ -130,3 +145,17 @@ def test_bad_comm_option_names_key_and_fix(overrides: list[str], key: str, probl
 def test_powersgd_settings_are_ignored_without_the_hook() -> None:
     # Sweeping comm_hook=none,powersgd with PowerSGD settings pinned must keep arm A valid.
     validate_run(parse_run_config(compose_train(["strategy.powersgd_warmup_steps=1", "strategy.powersgd_rank=0"])))
+
+
+def test_onebit_adam_shares_one_schedule_between_ddp_the_module_and_one_process() -> None:
+    run_cfg = parse_run_config(compose_train(["optimizer=onebit_adam", "optimizer.freeze_steps=40"]))
+    validate_run(run_cfg)
+    built = build_strategy(run_cfg, 2, apply_activation_checkpointing)
+    assert isinstance(built.onebit, OneBitComm) and built.onebit.freeze_steps == 40
+    assert built.strategy._ddp_comm_hook is onebit_hook and built.strategy._ddp_comm_state is built.onebit
+    assert built.strategy.rank_state is built.onebit  # its error feedback is kept beside each checkpoint
+    one = build_one_process("cpu", built.onebit)
+    assert isinstance(one, OneProcessStrategy) and one.rank_state is built.onebit
+    assert build_one_process("cpu").rank_state is None
+    plain = build_strategy(parse_run_config(compose_train([])), 2, apply_activation_checkpointing)
+    assert plain.onebit is None and plain.strategy.rank_state is None

@@ -1,5 +1,6 @@
-"""Two gloo ranks train a tiny transformer once per DDP comm hook, in one job (``python -m tests.dist.comm_hooks_job
-OUT.json``): bytes handed to the collectives per step, final validation loss, and a PowerSGD resume.
+"""Two gloo ranks train a tiny transformer once per DDP comm hook and once with 1-bit Adam, in one job (``python -m
+tests.dist.comm_hooks_job OUT.json``): bytes handed to the collectives per step, final validation loss, and a
+resume of each stateful one (PowerSGD, 1-bit Adam).
 
 Bytes are measured at the process-group level by torch.profiler (``record_shapes``) and read with
 ``diagnostics.collect.comm_bytes``, the same parser the diagnostics window uses: whatever DDP or a hook hands to
@@ -23,20 +24,24 @@ from diagnostics.collect.comm_bytes import collective_bytes, profiler_options
 from disttrain.config.schema import DDPConfig, ModelConfig
 from disttrain.data.markov import MarkovSource
 from disttrain.models import build_model
+from disttrain.models.onebit_adam import OneBitAdam
 from disttrain.strategies.comm_hooks import build_comm_hook
 from disttrain.strategies.ddp import register_comm_hook
+from disttrain.strategies.onebit import CompressedMean, OneBitComm, onebit_hook
 from disttrain.strategies.powersgd import PowerSGDComm
 
 WORLD = 2
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=2, ffn_hidden=64, vocab_size=16, seq_len=16)
-HOOKS = ("none", "bf16", "fp16", "powersgd")
+HOOKS = ("none", "bf16", "fp16", "powersgd", "onebit")  # onebit: optimizer=onebit_adam (its own hook)
+STATEFUL = ("powersgd", "onebit")
 STEPS = 100
 # An order-1 source: this 2-layer model learns it in a hundred steps, so losses can be compared near the floor.
 ORDER = 1
 MICRO = 8  # sequences per rank per step
-PROFILE_FROM, PROFILE_STEPS = 6, 3  # after PowerSGD's warm-up, so the compressed path is what is measured
+PROFILE_FROM, PROFILE_STEPS = 22, 3  # after the warm-ups (PowerSGD, 1-bit Adam): the compressed path is measured
 POWERSGD = {"powersgd_rank": 2, "powersgd_warmup_steps": 2}
-RESUME_AT, RESUME_STEPS = 10, 6
+ONEBIT_FREEZE = 20  # plain AdamW steps before the compressed momentum exchange: done before the profiled steps
+RESUME_AT, RESUME_STEPS = 24, 6  # after both warm-ups
 # A few buckets rather than one, so DDP really regroups them after its first step (what PowerSGD's state must
 # survive); the whole model is ~80 KB.
 BUCKET_CAP_MB = 0.02
@@ -50,6 +55,10 @@ def batches(source: MarkovSource) -> torch.Tensor:
 def make(hook: str, seed: int = 0) -> tuple[DistributedDataParallel, torch.optim.Optimizer, object | None]:
     model = build_model(MODEL, seed=seed)
     ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    if hook == "onebit":
+        comm = OneBitComm(ONEBIT_FREEZE)
+        register_comm_hook(ddp, comm, onebit_hook)
+        return ddp, OneBitAdam(model.parameters(), comm, lr=1e-2, betas=(0.9, 0.999), eps=1e-8), comm
     state, fn = build_comm_hook(DDPConfig(comm_hook=hook, **POWERSGD), "gloo")
     register_comm_hook(ddp, state, fn)
     return ddp, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0), state
@@ -89,25 +98,26 @@ def train_hook(hook: str, data: torch.Tensor, val: torch.Tensor, rank: int) -> d
     return {"bytes_per_step": per_step, "first_loss": losses[0], "val_loss": val_loss(ddp.module, val)}
 
 
-def resume_matches(data: torch.Tensor, rank: int) -> dict:
-    """PowerSGD state saved mid-run and loaded into a fresh DDP (one bucket at first) continues bit for bit."""
-    ddp, opt, comm = make("powersgd")
+def resume_matches(hook: str, data: torch.Tensor, rank: int) -> dict:
+    """A stateful hook's per-rank state saved mid-run and loaded into a fresh DDP (one bucket at first) and optimizer
+    continues bit for bit."""
+    ddp, opt, comm = make(hook)
     for s in range(RESUME_AT):
         step(ddp, opt, data[s, rank])
-    assert isinstance(comm, PowerSGDComm)
+    assert isinstance(comm, PowerSGDComm | OneBitComm)
     saved_state = comm.state_dict(WORLD)
     saved_model = {k: v.clone() for k, v in ddp.module.state_dict().items()}
     saved_opt = opt.state_dict()
     saved_opt = {"state": {k: {n: t.clone() for n, t in v.items()} for k, v in saved_opt["state"].items()},
                  "param_groups": saved_opt["param_groups"]}  # fmt: skip
-    buckets_before = len(comm.layouts)
+    buckets_before = len(comm.layouts) if isinstance(comm, PowerSGDComm) else None
     for s in range(RESUME_AT, RESUME_AT + RESUME_STEPS):
         step(ddp, opt, data[s, rank])
 
-    fresh, fresh_opt, fresh_comm = make("powersgd", seed=99)
+    fresh, fresh_opt, fresh_comm = make(hook, seed=99)
     fresh.module.load_state_dict(saved_model)
     fresh_opt.load_state_dict(saved_opt)
-    assert isinstance(fresh_comm, PowerSGDComm)
+    assert isinstance(fresh_comm, PowerSGDComm | OneBitComm)
     dropped = fresh_comm.load_state_dict(saved_state, WORLD)
     for s in range(RESUME_AT, RESUME_AT + RESUME_STEPS):
         step(fresh, fresh_opt, data[s, rank])
@@ -117,8 +127,8 @@ def resume_matches(data: torch.Tensor, rank: int) -> dict:
         "max_abs_diff": max(diffs),
         "dropped": dropped,
         "buckets_before": buckets_before,
-        "saved_errors": len(saved_state["error"]),
-        "saved_q": len(saved_state["q"]),
+        "saved_errors": len(saved_state["error"]) if hook == "powersgd" else int(saved_state["numel"]),
+        "saved_q": len(saved_state["q"]) if hook == "powersgd" else None,
     }
 
 
@@ -135,7 +145,13 @@ def analytic(rank_r: int) -> dict:
             compressed += (n + m) * r
         else:
             uncompressed += p.numel()
-    return {"numel": numel, "powersgd_elements": compressed + uncompressed, "compressed_elements": compressed}
+    onebit = CompressedMean(numel, torch.device("cpu"))  # in the job's world of WORLD ranks
+    return {
+        "numel": numel,
+        "powersgd_elements": compressed + uncompressed,
+        "compressed_elements": compressed,
+        "onebit_bytes_per_phase": onebit.bytes_per_phase,
+    }
 
 
 def worker(rank: int, out: str, port: int) -> None:
@@ -147,12 +163,12 @@ def worker(rank: int, out: str, port: int) -> None:
         data = batches(source)
         val = torch.from_numpy(source.sample(512, MODEL.seq_len + 1, seed=2).astype("int64"))
         result = {hook: train_hook(hook, data, val, rank) for hook in HOOKS}
-        result["resume"] = resume_matches(data, rank)
         result["analytic"] = analytic(POWERSGD["powersgd_rank"])
         result["floor"] = source.window_floor(MODEL.seq_len)
-        gathered: list[object] = [None] * WORLD
-        dist.all_gather_object(gathered, result["resume"])
-        result["resume_by_rank"] = gathered
+        for hook in STATEFUL:
+            gathered: list[object] = [None] * WORLD
+            dist.all_gather_object(gathered, resume_matches(hook, data, rank))
+            result[f"{hook}_resume_by_rank"] = gathered
         if rank == 0:
             Path(out).write_text(json.dumps(result, indent=1))
         dist.barrier()

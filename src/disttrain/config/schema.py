@@ -210,6 +210,7 @@ DataConfig = SyntheticDataConfig | TextDataConfig | TokensDataConfig | HFDataCon
 
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
+OPTIMIZERS = ("adamw", "onebit_adam")
 
 
 @dataclass(frozen=True)
@@ -389,9 +390,14 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``.
 
-    name: str = "adamw"
+    ``onebit_adam`` (DDP only) is AdamW for ``freeze_steps`` optimizer steps, then 1-bit Adam: Adam's variance
+    frozen, each rank's momentum averaged over ranks in 1 bit per value with error feedback instead of the fp32
+    gradient all-reduce (strategies/onebit.py).
+    """
+
+    name: str = "adamw"  # adamw | onebit_adam
     lr: float = 3e-3
     beta1: float = 0.9
     beta2: float = 0.95
@@ -402,6 +408,10 @@ class OptimizerConfig:
     # torch's fused AdamW kernel (one launch for all parameters): None = fused where every parameter lives on a GPU
     # (DeepSpeed's CPU offload and FSDP2 cpu_offload step on the host), false = torch's foreach default.
     fused: bool | None = None
+    # onebit_adam: optimizer steps of plain AdamW (gradients all-reduced in fp32) before the variance freezes and
+    # the compressed momentum exchange starts; the variance must have settled by then (1-bit Adam's paper: ~15-25%
+    # of training; the learning-rate warm-up done).
+    freeze_steps: int = 100
 
 
 @dataclass(frozen=True)

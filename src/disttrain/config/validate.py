@@ -18,6 +18,7 @@ from disttrain.config.schema import (
     MAX_TABLE_ENTRIES,
     MLPS,
     NORMS,
+    OPTIMIZERS,
     POS_EMBS,
     ROUTER_GATES,
     CustomDataConfig,
@@ -268,6 +269,36 @@ def validate_cudagraphs(cfg: RunConfig) -> None:
         )
 
 
+def validate_onebit_adam(cfg: RunConfig) -> None:
+    """``optimizer=onebit_adam`` replaces DDP's gradient all-reduce after its warm-up: DDP only, no other hook, and
+    a warm-up that ends inside the run."""
+    o, max_steps = cfg.optimizer, cfg.trainer.max_steps
+    require_one_of("optimizer.name", o.name, OPTIMIZERS)
+    if o.name != "onebit_adam":
+        return
+    if cfg.strategy.name != "ddp":
+        raise ConfigError(
+            "optimizer",
+            f"onebit_adam averages the momentum in place of DDP's gradient all-reduce; strategy={cfg.strategy.name} "
+            "reduces gradients its own way",
+            "use strategy=ddp with optimizer=onebit_adam, or optimizer=adamw",
+        )
+    hook = getattr(cfg.strategy, "comm_hook", "none")
+    if hook != "none":
+        raise ConfigError(
+            "strategy.comm_hook",
+            f"onebit_adam sends no gradients after its warm-up, so the {hook} hook would only compress the warm-up's",
+            "set strategy.comm_hook=none with optimizer=onebit_adam",
+        )
+    if not 1 <= o.freeze_steps < max_steps:
+        raise ConfigError(
+            "optimizer.freeze_steps",
+            f"{o.freeze_steps} plain AdamW steps must be >= 1 (Adam's variance is frozen from them) and end before "
+            f"trainer.max_steps={max_steps}",
+            f"use 1 <= optimizer.freeze_steps < {max_steps} (about 15-25% of the run)",
+        )
+
+
 def validate_fields(cfg: RunConfig) -> None:
     """Every config group's own checks and those across groups that need no strategy rule (the strategy's own, and
     the batch plan they imply, are strategies/layout.py's: ``validate_run``)."""
@@ -305,6 +336,7 @@ def validate_fields(cfg: RunConfig) -> None:
             f"warmup ({o.warmup_steps} steps) does not end before trainer.max_steps={t.max_steps}",
             f"use optimizer.warmup_steps < {t.max_steps}",
         )
+    validate_onebit_adam(cfg)
 
     on_cpu = cfg.hw.accelerator == "cpu"
     if cfg.precision.name == "fp16-mixed" and on_cpu:

@@ -38,7 +38,7 @@ def describe_launch(cfg: RunConfig, parallel: ParallelLayout, num_parameters: in
         f" x accumulation {plan.accumulation}; {tokens_per_step:,} tokens/step",
         f"data         {cfg.data.name} ({_options(cfg.data)})",
         f"optimizer    {cfg.optimizer.name}: lr {cfg.optimizer.lr:g}, warmup {cfg.optimizer.warmup_steps},"
-        f" weight decay {cfg.optimizer.weight_decay:g}",
+        f" weight decay {cfg.optimizer.weight_decay:g}" + _onebit(cfg),
         f"schedule     {cfg.trainer.max_steps} steps = {human_count(tokens_per_step * cfg.trainer.max_steps)} tokens,"
         f" val every {cfg.trainer.val_every_n_steps}, {_checkpoints(cfg.trainer.ckpt_every_n_steps)}",
     ]
@@ -104,3 +104,9 @@ def _compiled(model: object) -> str:
     if mode in CUDAGRAPH_MODES:
         return f", torch.compile ({mode}: CUDA graphs)"
     return ", torch.compile" + (f" ({mode})" if mode else "")
+
+
+def _onebit(cfg: RunConfig) -> str:
+    if cfg.optimizer.name != "onebit_adam":
+        return ""
+    return f"; 1-bit momentum exchange after {cfg.optimizer.freeze_steps} plain steps"

@@ -17,6 +17,7 @@ from torch import nn
 
 from disttrain.config.schema import OptimizerConfig
 from disttrain.models.moe import auxiliary_loss, moe_layers
+from disttrain.models.onebit_adam import MomentumExchange, OneBitAdam
 
 ModelFactory = Callable[[], nn.Module]
 # Applies a strategy's parallel plan in place; receives the DeviceMesh when the strategy has one.
@@ -77,6 +78,7 @@ class LanguageModelModule(pl.LightningModule):
         accumulation: int = 1,
         compile_loss: bool = False,
         cudagraphs: bool = False,
+        onebit: MomentumExchange | None = None,
     ) -> None:
         super().__init__()
         self.model_factory = model_factory
@@ -91,6 +93,7 @@ class LanguageModelModule(pl.LightningModule):
         # replay: each forward starts a new generation, so validation's no-grad graphs never read outputs that a
         # later replay has overwritten.
         self.cudagraphs = cudagraphs
+        self.onebit = onebit  # optimizer=onebit_adam: shared with DDP's hook and the checkpoint (strategies/onebit.py)
         self._micro_losses: list[torch.Tensor] = []
         self.model: nn.Module | None = None
         self._moe_layers: list = []  # a mixture-of-experts model's MoE layers (their auxiliary losses)
@@ -156,8 +159,14 @@ class LanguageModelModule(pl.LightningModule):
         assert self.model is not None
         o = self.optimizer_cfg
         groups = param_groups(self.model, o.weight_decay)
-        fused = use_fused_adamw([p for g in groups for p in g["params"]], o.fused)
-        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
+        optimizer: torch.optim.Optimizer
+        if o.name == "onebit_adam":
+            if self.onebit is None:
+                raise ValueError("optimizer=onebit_adam needs its exchange (DDP's spec builds it)")
+            optimizer = OneBitAdam(groups, self.onebit, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        else:
+            fused = use_fused_adamw([p for g in groups for p in g["params"]], o.fused)
+            optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, o.warmup_steps, self.max_steps, o.min_lr_ratio)
         )

@@ -41,6 +41,12 @@ def _slices(shapes: Iterable[torch.Size], sizes: Iterable[int], flat: torch.Tens
 class PowerSGDComm:
     """The comm-hook state handed to DDP: torch's PowerSGDState plus where each parameter sits in the buckets."""
 
+    # What strategies/ddp.py's RankStateCheckpointing says and where it keeps the state.
+    name = "PowerSGD"
+    config_key = "strategy.comm_hook=powersgd"
+    afresh = ", with its warm-up of plain all-reduce steps"
+    state_path = staticmethod(state_path)
+
     def __init__(self, rank: int, warmup_steps: int, error_feedback: bool, seed: int = 0) -> None:
         self.state = PowerSGDState(
             process_group=None,  # the default group, which does not exist yet when the strategy is built

@@ -51,6 +51,8 @@ class StrategyBuild:
     strategy: Any  # the Lightning Strategy
     parallelize: Callable[[Any, object], None] | None  # (model, device_mesh), in LightningModule.configure_model
     trainer_precision: str  # what the Lightning Trainer is given as `precision`
+    # optimizer=onebit_adam: what DDP's hook, the optimizer and the checkpoint share (strategies/onebit.py)
+    onebit: Any = None
 
 
 def process_group_backend(accelerator: str) -> str:
@@ -130,6 +132,7 @@ class StrategySpec:
             accumulation=accumulation,
             compile_loss=bool(cfg.model.compile),  # None: off
             cudagraphs=bool(cfg.model.compile) and getattr(cfg.model, "compile_mode", None) in CUDAGRAPH_MODES,
+            onebit=built.onebit,
         )
 
 
@@ -198,10 +201,11 @@ class DDPSpec(StrategySpec):
 
     def build(self, cfg: RunConfig, world_size: int, apply_checkpointing: object) -> StrategyBuild:
         from disttrain.strategies.ddp import build_ddp
+        from disttrain.strategies.onebit import OneBitComm
 
-        return StrategyBuild(
-            build_ddp(self.config, process_group_backend(cfg.hw.accelerator)), None, cfg.precision.lightning
-        )
+        onebit = OneBitComm(cfg.optimizer.freeze_steps) if cfg.optimizer.name == "onebit_adam" else None
+        backend = process_group_backend(cfg.hw.accelerator)
+        return StrategyBuild(build_ddp(self.config, backend, onebit), None, cfg.precision.lightning, onebit)
 
 
 class FSDPSpec(StrategySpec):

@@ -220,7 +220,7 @@ def build_trainer(
         accelerator=cfg.hw.accelerator,
         devices=layout.devices_per_node,
         num_nodes=layout.num_nodes,
-        strategy=strategy.strategy if several else build_one_process(cfg.hw.accelerator),
+        strategy=strategy.strategy if several else build_one_process(cfg.hw.accelerator, strategy.onebit),
         precision=strategy.trainer_precision,
         max_steps=t.max_steps,
         accumulate_grad_batches=batches_per_step,

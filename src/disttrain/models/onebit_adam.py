@@ -1,0 +1,100 @@
+"""``optimizer=onebit_adam``: AdamW whose momentum, not gradients, crosses the wire after a warm-up, in 1 bit a value.
+
+For ``freeze_steps`` optimizer steps it is AdamW over DDP's averaged gradients (decoupled weight decay, bias
+correction). Then Adam's variance is frozen (its bias correction with it) and each step the rank's *local* gradient
+goes into its momentum, which the exchange (``OneBitComm.average``, strategies/onebit.py) replaces with the
+compressed average over ranks; the update is the usual ``m / (sqrt(v) + eps)``. The per-parameter state has AdamW's
+names (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint moves between this and ``optimizer=adamw`` either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+
+
+class MomentumExchange(Protocol):
+    """What the optimizer needs of the exchange (``strategies/onebit.py``'s ``OneBitComm``, which DDP's comm hook
+    reads too): the schedule, and the compressed average over ranks."""
+
+    freeze_steps: int
+    steps_done: int
+
+    @property
+    def compressing(self) -> bool: ...
+
+    def average(self, flat: torch.Tensor) -> torch.Tensor: ...
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        comm: MomentumExchange,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.comm = comm
+        # The step count lives in each parameter's state; after a resume the hook must know it before the first
+        # backward (does this step all-reduce gradients, or nothing?).
+        self.register_load_state_dict_post_hook(lambda optimizer: optimizer._sync_schedule())
+
+    def _sync_schedule(self) -> None:
+        steps = [int(s["step"]) for s in self.state.values() if "step" in s]
+        self.comm.steps_done = max(steps, default=0)
+
+    def _trainable(self) -> list[tuple[dict, torch.Tensor]]:
+        return [(group, p) for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = self.comm.steps_done + 1
+        compressing = self.comm.compressing
+        # Every trainable parameter takes part (a missing gradient is zero): the compressed exchange needs the same
+        # buffer on every rank, whichever parameters a rank's batch happened to reach.
+        params = self._trainable()
+        for _, p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for group, p in params:
+            beta1, beta2 = group["betas"]
+            state = self.state[p]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            state["exp_avg"].lerp_(grad, 1 - beta1)
+            if not compressing:
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if compressing:
+            self._average_momentum([self.state[p]["exp_avg"] for _, p in params])
+        for group, p in params:
+            beta1, beta2 = group["betas"]
+            state = self.state[p]
+            # The variance stopped at freeze_steps, and its bias correction with it.
+            correction1 = 1 - beta1**step
+            correction2 = 1 - beta2 ** min(step, self.comm.freeze_steps)
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            denom = (state["exp_avg_sq"] / correction2).sqrt_().add_(group["eps"])
+            p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / correction1)
+            state["step"] += 1
+        self.comm.steps_done = step
+        return loss
+
+    def _average_momentum(self, momenta: list[torch.Tensor]) -> None:
+        flat = torch.cat([m.reshape(-1).float() for m in momenta])
+        averaged = self.comm.average(flat)
+        offset = 0
+        for m in momenta:
+            m.copy_(averaged[offset : offset + m.numel()].view_as(m))
+            offset += m.numel()
