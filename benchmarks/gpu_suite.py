@@ -70,6 +70,15 @@ RUNS = [
     # The default on one GPU under DDP records each compiled block as a CUDA graph; this is the compiled run
     # without them (what multi-GPU DDP and FSDP runs launch), kernel by kernel.
     TrainRun("gpt2-124m bf16 no cudagraphs", [*GPT2, "model.compile_mode=default"], 60, 50, trace=True),
+    # 1-bit Adam's optimizer path on one GPU (compression with no one to exchange with): what it adds to the step
+    # beside the row above's AdamW, compressing from step 20.
+    TrainRun(
+        "gpt2-124m bf16 onebit_adam",
+        [*GPT2, "model.compile_mode=default", "optimizer=onebit_adam", "optimizer.freeze_steps=20"],
+        60,
+        50,
+        trace=True,
+    ),
     TrainRun("llama-1b bf16 eager", LLAMA + EAGER, 40, 60, trace=True),
     # 200 steps each: fp8's loss is compared with bf16's over the same 200 steps.
     TrainRun("llama-1b bf16", LLAMA, 200, 90, trace=True),

@@ -118,6 +118,12 @@ def test_default_warmup_is_shortened_to_fit_a_short_run_and_said() -> None:
     long_enough = prepare(default, None, [])
     assert long_enough.warmup_note is None
     assert long_enough.run_cfg.optimizer.warmup_steps == default.optimizer.warmup_steps
+    # 1-bit Adam's default freeze (100 steps) moves to a fifth of a run it does not fit, in the same line.
+    onebit = ["optimizer=onebit_adam", "trainer.max_steps=60"]
+    fitted = prepare(compose_train(onebit), None, onebit)
+    assert (fitted.run_cfg.optimizer.warmup_steps, fitted.run_cfg.optimizer.freeze_steps) == (30, 12)
+    assert fitted.warmup_note is not None and "\n" not in fitted.warmup_note
+    assert "optimizer.freeze_steps: the default 100 does not fit trainer.max_steps=60; using 12" in fitted.warmup_note
     # A warmup set on the command line is the user's: one that does not fit stays an error.
     explicit = ["trainer.max_steps=10", "optimizer.warmup_steps=30"]
     with pytest.raises(ConfigError) as caught:

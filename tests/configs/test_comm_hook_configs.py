@@ -17,7 +17,7 @@ from disttrain.config.schema import COMM_HOOKS, DDPConfig
 from disttrain.models import apply_activation_checkpointing, build_model
 from disttrain.strategies.comm_hooks import bf16_hook_for_gloo
 from disttrain.strategies.ddp import HookedDDPStrategy, OneProcessStrategy, build_ddp, build_one_process
-from disttrain.strategies.layout import validate_run
+from disttrain.strategies.layout import parallel_layout, validate_run
 from disttrain.strategies.onebit import OneBitComm, onebit_hook
 from disttrain.strategies.powersgd import PowerSGDComm, powersgd_hook
 from disttrain.strategies.spec import build_strategy
@@ -149,7 +149,8 @@ def test_powersgd_settings_are_ignored_without_the_hook() -> None:
 
 def test_onebit_adam_shares_one_schedule_between_ddp_the_module_and_one_process() -> None:
     run_cfg = parse_run_config(compose_train(["optimizer=onebit_adam", "optimizer.freeze_steps=40"]))
-    validate_run(run_cfg)
+    mesh = parallel_layout(run_cfg).mesh
+    assert mesh is not None and mesh.onebit_adam  # the planner prices its exchange, not DDP's all-reduce
     built = build_strategy(run_cfg, 2, apply_activation_checkpointing)
     assert isinstance(built.onebit, OneBitComm) and built.onebit.freeze_steps == 40
     assert built.strategy._ddp_comm_hook is onebit_hook and built.strategy._ddp_comm_state is built.onebit

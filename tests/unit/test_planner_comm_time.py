@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -51,6 +52,24 @@ def test_zero3_moves_one_and_a_half_times_data_parallel_volume() -> None:
     for stage in (1, 2):
         assert volume(Layout("deepspeed", dp=16, zero_stage=stage)) == pytest.approx(ddp)
     assert volume(Layout("deepspeed", dp=16, zero_stage=3)) == pytest.approx(1.5 * ddp)
+
+
+@pytest.mark.parametrize(("model_name", "box_name"), [("llama-1b", "8xh100"), ("gpt2-124m", "2x8xh100")])
+def test_onebit_adam_moves_a_thirtieth_of_ddps_bytes_after_backward(model_name: str, box_name: str) -> None:
+    shape, box = model_shape(model(model_name)), hw(box_name)
+    workload = Workload(1, 8, 1024, "bf16-mixed")
+    dp = box.world_size
+    ddp = comm_plan(shape, Layout("ddp", dp=dp), workload, box)
+    onebit = comm_plan(shape, Layout("ddp", dp=dp, onebit_adam=True), workload, box)
+    # Signs (1/8 byte) and one fp32 scale per 512 values, to the servers and back: each (n-1)/n of the buffer.
+    exchange = dp * math.ceil(shape.num_parameters / (dp * 512)) * (64 + 4)
+    assert onebit.per_step(1).network == pytest.approx(2 * (dp - 1) / dp * exchange)
+    assert onebit.step_exposed == onebit.once_per_step()  # inside the optimizer step: nothing hides it
+    assert onebit.step_bwd.network == 0
+    ratio = onebit.per_step(1).network / ddp.per_step(1).network
+    assert 1 / 33 < ratio < 1 / 28, ratio
+    with pytest.raises(ValueError, match="DDP only"):
+        Layout("fsdp", dp=dp, onebit_adam=True)
 
 
 def test_traffic_is_split_by_link_class() -> None:

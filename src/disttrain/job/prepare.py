@@ -70,18 +70,25 @@ class Prepared:
 
 def fit_default_warmup(run_cfg: RunConfig, overrides: list[str]) -> tuple[RunConfig, str | None]:
     """``python -m train trainer.max_steps=10`` is the first thing people try: a default warmup longer than the
-    run is shortened to a tenth of it, and said. A warmup the user set on the command line is theirs (validation
-    still refuses one that does not fit)."""
+    run is shortened to a tenth of it (1-bit Adam's default freeze to a fifth: the paper's 15-25%), and said. A
+    value the user set on the command line is theirs (validation still refuses one that does not fit)."""
     o, steps = run_cfg.optimizer, run_cfg.trainer.max_steps
-    explicit = any(item.lstrip("+~").startswith("optimizer.warmup_steps=") for item in overrides)
-    if explicit or o.warmup_steps < steps or steps < 1:
+    fitted, notes = {}, []
+    for key, current, share, applies in (
+        ("warmup_steps", o.warmup_steps, 10, True),
+        ("freeze_steps", o.freeze_steps, 5, o.name == "onebit_adam"),
+    ):
+        explicit = any(item.lstrip("+~").startswith(f"optimizer.{key}=") for item in overrides)
+        if not applies or explicit or current < steps or steps < 1:
+            continue
+        fitted[key] = max(1, steps // share) if key == "freeze_steps" else steps // share
+        notes.append(
+            f"optimizer.{key}: the default {current} does not fit trainer.max_steps={steps}; using {fitted[key]} "
+            f"(set optimizer.{key} to choose)"
+        )
+    if not fitted:
         return run_cfg, None
-    warmup = steps // 10
-    note = (
-        f"optimizer.warmup_steps: the default {o.warmup_steps} does not fit trainer.max_steps={steps}; using "
-        f"{warmup} (set optimizer.warmup_steps to choose)"
-    )
-    return dataclasses.replace(run_cfg, optimizer=dataclasses.replace(o, warmup_steps=warmup)), note
+    return dataclasses.replace(run_cfg, optimizer=dataclasses.replace(o, **fitted)), "; ".join(notes)
 
 
 def resolve_strategy(

@@ -23,7 +23,7 @@ from disttrain.planner.spec import MEGATRON_DP_TYPES, Layout, Workload
 
 # functional_all_reduce: TP's activation all-reduces as DTensor issues them (out of place, then a wait); priced as
 # an all-reduce where a profile does not give it its own figures.
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "p2p", "functional_all_reduce")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p", "functional_all_reduce")
 # An op a profile has no figure for falls back to this op's, then to the link's.
 FALLBACK_OP = {"functional_all_reduce": "all_reduce"}
 # Activation collectives per transformer layer and micro-batch under TP (in all-reduce equivalents), as
@@ -144,7 +144,7 @@ def collective_factor(op: str, n: int) -> float:
     """Bytes each rank sends per byte of the full buffer."""
     if op in ("all_reduce", "functional_all_reduce"):
         return 2.0 * (n - 1) / n
-    if op in ("reduce_scatter", "all_gather"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
         return (n - 1) / n
     if op == "p2p":
         return 1.0
@@ -322,7 +322,26 @@ def process_groups(layout: Layout, hw: HardwareProfile) -> dict[str, Group]:
     }
 
 
+# 1-bit Adam (strategies/onebit.py): the flat momentum in blocks of ONEBIT_BLOCK values, each sent as its signs
+# (1 bit a value) and one fp32 scale, padded to whole blocks per rank.
+ONEBIT_BLOCK = 512
+
+
+def onebit_exchange_bytes(numel: int, world: int) -> int:
+    """Bytes of ``numel`` momentum values compressed for ``world`` ranks: the buffer each exchange phase moves."""
+    blocks_per_rank = max(1, math.ceil(numel / (world * ONEBIT_BLOCK)))
+    return world * blocks_per_rank * (ONEBIT_BLOCK // 8 + 4)
+
+
 def _ddp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
+    if layout.onebit_adam:
+        # The compressed momentum to each chunk's server (all-to-all), the servers' averages back (all-gather):
+        # both after backward, inside the optimizer step, so nothing hides them.
+        exchange = onebit_exchange_bytes(shape.num_parameters, layout.dp)
+        dp = groups["dp"]
+        return CommPlan(
+            step_exposed=collective_bytes("all_to_all", exchange, dp) + collective_bytes("all_gather", exchange, dp)
+        )
     grad_bytes = (2 if workload.precision == "bf16-true" else 4) * shape.num_parameters
     # Lightning skips the all-reduce on accumulation micro-batches (no_sync): once per step, one call per bucket.
     buckets = math.ceil(grad_bytes / DDP_BUCKET_BYTES)

@@ -57,8 +57,13 @@ class Layout:
     # Megatron tp > 1: the cross-entropy runs on the vocab-sharded logits (``strategy.loss_parallel``, the default),
     # reducing each token's max, sum of exponentials and target logit over the tp ranks instead of gathering logits.
     loss_parallel: bool = True
+    # optimizer=onebit_adam (DDP): after its warm-up each step exchanges the momentum in 1 bit a value (an all-to-all
+    # and an all-gather after backward, exposed) instead of all-reducing fp32 gradients during backward.
+    onebit_adam: bool = False
 
     def __post_init__(self) -> None:
+        if self.onebit_adam and self.strategy != "ddp":
+            raise ValueError(f"1-bit Adam runs under DDP only, not {self.strategy}")
         if self.dp_type not in MEGATRON_DP_TYPES + MEGATRON_LM_DP_TYPES:
             raise ValueError(f"unknown dp_type {self.dp_type!r}")
         if self.ep > 1 and (self.strategy != "fsdp" or self.dp_replicate > 1 or self.dp % self.ep):

@@ -9,7 +9,7 @@ replica; a pipeline runs several micro-batches per step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import AutoStrategyConfig, RunConfig, StrategyConfig
@@ -105,7 +105,10 @@ def parallel_layout(cfg: RunConfig) -> ParallelLayout:
     world = world_layout(cfg)
     if isinstance(cfg.strategy, AutoStrategyConfig):
         return ParallelLayout(world, batch, None)
-    return ParallelLayout(world, batch, layout_of(cfg.strategy, world, batch))
+    layout = layout_of(cfg.strategy, world, batch)
+    if cfg.optimizer.name == "onebit_adam":  # validated: DDP only
+        layout = replace(layout, onebit_adam=True)
+    return ParallelLayout(world, batch, layout)
 
 
 def layout_of(strategy: StrategyConfig, world: WorldLayout, batch: BatchPlan) -> Layout:

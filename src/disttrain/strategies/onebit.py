@@ -27,11 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from disttrain.planner.comm import ONEBIT_BLOCK, onebit_exchange_bytes
+
 STATE_FORMAT = 1
 SIDECAR = ".onebit"
 # Values per scale: one fp32 scale per BLOCK signs costs 4 / BLOCK bytes per value beside the 1/8 of the signs
 # (3% more at 512), while a finer scale follows the momentum's magnitudes across parameters of different sizes.
-BLOCK = 512
+# The planner prices the same payload (planner/comm.py).
+BLOCK = ONEBIT_BLOCK
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
 
@@ -100,7 +103,7 @@ class CompressedMean:
     @property
     def bytes_per_phase(self) -> int:
         """What this rank hands to each of the two collectives: its whole buffer compressed."""
-        return self.world * self.blocks_per_chunk * (BLOCK // 8 + 4)
+        return onebit_exchange_bytes(self.numel, self.world)
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
         """The approximate mean over ranks of every rank's ``flat`` (fp32, ``numel`` values); identical on every
