@@ -13,6 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra import compose
 from hydra.errors import HydraException
@@ -73,7 +74,8 @@ def fit_default_warmup(run_cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
     run is shortened to a tenth of it (1-bit Adam's default freeze to a fifth: the paper's 15-25%), and said. A
     value the user set on the command line is theirs (validation still refuses one that does not fit)."""
     o, steps = run_cfg.optimizer, run_cfg.trainer.max_steps
-    fitted, notes = {}, []
+    fitted: dict[str, Any] = {}
+    notes: list[str] = []
     for key, current, share, applies in (
         ("warmup_steps", o.warmup_steps, 10, True),
         ("freeze_steps", o.freeze_steps, 5, o.name == "onebit_adam"),
