@@ -48,9 +48,6 @@ class OneBitAdam(torch.optim.Optimizer):
         steps = [int(s["step"]) for s in self.state.values() if "step" in s]
         self.comm.steps_done = max(steps, default=0)
 
-    def _trainable(self) -> list[tuple[dict, torch.Tensor]]:
-        return [(group, p) for group in self.param_groups for p in group["params"] if p.requires_grad]
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = None
@@ -61,40 +58,51 @@ class OneBitAdam(torch.optim.Optimizer):
         compressing = self.comm.compressing
         # Every trainable parameter takes part (a missing gradient is zero): the compressed exchange needs the same
         # buffer on every rank, whichever parameters a rank's batch happened to reach.
-        params = self._trainable()
-        for _, p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        for group, p in params:
+        groups = [(g, [p for p in g["params"] if p.requires_grad]) for g in self.param_groups]
+        momenta = []
+        # torch's foreach kernels: a few launches per group, not per parameter (a GPU step is otherwise launch-bound).
+        for group, params in groups:
+            if not params:
+                continue
             beta1, beta2 = group["betas"]
-            state = self.state[p]
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            state["exp_avg"].lerp_(grad, 1 - beta1)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            states = [self._state_of(p) for p in params]
+            exp_avgs = [s["exp_avg"] for s in states]
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
             if not compressing:
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+                torch._foreach_mul_(exp_avg_sqs, beta2)
+                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            momenta += exp_avgs
         if compressing:
-            self._average_momentum([self.state[p]["exp_avg"] for _, p in params])
-        for group, p in params:
+            self._average_momentum(momenta)
+        for group, params in groups:
+            if not params:
+                continue
             beta1, beta2 = group["betas"]
-            state = self.state[p]
+            states = [self.state[p] for p in params]
             # The variance stopped at freeze_steps, and its bias correction with it.
             correction1 = 1 - beta1**step
             correction2 = 1 - beta2 ** min(step, self.comm.freeze_steps)
             if group["weight_decay"]:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-            denom = (state["exp_avg_sq"] / correction2).sqrt_().add_(group["eps"])
-            p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / correction1)
-            state["step"] += 1
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            denom = torch._foreach_div([s["exp_avg_sq"] for s in states], correction2)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denom, value=-group["lr"] / correction1)
+            torch._foreach_add_([s["step"] for s in states], 1)
         self.comm.steps_done = step
         return loss
 
+    def _state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
     def _average_momentum(self, momenta: list[torch.Tensor]) -> None:
         flat = torch.cat([m.reshape(-1).float() for m in momenta])
-        averaged = self.comm.average(flat)
-        offset = 0
-        for m in momenta:
-            m.copy_(averaged[offset : offset + m.numel()].view_as(m))
-            offset += m.numel()
+        averaged = self.comm.average(flat).split([m.numel() for m in momenta])
+        torch._foreach_copy_(momenta, [a.view_as(m) for a, m in zip(averaged, momenta, strict=True)])
