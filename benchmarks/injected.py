@@ -109,8 +109,9 @@ class SlowLink:
 
         return over_link
 
-    def metered(self, all_reduce: Callable) -> Callable:
-        """``all_reduce`` whose result arrives ``delay_s(tensor)`` later.
+    def metered(self, all_reduce: Callable, sent: Callable[[tuple], torch.Tensor] | None = None) -> Callable:
+        """``all_reduce`` (or another collective) whose result arrives ``delay_s(tensor)`` later; ``sent`` picks
+        the tensor whose bytes cross the link from the call's arguments (default: the first, all-reduce's).
 
         An async collective's delay runs in its future's callback (gloo's thread), as before the hook's own
         callbacks: it overlaps the rest of the backward, and what is left is exposed at its end, as a slow
@@ -118,7 +119,8 @@ class SlowLink:
         """
 
         def slow_all_reduce(tensor: torch.Tensor, *args, **kwargs):
-            seconds = self.delay_s(tensor) if self.hooks_running else 0.0
+            payload = tensor if sent is None else sent((tensor, *args))
+            seconds = self.delay_s(payload) if self.hooks_running else 0.0
             work = all_reduce(tensor, *args, **kwargs)
             if not seconds:
                 return work
@@ -164,6 +166,7 @@ def slow_down_gradient_link(link: SlowLink) -> None:
     from disttrain.strategies.ddp import HookedDDPStrategy
 
     dist.all_reduce = link.metered(dist.all_reduce)
+    carry_onebit_exchange(link)
     register_chosen = HookedDDPStrategy._register_ddp_hooks
 
     def register(self: HookedDDPStrategy) -> None:
@@ -173,6 +176,32 @@ def slow_down_gradient_link(link: SlowLink) -> None:
         register_chosen(self)
 
     HookedDDPStrategy._register_ddp_hooks = register  # type: ignore[method-assign]
+
+
+def carry_onebit_exchange(link: SlowLink) -> None:
+    """``optimizer=onebit_adam`` sends its momentum from the optimizer step, not from DDP's hook: its exchange's
+    all-to-all and all-gather cross the link too, each metered by what a rank sends in a 2-rank world (half of the
+    all-to-all's input goes to the other rank; the all-gather sends its whole input), as the all-reduce is by its
+    buffer (what a 2-rank ring sends)."""
+    import torch.distributed as dist
+
+    from disttrain.strategies.onebit import CompressedMean
+
+    def half(args: tuple) -> torch.Tensor:
+        return args[1].reshape(-1)[: args[1].numel() // 2]
+
+    dist.all_to_all_single = link.metered(dist.all_to_all_single, sent=half)
+    dist.all_gather_into_tensor = link.metered(dist.all_gather_into_tensor, sent=lambda args: args[1])
+    exchange = CompressedMean.__call__
+
+    def over_link(self: CompressedMean, flat: torch.Tensor) -> torch.Tensor:
+        link.hooks_running += 1
+        try:
+            return exchange(self, flat)
+        finally:
+            link.hooks_running -= 1
+
+    CompressedMean.__call__ = over_link  # type: ignore[method-assign]
 
 
 _optimizer_sleep: dict[str, object] = {}

@@ -23,6 +23,7 @@ from benchmarks.injected import SlowLink, slow_down_gradient_link
 from disttrain.config.schema import DDPConfig
 from disttrain.strategies.comm_hooks import build_comm_hook
 from disttrain.strategies.ddp import HookedDDPStrategy
+from disttrain.strategies.onebit import CompressedMean
 
 RATE = 1e6  # bytes/s
 WEIGHTS = ((64, 128), (128, 32))  # (in, out) of each Linear: weight out x in, bias out
@@ -40,12 +41,18 @@ def one_rank_group(store: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def keep_patched_functions_for_the_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recorded so that the test's end restores them: the injection patches the process, as in a rank of a run."""
+    for name in ("all_reduce", "all_to_all_single", "all_gather_into_tensor"):
+        monkeypatch.setattr(dist, name, getattr(dist, name))
+    monkeypatch.setattr(HookedDDPStrategy, "_register_ddp_hooks", HookedDDPStrategy._register_ddp_hooks)
+    monkeypatch.setattr(CompressedMean, "__call__", CompressedMean.__call__)
+
+
 def delays_per_step(hook_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int) -> list[float]:
     """The link's total delay in each of ``steps`` backward passes of a 2-layer DDP model using ``hook_name``."""
     slept: list[float] = []
-    # Recorded so that the test's end restores them: the injection patches the process, as in a rank of a run.
-    monkeypatch.setattr(dist, "all_reduce", dist.all_reduce)
-    monkeypatch.setattr(HookedDDPStrategy, "_register_ddp_hooks", HookedDDPStrategy._register_ddp_hooks)
+    keep_patched_functions_for_the_test(monkeypatch)
     slow_down_gradient_link(SlowLink(RATE, sleep=slept.append))
     cfg = DDPConfig(comm_hook=hook_name, powersgd_rank=1, powersgd_warmup_steps=WARMUP)
     state, hook = build_comm_hook(cfg, "gloo")
@@ -97,3 +104,29 @@ def test_powersgd_shortens_the_link_to_its_low_rank_factors(tmp_path: Path, monk
     factors = sum(o + i for i, o in WEIGHTS)
     assert [d * RATE for d in delays[WARMUP:]] == [pytest.approx((biases + factors) * 4)] * 2
     assert delays[-1] < delays[0] / 20
+
+
+def blocking_copy(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> None:
+    """A blocking collective of a 2-rank world whose other rank sent the same bytes as this one."""
+    out.copy_(inp.reshape(-1).repeat(out.numel() // inp.numel()).view_as(out))
+
+
+def test_onebit_adams_exchange_crosses_the_link_with_what_a_rank_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 2-rank world faked in this process: the collectives copy what the other rank would have sent back.
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_to_all_single", blocking_copy)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", blocking_copy)
+    keep_patched_functions_for_the_test(monkeypatch)
+    slept: list[float] = []
+    slow_down_gradient_link(SlowLink(RATE, sleep=slept.append))
+    mean = CompressedMean(NUMEL, torch.device("cpu"))
+    mean(torch.randn(NUMEL))
+    # Half the all-to-all's input goes to the other rank; the all-gather sends this rank's chunk: the compressed
+    # buffer once, a thirtieth of the fp32 all-reduce's bytes.
+    assert sum(slept) * RATE == pytest.approx(mean.bytes_per_phase)
+    assert len(slept) == 2 and mean.bytes_per_phase < NUMEL * 4 / 25
+    blocking_copy_over_link = dist.all_gather_into_tensor
+    blocking_copy_over_link(torch.zeros(4), torch.zeros(2))  # outside the exchange: not over the link
+    assert len(slept) == 2
