@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from diagnostics.analysis import Finding, analyse
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import cost
-from diagnostics.recommend import ab_tests, recommend, recommend_all, share_hidden_by_workers
+from diagnostics.recommend import ab_tests, gated, recommend, recommend_all, share_hidden_by_workers
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import BatchPlan
 from disttrain.strategies.layout import validate_run
@@ -251,6 +251,27 @@ def test_comm_bound_ddp_gets_comm_hook_levers(overrides: list[str], expected: li
     for rec in recs:
         if rec.override in hooks:
             validate([*overrides, *rec.override.split()])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "offered"),
+    [
+        ([], True),
+        (["precision=bf16-true"], True),
+        (["strategy.comm_hook=powersgd"], False),  # 1-bit Adam replaces the hook, it does not add to it
+        (["optimizer=onebit_adam"], False),  # already there
+    ],
+)
+def test_comm_bound_ddp_with_adamw_is_offered_one_bit_adam(overrides: list[str], offered: bool) -> None:
+    recs = recommend(_comm_bound(), _ddp_ctx(overrides))
+    onebit = [r for r in recs if r.override == "optimizer=onebit_adam"]
+    assert bool(onebit) is offered
+    if offered:
+        validate([*overrides, "optimizer=onebit_adam"])
+        assert "40 MB/s" in onebit[0].expected_gain["basis"]
+    # One data-parallel rank has no gradient traffic: the lever is explained, not made.
+    one = RunContext(composed(overrides), {"global_batch_size": 16, "data_parallel_size": 1}, 2)
+    assert "optimizer=onebit_adam" not in [r.override for r in gated(recommend(_comm_bound(), one), one, _comm_bound())]
 
 
 def test_powersgd_why_gives_the_compression_of_the_model_matrices() -> None:
