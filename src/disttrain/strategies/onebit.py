@@ -35,18 +35,26 @@ SIDECAR = ".onebit"
 # (3% more at 512), while a finer scale follows the momentum's magnitudes across parameters of different sizes.
 # The planner prices the same payload (planner/comm.py).
 BLOCK = ONEBIT_BLOCK
-_SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """Bit positions, most significant first, kept on ``device`` (a copy from the host each call would make a GPU
+    step wait for it)."""
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8, device=device)
+    return _SHIFTS[device]
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """Signs of ``x [..., 8k]`` as bits (1: >= 0), eight to a byte: uint8 ``[..., k]``."""
     bits = (x >= 0).reshape(*x.shape[:-1], -1, 8).to(torch.uint8)
-    return (bits << _SHIFTS.to(x.device)).sum(-1, dtype=torch.uint8)
+    return (bits << _shifts(x.device)).sum(-1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``pack_signs`` undone: +1/-1 in ``dtype``, ``[..., 8k]``."""
-    bits = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 1
+    bits = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 1
     return bits.reshape(*packed.shape[:-1], -1).to(dtype) * 2 - 1
 
 
@@ -93,7 +101,6 @@ class CompressedMean:
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if distributed else 1
-        self.rank = dist.get_rank(group) if distributed else 0
         self.numel = numel
         self.blocks_per_chunk = max(1, math.ceil(numel / (self.world * BLOCK)))
         padded = self.world * self.blocks_per_chunk * BLOCK
@@ -169,6 +176,7 @@ class OneBitComm:
         mean = self.mean
         if saved is None or mean is None:
             return
+        # Another size means another model, which a resume refuses before this: nothing to place then.
         if saved["numel"] == mean.numel and saved["worker_error"].numel() == mean.worker_error.numel():
             mean.worker_error.copy_(saved["worker_error"])
             mean.server_error.copy_(saved["server_error"])
