@@ -142,6 +142,8 @@ def sync_figures(segment_s: float, latency_s: float, waits: list[list[float]]) -
 
 # What a parts record says about the model, micro-batch and precision it timed (equal on every rank).
 PARTS_SHAPE_KEYS = ("micro_batch", "seq_len", "d_model", "vocab_size", "block_numel", "precision")
+# On a GPU: the bytes one block keeps from forward for backward, and the edges' peak (planner.measured).
+PARTS_MEMORY_KEYS = ("block_activation_bytes", "edges_peak_bytes")
 PARTS_SECONDS_KEYS = (
     "block_forward_s",
     "block_backward_s",
@@ -160,7 +162,12 @@ def parts_figures(records: list[dict]) -> dict[str, Any] | None:
         return None
     shape = {k: complete[0].get(k) for k in PARTS_SHAPE_KEYS}
     same = [r for r in complete if all(r.get(k) == v for k, v in shape.items())]
-    return {**shape, **{k: statistics.median(float(r[k]) for r in same) for k in PARTS_SECONDS_KEYS}}
+    figures = {**shape, **{k: statistics.median(float(r[k]) for r in same) for k in PARTS_SECONDS_KEYS}}
+    for key in PARTS_MEMORY_KEYS:  # a GPU's allocator bytes; a CPU's records have none
+        measured = [float(r[key]) for r in same if _positive(r.get(key))]
+        if measured:
+            figures[key] = statistics.median(measured)
+    return figures
 
 
 def calibration_from_telemetry(run_dir: Path) -> Calibration:

@@ -74,9 +74,11 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _block_and_edges(
     parts: dict, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device, repeats: int
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, dict[str, float | None]]:
     """(block forward, block backward, edges forward, edges backward) seconds, each module on its own: the block on
-    a hidden state that requires grad, as inside the model (its backward computes the input gradient too)."""
+    a hidden state that requires grad, as inside the model (its backward computes the input gradient too); and on a
+    GPU the allocator's bytes: what the block keeps from its forward for its backward (with its output), and the
+    edges' peak over forward and backward (the logits, the loss's fp32 work, their gradients)."""
     block, edges, autocast = parts["block"], parts["edges"], parts["autocast"]
     rope = parts["rope"] or ()
     hidden = torch.randn(*tokens.shape, parts["d_model"], device=device, dtype=parts["param_dtype"], requires_grad=True)
@@ -94,25 +96,37 @@ def _block_and_edges(
             logits = edges(tokens)
         return loss(logits, targets)
 
-    def forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    cuda = device.type == "cuda"
+
+    def forward_backward(forward: Callable[[], torch.Tensor]) -> tuple[float, float, float | None, float | None]:
         forward_s, backward_s = [], []
+        kept = peak = None
         # The first passes warm up (allocator, kernels' first launch; a compiled block compiles in its first).
         for i in range(repeats + warmup):
             sync()
+            before = torch.cuda.memory_allocated(device) if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             out = forward()
             sync()
             middle = time.perf_counter()
+            if cuda:  # the graph's saved tensors and the output, alive until backward
+                kept = float(torch.cuda.memory_allocated(device) - before)
             out.float().sum().backward()
             sync()
+            if cuda:
+                peak = float(torch.cuda.max_memory_allocated(device) - before)
             if i >= warmup:
                 forward_s.append(middle - start)
                 backward_s.append(time.perf_counter() - middle)
-        return statistics.median(forward_s), statistics.median(backward_s)
+            del out
+        return statistics.median(forward_s), statistics.median(backward_s), kept, peak
 
-    block_f, block_b = forward_backward(block_forward)
-    edges_f, edges_b = forward_backward(edges_forward)
-    return block_f, block_b, edges_f, edges_b
+    block_f, block_b, block_kept, _ = forward_backward(block_forward)
+    edges_f, edges_b, _, edges_peak = forward_backward(edges_forward)
+    memory = {"block_activation_bytes": block_kept, "edges_peak_bytes": edges_peak}
+    return block_f, block_b, edges_f, edges_b, memory
 
 
 def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeats: int = 2) -> dict:
@@ -126,10 +140,12 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
     generator = torch.Generator(device="cpu").manual_seed(1)
     tokens = torch.randint(0, vocab, (micro_batch, seq), generator=generator).to(device)
     targets = torch.randint(0, vocab, (micro_batch * seq,), generator=generator).to(device)
+    # An HF model's layers are timed inside its passes, where one layer's memory is not apart from the others'.
+    memory: dict[str, float | None] = {"block_activation_bytes": None, "edges_peak_bytes": None}
     if "layers" in parts:
         block_f, block_b, edges_f, edges_b = _layers_in_model(parts, tokens, targets, device, repeats)
     else:
-        block_f, block_b, edges_f, edges_b = _block_and_edges(parts, tokens, targets, device, repeats)
+        block_f, block_b, edges_f, edges_b, memory = _block_and_edges(parts, tokens, targets, device, repeats)
     optimizer = parts["optimizer"]()
     optimizer.step()  # the first step allocates the moments
     optimizer_s = _median_seconds(optimizer.step, device, repeats)
@@ -150,6 +166,7 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
         "edges_forward_s": edges_f,
         "edges_backward_s": edges_b,
         "optimizer_step_s": optimizer_s,
+        **memory,  # on a GPU (None on a CPU, whose allocator keeps no count)
         "repeats": repeats,
         "compiled": parts.get("compiled"),  # the block's torch.compile mode, None when timed eager
         "clock": "wall",

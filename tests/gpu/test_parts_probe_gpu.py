@@ -1,5 +1,5 @@
-"""The start-up parts probe on a GPU: gpt2-124m's block, edges and block optimizer step in bf16-mixed are timed, and
-the allocator's peak is reset after it (skipped without CUDA)."""
+"""The start-up parts probe on a GPU: gpt2-124m's block, edges and block optimizer step in bf16-mixed are timed, their
+allocator bytes measured, and the allocator's peak is reset after it (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def test_gpt2_parts_are_timed_in_bf16_and_leave_no_peak_behind() -> None:
     assert result["block_backward_s"] > result["block_forward_s"]  # backward runs about twice the matmuls
     assert 0 < result["optimizer_step_s"] < 0.1 and result["block_numel"] == 7_087_872
     assert torch.cuda.max_memory_allocated(device) < 2 * 2**30  # the probe's 4 x 1024 x 50257 logits are gone
+    # The allocator's bytes the planner composes activations from: a block keeps its saved tensors (Korthikanti et
+    # al.'s 34 x s x b x h bytes in 16 bits, less with flash attention, as here) and the edges peak above the
+    # logits' bf16 bytes (the loss works in fp32).
+    tokens, width = 4 * 1024, 768
+    assert 4 * tokens * width < result["block_activation_bytes"] < 40 * tokens * width, result
+    assert result["edges_peak_bytes"] > 2 * tokens * 50257, result
 
 
 def test_an_hf_llamas_layers_are_timed_inside_its_passes_on_the_gpu() -> None:

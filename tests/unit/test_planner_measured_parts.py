@@ -179,6 +179,18 @@ def test_calibration_takes_the_median_part_over_ranks_and_the_profile_says_measu
     assert (no_parts["block_forward_backward"], no_parts["optimizer_step"]) == ("flops", "memory_bandwidth")
 
 
+def test_a_gpu_ranks_memory_figures_reach_the_profile_as_their_median(tmp_path: Path) -> None:
+    for rank, kept in enumerate((3e6, 4e6, 2e6)):
+        writer = TelemetryWriter(tmp_path, rank)
+        writer.write("parts_calibration", **_parts_record(block_activation_bytes=kept, edges_peak_bytes=5e6))
+        writer.close()
+    profile = calibrated_profile(hw_profile("cpu"), calibration_from_telemetry(tmp_path), "fp32")
+    assert profile.parts == MEMORY
+    assert profile.basis(SHAPE, WORK)["activations"] == "measured"
+    cpu = calibrated_profile(hw_profile("cpu"), Calibration(source="RUN", parts=_parts_record()), "fp32")
+    assert cpu.basis(SHAPE, WORK)["activations"] == "formula"
+
+
 def test_incomplete_parts_records_are_left_out() -> None:
     assert parts_figures([_parts_record(edges_backward_s=None)]) is None
     assert MeasuredParts.from_figures({"block_forward_s": 0.1}) is None
@@ -197,3 +209,37 @@ def test_python_m_plan_says_where_the_compute_comes_from() -> None:
     datasheet = plan(NANO, hw, precision="bf16-mixed", micro_batch_size=16, parts=PARTS)  # parts in fp32: unused
     assert "compute_efficiency 0.55 (an assumption" in compute_line(datasheet)
     assert json_payload(measured, None)["compute_basis"].startswith("the measured parts")
+
+
+# A GPU probe's allocator bytes: 3 MB kept per block, 5 MB at the edges' peak (at the probe's 16 x 128 tokens).
+MEMORY = dataclasses.replace(PARTS, block_activation_bytes=3e6, edges_peak_bytes=5e6)
+
+
+def activations(layout: Layout, parts: MeasuredParts | None, work: Workload = WORK) -> int:
+    return plan_layout(SHAPE, layout, work, hw_profile("8xh100"), DEFAULT_ASSUMPTIONS, parts).memory.activations
+
+
+def test_a_gpu_probes_bytes_replace_the_activation_formula() -> None:
+    assert activations(Layout("ddp", dp=2), MEMORY) == 4 * 3e6 + 5e6  # every block kept, the edges' peak
+    assert activations(Layout("fsdp", dp=2), MEMORY) == 4 * 3e6 + 5e6  # sharding keeps a rank's activations
+    # Another micro-batch: in proportion to its tokens; tensor parallelism splits them tp ways, as the formula does.
+    half = dataclasses.replace(WORK, micro_batch_size=8)
+    assert activations(Layout("ddp", dp=2), MEMORY, half) == (4 * 3e6 + 5e6) / 2
+    assert activations(Layout("megatron", dp=1, tp=2), MEMORY) == (4 * 3e6 + 5e6) / 2
+    # What the probe cannot stand for keeps the formula: recomputed blocks, a CPU's probe (no bytes), another model
+    # or precision.
+    formula = activations(Layout("ddp", dp=2), None)
+    assert activations(Layout("ddp", dp=2), PARTS) == formula != 4 * 3e6 + 5e6
+    recomputed = Layout("megatron", dp=1, tp=2, recompute="full")
+    assert activations(recomputed, MEMORY) == activations(recomputed, None)
+    other = dataclasses.replace(MEMORY, d_model=256)
+    assert activations(Layout("ddp", dp=2), other) == formula
+    bf16 = dataclasses.replace(WORK, precision="bf16-mixed")
+    assert activations(Layout("ddp", dp=2), MEMORY, bf16) == activations(Layout("ddp", dp=2), None, bf16)
+
+
+def test_the_memory_figures_travel_through_the_calibration_record() -> None:
+    figures = {f.name: getattr(MEMORY, f.name) for f in dataclasses.fields(MeasuredParts)}
+    assert MeasuredParts.from_figures(figures) == MEMORY
+    older = {k: v for k, v in figures.items() if k not in ("block_activation_bytes", "edges_peak_bytes")}
+    assert MeasuredParts.from_figures(older) == PARTS  # a CPU's record, or one written before they were measured

@@ -168,10 +168,11 @@ def test_run_prediction_says_which_numbers_it_used_and_why_it_could_not_time_the
     assert "peak_tflops" in without["unpredicted"] and "diagnostics.calibrate=true" in without["unpredicted"]
     assert one_line(without).startswith("planner: step time not predicted: hw profile 'cpu' has no peak_tflops")
     assert without["predicted"]["state_bytes"] == 16 * 1_828_992  # fp32 weights, gradients, two Adam moments
-    compute = ("block_forward_backward", "edges_forward_backward", "optimizer_step")
+    compute = ("block_forward_backward", "edges_forward_backward", "optimizer_step", "activations")
     assert {v for k, v in without["basis"].items() if k not in compute} == {"none"}
-    # No parts measured: the compute is FLOPs over a matmul rate, the optimizer step Adam's bytes over bandwidth.
-    assert [without["basis"][k] for k in compute] == ["flops", "flops", "memory_bandwidth"]
+    # No parts measured: the compute is FLOPs over a matmul rate, the optimizer step Adam's bytes over bandwidth,
+    # the activations the formula's.
+    assert [without["basis"][k] for k in compute] == ["flops", "flops", "memory_bandwidth", "formula"]
     calibrated = predict_run(cfg, parallel_layout(cfg), cpu_calibration(5.0))
     assert calibrated is not None and calibrated["basis"]["peak_tflops"] == "measured"
     p = calibrated["predicted"]

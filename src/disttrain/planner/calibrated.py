@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from diagnostics.calibration import Calibration
 from disttrain.config.hardware import HardwareProfile
-from disttrain.planner.measured import MeasuredParts, parts_basis
+from disttrain.planner.measured import MeasuredParts, measured_activations, parts_basis
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Assumptions, Workload
@@ -38,13 +38,16 @@ class CalibratedProfile:
         """``sources`` plus where a prediction's compute comes from for ``shape`` at ``workload``: the parts
         (``measured``: this model and micro-batch; ``scaled``: another's, by FLOPs) or ``flops`` (FLOPs over the
         matmul rate x the assumed efficiency), and likewise its optimizer step (``measured``/``scaled`` or
-        ``memory_bandwidth``, Adam's state bytes over ``hbm_bandwidth_gbps``)."""
+        ``memory_bandwidth``, Adam's state bytes over ``hbm_bandwidth_gbps``), and its activations'."""
         how = parts_basis(self.parts, shape, workload)
+        activations = measured_activations(self.parts, shape, workload) is not None
         return {
             **self.sources,
             "block_forward_backward": how or "flops",
             "edges_forward_backward": how or "flops",
             "optimizer_step": how or "memory_bandwidth",
+            # A GPU probe's allocator bytes (block kept, edges' peak), or the activation formula.
+            "activations": "measured" if activations else "formula",
         }
 
     @property

@@ -45,6 +45,10 @@ class MeasuredParts:
     vocab_size: int
     block_numel: int
     precision: str
+    # On a GPU, the allocator's bytes at the probe's micro-batch: what one block keeps from its forward for its
+    # backward (with its output), and the edges' peak over forward and backward (logits, the loss, their gradients).
+    block_activation_bytes: float | None = None
+    edges_peak_bytes: float | None = None
 
     @classmethod
     def from_figures(cls, figures: Mapping[str, object] | None) -> MeasuredParts | None:
@@ -64,6 +68,8 @@ class MeasuredParts:
                 vocab_size=int(figures["vocab_size"]),  # type: ignore[call-overload]
                 block_numel=int(figures["block_numel"]),  # type: ignore[call-overload]
                 precision=str(figures["precision"]),
+                block_activation_bytes=_optional_float(figures.get("block_activation_bytes")),
+                edges_peak_bytes=_optional_float(figures.get("edges_peak_bytes")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -71,6 +77,30 @@ class MeasuredParts:
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def measured_activations(
+    parts: MeasuredParts | None, shape: ModelShape, workload: Workload
+) -> tuple[float, float] | None:
+    """(one block's kept bytes, the edges' peak bytes) at ``workload``'s micro-batch, from a GPU probe of this very
+    model in this precision: scaled by tokens from the probe's micro-batch and sequence (linear in both under flash
+    attention); None when the probe measured no memory (a CPU) or another model."""
+    if parts is None or parts.block_activation_bytes is None or parts.edges_peak_bytes is None:
+        return None
+    if not precision_matches(parts, workload.precision) or not shape.known:
+        return None
+    if (parts.d_model, parts.vocab_size, parts.block_numel) != (
+        shape.d_model,
+        shape.vocab_size,
+        shape.block_parameters,
+    ):
+        return None
+    scale = workload.micro_batch_size * workload.seq_len / max(1, parts.tokens)
+    return parts.block_activation_bytes * scale, parts.edges_peak_bytes * scale
 
 
 @dataclass(frozen=True)

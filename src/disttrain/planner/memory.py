@@ -177,11 +177,22 @@ def rank_parameters(shape: ModelShape, layout: Layout, rank: int) -> int:
     return shape.pipeline_rank_parameters(layout.tp, layout.pp, stages, layout.pp * len(stages))
 
 
-def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stage: int, flash: bool) -> float:
+def activation_bytes(
+    shape: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    stage: int,
+    flash: bool,
+    measured: tuple[float, float] | None = None,
+) -> float:
     """Peak activation bytes on pipeline rank ``stage`` (the only rank when pp == 1).
 
     Stored layers times micro-batches in flight, the head's logits on the rank of the last stage, and the
     transient of recomputation: in backward one layer's full activations (or attention core) exist again.
+    ``measured`` (``planner.measured.measured_activations``: a GPU probe of this model's block and edges) replaces
+    the formula's layer and logits terms where blocks are not recomputed: what the allocator held, compiled kernels'
+    savings and the loss's real work included (the formula counted gpt2-124m compiled +70% on an H200); split ``tp``
+    ways under tensor parallelism like the formula's.
     """
     if not shape.known:
         return 0.0
@@ -196,14 +207,18 @@ def activation_bytes(shape: ModelShape, layout: Layout, workload: Workload, stag
             flash_attention=flash,
         )  # fmt: skip
 
-    per_layer = layer(layout.recompute)
+    use_measured = measured is not None and layout.recompute == "none"
+    per_layer = measured[0] / tp if use_measured and measured is not None else layer(layout.recompute)
     in_flight = microbatches_in_flight(layout.schedule, pp, layout.per_schedule, layout.virtual_stages, stage)
     total = in_flight * (shape.n_layers // pp) * per_layer
     if stage == last_stage_rank(pp, layout.schedule):
         # The V schedule's last stage sits at its turning point on rank 0: each micro-batch's backward follows its
         # forward there, as on 1F1B's last stage, so one micro-batch's logits are alive at a time.
         logits_in_flight = 1.0 if layout.schedule == "zero_bubble" else in_flight
-        total += logits_in_flight * output_activation_bytes(shape, b, s, act, res, tp, sp)
+        output = measured[1] / tp if use_measured and measured is not None else None
+        total += logits_in_flight * (
+            output if output is not None else output_activation_bytes(shape, b, s, act, res, tp, sp)
+        )
     if layout.recompute == "full":
         total += layer("none")
     elif layout.recompute == "selective":
@@ -378,14 +393,21 @@ def model_state_bytes(shape: ModelShape, layout: Layout, workload: Workload, sta
     raise ValueError(f"unknown strategy {layout.strategy!r}")
 
 
-def memory_per_gpu(shape: ModelShape, layout: Layout, workload: Workload, flash_attention: bool) -> MemoryBreakdown:
+def memory_per_gpu(
+    shape: ModelShape,
+    layout: Layout,
+    workload: Workload,
+    flash_attention: bool,
+    measured: tuple[float, float] | None = None,
+) -> MemoryBreakdown:
     """The peak over pipeline ranks (first: embeddings, most micro-batches in flight; the last stage's: head,
-    logits; under the V schedule both are rank 0)."""
+    logits; under the V schedule both are rank 0). ``measured``: a GPU probe's block and edges bytes
+    (``activation_bytes``)."""
     stages = (0, layout.pp - 1) if layout.pp > 1 else (0,)
     best: MemoryBreakdown | None = None
     for stage in stages:
         states = model_state_bytes(shape, layout, workload, stage)
-        activations = int(activation_bytes(shape, layout, workload, stage, flash_attention))
+        activations = int(activation_bytes(shape, layout, workload, stage, flash_attention, measured))
         candidate = MemoryBreakdown(
             states.params,
             states.grads,

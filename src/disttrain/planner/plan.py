@@ -14,7 +14,7 @@ from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
 from disttrain.planner.candidates import candidate_layouts
 from disttrain.planner.comm import LinkBytes, comm_plan, comm_shares
-from disttrain.planner.measured import MeasuredParts
+from disttrain.planner.measured import MeasuredParts, measured_activations
 from disttrain.planner.memory import MemoryBreakdown, memory_per_gpu
 from disttrain.planner.shapes import ModelShape, count_shape, model_shape
 from disttrain.planner.spec import Assumptions, Layout, Workload
@@ -186,7 +186,8 @@ def plan_layout(
     parts: MeasuredParts | None = None,
 ) -> CandidatePlan:
     """Predictions for one layout (its compute from ``parts`` where a run measured them, ``planner.measured``)."""
-    memory = memory_per_gpu(shape, layout, workload, assumptions.flash_attention)
+    measured = measured_activations(parts, shape, workload)
+    memory = memory_per_gpu(shape, layout, workload, assumptions.flash_attention, measured)
     limit = memory_limit(hw, assumptions.headroom)
     traffic = comm_plan(shape, layout, workload, hw)
     estimate = estimate_step(shape, layout, workload, hw, traffic, assumptions, parts)
