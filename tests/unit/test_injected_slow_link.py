@@ -115,7 +115,6 @@ def test_onebit_adams_exchange_crosses_the_link_with_what_a_rank_sends(monkeypat
     # A 2-rank world faked in this process: the collectives copy what the other rank would have sent back.
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "all_to_all_single", blocking_copy)
     monkeypatch.setattr(dist, "all_gather_into_tensor", blocking_copy)
     keep_patched_functions_for_the_test(monkeypatch)
