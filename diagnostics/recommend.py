@@ -226,8 +226,16 @@ POWERSGD_WARMUP_STEPS = 50
 POWERSGD_MIN_WIDTH = 64
 
 
+def _onebit_adam(ctx: RunContext) -> bool:
+    """Whether the run is 1-bit Adam's: after its warm-up the momentum crosses the wire inside the optimizer step,
+    compressed already, and DDP's buckets carry nothing (hooks, bucket sizes and other strategies do not apply)."""
+    return ctx.get("optimizer.name") == "onebit_adam"
+
+
 def _ddp_comm_hooks(ctx: RunContext, finding: Finding) -> list[Recommendation]:
     """DDP comm hooks that send fewer bytes than the run did (strategy.comm_hook), smallest change first."""
+    if _onebit_adam(ctx):
+        return []
     hook = ctx.get("strategy.comm_hook") or "none"
     recs: list[Recommendation] = []
     if hook == "none" and ctx.get("precision.name") != "bf16-true":  # bf16-true gradients are 2 bytes already
@@ -331,7 +339,13 @@ def for_comm_bound(finding: Finding, ctx: RunContext) -> list[Recommendation]:
         recs += [r.gaining(per_token) for r in _bigger_global(ctx, why, effect)]
     precision = ctx.get("precision.name")
     busy = bool(ctx.host_cores_busy())
-    if ctx.strategy == "ddp":
+    if ctx.strategy == "ddp" and _onebit_adam(ctx):
+        why = (
+            "1-bit Adam already sends ~1/30 of the gradient bytes, from the optimizer step where no compute hides "
+            "them; what is left is the exchange's own time"
+        )
+        recs.append(_no_lever(why, "a bigger global batch (above) spreads the exchange over more tokens"))
+    elif ctx.strategy == "ddp":
         recs += _ddp_comm_hooks(ctx, finding)
         bucket = ctx.get("strategy.bucket_cap_mb") or 25
         why = f"fewer, larger all-reduces than {bucket} MB buckets pay the collective latency fewer times"
@@ -445,6 +459,9 @@ def for_low_overlap(finding: Finding, ctx: RunContext) -> list[Recommendation]:
 
 
 def _overlap_levers(ctx: RunContext) -> list[Recommendation]:
+    if ctx.strategy == "ddp" and _onebit_adam(ctx):
+        why = "1-bit Adam's exchange runs inside the optimizer step, after backward: no bucket size moves it"
+        return [_no_lever(why, "a bigger global batch spreads it over more tokens")]
     if ctx.strategy == "ddp":
         bucket = ctx.get("strategy.bucket_cap_mb") or 25
         smaller = max(1, bucket // 4)

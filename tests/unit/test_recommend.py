@@ -274,6 +274,19 @@ def test_comm_bound_ddp_with_adamw_is_offered_one_bit_adam(overrides: list[str],
     assert "optimizer=onebit_adam" not in [r.override for r in gated(recommend(_comm_bound(), one), one, _comm_bound())]
 
 
+def test_a_one_bit_adam_run_is_offered_only_what_it_can_take() -> None:
+    # Hooks and other strategies are refused beside optimizer=onebit_adam, and DDP's buckets carry only its
+    # warm-up: what remains is the bigger global batch, and the reason nothing else is offered.
+    overrides = ["optimizer=onebit_adam"]
+    ctx = _ddp_ctx(overrides)
+    recs = recommend(_comm_bound(), ctx)
+    made = [r.override for r in recs if r.override]
+    assert made and all(o.startswith("trainer.global_batch_size=") for o in made), made
+    assert any(r.why.startswith("No config lever: 1-bit Adam already sends") for r in recs)
+    for override in made:
+        validate([*overrides, *override.split()])
+
+
 def test_powersgd_why_gives_the_compression_of_the_model_matrices() -> None:
     ctx = _ddp_ctx(["model.d_model=256", "model.n_heads=4"])
     (powersgd,) = [r for r in recommend(_comm_bound(), ctx) if r.value == "powersgd"]
