@@ -152,3 +152,31 @@ def test_error_feedback_from_another_world_size_is_dropped() -> None:
     # The first compressed step places the saved errors: a zero momentum then sends what the last step lacked.
     assert same.average(torch.zeros(BLOCK)).abs().sum() > 0
     assert OneBitComm(freeze_steps=1).average(torch.zeros(BLOCK)).abs().sum() == 0
+
+
+def test_values_that_had_no_gradient_before_the_freeze_do_not_move_after_it() -> None:
+    # An embedding whose last rows (tokens 6..9) never occur in the warm-up: their variance freezes at 0, and the
+    # compressed momentum (a block's scale on every value) would move them by lr x scale / eps per step.
+    torch.manual_seed(0)
+    embedding, head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10)
+    params = [*embedding.parameters(), *head.parameters()]
+    comm = OneBitComm(freeze_steps=5)
+    opt = OneBitAdam(params, comm, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)  # no weight decay: unseen rows stay put
+    gen = torch.Generator().manual_seed(3)
+
+    def step(high: int) -> None:
+        tokens = torch.randint(0, high, (16,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(head(embedding(tokens)), tokens)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for _ in range(5):
+        step(6)  # tokens 0..5 only
+    unseen = embedding.weight[6:].detach().clone()
+    assert torch.all(opt.state[embedding.weight]["exp_avg_sq"][6:] == 0)
+    for _ in range(20):
+        step(6)
+    assert torch.equal(embedding.weight[6:], unseen)
+    assert torch.all(opt.state[embedding.weight]["exp_avg"][6:] == 0)
+    assert embedding.weight[:6].abs().max() < 100  # the seen rows train, within reason

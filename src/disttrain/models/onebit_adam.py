@@ -76,6 +76,12 @@ class OneBitAdam(torch.optim.Optimizer):
             momenta += exp_avgs
         if compressing:
             self._average_momentum(momenta)
+            # A value whose gradient was zero through the whole warm-up (an embedding row of a token not yet seen)
+            # has a frozen variance of 0, and compression hands it +-(its block's scale) of momentum every step:
+            # divided by sqrt(0) + eps, that is an update of lr x scale / eps. Its momentum stays zero instead, as
+            # DeepSpeed's exp_avg_mask had users do by hand.
+            states = [self.state[p] for _, params in groups for p in params]
+            torch._foreach_mul_(momenta, [(s["exp_avg_sq"] > 0).to(s["exp_avg"].dtype) for s in states])
         for group, params in groups:
             if not params:
                 continue
