@@ -31,6 +31,25 @@ def test_gpt2_parts_are_timed_in_bf16_and_leave_no_peak_behind() -> None:
     assert result["edges_peak_bytes"] > 2 * tokens * 50257, result
 
 
+def test_a_cuda_graph_runs_block_is_timed_compiled_on_the_gpus_clock() -> None:
+    """model.compile_mode=reduce-overhead: the block compiled without graphs, its passes read from CUDA events with
+    the host running ahead (the kernels' time, as a replay runs them): less than the eager block's wall time."""
+    import dataclasses
+
+    device = torch.device("cuda", 0)
+    gpt2 = model_preset("gpt2-124m")
+    eager = time_model_parts(device, model_parts(gpt2, OptimizerConfig(), "bf16-mixed", device), micro_batch=8)
+    graphs = dataclasses.replace(gpt2, compile=True, compile_mode="reduce-overhead")
+    parts = model_parts(graphs, OptimizerConfig(), "bf16-mixed", device)
+    assert parts["gpu_clock"] and parts["compiled"] == "reduce-overhead"
+    result = time_model_parts(device, parts, micro_batch=8)
+    assert result["clock"] == "gpu" and eager["clock"] == "wall"
+    assert 0 < result["block_forward_s"] < result["block_backward_s"], result
+    block = result["block_forward_s"] + result["block_backward_s"]
+    assert block < eager["block_forward_s"] + eager["block_backward_s"], (result, eager)
+    assert 4 * 8 * 1024 * 768 < result["block_activation_bytes"] < 40 * 8 * 1024 * 768, result
+
+
 def test_an_hf_llamas_layers_are_timed_inside_its_passes_on_the_gpu() -> None:
     """The HF probe's hooks synchronize the device: a layer's time is its kernels', not their launch."""
     from disttrain.config.hf import hf_shape

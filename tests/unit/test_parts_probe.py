@@ -12,8 +12,8 @@ import torch
 from diagnostics.calibration import calibration_from_telemetry
 from diagnostics.collect.parts import time_model_parts
 from diagnostics.telemetry import RECORD_FIELDS, TelemetryWriter
-from disttrain.config.schema import OptimizerConfig
-from disttrain.models.probe_parts import model_parts
+from disttrain.config.schema import CUDAGRAPH_MODES, OptimizerConfig
+from disttrain.models.probe_parts import WITHOUT_GRAPHS, model_parts, probe_compiles
 from disttrain.planner.measured import MeasuredParts
 from disttrain.planner.shapes import model_shape
 from tests.conftest import model_preset
@@ -92,6 +92,12 @@ def test_a_run_that_compiles_its_blocks_has_them_timed_compiled_and_its_loss_as_
     for cfg in (TINY, graphs):
         parts = model_parts(cfg, OptimizerConfig(), "fp32", cpu)
         assert not isinstance(parts["block"], OptimizedModule) and parts["compiled"] is None
+        assert not parts["gpu_clock"]
+    # On a GPU a CUDA-graph run's block is compiled without graphs (the same kernels) and timed on the GPU's clock.
+    assert probe_compiles(graphs, torch.device("cuda")) and not probe_compiles(graphs, cpu)
+    assert probe_compiles(dataclasses.replace(graphs, compile_mode="max-autotune"), torch.device("cuda"))
+    assert not probe_compiles(dataclasses.replace(graphs, compile=False), torch.device("cuda"))
+    assert all(WITHOUT_GRAPHS[mode] not in CUDAGRAPH_MODES for mode in CUDAGRAPH_MODES)  # every graph mode, none left
     assert model_parts(TINY, OptimizerConfig(), "fp32", cpu)["loss"] is next_token_loss
 
     calls: list[str] = []

@@ -51,8 +51,12 @@ def model_parts(
     rope = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device) if cfg.pos_emb == "rope" else None
 
     factory: Callable[[], torch.optim.Optimizer] = functools.partial(block_optimizer, block, optimizer)
-    compiled = probe_compiles(cfg)
-    timed: nn.Module = torch.compile(block, mode=cfg.compile_mode) if compiled else block
+    compiled = probe_compiles(cfg, device)
+    # CUDA graphs replay inductor's kernels: the probe compiles them without graphs (a probe's graphs would hold a
+    # private memory pool through the run) and times them on the GPU's clock, the launches hidden as in a replay.
+    gpu_clock = compiled and cfg.compile_mode in CUDAGRAPH_MODES
+    mode = WITHOUT_GRAPHS.get(cfg.compile_mode or "", cfg.compile_mode)
+    timed: nn.Module = torch.compile(block, mode=mode) if compiled else block
     return {
         "block": timed,
         # What the run's loss is: compiled with its blocks (models/module.py), else eager.
@@ -60,6 +64,7 @@ def model_parts(
         # Compiling takes the first pass; the run's blocks reuse the compiled code (same class, shapes, dtypes).
         "warmup": 2 if compiled else 1,
         "compiled": (cfg.compile_mode or "default") if compiled else None,
+        "gpu_clock": gpu_clock,
         "edges": edges,
         "rope": rope,
         "autocast": _autocast(device, autocast_dtype),
@@ -72,11 +77,14 @@ def model_parts(
     }
 
 
-def probe_compiles(cfg: ModelConfig) -> bool:
-    """Whether the probe times its block compiled as the run's are: when the run compiles its blocks, except into
-    CUDA graphs (a probe's graphs would hold a private memory pool through the run; the probe then times the block
-    eager and the prediction says so)."""
-    return bool(cfg.compile) and cfg.compile_mode not in CUDAGRAPH_MODES
+# The torch.compile mode that builds a CUDA-graph mode's kernels without recording graphs.
+WITHOUT_GRAPHS = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def probe_compiles(cfg: ModelConfig, device: torch.device) -> bool:
+    """Whether the probe times its block compiled as the run's are: when the run compiles its blocks (into CUDA
+    graphs only on a GPU: on a CPU, where graphs are refused before launch, the block stays eager)."""
+    return bool(cfg.compile) and (cfg.compile_mode not in CUDAGRAPH_MODES or device.type == "cuda")
 
 
 # The HF probe's copy of the model: two layers, so each layer is timed between two others' work, as in the run.
