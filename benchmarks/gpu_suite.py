@@ -300,6 +300,9 @@ def run_figures(run_dir: Path, trace: bool) -> dict[str, Any]:
             for f in report.get("findings", [])
         ],
     }
+    calibration = run_dir / "calibration.json"
+    if calibration.is_file():  # the parts the planner composed its step and memory from
+        figures["parts"] = json.loads(calibration.read_text()).get("parts")
     if figures["predicted_step_ms"] and figures["step_p50_ms"]:
         figures["planner_step_error"] = figures["predicted_step_ms"] / figures["step_p50_ms"] - 1
     if figures["predicted_memory_gib"] and figures["peak_allocated_gib"]:

@@ -128,7 +128,9 @@ def _block_and_edges(
                 backward_s.append(time.perf_counter() - middle)
             del out
         if gpu_clock:
-            forward_s, backward_s = _gpu_clock_passes(forward, max(repeats, GPU_CLOCK_REPEATS))
+            # The last warm-up pass's wall time (synchronised) bounds what the host takes to queue one.
+            queue_s = time.perf_counter() - start
+            forward_s, backward_s = _gpu_clock_passes(forward, max(repeats, GPU_CLOCK_REPEATS), queue_s)
         return statistics.median(forward_s), statistics.median(backward_s), kept, peak
 
     block_f, block_b, block_kept, _ = forward_backward(block_forward)
@@ -139,11 +141,18 @@ def _block_and_edges(
 
 # Passes timed back to back on the GPU's clock: a few more than the wall clock's, since they cost no synchronisation.
 GPU_CLOCK_REPEATS = 5
+# GPU clock cycles per second of hold: at least a second's worth at any clock a current GPU runs (H100/H200 boost
+# ~1.98 GHz); a lower clock only holds longer.
+HOLD_CYCLES_PER_S = 2.5e9
 
 
-def _gpu_clock_passes(forward: Callable[[], torch.Tensor], repeats: int) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of ``repeats`` passes queued without synchronising, read from CUDA events: the
-    kernels' time as a graph replay runs them, the launches hidden behind the work already queued."""
+def _gpu_clock_passes(
+    forward: Callable[[], torch.Tensor], repeats: int, queue_s: float
+) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of ``repeats`` passes, read from CUDA events: the GPU is held while the host
+    queues them all (``queue_s`` bounds one pass's queueing), so the events time the kernels alone, as a graph
+    replay runs them (at micro 16, gpt2-124m's compiled block queued its passes slower than the GPU ran them)."""
+    torch.cuda._sleep(int(HOLD_CYCLES_PER_S * 1.5 * queue_s * repeats))
     marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(repeats)]
     for start, middle, end in marks:
         start.record()

@@ -24,10 +24,11 @@ def test_gpt2_parts_are_timed_in_bf16_and_leave_no_peak_behind() -> None:
     assert 0 < result["optimizer_step_s"] < 0.1 and result["block_numel"] == 7_087_872
     assert torch.cuda.max_memory_allocated(device) < 2 * 2**30  # the probe's 4 x 1024 x 50257 logits are gone
     # The allocator's bytes the planner composes activations from: a block keeps its saved tensors (Korthikanti et
-    # al.'s 34 x s x b x h bytes in 16 bits, less with flash attention, as here) and the edges peak above the
-    # logits' bf16 bytes (the loss works in fp32).
+    # al.'s 34 x s x b x h bytes all in 16 bits, less with flash attention; autocast keeps the norms' inputs and the
+    # residual stream in fp32: 45.7 x s x b x h eager on an H200, 2026-11-30) and the edges peak above the logits'
+    # bf16 bytes (the loss works in fp32).
     tokens, width = 4 * 1024, 768
-    assert 4 * tokens * width < result["block_activation_bytes"] < 40 * tokens * width, result
+    assert 4 * tokens * width < result["block_activation_bytes"] < 64 * tokens * width, result
     assert result["edges_peak_bytes"] > 2 * tokens * 50257, result
 
 
@@ -47,7 +48,7 @@ def test_a_cuda_graph_runs_block_is_timed_compiled_on_the_gpus_clock() -> None:
     assert 0 < result["block_forward_s"] < result["block_backward_s"], result
     block = result["block_forward_s"] + result["block_backward_s"]
     assert block < eager["block_forward_s"] + eager["block_backward_s"], (result, eager)
-    assert 4 * 8 * 1024 * 768 < result["block_activation_bytes"] < 40 * 8 * 1024 * 768, result
+    assert 4 * 8 * 1024 * 768 < result["block_activation_bytes"] < 64 * 8 * 1024 * 768, result
 
 
 def test_an_hf_llamas_layers_are_timed_inside_its_passes_on_the_gpu() -> None:

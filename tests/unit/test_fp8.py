@@ -84,3 +84,21 @@ def test_planning_and_auto_pick_only_layouts_fp8_composes_with() -> None:
     chosen, _ = resolve_auto(cfg, parallel_layout(cfg))
     assert chosen.strategy.name in ("ddp", "fsdp")
     validate_run(chosen)
+
+
+def test_an_fp8_runs_parts_probe_times_its_block_in_fp8() -> None:
+    """The start-up probe converts its block's linear layers as the run converts its model's (their time and the fp8
+    inputs they keep for backward are what the planner composes); a bf16 run's probe keeps plain layers."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from disttrain.training.build import parts_probe
+
+    cfg = parse_run_config(compose_train(["model=gpt-nano", "precision=fp8", "precision.recipe=rowwise"]))
+    probe = parts_probe(cfg)
+    assert probe is not None and probe.keywords["fp8_recipe"] == "rowwise"
+    block = probe(torch.device("cpu"))["block"]
+    linears = 4 + (3 if cfg.model.mlp == "swiglu" else 2)  # wq wk wv wo, then the MLP's two (three gated)
+    assert sum(isinstance(m, Float8Linear) for m in block.modules()) == linears
+    assert all(type(m) is not Float8Linear for m in probe(torch.device("cpu"))["edges"].modules())
+    bf16 = parts_probe(parse_run_config(compose_train(["model=gpt-nano", "precision=bf16-mixed"])))
+    assert bf16 is not None and bf16.keywords["fp8_recipe"] is None
