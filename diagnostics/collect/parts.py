@@ -146,24 +146,31 @@ GPU_CLOCK_REPEATS = 5
 HOLD_CYCLES_PER_S = 2.5e9
 
 
+def _held_gpu_seconds(segments: list[Callable[[], object]], repeats: int, queue_s: float) -> list[list[float]]:
+    """Seconds of each of ``segments`` (run in order, ``repeats`` times) read from CUDA events, the GPU held while
+    the host queues them all (``queue_s`` bounds one round's queueing): the kernels' time alone, as a graph replay
+    runs them (at micro 16, gpt2-124m's compiled block queued its passes slower than the GPU ran them)."""
+    torch.cuda._sleep(int(HOLD_CYCLES_PER_S * 1.5 * queue_s * repeats))
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(len(segments) + 1)] for _ in range(repeats)]
+    for events in marks:
+        events[0].record()
+        for segment, event in zip(segments, events[1:], strict=True):
+            segment()
+            event.record()
+    torch.cuda.synchronize()
+    return [[events[i].elapsed_time(events[i + 1]) / 1e3 for events in marks] for i in range(len(segments))]
+
+
 def _gpu_clock_passes(
     forward: Callable[[], torch.Tensor], repeats: int, queue_s: float
 ) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of ``repeats`` passes, read from CUDA events: the GPU is held while the host
-    queues them all (``queue_s`` bounds one pass's queueing), so the events time the kernels alone, as a graph
-    replay runs them (at micro 16, gpt2-124m's compiled block queued its passes slower than the GPU ran them)."""
-    torch.cuda._sleep(int(HOLD_CYCLES_PER_S * 1.5 * queue_s * repeats))
-    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(repeats)]
-    for start, middle, end in marks:
-        start.record()
-        out = forward()
-        middle.record()
-        out.float().sum().backward()
-        end.record()
-        del out
-    torch.cuda.synchronize()
-    forward_s = [start.elapsed_time(middle) / 1e3 for start, middle, _ in marks]
-    backward_s = [middle.elapsed_time(end) / 1e3 for _, middle, end in marks]
+    """Forward and backward seconds of ``repeats`` passes on the GPU's clock (``_held_gpu_seconds``)."""
+    outputs: list[torch.Tensor] = []
+
+    def backward() -> None:
+        outputs.pop().float().sum().backward()
+
+    forward_s, backward_s = _held_gpu_seconds([lambda: outputs.append(forward()), backward], repeats, queue_s)
     return forward_s, backward_s
 
 
@@ -187,6 +194,10 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
     optimizer = parts["optimizer"]()
     optimizer.step()  # the first step allocates the moments
     optimizer_s = _median_seconds(optimizer.step, device, repeats)
+    if parts.get("gpu_clock") and device.type == "cuda":
+        # The run steps all its parameters in one fused call: a block's share is its kernels' time, not the host's
+        # fixed cost of a call (scaled by the blocks, that cost put gpt2-124m's step +16% on an H200).
+        optimizer_s = statistics.median(_held_gpu_seconds([optimizer.step], GPU_CLOCK_REPEATS, optimizer_s)[0])
     del optimizer
     if device.type == "cuda":
         # The probe's activations are not the run's: give the allocator's blocks back, and keep its peak (a pipeline's

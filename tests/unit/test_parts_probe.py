@@ -112,3 +112,50 @@ def test_a_run_that_compiles_its_blocks_has_them_timed_compiled_and_its_loss_as_
     result = time_model_parts(cpu, parts, micro_batch=2, repeats=2)
     assert calls == ["loss"] * 5  # 3 warm-up passes of the edges, then the 2 timed
     assert result["compiled"] == "default"
+
+
+def test_parts_on_the_gpus_clock_are_read_from_events_between_segments_after_a_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The held-GPU timing (CUDA-graph runs): one hold sized from the host's queueing bound, then each segment's
+    seconds between the events around it, per repeat. CUDA's events and sleep stand in as host clocks here."""
+    from diagnostics.collect import parts as probe
+
+    holds: list[int] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            self.at = time.perf_counter()
+
+        def elapsed_time(self, later: Event) -> float:
+            return 1e3 * (later.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", holds.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    order: list[str] = []
+
+    def segment(name: str, seconds: float):
+        def run() -> None:
+            order.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    short, long = probe._held_gpu_seconds([segment("a", 0.002), segment("b", 0.02)], repeats=3, queue_s=0.01)
+    assert order == ["a", "b"] * 3 and len(short) == len(long) == 3
+    assert all(0.002 <= s < 0.015 for s in short) and all(0.02 <= s < 0.05 for s in long)
+    assert holds == [int(probe.HOLD_CYCLES_PER_S * 1.5 * 0.01 * 3)]
+
+    outputs = []  # forward, then backward of what that forward returned
+    x = torch.ones(3, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        outputs.append(x * 2)
+        return outputs[-1]
+
+    forward_s, backward_s = probe._gpu_clock_passes(forward, repeats=2, queue_s=0.001)
+    assert len(forward_s) == len(backward_s) == 2 and x.grad is not None and x.grad.tolist() == [4.0, 4.0, 4.0]
