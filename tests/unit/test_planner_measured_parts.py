@@ -14,6 +14,7 @@ from disttrain.config.schema import ModelConfig
 from disttrain.planner.calibrated import calibrated_profile
 from disttrain.planner.comm import comm_plan
 from disttrain.planner.measured import MeasuredParts, parts_basis, parts_compute, recompute_share
+from disttrain.planner.memory import MemoryBreakdown
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, plan, plan_layout
 from disttrain.planner.shapes import model_shape
 from disttrain.planner.spec import Layout, Workload
@@ -236,6 +237,23 @@ def test_a_gpu_probes_bytes_replace_the_activation_formula() -> None:
     assert activations(Layout("ddp", dp=2), other) == formula
     bf16 = dataclasses.replace(WORK, precision="bf16-mixed")
     assert activations(Layout("ddp", dp=2), MEMORY, bf16) == activations(Layout("ddp", dp=2), None, bf16)
+
+
+def test_measured_bytes_hold_autocasts_weight_copies_so_ddp_does_not_add_them_again() -> None:
+    """Under bf16-mixed the matmuls save autocast's 16-bit weight copies for backward: a probe's kept bytes include
+    them, so a DDP plan from measured bytes drops the formula's copy term; from the formula it keeps it."""
+    bf16 = dataclasses.replace(WORK, precision="bf16-mixed")
+    measured = dataclasses.replace(MEMORY, precision="bf16-mixed")
+
+    def memory(parts: MeasuredParts | None, layout: Layout | None = None) -> MemoryBreakdown:
+        layout = layout or Layout("ddp", dp=2)
+        return plan_layout(SHAPE, layout, bf16, hw_profile("8xh100"), DEFAULT_ASSUMPTIONS, parts).memory
+
+    assert memory(None).buffers == 2 * SHAPE.linear_parameters > 0
+    assert memory(measured).buffers == 0 and memory(measured).activations == 4 * 3e6 + 5e6
+    # Where the probe's bytes do not stand in (recomputed blocks), the copies stay.
+    recomputed = Layout("ddp", dp=2, recompute="full")
+    assert memory(measured, recomputed).buffers == memory(None, recomputed).buffers == 2 * SHAPE.linear_parameters
 
 
 def test_the_memory_figures_travel_through_the_calibration_record() -> None:
