@@ -393,3 +393,34 @@ def test_hot_expert_fault_sends_every_token_of_its_layer_to_expert_0_from_its_st
         model(tokens)
         assert (second.take_counts()[0][0] == 2 * cfg.seq_len) is hot  # every token's top-2 holds expert 0
         assert first.take_counts()[0][0] < 2 * cfg.seq_len  # the other layer routes as trained
+
+
+def test_the_reporter_of_rank_0s_death_starts_without_vfork_and_once_more_after_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dying rank's other threads unwind while it starts the reporter: vfork's shared memory once gave exec a bad
+    address (EFAULT in CI). The reporter starts by fork, and a failed start is tried again before it is reported."""
+    from disttrain.job import launcher_death
+
+    calls: list[list[str]] = []
+
+    def popen(command: list[str], **kwargs: object) -> None:
+        calls.append(command)
+        assert subprocess._USE_VFORK is False  # type: ignore[attr-defined]
+        if len(calls) == 1:
+            raise OSError(14, "Bad address")
+
+    monkeypatch.setattr(subprocess, "_USE_VFORK", True, raising=False)
+    monkeypatch.setattr(launcher_death.subprocess, "Popen", popen)
+    monkeypatch.setattr(launcher_death, "exit_status_of_dead_process", lambda pid: -9)
+    launcher_death.report_launcher_death(tmp_path, 12345)
+    assert len(calls) == 2 and calls[1][-2:] == [str(tmp_path), "-9"]
+    assert "could not record" not in capsys.readouterr().err
+    launcher_death.report_launcher_death(tmp_path, 12345)  # another rank: the claim is taken, nothing started
+    assert len(calls) == 2
+
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setattr(launcher_death.subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(OSError(14, "x")))
+    launcher_death.report_launcher_death(other, 12345)
+    assert "rank 0 died (killed by SIGKILL); could not record it" in capsys.readouterr().err

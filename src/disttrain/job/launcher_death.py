@@ -34,6 +34,7 @@ from disttrain.job.sweeps import write_failure
 from disttrain.launch.local import describe_exit, exit_status_of_dead_process
 
 CLAIM_FILE = ".launcher-death-reported"  # the first rank to create it reports; the others just exit
+REPORTER_START_TRIES = 2
 REPORT_TIME_LIMIT_S = 120  # the reporter must not outlive the job for long, whatever happens to it
 
 
@@ -47,10 +48,19 @@ def report_launcher_death(run_dir: Path, parent_pid: int) -> None:
     except OSError:
         return  # the run dir is gone: nothing to record into
     command = [sys.executable, "-m", "disttrain.job.launcher_death", str(run_dir), "" if code is None else str(code)]
-    try:
-        subprocess.Popen(command, stdin=subprocess.DEVNULL)
-    except OSError as err:  # say so: otherwise the job would end without a word
-        print(f"disttrain: {describe_launcher_death(code)}; could not record it: {err}", file=sys.stderr, flush=True)
+    # This rank's other threads are unwinding a collective that lost rank 0 while this one starts the reporter:
+    # vfork's child shares their memory until its exec, and once read exec's arguments as they changed (EFAULT,
+    # "Bad address", seen in CI). A plain fork copies the memory first; the rank exits right after, so the copy of
+    # its address space costs nothing that matters. A second try for any other transient failure.
+    subprocess._USE_VFORK = False  # type: ignore[attr-defined]
+    for attempt in range(REPORTER_START_TRIES):
+        try:
+            subprocess.Popen(command, stdin=subprocess.DEVNULL)
+            return
+        except OSError as err:
+            if attempt + 1 == REPORTER_START_TRIES:  # say so: otherwise the job would end without a word
+                why = f"{describe_launcher_death(code)}; could not record it: {err}"
+                print(f"disttrain: {why}", file=sys.stderr, flush=True)
 
 
 def describe_launcher_death(code: int | None) -> str:
