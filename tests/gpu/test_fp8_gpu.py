@@ -25,8 +25,9 @@ pytestmark = [
         ["strategy=ddp", "precision.recipe=tensorwise"],
         ["strategy=ddp", "precision.recipe=rowwise"],
         ["strategy=fsdp", "precision.recipe=tensorwise"],  # the weights all-gathered in fp8
+        ["strategy=ddp", "precision.recipe=tensorwise", "precision.fp8_head=true"],  # the tied LM head in fp8 too
     ],
-    ids=["ddp-tensorwise", "ddp-rowwise", "fsdp-tensorwise"],
+    ids=["ddp-tensorwise", "ddp-rowwise", "fsdp-tensorwise", "ddp-tensorwise-head"],
 )
 def test_fp8_runs_learn(overrides: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -102,3 +102,32 @@ def test_an_fp8_runs_parts_probe_times_its_block_in_fp8() -> None:
     assert all(type(m) is not Float8Linear for m in probe(torch.device("cpu"))["edges"].modules())
     bf16 = parts_probe(parse_run_config(compose_train(["model=gpt-nano", "precision=bf16-mixed"])))
     assert bf16 is not None and bf16.keywords["fp8_recipe"] is None
+
+
+def test_precision_fp8_head_converts_the_tied_lm_head_too_and_its_probe_times_it() -> None:
+    from torchao.float8.float8_linear import Float8Linear
+
+    from disttrain.training.build import parts_probe
+
+    cfg = parse_model(dict(compose_train(["model=llama-1b"]).model))
+    model = _build_reference_model(cfg, 0, device="meta", fp8=Fp8Linears("tensorwise", head=True))
+    assert isinstance(model.lm_head, Float8Linear)
+    assert model.lm_head.weight is model.tok_emb.weight  # still tied: one parameter, one gradient
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 7 * cfg.n_layers + 1
+    run = parse_run_config(compose_train(["model=gpt-nano", "precision=fp8", "precision.fp8_head=true"]))
+    probe = parts_probe(run)
+    assert probe is not None and probe.keywords["fp8_head"] is True
+    assert isinstance(probe(torch.device("cpu"))["edges"].lm_head, Float8Linear)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["precision=bf16-mixed", "+precision.fp8_head=true"], "only applies to precision=fp8"),
+        (["precision=fp8", "precision.fp8_head=true", "strategy=fsdp"], "strategy=ddp here, not strategy=fsdp"),
+        (["precision=fp8", "precision.fp8_head=true", "model=gpt2-124m"], "the head has 50257 rows"),
+    ],
+)
+def test_an_fp8_head_is_refused_before_launch_where_it_cannot_run(overrides: list[str], words: str) -> None:
+    err = refusal(["hw=8xh100", *overrides])
+    assert err.key == "precision.fp8_head" and words in str(err), str(err)

@@ -357,6 +357,9 @@ class PrecisionConfig:
     # fp8 only: torchao's float8 scaling of the linear layers' inputs, weights and gradients: tensorwise (one scale
     # per tensor; with FSDP2 the weights are all-gathered in fp8) or rowwise (one scale per row: more accurate).
     recipe: str | None = None
+    # fp8 only: the LM head's matmul in fp8 too. Left in bf16 by default (as torchtitan leaves it: the logits feed a
+    # softmax over the whole vocabulary); it is a fifth of llama-1b's matmul FLOPs. Compare the loss with bf16's.
+    fp8_head: bool = False
 
     @property
     def lightning(self) -> str:
@@ -500,6 +503,8 @@ class RunConfig:
 
 
 COMPILED_STRATEGIES = ("ddp", "fsdp")
+# torchao's fp8 matmuls (torch._scaled_mm) take dimensions in multiples of 16.
+FP8_DIM_MULTIPLE = 16
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that record CUDA graphs
 

@@ -15,6 +15,7 @@ from disttrain.config.hf import check_hf_weights, hf_shape, max_positions
 from disttrain.config.schema import (
     COMPILE_MODES,
     CUDAGRAPH_MODES,
+    FP8_DIM_MULTIPLE,
     MAX_TABLE_ENTRIES,
     MLPS,
     NORMS,
@@ -232,6 +233,8 @@ def validate_fp8(cfg: RunConfig) -> None:
     if not p.fp8:
         if p.recipe is not None:
             raise ConfigError("precision.recipe", f"only applies to precision=fp8 (got {p.name})", "drop it")
+        if p.fp8_head:
+            raise ConfigError("precision.fp8_head", f"only applies to precision=fp8 (got {p.name})", "drop it")
         return
     require_one_of("precision.recipe", p.recipe, FP8_RECIPES)
     if cfg.hw.accelerator != "gpu" or cfg.hw.peak_flops("fp8") is None:
@@ -246,6 +249,26 @@ def validate_fp8(cfg: RunConfig) -> None:
             "precision",
             f"fp8 is composed with strategy=ddp and strategy=fsdp here, not strategy={cfg.strategy.name}",
             "use strategy=fsdp (fp8 all-gathers with precision.recipe=tensorwise) or strategy=ddp",
+        )
+    if p.fp8_head:
+        validate_fp8_head(cfg)
+
+
+def validate_fp8_head(cfg: RunConfig) -> None:
+    """An fp8 head is a plain linear layer of the reference model or an HF model (checked when it is built) under
+    DDP: FSDP's fp8 all-gather would hand a tied embedding its weight as an fp8 tensor subclass."""
+    if cfg.strategy.name != "ddp":
+        raise ConfigError(
+            "precision.fp8_head",
+            f"an fp8 LM head is composed with strategy=ddp here, not strategy={cfg.strategy.name}",
+            "use strategy=ddp, or precision.fp8_head=false",
+        )
+    m = cfg.model
+    if isinstance(m, ModelConfig) and m.vocab_size % FP8_DIM_MULTIPLE:
+        raise ConfigError(
+            "precision.fp8_head",
+            f"fp8 matmuls need dimensions in multiples of {FP8_DIM_MULTIPLE}; the head has {m.vocab_size} rows",
+            "use precision.fp8_head=false (the head stays bf16)",
         )
 
 

@@ -30,7 +30,11 @@ def describe_launch(cfg: RunConfig, parallel: ParallelLayout, num_parameters: in
         f" = world size {layout.world_size}",
         f"strategy     {cfg.strategy.name} ({_options(cfg.strategy)}), data-parallel size {layout.data_parallel_size}",
         f"precision    {cfg.precision.name}"
-        + (f" ({cfg.precision.recipe} scaling; MFU against the bf16 peak)" if cfg.precision.fp8 else "")
+        + (
+            f" ({cfg.precision.recipe} scaling{', the head too' * cfg.precision.fp8_head}; MFU against the bf16 peak)"
+            if cfg.precision.fp8
+            else ""
+        )
         + f" (compute dtype {cfg.precision.compute_dtype})",
         f"model        {cfg.model.name}: {num_parameters:,} parameters ({human_count(num_parameters)}),"
         f" seq_len {cfg.model.seq_len}, {human_count(flops_per_token)}FLOP/token (6N + 12LHQT)" + _compiled(cfg.model),

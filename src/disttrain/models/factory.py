@@ -17,7 +17,7 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.hf import hf_shape
 from disttrain.config.schema import CustomModelConfig, HFModelConfig, ModelConfig
 from disttrain.models.accounting import count_parameters, flops_per_token
-from disttrain.models.fp8 import apply_fp8
+from disttrain.models.fp8 import HEAD_NAMES, apply_fp8, is_float8, is_head
 from disttrain.models.hf import build_hf_model
 from disttrain.models.transformer import build_model
 
@@ -44,6 +44,7 @@ class Fp8Linears:
 
     recipe: str
     fsdp_all_gather: bool = False
+    head: bool = False  # precision.fp8_head: the LM head in fp8 too
 
 
 def build_model_factory(
@@ -64,11 +65,17 @@ def build_model_factory(
 def maybe_apply_fp8(module: nn.Module, fp8: Fp8Linears | None) -> None:
     if fp8 is None:
         return
-    if apply_fp8(module, fp8.recipe, fp8.fsdp_all_gather) == 0:
+    if apply_fp8(module, fp8.recipe, fp8.fsdp_all_gather, head=fp8.head) == 0:
         raise ConfigError(
             "precision",
             "fp8 found no linear layer to convert (plain nn.Linear, dimensions multiples of 16, not the LM head)",
             "use precision=bf16-mixed for this model",
+        )
+    if fp8.head and not any(is_head(name) and is_float8(m) for name, m in module.named_modules()):
+        raise ConfigError(
+            "precision.fp8_head",
+            f"no output head ({', '.join(HEAD_NAMES)}: a plain nn.Linear, dimensions in multiples of 16) to convert",
+            "use precision.fp8_head=false",
         )
 
 

@@ -15,8 +15,8 @@ import logging
 
 from torch import nn
 
-# torchao's fp8 matmuls (torch._scaled_mm) take dimensions in multiples of 16.
-FP8_DIM_MULTIPLE = 16
+from disttrain.config.schema import FP8_DIM_MULTIPLE
+
 # Output heads by the names the reference model and Hugging Face models give them.
 HEAD_NAMES = ("lm_head", "output", "embed_out")
 
@@ -48,20 +48,29 @@ def quiet_torchao_import():
             logger.setLevel(level)
 
 
-def fp8_eligible(module: nn.Module, name: str) -> bool:
-    """A plain linear layer, not an output head, with both dimensions multiples of 16."""
+def fp8_eligible(module: nn.Module, name: str, head: bool = False) -> bool:
+    """A plain linear layer, not an output head (unless ``head``), with both dimensions multiples of 16."""
     if type(module) is not nn.Linear:
         return False
-    if name.rsplit(".", 1)[-1] in HEAD_NAMES:
+    if not head and is_head(name):
         return False
     return module.in_features % FP8_DIM_MULTIPLE == 0 and module.out_features % FP8_DIM_MULTIPLE == 0
 
 
-def apply_fp8(model: nn.Module, recipe: str, fsdp_all_gather: bool) -> int:
+def is_head(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in HEAD_NAMES
+
+
+def is_float8(module: nn.Module) -> bool:
+    """torchao's ``Float8Linear``, told by name: torchao is imported only where fp8 is applied."""
+    return type(module).__name__ == "Float8Linear"
+
+
+def apply_fp8(model: nn.Module, recipe: str, fsdp_all_gather: bool, head: bool = False) -> int:
     """Swap the eligible ``nn.Linear`` layers of ``model`` for torchao's ``Float8Linear`` in place; returns how many.
 
     ``fsdp_all_gather``: FSDP2 all-gathers the weights in fp8 (tensorwise recipe only: a rowwise scale is per row of
-    the full weight, which a shard cannot compute alone).
+    the full weight, which a shard cannot compute alone). ``head``: the output head too (``precision.fp8_head``).
     """
     with quiet_torchao_import():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -70,6 +79,6 @@ def apply_fp8(model: nn.Module, recipe: str, fsdp_all_gather: bool) -> int:
     if fsdp_all_gather and recipe == "tensorwise":
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     before = sum(1 for m in model.modules() if type(m) is nn.Linear)
-    convert_to_float8_training(model, module_filter_fn=fp8_eligible, config=config)
+    convert_to_float8_training(model, module_filter_fn=lambda m, name: fp8_eligible(m, name, head), config=config)
     after = sum(1 for m in model.modules() if type(m) is nn.Linear)
     return before - after

@@ -44,11 +44,12 @@ def model_parts(
     precision: str,
     device: torch.device,
     fp8_recipe: str | None = None,
+    fp8_head: bool = False,
 ) -> dict[str, object]:
     """``block``, ``edges`` (modules), ``rope`` (cos, sin or None), ``autocast`` (a context factory), ``optimizer``
     (the run's AdamW over the block's parameters) and the shape facts the calibration record keeps to say which
     model it measured. ``fp8_recipe``: the block's linear layers train in fp8 as the run's do (their time and the
-    fp8 inputs they keep for backward; the edges' LM head stays in bf16 there too)."""
+    fp8 inputs they keep for backward), and the edges' LM head with ``fp8_head``."""
     param_dtype, autocast_dtype = PRECISIONS.get(precision, (torch.float32, None))
     torch.manual_seed(0)
     block = Block(cfg, 0).to(device=device, dtype=param_dtype)
@@ -56,6 +57,8 @@ def model_parts(
         apply_fp8(block, fp8_recipe, fsdp_all_gather=False)
     edges = Transformer(dataclasses.replace(cfg, n_layers=1)).to(device=device, dtype=param_dtype)
     edges.blocks = nn.ModuleList()  # embedding, final norm, head: the model's parts outside its blocks
+    if fp8_recipe is not None and fp8_head:
+        apply_fp8(edges, fp8_recipe, fsdp_all_gather=False, head=True)
     rope = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device) if cfg.pos_emb == "rope" else None
 
     factory: Callable[[], torch.optim.Optimizer] = functools.partial(block_optimizer, block, optimizer)
@@ -105,6 +108,7 @@ def hf_model_parts(
     precision: str,
     device: torch.device,
     fp8_recipe: str | None = None,
+    fp8_head: bool = False,
 ) -> dict[str, object]:
     """``model`` (the run's HF model at ``PROBE_LAYERS`` decoder layers, tokens -> logits), ``layers`` (its decoder
     layers, each timed inside the model's passes), ``autocast``, ``optimizer`` (the run's AdamW over one layer) and
@@ -113,7 +117,7 @@ def hf_model_parts(
     shape = hf_shape(cfg)
     model = hf_probe_model(cfg, param_dtype, device)
     if fp8_recipe is not None:
-        apply_fp8(model, fp8_recipe, fsdp_all_gather=False)
+        apply_fp8(model, fp8_recipe, fsdp_all_gather=False, head=fp8_head)
     block = model.blocks[0]
     factory: Callable[[], torch.optim.Optimizer] = functools.partial(block_optimizer, block, optimizer)
     return {

@@ -118,7 +118,7 @@ class StrategySpec:
         fp8 = None
         if cfg.precision.fp8:
             assert cfg.precision.recipe is not None  # validated
-            fp8 = Fp8Linears(cfg.precision.recipe, fsdp_all_gather=self.name == "fsdp")
+            fp8 = Fp8Linears(cfg.precision.recipe, fsdp_all_gather=self.name == "fsdp", head=cfg.precision.fp8_head)
         optimizer = cfg.optimizer
         if optimizer.fused is None and not self.fused_optimizer_ok:
             optimizer = replace(optimizer, fused=False)

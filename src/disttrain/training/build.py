@@ -122,11 +122,12 @@ def tp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
 def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     """The parts probe's layers (one block, the edges, the run's optimizer over a block) for a run of the reference
     transformer or an HF model, in its precision; None for a user's own model (its layers are unknown)."""
-    fp8 = cfg.precision.recipe if cfg.precision.name == "fp8" else None
+    p = cfg.precision
+    recipe, head = (p.recipe, p.fp8_head) if p.fp8 else (None, False)
     if type(cfg.model) is ModelConfig:
-        return functools.partial(model_parts, cfg.model, cfg.optimizer, cfg.precision.name, fp8_recipe=fp8)
+        return functools.partial(model_parts, cfg.model, cfg.optimizer, p.name, fp8_recipe=recipe, fp8_head=head)
     if isinstance(cfg.model, HFModelConfig):
-        return functools.partial(hf_model_parts, cfg.model, cfg.optimizer, cfg.precision.name, fp8_recipe=fp8)
+        return functools.partial(hf_model_parts, cfg.model, cfg.optimizer, p.name, fp8_recipe=recipe, fp8_head=head)
     return None
 
 
