@@ -95,13 +95,13 @@ def test_an_fp8_runs_parts_probe_times_its_block_in_fp8() -> None:
 
     cfg = parse_run_config(compose_train(["model=gpt-nano", "precision=fp8", "precision.recipe=rowwise"]))
     probe = parts_probe(cfg)
-    assert probe is not None and probe.keywords["fp8_recipe"] == "rowwise"
+    assert probe is not None and probe.keywords["fp8"] == Fp8Linears("rowwise")
     block = probe(torch.device("cpu"))["block"]
     linears = 4 + (3 if cfg.model.mlp == "swiglu" else 2)  # wq wk wv wo, then the MLP's two (three gated)
     assert sum(isinstance(m, Float8Linear) for m in block.modules()) == linears
     assert all(type(m) is not Float8Linear for m in probe(torch.device("cpu"))["edges"].modules())
     bf16 = parts_probe(parse_run_config(compose_train(["model=gpt-nano", "precision=bf16-mixed"])))
-    assert bf16 is not None and bf16.keywords["fp8_recipe"] is None
+    assert bf16 is not None and bf16.keywords["fp8"] is None
 
 
 def test_precision_fp8_head_converts_the_tied_lm_head_too_and_its_probe_times_it() -> None:
@@ -116,7 +116,7 @@ def test_precision_fp8_head_converts_the_tied_lm_head_too_and_its_probe_times_it
     assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 7 * cfg.n_layers + 1
     run = parse_run_config(compose_train(["model=gpt-nano", "precision=fp8", "precision.fp8_head=true"]))
     probe = parts_probe(run)
-    assert probe is not None and probe.keywords["fp8_head"] is True
+    assert probe is not None and probe.keywords["fp8"] == Fp8Linears("tensorwise", head=True)
     assert isinstance(probe(torch.device("cpu"))["edges"].lm_head, Float8Linear)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from disttrain.config.hf import hf_shape, load_hf_config
 from disttrain.config.schema import CUDAGRAPH_MODES, HFModelConfig, ModelConfig, OptimizerConfig
+from disttrain.models.factory import Fp8Linears
 from disttrain.models.fp8 import apply_fp8
 from disttrain.models.hf import HFCausalLM
 from disttrain.models.module import compiled_next_token_loss, next_token_loss, param_groups, use_fused_adamw
@@ -43,22 +44,21 @@ def model_parts(
     optimizer: OptimizerConfig,
     precision: str,
     device: torch.device,
-    fp8_recipe: str | None = None,
-    fp8_head: bool = False,
+    fp8: Fp8Linears | None = None,
 ) -> dict[str, object]:
     """``block``, ``edges`` (modules), ``rope`` (cos, sin or None), ``autocast`` (a context factory), ``optimizer``
     (the run's AdamW over the block's parameters) and the shape facts the calibration record keeps to say which
-    model it measured. ``fp8_recipe``: the block's linear layers train in fp8 as the run's do (their time and the
-    fp8 inputs they keep for backward), and the edges' LM head with ``fp8_head``."""
+    model it measured. ``fp8``: the block's linear layers train in fp8 as the run's do (their time and the fp8
+    inputs they keep for backward), and the edges' LM head where the run's does."""
     param_dtype, autocast_dtype = PRECISIONS.get(precision, (torch.float32, None))
     torch.manual_seed(0)
     block = Block(cfg, 0).to(device=device, dtype=param_dtype)
-    if fp8_recipe is not None:
-        apply_fp8(block, fp8_recipe, fsdp_all_gather=False)
+    if fp8 is not None:
+        apply_fp8(block, fp8.recipe, fsdp_all_gather=False)
     edges = Transformer(dataclasses.replace(cfg, n_layers=1)).to(device=device, dtype=param_dtype)
     edges.blocks = nn.ModuleList()  # embedding, final norm, head: the model's parts outside its blocks
-    if fp8_recipe is not None and fp8_head:
-        apply_fp8(edges, fp8_recipe, fsdp_all_gather=False, head=True)
+    if fp8 is not None and fp8.head:
+        apply_fp8(edges, fp8.recipe, fsdp_all_gather=False, head=True)
     rope = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_theta, device=device) if cfg.pos_emb == "rope" else None
 
     factory: Callable[[], torch.optim.Optimizer] = functools.partial(block_optimizer, block, optimizer)
@@ -107,8 +107,7 @@ def hf_model_parts(
     optimizer: OptimizerConfig,
     precision: str,
     device: torch.device,
-    fp8_recipe: str | None = None,
-    fp8_head: bool = False,
+    fp8: Fp8Linears | None = None,
 ) -> dict[str, object]:
     """``model`` (the run's HF model at ``PROBE_LAYERS`` decoder layers, tokens -> logits), ``layers`` (its decoder
     layers, each timed inside the model's passes), ``autocast``, ``optimizer`` (the run's AdamW over one layer) and
@@ -116,8 +115,8 @@ def hf_model_parts(
     param_dtype, autocast_dtype = PRECISIONS.get(precision, (torch.float32, None))
     shape = hf_shape(cfg)
     model = hf_probe_model(cfg, param_dtype, device)
-    if fp8_recipe is not None:
-        apply_fp8(model, fp8_recipe, fsdp_all_gather=False, head=fp8_head)
+    if fp8 is not None:
+        apply_fp8(model, fp8.recipe, fsdp_all_gather=False, head=fp8.head)
     block = model.blocks[0]
     factory: Callable[[], torch.optim.Optimizer] = functools.partial(block_optimizer, block, optimizer)
     return {

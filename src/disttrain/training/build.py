@@ -34,7 +34,7 @@ from disttrain.data.datamodule import TokenDataModule
 from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
-from disttrain.models.factory import ModelFacts, resolve_target
+from disttrain.models.factory import Fp8Linears, ModelFacts, resolve_target
 from disttrain.models.hf_tensor_parallel import hf_tp_probe_parts
 from disttrain.models.module import LanguageModelModule
 from disttrain.models.probe_parts import hf_model_parts, model_parts
@@ -123,11 +123,11 @@ def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     """The parts probe's layers (one block, the edges, the run's optimizer over a block) for a run of the reference
     transformer or an HF model, in its precision; None for a user's own model (its layers are unknown)."""
     p = cfg.precision
-    recipe, head = (p.recipe, p.fp8_head) if p.fp8 else (None, False)
+    fp8 = Fp8Linears(p.recipe or "tensorwise", head=p.fp8_head) if p.fp8 else None
     if type(cfg.model) is ModelConfig:
-        return functools.partial(model_parts, cfg.model, cfg.optimizer, p.name, fp8_recipe=recipe, fp8_head=head)
+        return functools.partial(model_parts, cfg.model, cfg.optimizer, p.name, fp8=fp8)
     if isinstance(cfg.model, HFModelConfig):
-        return functools.partial(hf_model_parts, cfg.model, cfg.optimizer, p.name, fp8_recipe=recipe, fp8_head=head)
+        return functools.partial(hf_model_parts, cfg.model, cfg.optimizer, p.name, fp8=fp8)
     return None
 
 
