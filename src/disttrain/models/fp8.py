@@ -3,8 +3,8 @@
 The swap must come before FSDP2 (with the tensorwise recipe torchao's weight subclass all-gathers in fp8) and
 before ``torch.compile`` (the casts and scales fuse into the compiled blocks; eager fp8 spends what it saves on
 separate cast kernels). Layers left in bf16, as torchtitan leaves them: the LM head (the logits feed a softmax
-over the whole vocabulary, the layer most sensitive to fp8's 3 mantissa bits) and any layer whose dimensions are
-not multiples of 16 (fp8 matmul kernels need them).
+over the whole vocabulary, the layer most sensitive to fp8's 3 mantissa bits; ``precision.fp8_head=true`` converts
+it too) and any layer whose dimensions are not multiples of 16 (fp8 matmul kernels need them).
 """
 
 from __future__ import annotations
