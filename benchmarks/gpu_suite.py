@@ -276,6 +276,23 @@ def trace_summary(trace_file: Path) -> dict[str, Any]:
     }
 
 
+SLOW_STEP_PHASES = ("forward_s", "backward_s", "optimizer_s", "other_s", "data_wait_s")
+
+
+def slowest_steps(telemetry: Path, count: int = 5) -> list[dict[str, Any]]:
+    """Rank 0's slowest steps with their phases in ms: where a short run's one-off costs sit (the 2026-11-30 window:
+    a first logging step of 396 ms, 349 of it in the optimizer phase, on a GPU only)."""
+    if not telemetry.is_file():
+        return []
+    steps = [r for line in telemetry.read_text().splitlines() if (r := json.loads(line)).get("kind") == "step"]
+    slow = sorted(steps, key=lambda r: -r["step_s"])[:count]
+    return [
+        {"step": r["step"], "ms": round(1e3 * r["step_s"], 1)}
+        | {k.removesuffix("_s"): round(1e3 * r[k], 1) for k in SLOW_STEP_PHASES if r.get(k) is not None}
+        for r in slow
+    ]
+
+
 def run_figures(run_dir: Path, trace: bool) -> dict[str, Any]:
     """Throughput, MFU, planner error and findings of a finished run, from its run.json and report.json."""
     manifest = json.loads((run_dir / "run.json").read_text())
@@ -307,6 +324,7 @@ def run_figures(run_dir: Path, trace: bool) -> dict[str, Any]:
     calibration = run_dir / "calibration.json"
     if calibration.is_file():  # the parts the planner composed its step and memory from
         figures["parts"] = json.loads(calibration.read_text()).get("parts")
+    figures["slowest_steps"] = slowest_steps(run_dir / "telemetry" / "rank0000.jsonl")
     if figures["predicted_step_ms"] and figures["step_p50_ms"]:
         figures["planner_step_error"] = figures["predicted_step_ms"] / figures["step_p50_ms"] - 1
     if figures["predicted_memory_gib"] and figures["peak_allocated_gib"]:
