@@ -362,10 +362,10 @@ def train_runs(suite: Suite) -> None:
             suite.results[run.name] = entry
         suite.save()
         print(json.dumps({run.name: entry}, default=str)[:1500], flush=True)
-    fp8_loss_check(suite)
+    paired_runs(suite)
 
 
-def fp8_loss_check(suite: Suite) -> None:
+def paired_runs(suite: Suite) -> None:
     """Pairs on the same steps (fp8 against bf16, graphs against none): tokens/s ratio of the second to the first,
     and the final loss difference."""
     for bf16_name, fp8_name in (

@@ -120,7 +120,7 @@ def test_after_its_freeze_the_variance_stays_and_training_goes_on() -> None:
     for _ in range(60):
         x = torch.randn(32, 12, generator=data)
         loss = (model(x) - x[:, :3]).pow(2).mean()
-        losses.append(float(loss))
+        losses.append(loss.item())
         opt.zero_grad()
         loss.backward()
         opt.step()
