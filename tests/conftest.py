@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
-from tests.scheduling import auto_workers, heaviest_files_first, held, mark_exclusive_users_of_timed_runs
+from tests.scheduling import Exclusivity, WorkerLock, auto_workers, order_files, record_timeline
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -128,18 +129,30 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return auto_workers()
 
 
+EXCLUSIVITY = Exclusivity()
+WORKER_LOCK = WorkerLock()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Under xdist an ``exclusive`` test runs alone, every other one beside at most one more (tests/scheduling.py)."""
-    with held(exclusive=item.get_closest_marker("exclusive") is not None):
+    """Under xdist an exclusive test runs alone, every other one beside at most one more (tests/scheduling.py)."""
+    exclusive = EXCLUSIVITY.needs(item)
+    asked = time.monotonic()
+    WORKER_LOCK.take(exclusive)
+    started = time.monotonic()
+    try:
         yield
+    finally:
+        EXCLUSIVITY.ran(item)
+        if not (exclusive and nextitem is not None and EXCLUSIVITY.needs(nextitem)):
+            WORKER_LOCK.release()
+        record_timeline(item.nodeid, exclusive, asked, started, time.monotonic())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The heaviest files first and the straggler run's users exclusive (tests/scheduling.py); tests marked ``gpu``
-    run only where CUDA is present (a lent GPU machine), and are skipped here."""
-    heaviest_files_first(items)
-    mark_exclusive_users_of_timed_runs(items)
+    """Files holding exclusive tests first, then the heaviest (tests/scheduling.py); tests marked ``gpu`` run only
+    where CUDA is present (a lent GPU machine), and are skipped here."""
+    order_files(items)
     import torch
 
     if torch.cuda.is_available():

@@ -134,8 +134,8 @@ def text_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]
     return tmp / "run", args
 
 
-# text_run's users run alone: the first one launches it, and its logged windows are compared with its rate.
-@pytest.mark.exclusive
+# text_run is a timed run (tests/scheduling.py: TIMED_RUNS): its logged windows are compared with its rate, so the
+# first of its users launches it alone.
 def test_second_run_in_the_same_dir_is_refused_and_leaves_the_first_intact(text_run: tuple[Path, list[str]]) -> None:
     run_dir, args = text_run
     before = (run_dir / "run.json").read_text()
@@ -145,7 +145,6 @@ def test_second_run_in_the_same_dir_is_refused_and_leaves_the_first_intact(text_
     assert (run_dir / "run.json").read_text() == before
 
 
-@pytest.mark.exclusive
 def test_text_file_with_tensorboard_logger(text_run: tuple[Path, list[str]]) -> None:
     run_dir, _ = text_run
     result = read_manifest(run_dir)["result"]
@@ -154,7 +153,6 @@ def test_text_file_with_tensorboard_logger(text_run: tuple[Path, list[str]]) -> 
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.exclusive
 def test_tensorboard_gets_every_group_and_the_report(text_run: tuple[Path, list[str]]) -> None:
     """What the console and the report know is in the event file while the run goes, and the report at its end."""
     run_dir, _ = text_run
