@@ -5,9 +5,9 @@ report and teardown after, the hang watchdogs' timeouts, the unit tests. Two wor
 ``pytest_xdist_auto_num_workers``) fill those gaps with another test. Two rules keep that honest:
 
 - **Files**: a test file runs whole on one worker (``--dist loadfile``), so a module's shared launches run once (xdist's
-  ``loadgroup`` would be finer, but with pytest 9 it no longer sees the groups: xdist 3.8 renames ``_nodeid``). (The
-  straggler run ``sleepy_rank_run`` is a session fixture of three files: a worker that gets one of them launches
-  it for itself.)
+  ``loadgroup`` would be finer, but with pytest 9 it no longer sees the groups: xdist 3.8 renames ``_nodeid``). (A
+  session fixture read by several files, such as the straggler run ``sleepy_rank_run`` if another file read it,
+  is launched by each worker that gets one of them.)
 - **Exclusive files, then longest first**: files holding an exclusive test go first (below), then the files that
   launch runs, heaviest first (a weight per test from its marks), and the many quick unit and config tests last,
   where they fill whichever worker finishes first (xdist's own order, most tests first, put them first and left one
