@@ -88,18 +88,20 @@ class Exclusivity:
         self.launched: set[tuple[str, str]] = set()
 
     def needs(self, item: pytest.Item) -> bool:
-        if item.get_closest_marker("exclusive") is not None:
-            return True
-        return any(key not in self.launched for key in timed_run_keys(item))
+        return marked_exclusive(item) or any(key not in self.launched for key in timed_run_keys(item))
 
     def ran(self, item: pytest.Item) -> None:
         """``item``'s protocol ended: the timed runs it read are launched (or failed, which its readers report)."""
         self.launched.update(timed_run_keys(item))
 
 
+def marked_exclusive(item: pytest.Item) -> bool:
+    return item.get_closest_marker("exclusive") is not None
+
+
 def holds_exclusive(item: pytest.Item) -> bool:
     """Whether ``item`` may run alone (marked, or a reader of a timed run): known at collection, for the order."""
-    return item.get_closest_marker("exclusive") is not None or bool(timed_run_keys(item))
+    return marked_exclusive(item) or bool(timed_run_keys(item))
 
 
 class WorkerLock:
