@@ -59,6 +59,11 @@ class Calibration:
     # ``fsdp_unit_overhead_us`` and ``fsdp_copy_ns_per_byte``.
     fsdp_unit_overhead_us: float | None = None
     fsdp_copy_ns_per_byte: float | None = None
+    # Host microseconds FSDP2's sharded (DTensor) parameters add to the step's tail (norm, clipping, AdamW) beyond the
+    # plain parameters' share, per parameter tensor and per step (median over ranks). The hw profile's
+    # ``fsdp_step_tensor_us`` and ``fsdp_step_fixed_us``.
+    fsdp_step_tensor_us: float | None = None
+    fsdp_step_fixed_us: float | None = None
     # The run's own parts, timed at start-up (``diagnostics.collect.parts``): seconds of one block's and of the
     # edges' (embedding, final norm, head, loss) forward and backward at the run's micro-batch, sequence length and
     # precision, and of one optimizer step over a block's parameters (median over ranks), with the shape and
@@ -184,6 +189,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     tp_steps: list[float] = []
     fsdp_fixed: list[float] = []
     fsdp_per_byte: list[float] = []
+    fsdp_step_tensor: list[float] = []
+    fsdp_step_fixed: list[float] = []
     parts: list[dict] = []
     ranks: set[int] = set()
     for r in _records(run_dir):
@@ -214,7 +221,12 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             if (tail := _fraction(r.get("step_overhead_us"), upper=math.inf)) is not None:
                 tp_steps.append(tail)
         elif r["kind"] == "fsdp_calibration":
-            for name, values in (("fixed_us", fsdp_fixed), ("ns_per_byte", fsdp_per_byte)):
+            for name, values in (
+                ("fixed_us", fsdp_fixed),
+                ("ns_per_byte", fsdp_per_byte),
+                ("step_tensor_us", fsdp_step_tensor),
+                ("step_fixed_us", fsdp_step_fixed),
+            ):
                 if (value := _fraction(r.get(name), upper=math.inf)) is not None:
                     values.append(value)
         elif r["kind"] == "parts_calibration":
@@ -251,6 +263,8 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         tp_step_overhead_us=statistics.median(tp_steps) if tp_steps else None,
         fsdp_unit_overhead_us=statistics.median(fsdp_fixed) if fsdp_fixed else None,
         fsdp_copy_ns_per_byte=statistics.median(fsdp_per_byte) if fsdp_per_byte else None,
+        fsdp_step_tensor_us=statistics.median(fsdp_step_tensor) if fsdp_step_tensor else None,
+        fsdp_step_fixed_us=statistics.median(fsdp_step_fixed) if fsdp_step_fixed else None,
         parts=parts_figures(parts),
         ranks=len(ranks),
         source=str(run_dir),

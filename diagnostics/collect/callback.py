@@ -40,6 +40,7 @@ from diagnostics.collect.experts import (
     time_expert_collectives,
 )
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
+from diagnostics.collect.fsdp_step import fsdp_step_overhead
 from diagnostics.collect.parts import time_model_parts
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
@@ -93,6 +94,9 @@ class RunFacts:
     # The run's own block, edges and block optimizer for the parts probe (``parts(device)``, see
     # ``diagnostics.collect.parts``): the reference transformer's; None (a user or HF model): not probed.
     parts_probe: Callable[[torch.device], dict] | None = None
+    # The run's step tail over a module's gradients (``step_tail(module)()``: the non-finite guard's norm, clipping
+    # with it, the run's AdamW), for the FSDP probe's sharded-parameter cost; None: that part is not probed.
+    step_tail: Callable[[torch.nn.Module], Callable[[], None]] | None = None
 
 
 class DiagnosticsCallback(pl.Callback):
@@ -513,8 +517,12 @@ class DiagnosticsCallback(pl.Callback):
             else:
                 shapes = {"tokens": f.micro_batch_size * f.seq_len, "width": f.d_model} if f.d_model and on_cpu else {}
                 self.write("tp_calibration", **tp_linear_overhead(device, f.tp, **shapes))
-        if self.facts.fsdp_shard_ranks:  # 0.1-0.3 s on 2 CPU ranks
-            self.write("fsdp_calibration", **fsdp_unit_overhead(device, self.facts.fsdp_shard_ranks))
+        if self.facts.fsdp_shard_ranks:  # 0.1-0.3 s on 2 CPU ranks, and 0.2-0.4 s for the step tail
+            ranks, step_tail = self.facts.fsdp_shard_ranks, self.facts.step_tail
+            record = fsdp_unit_overhead(device, ranks)
+            if step_tail is not None:
+                record.update(fsdp_step_overhead(device, ranks, step_tail))
+            self.write("fsdp_calibration", **record)
 
     def _throughput(self, world_size: int, tokens_per_s: float) -> None:
         f = self.facts

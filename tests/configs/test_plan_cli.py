@@ -206,6 +206,8 @@ def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Pat
         "tp_step_overhead_us": "none",  # nor the step's tail
         "fsdp_unit_overhead_us": "none",  # the calibration records hold no FSDP probe
         "fsdp_copy_ns_per_byte": "none",
+        "fsdp_step_tensor_us": "none",
+        "fsdp_step_fixed_us": "none",
     }
     assert payload["recommended"] is not None  # hw=cpu has no datasheet peak: only the calibration times steps
     table = run_plan(args[:-1], tmp_path)

@@ -216,6 +216,10 @@ def test_bf16_runs_train(overrides: list[str], strategy: str, precision: str, tm
     manifest = read_manifest(run_dir)
     assert (manifest["config"]["strategy"]["name"], manifest["config"]["precision"]["name"]) == (strategy, precision)
     assert manifest["result"]["val_loss"] < 3.5  # from ~5.5 at init (ln 256)
+    if strategy == "fsdp":  # the FSDP probe timed the run's own step tail over sharded (DTensor) parameters
+        calibration = json.loads((run_dir / "calibration.json").read_text())
+        assert calibration["fsdp_step_tensor_us"] > 0 and calibration["fsdp_step_fixed_us"] >= 0
+        assert manifest["prediction"]["basis"]["fsdp_step_tensor_us"] == "measured"
 
 
 @pytest.mark.slow

@@ -66,6 +66,11 @@ class HardwareProfile:
     # host runs ahead); calibration measures both, and on a CPU they are on the critical path.
     fsdp_unit_overhead_us: float | None = None
     fsdp_copy_ns_per_byte: float | None = None
+    # Host microseconds FSDP2's sharded (DTensor) parameters add to the step's tail (the gradients' norm and its
+    # reduction, clipping, the AdamW step: every op dispatched per DTensor) beyond their share of the plain tail, per
+    # parameter tensor on the rank and per step. None: not modelled; calibration measures both in an FSDP2 run.
+    fsdp_step_tensor_us: float | None = None
+    fsdp_step_fixed_us: float | None = None
     # Host (CPU) memory per node, shared by its devices' processes: offloaded optimizer states and parameters
     # live there. None: not checked.
     host_memory_gib: float | None = None
@@ -119,6 +124,8 @@ def validate_profile(hw: HardwareProfile) -> None:
         "tp_step_overhead_us",
         "fsdp_unit_overhead_us",
         "fsdp_copy_ns_per_byte",
+        "fsdp_step_tensor_us",
+        "fsdp_step_fixed_us",
         "host_memory_gib",
     ):
         value = getattr(hw, name)

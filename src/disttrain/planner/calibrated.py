@@ -5,7 +5,8 @@ compute dtype, the memory bandwidth (the optimizer step), the bus bandwidth and 
 and inter-node links and of each collective on them, and what blocking syncs cost (``sync_overhead_us``,
 ``compute_jitter``), how much of an overlappable collective compute hides (``comm_overlap``), the host cost of a
 tensor-parallel linear and of the model's parallel edges (``tp_linear_overhead_us``, ``tp_edge_overhead_us``) and
-of FSDP2's units and copies (``fsdp_unit_overhead_us``, ``fsdp_copy_ns_per_byte``). ``sources`` says for each
+of FSDP2's units and copies (``fsdp_unit_overhead_us``, ``fsdp_copy_ns_per_byte``) and of its sharded parameters in
+the step's tail (``fsdp_step_tensor_us``, ``fsdp_step_fixed_us``). ``sources`` says for each
 number the planner reads whether it is ``measured`` or ``datasheet`` (or ``none``), which ``python -m plan`` prints
 and run.json records.
 """
@@ -87,6 +88,8 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "tp_step_overhead_us": _source(hw.tp_step_overhead_us),
         "fsdp_unit_overhead_us": _source(hw.fsdp_unit_overhead_us),
         "fsdp_copy_ns_per_byte": _source(hw.fsdp_copy_ns_per_byte),
+        "fsdp_step_tensor_us": _source(hw.fsdp_step_tensor_us),
+        "fsdp_step_fixed_us": _source(hw.fsdp_step_fixed_us),
     }
     if calibration is None:
         return CalibratedProfile(hw, sources)
@@ -129,6 +132,8 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "tp_step_overhead_us",
         "fsdp_unit_overhead_us",
         "fsdp_copy_ns_per_byte",
+        "fsdp_step_tensor_us",
+        "fsdp_step_fixed_us",
     ):
         value = getattr(calibration, name)
         if value is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from disttrain.config.hardware import HardwareProfile
 from disttrain.planner.expert_shapes import dense_shape, expert_parameters_per_rank, local_expert_parameters
 from disttrain.planner.memory import compute_bytes, rank_parameters
-from disttrain.planner.shapes import ModelShape
+from disttrain.planner.shapes import ModelShape, ParamTensor
 from disttrain.planner.spec import MEGATRON_DP_TYPES, Layout, Workload
 
 # functional_all_reduce: TP's activation all-reduces as DTensor issues them (out of place, then a wait); priced as
@@ -247,6 +247,10 @@ class CommPlan:
     # micro-batches), each at ``hw.fsdp_copy_ns_per_byte``. Over a one-rank mesh too: the copies remain.
     mb_fsdp_units: float = 0.0
     mb_fsdp_copy_bytes: float = 0.0
+    # Parameter tensors the busiest rank holds as FSDP2 DTensors: the step's tail (norm, clipping, AdamW) dispatches
+    # every op per tensor, at ``hw.fsdp_step_tensor_us`` each beyond the plain share (tensor-parallel DTensors are
+    # ``hw.tp_step_overhead_us``'s instead).
+    step_fsdp_tensors: float = 0.0
     # Of ``mb_exposed``, tensor parallelism's activation collectives (attribution only: already counted there).
     mb_tp: LinkBytes = ZERO
 
@@ -293,6 +297,12 @@ def _only(traffic: LinkBytes, ops: tuple[str, ...]) -> LinkBytes:
         sum(t.inter_calls for t in kept),
         kept,
     )
+
+
+def stage_tensors(shape: ModelShape, layers: int, root: tuple[ParamTensor, ...]) -> float:
+    """Parameter tensors of ``layers`` blocks and the ``root`` tensors around them (0 for a raw parameter count,
+    whose tensors are unknown)."""
+    return float(layers * len(shape.block) + len(root)) if shape.known else 0.0
 
 
 def combine(a: CommPlan, b: CommPlan) -> CommPlan:
@@ -375,7 +385,14 @@ def _fsdp(shape: ModelShape, layout: Layout, workload: Workload, groups: dict[st
     # and reduces, and copies what it gathers and reduces.
     regathered = n * block_shards * gather if layout.reshard_after_forward else 0
     copies = n * shard * (gather + reduce) + regathered
-    plan = CommPlan(mb_fwd=forward, mb_bwd=backward, mb_syncs=syncs, mb_fsdp_units=units, mb_fsdp_copy_bytes=copies)
+    plan = CommPlan(
+        mb_fwd=forward,
+        mb_bwd=backward,
+        mb_syncs=syncs,
+        mb_fsdp_units=units,
+        mb_fsdp_copy_bytes=copies,
+        step_fsdp_tensors=stage_tensors(shape, shape.n_layers, shape.embedding + shape.head),
+    )
     if not layout.offload_optimizer:
         return plan
     p = 2 if precision == "bf16-true" else 4
@@ -464,7 +481,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
     stage_params = max(rank_parameters(shape, layout, 0), rank_parameters(shape, layout, pp - 1))
     param_bytes = compute_bytes(precision)
     mb_fwd = mb_bwd = ZERO
-    fsdp_units, fsdp_copies = 0.0, 0.0
+    fsdp_units, fsdp_copies, fsdp_tensors = 0.0, 0.0, 0.0
     if layout.dp_type == "replicated_optimizer":  # Megatron-LM DDP without its distributed optimizer
         grads, params = collective_bytes("all_reduce", 4 * stage_params, groups["dp"]), ZERO
     elif layout.dp_type == "distributed_optimizer":
@@ -479,6 +496,8 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         params = collective_bytes("all_gather", param_bytes * stage_params, shard_group, units)
         # The engine wraps every chunk's blocks and the chunk itself, whatever dp_shard is: one root per chunk.
         fsdp_units = layers + chunks if shape.known else chunks
+        if tp == 1:  # a tensor-parallel block's DTensor tail is measured as such (hw.tp_step_overhead_us)
+            fsdp_tensors = max(stage_tensors(shape, layers, shape.stage_root(pp, s)) for s in (0, pp - 1))
         # Gradients reduce (and their buffers fill) once per step; under pipelining the weights gather once too.
         fsdp_copies = (param_bytes + 4) * stage_params / layout.microbatches
         if pp == 1:
@@ -510,6 +529,7 @@ def _megatron(shape: ModelShape, layout: Layout, workload: Workload, groups: dic
         mb_tp_edges=edge_collectives / 2 if tp > 1 else 0.0,
         mb_fsdp_units=fsdp_units,
         mb_fsdp_copy_bytes=fsdp_copies,
+        step_fsdp_tensors=fsdp_tensors,
         mb_tp=tp_traffic if tp > 1 else ZERO,
     )
 

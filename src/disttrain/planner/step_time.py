@@ -12,7 +12,8 @@ collective's threads need the compute's cores) replaces the assumption, every te
 costs the host ``hw.tp_linear_overhead_us`` per micro-batch on top of its FLOPs, and every FSDP2 unit
 ``hw.fsdp_unit_overhead_us`` plus ``hw.fsdp_copy_ns_per_byte`` for each byte it copies into or out of its
 collective buffers, and every tensor-parallel block a rank holds adds ``hw.tp_step_overhead_us`` to the step's tail
-(its DTensor parameters' norm, clipping and AdamW step).
+(its DTensor parameters' norm, clipping and AdamW step), every FSDP2-sharded parameter tensor
+``hw.fsdp_step_tensor_us`` (and the step ``hw.fsdp_step_fixed_us``).
 
 Where the run measured its own parts (one block, the edges, a block's optimizer step: ``planner.measured``), a
 layout's forward, backward and optimizer step are composed from them instead of FLOPs over a matmul rate x an
@@ -165,6 +166,14 @@ def tp_step_seconds(blocks: float, overhead_us: float | None) -> float:
     return blocks * (overhead_us or 0.0) * 1e-6
 
 
+def fsdp_step_seconds(tensors: float, hw: HardwareProfile) -> float:
+    """Host seconds a step's tail (norm, clipping, AdamW) spends on ``tensors`` FSDP2-sharded parameter tensors beyond
+    their plain share: per tensor and once per step, as measured (None: not modelled)."""
+    if not tensors:
+        return 0.0
+    return (tensors * (hw.fsdp_step_tensor_us or 0.0) + (hw.fsdp_step_fixed_us or 0.0)) * 1e-6
+
+
 def fsdp_host_seconds(units: float, copy_bytes: float, hw: HardwareProfile) -> float:
     """Host seconds per micro-batch FSDP2 adds beyond the math: ``units`` units' hooks and ``copy_bytes`` bytes of
     buffer copies, at the measured per-unit and per-byte costs (None: not modelled)."""
@@ -207,6 +216,7 @@ def estimate_step(
         )
     if layout.tp > 1 and not layout.offload_optimizer:
         optimizer += tp_step_seconds(shape.n_layers / layout.pp, hw.tp_step_overhead_us)
+    optimizer += fsdp_step_seconds(comm.step_fsdp_tensors, hw)
     # A measured share (``hw.comm_overlap``, calibration) over the assumption: gloo on a CPU hides ~none of it.
     overlap = assumptions.comm_overlap if hw.comm_overlap is None else hw.comm_overlap
     dispatch = tp_dispatch_seconds(

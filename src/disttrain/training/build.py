@@ -48,7 +48,7 @@ from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
 from disttrain.training.pruning import TrialPruning
-from disttrain.training.step_tail import with_step_tail
+from disttrain.training.step_tail import step_tail, with_step_tail
 from disttrain.training.wandb_sweep import run_group
 
 
@@ -177,6 +177,7 @@ def build_diagnostics(
         parts_probe=parts_probe(cfg),
         collectives_off_thread=collectives_off_thread(cfg),
         fsdp_shard_ranks=parallel.fsdp_shard_ranks,
+        step_tail=functools.partial(step_tail, optimizer=cfg.optimizer),
     )
     return DiagnosticsCallback(
         settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=functools.partial(report_hang, run_dir)

@@ -1,6 +1,7 @@
-"""The tail of a training step as the run does it, for the TP probe: the gradients' global norm (the non-finite
-guard's, which clipping reuses), clipping with it, then the run's AdamW step. Timed over one block's DTensor
-parameters against the plain block's (``diagnostics.collect.calibrate``: ``hw.tp_step_overhead_us``)."""
+"""The tail of a training step as the run does it, for the TP and FSDP probes: the gradients' global norm (the
+non-finite guard's, which clipping reuses), clipping with it, then the run's AdamW step. Timed over one block's
+DTensor parameters against the plain block's (``diagnostics.collect.calibrate``: ``hw.tp_step_overhead_us``), and
+over FSDP2-sharded units against plain ones (``diagnostics.collect.fsdp_step``: ``hw.fsdp_step_tensor_us``)."""
 
 from __future__ import annotations
 
