@@ -405,7 +405,10 @@ def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: di
     n, dp, stage = shape.num_parameters, layout.dp, layout.zero_stage
     p16 = g16 = 4 if workload.precision == "fp32" else 2
     group = groups["dp"]
-    reduce = collective_bytes("reduce_scatter", g16 * n, group)
+    # ZeRO-1/2 reduce each gradient bucket with one all-reduce and keep their own partition of the result
+    # (DeepSpeed's zero_optimization.use_multi_rank_bucket_allreduce, on by default since 0.14: a ZeRO-2 profile here
+    # showed gloo all-reduces and no reduce-scatter); ZeRO-3 reduce-scatters its partitioned gradients.
+    reduce = collective_bytes("all_reduce" if stage < 3 else "reduce_scatter", g16 * n, group)
     gather = collective_bytes("all_gather", p16 * n, group)
     shard = math.ceil(n / dp)
     host_step, host_mb = ZERO, ZERO
