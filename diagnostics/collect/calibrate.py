@@ -214,12 +214,15 @@ def _call_times(op: str, group: object | None, numel: int, n: int, device: torch
     return times
 
 
-def sync_wait(group: object | None, device: torch.device, rounds: int = 12) -> dict:
+def sync_wait(group: object | None, device: torch.device, rounds: int = 48) -> dict:
     """What a blocking collective costs right after the same work on every rank: ``rounds`` of (a fixed matmul
     segment, ~5 ms on CPU, then a one-element all-reduce), each rank's wait in every round. Per round, the last rank
     to arrive waits only for the call itself (cold: a progress thread that slept through the compute must wake),
     the others also for it: the planner's ``sync_overhead_us`` and ``compute_jitter`` (ranks drifting apart like
-    random walks) come from those (``diagnostics.calibration``). Every rank of ``group`` must call it."""
+    random walks) come from those (``diagnostics.calibration``). Every rank of ``group`` must call it.
+
+    The drift is a mean over rounds that a rare preempted round dominates: on 2 CPU ranks, five repeats of 12 rounds
+    read sigma 0.0014-0.035, of 48 rounds 0.0054-0.017 (~0.3 s on CPU), and a plan's sync waits follow sigma."""
     import torch.distributed as dist
 
     n = 1024 if device.type == "cuda" else 192
