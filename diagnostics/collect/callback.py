@@ -7,6 +7,7 @@ rank, so it cannot deadlock a healthy run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -97,6 +98,11 @@ class RunFacts:
     # The run's step tail over a module's gradients (``step_tail(module)()``: the non-finite guard's norm, clipping
     # with it, the run's AdamW), for the FSDP probe's sharded-parameter cost; None: that part is not probed.
     step_tail: Callable[[torch.nn.Module], Callable[[], None]] | None = None
+
+
+def _run_rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """torch's CPU generator (and ``device``'s, on a GPU) restored on exit."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 class DiagnosticsCallback(pl.Callback):
@@ -195,11 +201,14 @@ class DiagnosticsCallback(pl.Callback):
             max_steps=f.max_steps,
         )
         if self.settings.calibrate:
-            self.calibrate(device, "start")
-            self.calibrate_links(trainer, device)
-            # After the links' barriers: every rank times its parts at once, as every rank computes in a step (on
-            # a host whose cores the ranks share, a rank probing alone would see a core to itself).
-            self.calibrate_parts(device)
+            # The probes seed and draw from torch's generators: the run's own streams (dropout, its data) must come
+            # out as they went in, or switching diagnostics on (or changing a probe) would change the training.
+            with _run_rng_kept(device):
+                self.calibrate(device, "start")
+                self.calibrate_links(trainer, device)
+                # After the links' barriers: every rank times its parts at once, as every rank computes in a step
+                # (on a host whose cores the ranks share, a rank probing alone would see a core to itself).
+                self.calibrate_parts(device)
         self.sampler = DeviceSampler(reader, self.write, self.settings.sample_interval_s)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

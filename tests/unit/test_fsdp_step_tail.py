@@ -109,3 +109,28 @@ def test_the_figures_are_read_back_as_medians_over_ranks_and_substituted(tmp_pat
     profile = calibrated_profile(hw("cpu"), cal, "fp32")
     assert (profile.hw.fsdp_step_tensor_us, profile.hw.fsdp_step_fixed_us) == (160.0, 1000.0)
     assert profile.sources["fsdp_step_tensor_us"] == profile.sources["fsdp_step_fixed_us"] == "measured"
+
+
+def test_the_probes_tail_steps_without_firing_the_users_global_optimizer_hooks() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    seen: list[str] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda *_: seen.append("pre")),
+        register_optimizer_step_post_hook(lambda *_: seen.append("post")),
+    ]
+    try:
+        module = torch.nn.Linear(4, 4)
+        for p in module.parameters():
+            p.grad = torch.ones_like(p)
+        before = module.weight.detach().clone()
+        tail = step_tail(module, OptimizerConfig())
+        tail()
+        tail()
+        assert seen == []  # a hook that counts the run's steps (tests/plugins.py's phase plan does) sees none
+        assert not torch.equal(module.weight, before)  # but AdamW did step
+        torch.optim.AdamW(module.parameters()).step()
+        assert seen == ["pre", "post"]  # the hooks were live all along
+    finally:
+        for handle in handles:
+            handle.remove()

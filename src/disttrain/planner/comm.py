@@ -406,7 +406,7 @@ def _deepspeed(shape: ModelShape, layout: Layout, workload: Workload, groups: di
     p16 = g16 = 4 if workload.precision == "fp32" else 2
     group = groups["dp"]
     # ZeRO-1/2 reduce each gradient bucket with one all-reduce and keep their own partition of the result
-    # (DeepSpeed's zero_optimization.use_multi_rank_bucket_allreduce, on by default since 0.14: a ZeRO-2 profile here
+    # (DeepSpeed's zero_optimization.use_multi_rank_bucket_allreduce, on by default in 0.19: a ZeRO-2 profile here
     # showed gloo all-reduces and no reduce-scatter); ZeRO-3 reduce-scatters its partitioned gradients.
     reduce = collective_bytes("all_reduce" if stage < 3 else "reduce_scatter", g16 * n, group)
     gather = collective_bytes("all_gather", p16 * n, group)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from disttrain.config.schema import OptimizerConfig
@@ -20,11 +21,22 @@ def step_tail(module: nn.Module, optimizer: OptimizerConfig) -> Callable[[], Non
     adamw = block_optimizer(module, optimizer)
     params = [p for p in module.parameters() if p.requires_grad]
 
+    step = unhooked_step(adamw)
+
     def tail() -> None:
         clip_with_norm(params, 1.0, global_norm([p.grad for p in params if p.grad is not None]))
-        adamw.step()
+        step()
 
     return tail
+
+
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
+    """``optimizer.step`` without torch's global optimizer hooks: a probe's steps are not the run's, and a hook the
+    user registered for every optimizer (one that counts steps, say) must not see them. torch wraps each optimizer
+    class's ``step`` with the hooks (``Optimizer.profile_hook_step``, functools.wraps); where that wrapper is not
+    found, the hooked step."""
+    inner = getattr(type(optimizer).step, "__wrapped__", None)
+    return functools.partial(inner, optimizer) if callable(inner) else optimizer.step
 
 
 def with_step_tail(parts: Callable[..., dict], optimizer: OptimizerConfig) -> Callable[..., dict]:
