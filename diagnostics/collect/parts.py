@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from diagnostics.collect.calibrate import LayerClock, compute_clock
+from diagnostics.collect.unhooked import unhooked_step
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -192,12 +193,13 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
     else:
         block_f, block_b, edges_f, edges_b, memory = _block_and_edges(parts, tokens, targets, device, repeats)
     optimizer = parts["optimizer"]()
-    optimizer.step()  # the first step allocates the moments
-    optimizer_s = _median_seconds(optimizer.step, device, repeats)
+    step = unhooked_step(optimizer)  # not the run's step: a user's global optimizer hooks must not see it
+    step()  # the first step allocates the moments
+    optimizer_s = _median_seconds(step, device, repeats)
     if parts.get("gpu_clock") and device.type == "cuda":
         # The run steps all its parameters in one fused call: a block's share is its kernels' time, not the host's
         # fixed cost of a call (scaled by the blocks, that cost put gpt2-124m's step +16% on an H200).
-        optimizer_s = statistics.median(_held_gpu_seconds([optimizer.step], GPU_CLOCK_REPEATS, optimizer_s)[0])
+        optimizer_s = statistics.median(_held_gpu_seconds([step], GPU_CLOCK_REPEATS, optimizer_s)[0])
     del optimizer
     if device.type == "cuda":
         # The probe's activations are not the run's: give the allocator's blocks back, and keep its peak (a pipeline's

@@ -42,6 +42,23 @@ def test_the_probe_times_every_part_in_the_runs_precision_and_the_planner_reads_
     assert measured is not None and measured.precision == precision and measured.block_numel == parts["block_numel"]
 
 
+def test_the_probes_optimizer_steps_are_hidden_from_global_optimizer_hooks() -> None:
+    """A user's hook registered for every optimizer (one that counts the run's steps) must not count the probe's."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    seen: list[object] = []
+    handle = register_optimizer_step_post_hook(lambda optimizer, *_: seen.append(optimizer))
+    try:
+        parts = model_parts(TINY, OptimizerConfig(), "fp32", torch.device("cpu"))
+        block = parts["block"]
+        before = [p.detach().clone() for p in block.parameters()]
+        assert time_model_parts(torch.device("cpu"), parts, micro_batch=2)["optimizer_step_s"] > 0
+        assert seen == []
+        assert any(not torch.equal(a, p) for a, p in zip(before, block.parameters(), strict=True))  # it did step
+    finally:
+        handle.remove()
+
+
 def test_an_hf_model_is_probed_at_two_layers_of_its_own_config_with_each_part_where_its_time_goes() -> None:
     """The HF probe times the decoder layers inside the model's own passes: time spent in a layer is block time,
     time in the final norm is edge time, whichever the model spends it in."""

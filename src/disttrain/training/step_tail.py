@@ -8,9 +8,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
+from diagnostics.collect.unhooked import unhooked_step
 from disttrain.config.schema import OptimizerConfig
 from disttrain.models.probe_parts import block_optimizer
 from disttrain.reliability.nan_guard import clip_with_norm, global_norm
@@ -28,15 +28,6 @@ def step_tail(module: nn.Module, optimizer: OptimizerConfig) -> Callable[[], Non
         step()
 
     return tail
-
-
-def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
-    """``optimizer.step`` without torch's global optimizer hooks: a probe's steps are not the run's, and a hook the
-    user registered for every optimizer (one that counts steps, say) must not see them. torch wraps each optimizer
-    class's ``step`` with the hooks (``Optimizer.profile_hook_step``, functools.wraps); where that wrapper is not
-    found, the hooked step."""
-    inner = getattr(type(optimizer).step, "__wrapped__", None)
-    return functools.partial(inner, optimizer) if callable(inner) else optimizer.step
 
 
 def with_step_tail(parts: Callable[..., dict], optimizer: OptimizerConfig) -> Callable[..., dict]:
