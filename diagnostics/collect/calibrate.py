@@ -371,7 +371,7 @@ def tp_linear_overhead(device: torch.device, tp: int, tokens: int = 8, width: in
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width)).to(device)
 
-    mesh = _group_mesh(device, tp)
+    mesh = group_mesh(device, tp)
     plain = pair()
     parallel = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = torch.randn(1, tokens, width, device=device)
@@ -411,7 +411,7 @@ def tp_model_overhead(
     import torch.nn.functional as F
     from torch.distributed.tensor.parallel import loss_parallel
 
-    mesh = _group_mesh(device, tp)
+    mesh = group_mesh(device, tp)
     start = time.perf_counter()
     p = parts(mesh)
     seq, d = p["seq_len"], p["d_model"]
@@ -471,7 +471,7 @@ def _output_sum(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).sum()
 
 
-def _group_mesh(device: torch.device, size: int) -> DeviceMesh:
+def group_mesh(device: torch.device, size: int) -> DeviceMesh:
     """A one-dimensional mesh over groups of ``size`` consecutive ranks (the run's TP or FSDP2 group shape); every
     rank must call it."""
     import torch.distributed as dist
@@ -647,7 +647,7 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    mesh = _group_mesh(device, shard_ranks)
+    mesh = group_mesh(device, shard_ranks)
 
     def unit(width: int) -> nn.Module:
         torch.manual_seed(0)

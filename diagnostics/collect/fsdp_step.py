@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from diagnostics.collect.calibrate import _group_mesh, compute_clock
+from diagnostics.collect.calibrate import compute_clock, group_mesh
 
 # Linear layers of each probe unit (two parameter tensors each): the slope between them is the per-tensor cost.
 UNIT_LINEARS = (4, 12)
@@ -47,7 +47,7 @@ def fsdp_step_overhead(device: torch.device, shard_ranks: int, step_tail: StepTa
     from torch.distributed.fsdp import fully_shard
 
     start = time.perf_counter()
-    mesh = _group_mesh(device, shard_ranks)
+    mesh = group_mesh(device, shard_ranks)
     _, clock = compute_clock(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     extra: dict[int, float] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from diagnostics.prediction import compare, comparison_rows, one_line
 from diagnostics.telemetry import TelemetryWriter, telemetry_path
 from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
-from disttrain.config.hardware import validate_profile
+from disttrain.config.hardware import CALIBRATED_SCALARS, HardwareProfile, validate_profile
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from tests.conftest import hw_profile
@@ -169,6 +170,15 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         "fsdp_step_fixed_us",
     }
     assert set(cpu.sources.values()) == {"none"}
+
+
+def test_every_figure_calibration_shares_with_the_hw_profile_is_substituted_by_name() -> None:
+    shared = {f.name for f in dataclasses.fields(Calibration)} & {f.name for f in dataclasses.fields(HardwareProfile)}
+    assert set(CALIBRATED_SCALARS) == shared - {"source"}
+    cal = Calibration(**{name: 0.01 * (i + 1) for i, name in enumerate(CALIBRATED_SCALARS)})
+    profile = calibrated_profile(hw_profile("cpu"), cal, "fp32")
+    for i, name in enumerate(CALIBRATED_SCALARS):
+        assert (getattr(profile.hw, name), profile.sources[name]) == (0.01 * (i + 1), "measured")
 
 
 def test_errors_are_predicted_over_measured_and_rows_show_what_either_side_has() -> None:

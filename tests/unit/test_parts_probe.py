@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from diagnostics.calibration import calibration_from_telemetry
+from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
 from diagnostics.collect.parts import time_model_parts
-from diagnostics.telemetry import RECORD_FIELDS, TelemetryWriter
+from diagnostics.telemetry import RECORD_FIELDS, TelemetryWriter, telemetry_path
 from disttrain.config.schema import CUDAGRAPH_MODES, OptimizerConfig
 from disttrain.models.probe_parts import WITHOUT_GRAPHS, model_parts, probe_compiles
 from disttrain.planner.measured import MeasuredParts
@@ -176,3 +179,28 @@ def test_parts_on_the_gpus_clock_are_read_from_events_between_segments_after_a_h
 
     forward_s, backward_s = probe._gpu_clock_passes(forward, repeats=2, queue_s=0.001)
     assert len(forward_s) == len(backward_s) == 2 and x.grad is not None and x.grad.tolist() == [4.0, 4.0, 4.0]
+
+
+def test_the_start_up_probes_leave_the_runs_random_streams_as_they_found_them(tmp_path: Path) -> None:
+    """Switching diagnostics on must not change the training: the parts probe seeds and draws torch's generator,
+    the run's dropout and data must not see it."""
+    facts = RunFacts(
+        *("ddp", "fp32", "fp32", "cpu", 10, 60.0, 60.0, 64, 2, 1, 32, 10, None),
+        parts_probe=lambda device: model_parts(TINY, OptimizerConfig(), "fp32", device),
+    )
+    callback = DiagnosticsCallback(CollectSettings(), facts, tmp_path, lambda: None)
+    torch.manual_seed(1)
+    untouched = torch.rand(4)
+    torch.manual_seed(1)
+    callback.calibrate_parts(torch.device("cpu"))  # the probe alone does draw: without the fork the stream moves
+    assert not torch.equal(torch.rand(4), untouched)
+    torch.manual_seed(1)
+    trainer = SimpleNamespace(global_rank=0, local_rank=0, world_size=1, num_nodes=1, num_devices=1)
+    callback.setup(trainer, SimpleNamespace(device=torch.device("cpu")), "fit")  # type: ignore[arg-type]
+    try:
+        assert torch.equal(torch.rand(4), untouched)
+    finally:
+        callback.teardown_collectors()
+        callback.writer.close()
+    records = [json.loads(line) for line in telemetry_path(tmp_path, 0).read_text().splitlines()]
+    assert {"calibration", "parts_calibration"} <= {r["kind"] for r in records}

@@ -15,6 +15,20 @@ LINK_NAMES = ("intra_node", "inter_node")
 # functional_all_reduce: the out-of-place all-reduce DTensor's tensor parallelism issues (its own cost on gloo).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "functional_all_reduce")
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+# The profile's host and sync figures a run's calibration measures, each a field of the same name in
+# ``diagnostics.calibration.Calibration`` that replaces the profile's where it was taken (planner/calibrated.py).
+CALIBRATED_SCALARS = (
+    "sync_overhead_us",
+    "compute_jitter",
+    "comm_overlap",
+    "tp_linear_overhead_us",
+    "tp_edge_overhead_us",
+    "tp_step_overhead_us",
+    "fsdp_unit_overhead_us",
+    "fsdp_copy_ns_per_byte",
+    "fsdp_step_tensor_us",
+    "fsdp_step_fixed_us",
+)
 
 
 @dataclass(frozen=True)
@@ -116,18 +130,7 @@ def validate_profile(hw: HardwareProfile) -> None:
     if hw.comm_overlap is not None and not 0.0 <= hw.comm_overlap <= 1.0:
         problem = f"must be in [0, 1], got {hw.comm_overlap}"
         raise ConfigError("hw.comm_overlap", problem, "set hw.comm_overlap=null or a measured share")
-    for name in (
-        "sync_overhead_us",
-        "compute_jitter",
-        "tp_linear_overhead_us",
-        "tp_edge_overhead_us",
-        "tp_step_overhead_us",
-        "fsdp_unit_overhead_us",
-        "fsdp_copy_ns_per_byte",
-        "fsdp_step_tensor_us",
-        "fsdp_step_fixed_us",
-        "host_memory_gib",
-    ):
+    for name in (*CALIBRATED_SCALARS, "host_memory_gib"):  # comm_overlap's upper bound: above
         value = getattr(hw, name)
         if value is not None and value < 0:
             raise ConfigError(f"hw.{name}", f"must be >= 0, got {value}", f"set hw.{name}=null or a measured figure")

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from diagnostics.calibration import Calibration
-from disttrain.config.hardware import HardwareProfile
+from disttrain.config.hardware import CALIBRATED_SCALARS, HardwareProfile
 from disttrain.planner.measured import MeasuredParts, measured_activations, parts_basis
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from disttrain.planner.shapes import ModelShape
@@ -80,16 +80,8 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         "inter_node_latency_us": _source(hw.inter_node_latency_us),
         "collective_busbw_gbps": _source(hw.collective_busbw_gbps),
         "collective_latency_us": _source(hw.collective_latency_us),
-        "sync_overhead_us": _source(hw.sync_overhead_us),
-        "compute_jitter": _source(hw.compute_jitter),
+        **{name: _source(getattr(hw, name)) for name in CALIBRATED_SCALARS},
         "comm_overlap": "datasheet" if hw.comm_overlap is not None else "none",  # none: Assumptions.comm_overlap
-        "tp_linear_overhead_us": _source(hw.tp_linear_overhead_us),
-        "tp_edge_overhead_us": _source(hw.tp_edge_overhead_us),
-        "tp_step_overhead_us": _source(hw.tp_step_overhead_us),
-        "fsdp_unit_overhead_us": _source(hw.fsdp_unit_overhead_us),
-        "fsdp_copy_ns_per_byte": _source(hw.fsdp_copy_ns_per_byte),
-        "fsdp_step_tensor_us": _source(hw.fsdp_step_tensor_us),
-        "fsdp_step_fixed_us": _source(hw.fsdp_step_fixed_us),
     }
     if calibration is None:
         return CalibratedProfile(hw, sources)
@@ -123,18 +115,7 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
         changes["collective_latency_us"] = {**hw.collective_latency_us, **per_op}
         sources["collective_latency_us"] = "measured"
     # Measured scalars that replace the hw profile's field of the same name where calibration took them.
-    for name in (
-        "sync_overhead_us",
-        "compute_jitter",
-        "comm_overlap",
-        "tp_linear_overhead_us",
-        "tp_edge_overhead_us",
-        "tp_step_overhead_us",
-        "fsdp_unit_overhead_us",
-        "fsdp_copy_ns_per_byte",
-        "fsdp_step_tensor_us",
-        "fsdp_step_fixed_us",
-    ):
+    for name in CALIBRATED_SCALARS:
         value = getattr(calibration, name)
         if value is not None:
             changes[name] = value

@@ -20,7 +20,6 @@ def step_tail(module: nn.Module, optimizer: OptimizerConfig) -> Callable[[], Non
     """One call = norm, clipping (at max_norm 1.0) and the run's AdamW step over ``module``'s gradients."""
     adamw = block_optimizer(module, optimizer)
     params = [p for p in module.parameters() if p.requires_grad]
-
     step = unhooked_step(adamw)
 
     def tail() -> None:
