@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diagnostics.analysis.stats import steady
 from diagnostics.files import write_text_atomic
 from diagnostics.telemetry import TELEMETRY_DIR
 
@@ -64,6 +65,11 @@ class Calibration:
     # ``fsdp_step_tensor_us`` and ``fsdp_step_fixed_us``.
     fsdp_step_tensor_us: float | None = None
     fsdp_step_fixed_us: float | None = None
+    # Host microseconds an optimizer step spent outside its forward, backward and optimizer step: its batches' data
+    # wait and the training loop's own work between the phases (hooks, callbacks, logging; the step records'
+    # ``data_wait_s + other_s``), median over the steady steps of each rank, then over ranks. The hw profile's
+    # ``loop_overhead_us``.
+    loop_overhead_us: float | None = None
     # The run's own parts, timed at start-up (``diagnostics.collect.parts``): seconds of one block's and of the
     # edges' (embedding, final norm, head, loss) forward and backward at the run's micro-batch, sequence length and
     # precision, and of one optimizer step over a block's parameters (median over ranks), with the shape and
@@ -100,6 +106,7 @@ def _records(run_dir: Path) -> list[dict]:
                 "tp_calibration",
                 "fsdp_calibration",
                 "parts_calibration",
+                "step",
             ):
                 records.append(record)
     return records
@@ -175,6 +182,19 @@ def parts_figures(records: list[dict]) -> dict[str, Any] | None:
     return figures
 
 
+def _step_loop_s(record: dict) -> float | None:
+    """A step record's time outside its phases (data wait + the loop's own work); None if it has neither."""
+    parts = [_fraction(record.get(key), upper=math.inf) for key in ("data_wait_s", "other_s")]
+    return None if all(p is None for p in parts) else sum(p or 0.0 for p in parts)
+
+
+def loop_overhead_us(per_rank: dict[int, list[float]]) -> float | None:
+    """Microseconds per step outside the phases: each rank's median over its steady steps (warm-up left out where
+    enough remain, as the analysis does), then the median over ranks. None without step records."""
+    medians = [statistics.median(steady(values)) for values in per_rank.values() if values]
+    return statistics.median(medians) * 1e6 if medians else None
+
+
 def calibration_from_telemetry(run_dir: Path) -> Calibration:
     """Each rank's best matmul rate (start or end: load only ever lowers it), then the median over ranks."""
     best: dict[tuple[str, int], float] = {}
@@ -192,9 +212,14 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     fsdp_step_tensor: list[float] = []
     fsdp_step_fixed: list[float] = []
     parts: list[dict] = []
+    loops: dict[int, list[float]] = {}  # per rank, in step order
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = found if isinstance(found := r.get("rank"), int) else -1
+        if r["kind"] == "step":
+            if (loop := _step_loop_s(r)) is not None:
+                loops.setdefault(rank, []).append(loop)
+            continue
         ranks.add(rank)
         if r["kind"] == "calibration" and (rate := _positive(r.get("flops_per_s"))) and isinstance(r.get("dtype"), str):
             key = (r["dtype"], rank)
@@ -265,6 +290,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         fsdp_copy_ns_per_byte=statistics.median(fsdp_per_byte) if fsdp_per_byte else None,
         fsdp_step_tensor_us=statistics.median(fsdp_step_tensor) if fsdp_step_tensor else None,
         fsdp_step_fixed_us=statistics.median(fsdp_step_fixed) if fsdp_step_fixed else None,
+        loop_overhead_us=loop_overhead_us(loops),
         parts=parts_figures(parts),
         ranks=len(ranks),
         source=str(run_dir),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
-from diagnostics.analysis.load import StepRecord
 from diagnostics.analysis.thresholds import MIN_STEPS_AFTER_WARMUP, WARMUP_STEPS
+
+T = TypeVar("T")
 
 
 def present(values: Iterable[float | None]) -> list[float]:
@@ -39,8 +41,8 @@ def ratio(part: float | None, whole: float | None) -> float | None:
     return part / whole
 
 
-def steady(steps: list[StepRecord]) -> list[StepRecord]:
-    """The steps after warm-up, if enough remain; all of them otherwise."""
+def steady(steps: list[T]) -> list[T]:
+    """The steps (records or one figure of each) after warm-up, if enough remain; all of them otherwise."""
     if len(steps) >= WARMUP_STEPS + MIN_STEPS_AFTER_WARMUP:
         return steps[WARMUP_STEPS:]
     return steps

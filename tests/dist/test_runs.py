@@ -92,6 +92,9 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     assert prediction["basis"]["peak_tflops"] == "measured" == prediction["basis"]["intra_node_bandwidth_gbps"]
     # The step is composed from the run's own parts, timed on every rank at start-up at its micro-batch (16 x 128).
     assert prediction["basis"]["block_forward_backward"] == "measured" == prediction["basis"]["optimizer_step"]
+    # And the step outside its phases (its batch's data wait, the loop's hooks and logging), from its own steps.
+    assert calibration["loop_overhead_us"] > 0 and prediction["basis"]["loop_overhead_us"] == "measured"
+    assert prediction["predicted"]["loop_s"] == pytest.approx(calibration["loop_overhead_us"] * 1e-6)
     parts = calibration["parts"]
     assert (parts["micro_batch"], parts["seq_len"], parts["d_model"], parts["precision"]) == (16, 128, 192, "fp32")
     assert parts["block_backward_s"] > 0 and parts["edges_forward_s"] > 0 and parts["optimizer_step_s"] > 0

@@ -127,6 +127,7 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         fsdp_copy_ns_per_byte=0.5,
         fsdp_step_tensor_us=160.0,
         fsdp_step_fixed_us=900.0,
+        loop_overhead_us=6000.0,
         source="RUN",
     )
     a100 = hw_profile("2x8xh100")
@@ -143,6 +144,7 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
     assert (profile.hw.fsdp_unit_overhead_us, profile.hw.fsdp_copy_ns_per_byte) == (700.0, 0.5)
     assert (profile.hw.fsdp_step_tensor_us, profile.hw.fsdp_step_fixed_us) == (160.0, 900.0)
     assert (profile.hw.tp_edge_overhead_us, profile.hw.tp_step_overhead_us) == (9000.0, 3000.0)
+    assert profile.hw.loop_overhead_us == 6000.0
     assert set(profile.sources.values()) == {"measured"}
     assert assumptions_for(profile).compute_efficiency == DEFAULT_ASSUMPTIONS.calibrated_compute_efficiency
     datasheet = calibrated_profile(a100, Calibration(matmul_flops_per_s={"fp32": 1e13}), "bf16")
@@ -168,6 +170,7 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         "fsdp_copy_ns_per_byte",
         "fsdp_step_tensor_us",
         "fsdp_step_fixed_us",
+        "loop_overhead_us",
     }
     assert set(cpu.sources.values()) == {"none"}
 
@@ -233,7 +236,8 @@ def test_the_plan_table_says_which_numbers_are_datasheet_measured_or_missing() -
         "hw numbers: peak_tflops datasheet, hbm_bandwidth_gbps datasheet, intra_node_bandwidth_gbps datasheet, "
         "inter_node_bandwidth_gbps datasheet; not modelled: intra_node_latency_us, inter_node_latency_us, "
         "sync_overhead_us, compute_jitter, tp_linear_overhead_us, tp_edge_overhead_us, tp_step_overhead_us, "
-        "fsdp_unit_overhead_us, fsdp_copy_ns_per_byte, fsdp_step_tensor_us, fsdp_step_fixed_us"
+        "fsdp_unit_overhead_us, fsdp_copy_ns_per_byte, fsdp_step_tensor_us, fsdp_step_fixed_us, "
+        "loop_overhead_us"
     )
     measured = calibrated_profile(hw_profile("cpu"), Calibration(matmul_flops_per_s={"fp32": 1e10}), "fp32").sources
     assert sources_line(measured).startswith("hw numbers: peak_tflops measured; not modelled: hbm_bandwidth_gbps")

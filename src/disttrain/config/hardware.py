@@ -28,6 +28,7 @@ CALIBRATED_SCALARS = (
     "fsdp_copy_ns_per_byte",
     "fsdp_step_tensor_us",
     "fsdp_step_fixed_us",
+    "loop_overhead_us",
 )
 
 
@@ -85,6 +86,10 @@ class HardwareProfile:
     # parameter tensor on the rank and per step. None: not modelled; calibration measures both in an FSDP2 run.
     fsdp_step_tensor_us: float | None = None
     fsdp_step_fixed_us: float | None = None
+    # Host microseconds an optimizer step spends outside its forward, backward and optimizer step: waiting for its
+    # batches and the training loop's own work (its hooks, callbacks, logging). Not the machine's alone (the loader
+    # and the loop are the run's), but the host's speed sets it. None: not modelled; a diagnosed run measures it.
+    loop_overhead_us: float | None = None
     # Host (CPU) memory per node, shared by its devices' processes: offloaded optimizer states and parameters
     # live there. None: not checked.
     host_memory_gib: float | None = None

@@ -13,7 +13,8 @@ costs the host ``hw.tp_linear_overhead_us`` per micro-batch on top of its FLOPs,
 ``hw.fsdp_unit_overhead_us`` plus ``hw.fsdp_copy_ns_per_byte`` for each byte it copies into or out of its
 collective buffers, and every tensor-parallel block a rank holds adds ``hw.tp_step_overhead_us`` to the step's tail
 (its DTensor parameters' norm, clipping and AdamW step), every FSDP2-sharded parameter tensor
-``hw.fsdp_step_tensor_us`` (and the step ``hw.fsdp_step_fixed_us``).
+``hw.fsdp_step_tensor_us`` (and the step ``hw.fsdp_step_fixed_us``), and every step the time its loop spends outside
+the phases (``hw.loop_overhead_us``: its batches' data wait, the training loop's hooks, callbacks and logging).
 
 Where the run measured its own parts (one block, the edges, a block's optimizer step: ``planner.measured``), a
 layout's forward, backward and optimizer step are composed from them instead of FLOPs over a matmul rate x an
@@ -53,6 +54,7 @@ class StepEstimate:
     sync_wait_s: float  # blocking collectives after compute: waking up, waiting for the group's last rank
     host_dispatch_s: float  # tensor-parallel (DTensor) modules' host overhead beyond their math, all micro-batches
     fsdp_host_s: float  # FSDP2's hooks and buffer copies on the host, all micro-batches
+    loop_s: float  # the step outside its phases: data wait, the training loop's hooks, callbacks and logging
     bubble_fraction: float
     tokens_per_s: float
     mfu: float
@@ -250,7 +252,8 @@ def estimate_step(
     syncs += list(comm.step_syncs)
     overhead = (hw.sync_overhead_us or 0.0) * 1e-6
     sync_wait = sync_wait_seconds(m * (forward + backward), syncs, hw.compute_jitter, overhead)
-    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + nvme + optimizer + sync_wait
+    loop = (hw.loop_overhead_us or 0.0) * 1e-6
+    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + nvme + optimizer + sync_wait + loop
     tokens_per_s = workload.tokens_per_step / step
     util = mfu_from_throughput(tokens_per_s, model_per_token, layout.world_size, peak, hardware_per_token)
     return StepEstimate(
@@ -264,6 +267,7 @@ def estimate_step(
         sync_wait_s=sync_wait,
         host_dispatch_s=m * dispatch,
         fsdp_host_s=m * fsdp_host,
+        loop_s=loop,
         bubble_fraction=bubble,
         tokens_per_s=tokens_per_s,
         mfu=util.mfu,
