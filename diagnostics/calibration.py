@@ -68,7 +68,8 @@ class Calibration:
     # Host microseconds an optimizer step spent outside its forward, backward and optimizer step: its batches' data
     # wait and the training loop's own work between the phases (hooks, callbacks, logging; the step records'
     # ``data_wait_s + other_s``), median over the steady steps of each rank, then over ranks. The hw profile's
-    # ``loop_overhead_us``.
+    # ``loop_overhead_us``. CPU ranks only: the phases are timed on the host's clock, and on a GPU whose host runs
+    # ahead a step's wait for its queued kernels lands wherever the host first syncs, between the phases too.
     loop_overhead_us: float | None = None
     # The run's own parts, timed at start-up (``diagnostics.collect.parts``): seconds of one block's and of the
     # edges' (embedding, final norm, head, loss) forward and backward at the run's micro-batch, sequence length and
@@ -106,6 +107,7 @@ def _records(run_dir: Path) -> list[dict]:
                 "tp_calibration",
                 "fsdp_calibration",
                 "parts_calibration",
+                "meta",
                 "step",
             ):
                 records.append(record)
@@ -213,12 +215,17 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     fsdp_step_fixed: list[float] = []
     parts: list[dict] = []
     loops: dict[int, list[float]] = {}  # per rank, in step order
+    host_clock_ranks: set[int] = set()  # ranks computing on the CPU, whose phases are their compute's
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = found if isinstance(found := r.get("rank"), int) else -1
         if r["kind"] == "step":
             if (loop := _step_loop_s(r)) is not None:
                 loops.setdefault(rank, []).append(loop)
+            continue
+        if r["kind"] == "meta":
+            if str(r.get("device", "")).startswith("cpu"):
+                host_clock_ranks.add(rank)
             continue
         ranks.add(rank)
         if r["kind"] == "calibration" and (rate := _positive(r.get("flops_per_s"))) and isinstance(r.get("dtype"), str):
@@ -290,7 +297,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         fsdp_copy_ns_per_byte=statistics.median(fsdp_per_byte) if fsdp_per_byte else None,
         fsdp_step_tensor_us=statistics.median(fsdp_step_tensor) if fsdp_step_tensor else None,
         fsdp_step_fixed_us=statistics.median(fsdp_step_fixed) if fsdp_step_fixed else None,
-        loop_overhead_us=loop_overhead_us(loops),
+        loop_overhead_us=loop_overhead_us({r: v for r, v in loops.items() if r in host_clock_ranks}),
         parts=parts_figures(parts),
         ranks=len(ranks),
         source=str(run_dir),

@@ -88,7 +88,8 @@ class HardwareProfile:
     fsdp_step_fixed_us: float | None = None
     # Host microseconds an optimizer step spends outside its forward, backward and optimizer step: waiting for its
     # batches and the training loop's own work (its hooks, callbacks, logging). Not the machine's alone (the loader
-    # and the loop are the run's), but the host's speed sets it. None: not modelled; a diagnosed run measures it.
+    # and the loop are the run's), but the host's speed sets it. None: not modelled; a diagnosed CPU run measures it
+    # (a GPU's host runs ahead of its kernels, and its loop hides behind them until the step's first sync).
     loop_overhead_us: float | None = None
     # Host (CPU) memory per node, shared by its devices' processes: offloaded optimizer states and parameters
     # live there. None: not checked.
