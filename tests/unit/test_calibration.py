@@ -160,17 +160,7 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         "inter_node_latency_us",
         "collective_busbw_gbps",
         "collective_latency_us",
-        "sync_overhead_us",
-        "compute_jitter",
-        "comm_overlap",
-        "tp_linear_overhead_us",
-        "tp_edge_overhead_us",
-        "tp_step_overhead_us",
-        "fsdp_unit_overhead_us",
-        "fsdp_copy_ns_per_byte",
-        "fsdp_step_tensor_us",
-        "fsdp_step_fixed_us",
-        "loop_overhead_us",
+        *CALIBRATED_SCALARS,
     }
     assert set(cpu.sources.values()) == {"none"}
 
