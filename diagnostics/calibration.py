@@ -77,6 +77,9 @@ class Calibration:
     # precision they were measured at (``PARTS_SHAPE_KEYS``). The planner composes each layout's step from them.
     parts: dict[str, float | int | str] | None = None
     ranks: int = 0
+    # The device class it was measured on, "cpu" or "gpu" (from the ranks' meta records): its figures describe that
+    # class only. None: not recorded (a calibration file written before it was).
+    accelerator: str | None = None
     source: str = ""  # the run dir it was measured in
 
     def bus_bandwidth_gbps(self, link: str) -> float | None:
@@ -216,6 +219,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     parts: list[dict] = []
     loops: dict[int, list[float]] = {}  # per rank, in step order
     host_clock_ranks: set[int] = set()  # ranks computing on the CPU, whose phases are their compute's
+    accelerators: set[str] = set()
     ranks: set[int] = set()
     for r in _records(run_dir):
         rank = found if isinstance(found := r.get("rank"), int) else -1
@@ -224,8 +228,11 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
                 loops.setdefault(rank, []).append(loop)
             continue
         if r["kind"] == "meta":
-            if str(r.get("device", "")).startswith("cpu"):
+            device = str(r.get("device", ""))
+            if device.startswith("cpu"):
                 host_clock_ranks.add(rank)
+            if device:
+                accelerators.add("cpu" if device.startswith("cpu") else "gpu")
             continue
         ranks.add(rank)
         if r["kind"] == "calibration" and (rate := _positive(r.get("flops_per_s"))) and isinstance(r.get("dtype"), str):
@@ -300,6 +307,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         loop_overhead_us=loop_overhead_us({r: v for r, v in loops.items() if r in host_clock_ranks}),
         parts=parts_figures(parts),
         ranks=len(ranks),
+        accelerator=accelerators.pop() if len(accelerators) == 1 else None,
         source=str(run_dir),
     )
 

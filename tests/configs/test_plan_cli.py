@@ -208,12 +208,19 @@ def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Pat
         "fsdp_copy_ns_per_byte": "none",
         "fsdp_step_tensor_us": "none",
         "fsdp_step_fixed_us": "none",
+        "loop_overhead_us": "none",  # nor step records
     }
     assert payload["recommended"] is not None  # hw=cpu has no datasheet peak: only the calibration times steps
     table = run_plan(args[:-1], tmp_path)
     assert "hw numbers: peak_tflops measured, hbm_bandwidth_gbps measured, intra_node_bandwidth_gbps measured" in (
         table.stdout
     )
+    on_a_gpu = run_plan([f"calibration={run}"], tmp_path)  # the default hw: 8 A100s, planned from a CPU run
+    assert on_a_gpu.returncode == USER_ERROR_EXIT_CODE
+    assert on_a_gpu.stderr.strip().splitlines() == [
+        f"disttrain: config error: calibration: '{run}' was measured on cpu, and hw=8xa100 is a gpu profile. "
+        "Fix: pass a run on a gpu machine, or hw= the profile of the machine that run used"
+    ]
     missing = run_plan(["calibration=/nonexistent/run"], tmp_path)
     assert missing.returncode == USER_ERROR_EXIT_CODE
     assert missing.stderr.strip().startswith("disttrain: config error: calibration: '/nonexistent/run' is neither")

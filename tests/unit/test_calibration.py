@@ -30,6 +30,7 @@ from tests.conftest import hw_profile
 def write_calibration_run(run_dir: Path, *, torn: bool = False) -> None:
     for rank, (start, end, busbw, memory) in enumerate([(1.0e11, 1.2e11, 4.0, 10.0), (0.8e11, 0.9e11, 6.0, 12.0)]):
         w = TelemetryWriter(run_dir, rank)
+        w.write("meta", device="cpu", hw="cpu")
         w.write("calibration", when="start", dtype="fp32", matrix_size=512, flops_per_s=start, seconds=0.3)
         w.write("memory_calibration", bandwidth_gbps=memory)
         for op, factor in (("all_reduce", 1.0), ("all_gather", 2.0), ("reduce_scatter", 3.0)):
@@ -56,6 +57,7 @@ def write_calibration_run(run_dir: Path, *, torn: bool = False) -> None:
 def test_each_rank_keeps_its_best_matmul_rate_and_the_run_takes_the_median(tmp_path: Path) -> None:
     write_calibration_run(tmp_path, torn=True)
     cal = calibration_from_telemetry(tmp_path)
+    assert cal.accelerator == "cpu"  # the device class its figures describe, from the ranks' meta records
     assert cal.matmul_flops_per_s == {"fp32": pytest.approx((1.2e11 + 0.9e11) / 2)}
     assert cal.memory_bandwidth_gbps == pytest.approx(11.0)
     assert cal.links["intra_node"] == pytest.approx({"all_reduce": 5.0, "all_gather": 10.0, "reduce_scatter": 15.0})
@@ -165,9 +167,28 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
     assert set(cpu.sources.values()) == {"none"}
 
 
+def test_a_calibration_from_another_device_class_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """A CPU run's memory bandwidth, links, sync waits and loop would stand in for a GPU's: refused, not mixed."""
+    write_calibration_run(tmp_path)
+    assert load_calibration(str(tmp_path), hw_profile("cpu")).accelerator == "cpu"
+    with pytest.raises(ConfigError, match=r"calibration: .* measured on cpu, and hw=8xh100 is a gpu profile"):
+        load_calibration(str(tmp_path), hw_profile("8xh100"))
+    gpu = tmp_path / "gpu"
+    writer = TelemetryWriter(gpu, 0)
+    writer.write("meta", device="cuda:0")
+    writer.write("memory_calibration", bandwidth_gbps=3000.0)
+    writer.close()
+    assert load_calibration(str(gpu), hw_profile("8xh100")).accelerator == "gpu"
+    with pytest.raises(ConfigError, match=r"pass a run on a cpu machine"):
+        load_calibration(str(gpu), hw_profile("cpu"))
+    older = tmp_path / "calibration.json"  # written before the device class was recorded: taken as it is
+    older.write_text(json.dumps({"memory_bandwidth_gbps": 12.0}))
+    assert load_calibration(str(older), hw_profile("8xh100")).accelerator is None
+
+
 def test_every_figure_calibration_shares_with_the_hw_profile_is_substituted_by_name() -> None:
     shared = {f.name for f in dataclasses.fields(Calibration)} & {f.name for f in dataclasses.fields(HardwareProfile)}
-    assert set(CALIBRATED_SCALARS) == shared - {"source"}
+    assert set(CALIBRATED_SCALARS) == shared - {"source", "accelerator"}
     cal = Calibration(**{name: 0.01 * (i + 1) for i, name in enumerate(CALIBRATED_SCALARS)})
     profile = calibrated_profile(hw_profile("cpu"), cal, "fp32")
     for i, name in enumerate(CALIBRATED_SCALARS):

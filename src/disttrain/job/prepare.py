@@ -267,7 +267,7 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
         run_cfg = dataclasses.replace(run_cfg, resume_weights_only=False)
     parallel = parallel_layout(run_cfg)
     tokenize_corpus(run_cfg)  # data=hf: once, before launch; the ranks then only map the cache
-    calibration = load_calibration(run_cfg.calibration)
+    calibration = load_calibration(run_cfg.calibration, run_cfg.hw)
     run_cfg, parallel, auto_reason = resolve_strategy(run_cfg, parallel, calibration)
     launched = launched_by_cluster()
     elastic_note = None

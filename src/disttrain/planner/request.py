@@ -120,7 +120,7 @@ def parse_plan_request(cfg: DictConfig) -> PlanRequest:
             target = dataclasses.replace(target, megatron_experts=False)
     else:
         raise ConfigError("model", "the planner needs the reference transformer's shape", "add num_parameters=<count>")
-    profile = calibrated_profile(hw, load_calibration(cfg.get("calibration")), precision.compute_dtype)
+    profile = calibrated_profile(hw, load_calibration(cfg.get("calibration"), hw), precision.compute_dtype)
     _check_hw(profile.hw, precision)
     return PlanRequest(
         target,
