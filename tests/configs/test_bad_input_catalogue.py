@@ -176,9 +176,9 @@ def test_hydra_level_mistake_exits_2_from_the_real_cli(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "disttrain: config error: model: unknown option 'gpt-nan' (did you mean 'gpt-nano'?). Fix: choose one of "
-        "['deepseek-moe-16b', 'gpt-micro', 'gpt-nano', 'gpt2-124m', 'gpt2-350m', 'hf', 'hf-tiny-gpt2', 'hf-tiny-llama', "
-        "'hf-tiny-mixtral', 'llama-13b', 'llama-1b', 'llama-70b', 'llama-7b', 'mixtral-8x7b', 'moe-micro', "
-        "'olmoe-1b-7b'] (conf/model/), "
+        "['deepseek-moe-16b', 'gpt-micro', 'gpt-nano', 'gpt2-124m', 'gpt2-350m', 'hf', 'hf-tiny-gpt2', "
+        "'hf-tiny-llama', 'hf-tiny-mixtral', 'llama-13b', 'llama-1b', 'llama-70b', 'llama-7b', 'mixtral-8x7b', "
+        "'moe-micro', 'olmoe-1b-7b'] (conf/model/), "
         "e.g. model=gpt-nano"
     ]
     assert list(tmp_path.iterdir()) == []
