@@ -34,7 +34,7 @@ PUBLISHED = {
     "mixtral-8x7b": 46_702_792_704,
 }
 # Presets whose totals differ from a published one (the differences are in each file's header) or CPU-sized.
-UNPUBLISHED = {"gpt-nano", "moe-micro", "olmoe-1b-7b", "deepseek-moe-16b"}
+UNPUBLISHED = {"gpt-nano", "gpt-micro", "moe-micro", "olmoe-1b-7b", "deepseek-moe-16b"}
 
 GPT_SMALL = ModelConfig(name="gpt-test", n_layers=2, d_model=32, n_heads=4, ffn_hidden=64, vocab_size=50, seq_len=16)
 LLAMA_SMALL = ModelConfig(
