@@ -635,7 +635,9 @@ FSDP_PROBE_WIDTHS = (16, 512)
 FSDP_PROBE_COPIES = 3
 
 
-def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6) -> dict:
+def fsdp_unit_overhead(
+    device: torch.device, shard_ranks: int, repeats: int = 6, widths: tuple[int, ...] = FSDP_PROBE_WIDTHS
+) -> dict:
     """Host cost of FSDP2 (``fully_shard``) beyond a unit's math, over all ranks: per unit and forward + backward a
     fixed part (pre/post-forward and backward hooks, the collectives' wrapping) and a part per byte it copies
     (copy-in to and copy-out of the all-gather and reduce-scatter buffers). A unit resharded after forward under a
@@ -643,7 +645,8 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
     work depends on it), at two widths, against the same modules unwrapped, in alternation (the median of
     ``repeats`` paired differences on ``compute_clock``). ``fixed_us`` per FSDP module (the unit's and the root's
     hooks: half the small probe's overhead), ``ns_per_byte`` per byte of one copy (``hw.fsdp_unit_overhead_us``,
-    ``hw.fsdp_copy_ns_per_byte``). Every rank must call it."""
+    ``hw.fsdp_copy_ns_per_byte``). ``widths`` without the large one: the fixed part alone (``fsdp_model_overhead``
+    measures the per-byte part on the run's own model). Every rank must call it."""
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
@@ -656,7 +659,7 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
     start = time.perf_counter()
     overhead: dict[int, float] = {}
     numel: dict[int, int] = {}
-    for width in FSDP_PROBE_WIDTHS:
+    for width in widths:
         plain, wrapped = unit(width), unit(width)
         fully_shard(wrapped[0], mesh=mesh, reshard_after_forward=True)
         fully_shard(wrapped, mesh=mesh)
@@ -665,13 +668,58 @@ def fsdp_unit_overhead(device: torch.device, shard_ranks: int, repeats: int = 6)
         overhead[width] = max(0.0, passes["extra_s"])
         numel[width] = sum(p.numel() for p in plain.parameters())
     small, large = FSDP_PROBE_WIDTHS
-    element = torch.empty((), dtype=torch.float32).element_size()
-    copied = FSDP_PROBE_COPIES * (numel[large] - numel[small]) * element
-    return {
+    record = {
         "ranks": shard_ranks,
         "overhead_s": {str(width): seconds for width, seconds in overhead.items()},
         "unit_numel": {str(width): n for width, n in numel.items()},
         "fixed_us": overhead[small] / 2 * 1e6,
-        "ns_per_byte": max(0.0, overhead[large] - overhead[small]) / copied * 1e9,
-        "wall_s": time.perf_counter() - start,
+    }
+    if large in overhead:
+        element = torch.empty((), dtype=torch.float32).element_size()
+        copied = FSDP_PROBE_COPIES * (numel[large] - numel[small]) * element
+        record["ns_per_byte"] = max(0.0, overhead[large] - overhead[small]) / copied * 1e9
+    return {**record, "wall_s": time.perf_counter() - start}
+
+
+def fsdp_model_overhead(
+    device: torch.device,
+    shard_ranks: int,
+    parts: Callable[[DeviceMesh], dict],
+    micro_batch: int,
+    fixed_us: float,
+    repeats: int = 6,
+) -> dict:
+    """FSDP2's host cost on the run's own model: ``parts(mesh)`` gives a small copy of it (a block or two and its
+    edges: ``disttrain.strategies.fsdp_probe``), plain and sharded over groups of ``shard_ranks`` ranks as the run
+    shards it, the FSDP2 ``modules`` it has and the ``copy_bytes`` its units copy per forward + backward. Both are
+    timed at ``micro_batch`` x seq_len tokens through the loss, in alternation on ``compute_clock`` (the median of
+    ``repeats`` paired differences). Less ``fixed_us`` per module (the hooks, from ``fsdp_unit_overhead``), what
+    remains is charged per byte copied (``ns_per_byte``, ``hw.fsdp_copy_ns_per_byte``): on the run's block it comes
+    out 3-4x what a Linear pair of the same bytes shows. The time the sharded pass sat blocked in its collectives is
+    recorded beside it, not priced (the link model prices the collectives). Every rank must call it."""
+    import torch.nn.functional as F
+
+    start = time.perf_counter()
+    mesh = group_mesh(device, shard_ranks)
+    p = parts(mesh)
+    tokens = torch.randint(0, p["vocab_size"], (micro_batch, p["seq_len"]), device=device)
+    targets = tokens.roll(-1, dims=1).reshape(-1)
+
+    def loss(model: torch.nn.Module) -> torch.Tensor:
+        logits = model(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets)
+
+    passes = _paired_passes(p["plain"], p["sharded"], loss, device, repeats)
+    net = passes["extra_s"] - p["modules"] * fixed_us * 1e-6
+    return {
+        "probe": "model",
+        "tokens": micro_batch * p["seq_len"],
+        "modules": p["modules"],
+        "copy_bytes": p["copy_bytes"],
+        "plain_model_s": passes["plain_s"],
+        "sharded_model_s": passes["other_s"],
+        "model_extra_s": passes["extra_s"],
+        "sharded_blocked_s": passes["other_blocked_s"],
+        "ns_per_byte": max(0.0, net) / p["copy_bytes"] * 1e9,
+        "model_wall_s": time.perf_counter() - start,
     }

@@ -23,8 +23,10 @@ import torch
 
 from diagnostics.analysis.live import DEVICE_FIELDS, RanksWindow
 from diagnostics.collect.calibrate import (
+    FSDP_PROBE_WIDTHS,
     collective_bandwidth,
     comm_overlap,
+    fsdp_model_overhead,
     fsdp_unit_overhead,
     matmul_flops_per_s,
     memory_bandwidth_gbps,
@@ -89,6 +91,9 @@ class RunFacts:
     # Ranks each FSDP2 unit shards over (strategy=fsdp; strategy=megatron's data parallelism, which wraps its chunks
     # even over one rank); 0: no FSDP2. The FSDP host-cost probe runs over groups of that size, only then.
     fsdp_shard_ranks: int = 0
+    # A small copy of the run's own model, plain and sharded as the run shards it, for the FSDP probe's per-byte
+    # cost (``parts(mesh, device=...)``, see ``fsdp_model_overhead``); None: a Linear pair stands in.
+    fsdp_probe: Callable[..., dict] | None = None
     # Collectives issued off the training and autograd threads (DDP's PowerSGD hook, from gloo's future callbacks):
     # only then does the profiler window profile every thread.
     collectives_off_thread: bool = False
@@ -528,7 +533,14 @@ class DiagnosticsCallback(pl.Callback):
                 self.write("tp_calibration", **tp_linear_overhead(device, f.tp, **shapes))
         if self.facts.fsdp_shard_ranks:  # 0.1-0.3 s on 2 CPU ranks, and 0.2-0.4 s for the step tail
             ranks, step_tail = self.facts.fsdp_shard_ranks, self.facts.step_tail
-            record = fsdp_unit_overhead(device, ranks)
+            # The run's own model at its micro-batch (0.5-1.5 s on 2 CPU ranks) on a CPU only: on a GPU its copy
+            # would take memory the run may need, and the host work hides behind the kernels there.
+            own_model = self.facts.fsdp_probe if device.type == "cpu" else None
+            record = fsdp_unit_overhead(device, ranks, widths=FSDP_PROBE_WIDTHS[:1] if own_model else FSDP_PROBE_WIDTHS)
+            if own_model is not None:
+                parts = functools.partial(own_model, device=device)
+                mb = self.facts.micro_batch_size
+                record.update(fsdp_model_overhead(device, ranks, parts, mb, record["fixed_us"]))
             if step_tail is not None:
                 record.update(fsdp_step_overhead(device, ranks, step_tail))
             self.write("fsdp_calibration", **record)

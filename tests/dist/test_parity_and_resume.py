@@ -79,11 +79,11 @@ LAYOUTS = {
 }
 
 
-# The parity runs assert nothing about diagnostics, so they run without (a launch ~2.5 s shorter); the DDP run and
-# its resume keep them on: start-up calibration and the step records must change neither the losses nor the
-# bitwise resume.
+# The parity runs assert nothing about diagnostics, so they run without (a launch ~2.5 s shorter); the DDP and FSDP
+# runs and their resumes keep them on: start-up calibration (the FSDP probe's copy of the model included) and the
+# step records must change neither the losses nor the bitwise resume.
 UNDIAGNOSED = ["diagnostics=off"]
-DIAGNOSED = {"ddp"}
+DIAGNOSED = {"ddp", "fsdp"}
 
 
 class LayoutRuns:
@@ -135,7 +135,7 @@ def test_resume_from_mid_run_checkpoint_ends_with_identical_weights(
     # The resumed run took its configuration from the original run's recorded overrides.
     assert read_manifest(resumed)["config"]["strategy"]["name"] == strategy
     assert read_manifest(resumed)["resumed_from"] == str(mid.resolve())
-    # Diagnostics (calibration included) ran on both legs of the DDP resume, on neither of the FSDP one.
+    # Diagnostics (calibration included) ran on both legs of the DDP and FSDP resumes.
     assert (uninterrupted / "calibration.json").is_file() == (strategy in DIAGNOSED)
     assert (resumed / "calibration.json").is_file() == (strategy in DIAGNOSED)
 
@@ -150,3 +150,36 @@ def test_resume_from_mid_run_checkpoint_ends_with_identical_weights(
     for name, tensor in expected.items():
         assert torch.equal(tensor, actual[name]), f"{name} differs after resume"
     assert (resumed / "checkpoints" / "last.ckpt").resolve().name == f"step0000{STEPS}.ckpt"
+
+
+def test_the_fsdp_probe_timed_the_runs_own_model_sharded_as_the_run_shards_it(layout_runs: LayoutRuns) -> None:
+    """The diagnosed FSDP run: every rank timed a one-block copy of the run's model plain and under fully_shard (the
+    block's unit and the root), and the per-byte cost the planner charges FSDP2's copies is that difference less the
+    two modules' hooks, over the bytes the planner counts for that copy."""
+    import dataclasses
+    import json
+    import statistics
+
+    from diagnostics.telemetry import telemetry_path
+    from disttrain.planner import Layout, Workload, comm_plan, model_shape
+    from tests.conftest import hw_profile, model_preset
+
+    run_dir = layout_runs["fsdp"]
+    probe = dataclasses.replace(model_preset("gpt-nano"), d_model=64, n_heads=4, ffn_hidden=256, n_layers=1)
+    work = Workload(global_batch_size=8, micro_batch_size=4, seq_len=probe.seq_len, precision="fp32")
+    copied = comm_plan(model_shape(probe), Layout("fsdp", dp=2), work, hw_profile("cpu")).mb_fsdp_copy_bytes
+    per_byte = []
+    for rank in (0, 1):
+        records = [json.loads(line) for line in telemetry_path(run_dir, rank).read_text().splitlines()]
+        (record,) = [r for r in records if r["kind"] == "fsdp_calibration"]
+        assert (record["probe"], record["ranks"], record["modules"], record["tokens"]) == ("model", 2, 2, 4 * 128)
+        # Sharded over 2 ranks its units pad each tensor's rows to even: the planner counts those padded shards.
+        assert record["copy_bytes"] == pytest.approx(copied, rel=0.01)
+        assert record["sharded_model_s"] > 0 and record["plain_model_s"] > 0
+        assert set(record["overhead_s"]) == {"16"}  # the Linear pair's per-byte width is not run beside it
+        net = record["model_extra_s"] - 2 * record["fixed_us"] * 1e-6
+        assert record["ns_per_byte"] == pytest.approx(max(0.0, net) / record["copy_bytes"] * 1e9)
+        per_byte.append(record["ns_per_byte"])
+    calibration = json.loads((run_dir / "calibration.json").read_text())
+    assert calibration["fsdp_copy_ns_per_byte"] == pytest.approx(statistics.median(per_byte))
+    assert read_manifest(run_dir)["prediction"]["basis"]["fsdp_copy_ns_per_byte"] == "measured"

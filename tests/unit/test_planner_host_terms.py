@@ -17,7 +17,9 @@ import torch
 from diagnostics.calibration import calibration_from_telemetry
 from diagnostics.collect.calibrate import (
     compute_clock,
+    fsdp_model_overhead,
     fsdp_unit_overhead,
+    group_mesh,
     runqueue_seconds,
     tp_linear_overhead,
     tp_model_overhead,
@@ -183,6 +185,73 @@ def test_the_fsdp_probe_measures_hooks_and_copies_of_a_real_fully_shard_unit(tmp
     # Even over one rank FSDP2 runs its hooks and copies through its buffers: both cost time on the host.
     assert result["fixed_us"] > 0 and result["ns_per_byte"] >= 0
     assert result["fixed_us"] == pytest.approx(result["overhead_s"]["16"] / 2 * 1e6)
+
+
+def already(parts: dict) -> Callable[[object], dict]:
+    """Parts built before the probe asks, whatever mesh it passes."""
+    return lambda _mesh: parts
+
+
+def test_the_fsdp_probe_on_the_runs_own_model_counts_its_copies_as_the_planner_does(tmp_path: Path) -> None:
+    import functools
+
+    from disttrain.config.schema import FSDPConfig
+    from disttrain.strategies.fsdp_probe import fsdp_probe_parts
+
+    tiny = dataclasses.replace(model("gpt-nano"), d_model=32, n_heads=2, ffn_hidden=64, vocab_size=64, seq_len=16)
+    cpu = torch.device("cpu")
+    for reshard in (True, False):
+        fsdp = FSDPConfig(reshard_after_forward=reshard)
+        parts = functools.partial(fsdp_probe_parts, tiny, fsdp, "fp32", device=cpu)
+        with one_rank_group(tmp_path / f"store-{reshard}"):
+            built = parts(group_mesh(cpu, 1))
+            # One block and the edges, plain and sharded: the same model, so the same logits.
+            tokens = torch.randint(0, 64, (2, 16))
+            assert torch.allclose(built["plain"](tokens), built["sharded"](tokens), atol=1e-6)
+            assert built["modules"] == 2 and len(built["sharded"].blocks) == 1  # the block's unit and the root
+            # What it copies per forward + backward is what the planner counts for a run of that model on one rank.
+            probe_shape = model_shape(dataclasses.replace(tiny, n_layers=1))
+            planned = comm_plan(probe_shape, Layout("fsdp", dp=1, reshard_after_forward=reshard), WORK, CPU)
+            assert built["copy_bytes"] == planned.mb_fsdp_copy_bytes > 0
+            result = fsdp_model_overhead(cpu, 1, already(built), micro_batch=2, fixed_us=100.0, repeats=2)
+        assert (result["probe"], result["tokens"], result["modules"]) == ("model", 32, 2)
+        assert result["sharded_model_s"] > 0 and result["plain_model_s"] > 0 and result["sharded_blocked_s"] >= 0
+        # Less the hooks of its two FSDP2 modules, the rest is charged per byte copied.
+        net = result["model_extra_s"] - 2 * 100e-6
+        assert result["ns_per_byte"] == pytest.approx(max(0.0, net) / result["copy_bytes"] * 1e9)
+    # An HF model's probe is its own config at two layers, its copies counted as the planner counts its shape's.
+    from disttrain.config.hf import hf_shape
+    from disttrain.config.schema import HFModelConfig
+    from tests.hf_fixtures import TINY_LLAMA
+
+    llama = HFModelConfig(config=dict(TINY_LLAMA), seq_len=16)
+    with one_rank_group(tmp_path / "store-hf"):
+        built = fsdp_probe_parts(llama, FSDPConfig(), "fp32", group_mesh(cpu, 1), device=cpu)
+    two_layers = model_shape(dataclasses.replace(hf_shape(llama), n_layers=2))
+    assert built["modules"] == 3 and built["vocab_size"] == TINY_LLAMA["vocab_size"]
+    assert built["copy_bytes"] == comm_plan(two_layers, Layout("fsdp", dp=1), WORK, CPU).mb_fsdp_copy_bytes
+
+
+def test_the_fsdp_probe_builds_the_runs_model_only_where_its_twin_runs_the_same_math() -> None:
+    from disttrain.config.schema import CustomModelConfig, FSDPConfig, HFModelConfig, PrecisionConfig
+    from disttrain.strategies.fsdp_probe import fsdp_probe_supported
+    from tests.hf_fixtures import TINY_LLAMA
+
+    nano, fsdp, fp32 = model("gpt-nano"), FSDPConfig(), PrecisionConfig(name="fp32")
+    assert fsdp_probe_supported(nano, fsdp, fp32, compiled=False)
+    assert fsdp_probe_supported(nano, fsdp, PrecisionConfig(name="bf16-true"), compiled=False)
+    llama = HFModelConfig(config=dict(TINY_LLAMA), seq_len=32)
+    assert fsdp_probe_supported(llama, fsdp, fp32, compiled=False)
+    refused = [
+        (nano, fsdp, PrecisionConfig(name="bf16-mixed"), False),  # FSDP2 casts: the plain twin would not
+        (nano, fsdp, fp32, True),  # compiled blocks
+        (model("moe-micro"), fsdp, fp32, False),  # experts
+        (nano, FSDPConfig(activation_checkpointing=True), fp32, False),
+        (nano, FSDPConfig(cpu_offload=True), fp32, False),
+        (CustomModelConfig(target="my.Model", vocab_size=64, seq_len=16), fsdp, fp32, False),  # layers unknown
+    ]
+    for args in refused:
+        assert not fsdp_probe_supported(*args), args
 
 
 def test_the_tp_probe_times_a_real_dtensor_pair_at_the_runs_shapes_net_of_its_collectives(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from diagnostics.report import diagnose_run
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
+    FSDPConfig,
     HFModelConfig,
     LoggerConfig,
     MegatronConfig,
@@ -42,6 +43,7 @@ from disttrain.models.tensor_parallel import tp_probe_parts
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.strategies.ddp import build_one_process
+from disttrain.strategies.fsdp_probe import fsdp_probe_parts, fsdp_probe_supported
 from disttrain.strategies.layout import ParallelLayout
 from disttrain.strategies.spec import StrategyBuild, spec_of, with_run_swap_folder
 from disttrain.training.callbacks import FinalValidation, Throughput
@@ -119,6 +121,18 @@ def tp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     return with_step_tail(parts, cfg.optimizer)
 
 
+def fsdp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
+    """The FSDP probe's model for a strategy=fsdp run the probe can build as the run shards it (the reference
+    transformer or an HF model, dense, in one dtype: ``fsdp_probe_supported``); None otherwise (a Linear pair
+    stands in)."""
+    s, model = cfg.strategy, cfg.model
+    if not isinstance(s, FSDPConfig) or not isinstance(model, ModelConfig | HFModelConfig):
+        return None
+    if not fsdp_probe_supported(model, s, cfg.precision, bool(model.compile)):
+        return None
+    return functools.partial(fsdp_probe_parts, model, s, cfg.precision.name)
+
+
 def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     """The parts probe's layers (one block, the edges, the run's optimizer over a block) for a run of the reference
     transformer or an HF model, in its precision; None for a user's own model (its layers are unknown)."""
@@ -177,6 +191,7 @@ def build_diagnostics(
         parts_probe=parts_probe(cfg),
         collectives_off_thread=collectives_off_thread(cfg),
         fsdp_shard_ranks=parallel.fsdp_shard_ranks,
+        fsdp_probe=fsdp_probe(cfg),
         step_tail=functools.partial(step_tail, optimizer=cfg.optimizer),
     )
     return DiagnosticsCallback(
