@@ -200,18 +200,20 @@ def test_the_fsdp_probe_on_the_runs_own_model_counts_its_copies_as_the_planner_d
 
     tiny = dataclasses.replace(model("gpt-nano"), d_model=32, n_heads=2, ffn_hidden=64, vocab_size=64, seq_len=16)
     cpu = torch.device("cpu")
-    for reshard in (True, False):
+    for reshard, precision in ((True, "fp32"), (False, "fp32"), (True, "bf16-true")):
         fsdp = FSDPConfig(reshard_after_forward=reshard)
-        parts = functools.partial(fsdp_probe_parts, tiny, fsdp, "fp32", device=cpu)
-        with one_rank_group(tmp_path / f"store-{reshard}"):
+        parts = functools.partial(fsdp_probe_parts, tiny, fsdp, precision, device=cpu)
+        with one_rank_group(tmp_path / f"store-{reshard}-{precision}"):
             built = parts(group_mesh(cpu, 1))
             # One block and the edges, plain and sharded: the same model, so the same logits.
             tokens = torch.randint(0, 64, (2, 16))
-            assert torch.allclose(built["plain"](tokens), built["sharded"](tokens), atol=1e-6)
+            assert torch.equal(built["plain"](tokens), built["sharded"](tokens))
             assert built["modules"] == 2 and len(built["sharded"].blocks) == 1  # the block's unit and the root
-            # What it copies per forward + backward is what the planner counts for a run of that model on one rank.
+            # What it copies per forward + backward is what the planner counts for a run of that model on one rank
+            # (bf16-true: parameters, gathers and gradients in 2 bytes).
             probe_shape = model_shape(dataclasses.replace(tiny, n_layers=1))
-            planned = comm_plan(probe_shape, Layout("fsdp", dp=1, reshard_after_forward=reshard), WORK, CPU)
+            work = dataclasses.replace(WORK, precision=precision)
+            planned = comm_plan(probe_shape, Layout("fsdp", dp=1, reshard_after_forward=reshard), work, CPU)
             assert built["copy_bytes"] == planned.mb_fsdp_copy_bytes > 0
             result = fsdp_model_overhead(cpu, 1, already(built), micro_batch=2, fixed_us=100.0, repeats=2)
         assert (result["probe"], result["tokens"], result["modules"]) == ("model", 32, 2)
