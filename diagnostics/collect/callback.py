@@ -540,7 +540,12 @@ class DiagnosticsCallback(pl.Callback):
             if own_model is not None:
                 parts = functools.partial(own_model, device=device)
                 mb = self.facts.micro_batch_size
-                record.update(fsdp_model_overhead(device, ranks, parts, mb, record["fixed_us"]))
+                # A model the probe cannot copy fails alike on every rank, in its build or first plain pass (before
+                # any collective): all ranks then time the Linear pair's per-byte width instead, as before.
+                measured = self.guarded(
+                    "fsdp_model_calibration", lambda: fsdp_model_overhead(device, ranks, parts, mb, record["fixed_us"])
+                )
+                record.update(measured or fsdp_unit_overhead(device, ranks))
             if step_tail is not None:
                 record.update(fsdp_step_overhead(device, ranks, step_tail))
             self.write("fsdp_calibration", **record)

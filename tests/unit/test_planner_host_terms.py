@@ -495,3 +495,48 @@ def test_a_cpu_host_hides_collectives_only_with_a_spare_core_per_rank(monkeypatc
     assert calibrate.comm_overlap(None, 8 << 20, cpu, local_ranks=4)["hidden"] == pytest.approx(0.5)  # 1.5 - 1
     monkeypatch.setattr(calibrate.torch, "get_num_threads", lambda: 3)
     assert calibrate.comm_overlap(None, 8 << 20, cpu, local_ranks=2)["hidden"] == 0.0  # 3 cores, 3 threads each
+
+
+def test_the_callback_times_fsdp2_on_the_runs_model_and_falls_back_to_the_pair_where_it_cannot(tmp_path: Path) -> None:
+    """The start-up calibration of a strategy=fsdp run: the run's own model when the pipeline could give one; a model
+    whose copy fails (alike on every rank, before any collective) leaves an error record and the Linear pair's
+    per-byte figure, and the run goes on."""
+    import functools
+    import json
+    from types import SimpleNamespace
+
+    from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+    from diagnostics.telemetry import TelemetryWriter, telemetry_path
+    from disttrain.config.schema import FSDPConfig
+    from disttrain.strategies.fsdp_probe import fsdp_probe_parts
+
+    tiny = dataclasses.replace(model("gpt-nano"), d_model=32, n_heads=2, ffn_hidden=64, vocab_size=64, seq_len=16)
+
+    def unbuildable(mesh: object, device: torch.device) -> dict:
+        raise RuntimeError("this model cannot be copied")
+
+    probes = {"own": functools.partial(fsdp_probe_parts, tiny, FSDPConfig(), "fp32"), "failing": unbuildable}
+    trainer = SimpleNamespace(global_rank=0, world_size=2, num_nodes=1, num_devices=2)  # calibrate_links' fields
+    for name, probe in probes.items():
+        facts = RunFacts(
+            *("fsdp", "fp32", "fp32", "cpu", 10, 60.0, 60.0, 32, 2, 1, 16, 10, None),
+            fsdp_shard_ranks=1,
+            fsdp_probe=probe,
+        )
+        run_dir = tmp_path / name
+        callback = DiagnosticsCallback(CollectSettings(), facts, run_dir, lambda: None)
+        callback.writer = TelemetryWriter(run_dir, 0)
+        with one_rank_group(tmp_path / f"store-{name}"):
+            callback.calibrate_links(trainer, torch.device("cpu"))  # type: ignore[arg-type]
+        callback.writer.close()
+        records = [json.loads(line) for line in telemetry_path(run_dir, 0).read_text().splitlines()]
+        (fsdp,) = [r for r in records if r["kind"] == "fsdp_calibration"]
+        errors = [r for r in records if r["kind"] == "error"]
+        assert fsdp["ns_per_byte"] >= 0 and fsdp["fixed_us"] > 0
+        if name == "own":
+            assert fsdp["probe"] == "model" and set(fsdp["overhead_s"]) == {"16"} and errors == []
+        else:
+            assert "probe" not in fsdp and set(fsdp["overhead_s"]) == {"16", "512"}
+            assert [(r["source"], r["message"]) for r in errors] == [
+                ("fsdp_model_calibration", "RuntimeError: this model cannot be copied")
+            ]
