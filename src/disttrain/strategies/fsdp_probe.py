@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -28,7 +29,9 @@ from disttrain.models.transformer import build_model
 SAME_DTYPE_PRECISIONS = ("fp32", "bf16-true")
 
 
-def fsdp_probe_supported(model: object, fsdp: FSDPConfig, precision: PrecisionConfig, compiled: bool) -> bool:
+def fsdp_probe_supported(
+    model: object, fsdp: FSDPConfig, precision: PrecisionConfig, compiled: bool
+) -> TypeGuard[ModelConfig | HFModelConfig]:
     """Whether the probe can build the run's model as the run shards it: the reference transformer or an HF model,
     dense, uncompiled, one expert-parallel group, parameters on the device, without a mixed-precision cast."""
     if type(model) is ModelConfig:

@@ -126,9 +126,7 @@ def fsdp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     transformer or an HF model, dense, in one dtype: ``fsdp_probe_supported``); None otherwise (a Linear pair
     stands in)."""
     s, model = cfg.strategy, cfg.model
-    if not isinstance(s, FSDPConfig) or not isinstance(model, ModelConfig | HFModelConfig):
-        return None
-    if not fsdp_probe_supported(model, s, cfg.precision, bool(model.compile)):
+    if not isinstance(s, FSDPConfig) or not fsdp_probe_supported(model, s, cfg.precision, bool(model.compile)):
         return None
     return functools.partial(fsdp_probe_parts, model, s, cfg.precision.name)
 
