@@ -25,6 +25,12 @@ import torch.nn.functional as F
 from diagnostics.collect.calibrate import LayerClock, compute_clock
 from diagnostics.collect.unhooked import unhooked_step
 
+# Warm-up passes of each part on a CPU, at least: a fresh process's first passes at the run's shapes read slow
+# (which of the host's allocator and caches settles is not isolated). 2 gloo ranks of gpt-micro, one warm-up
+# pass: the composed parts 1.06-1.16x the whole model's pass measured right after (median 1.11); three:
+# 0.96-1.11 (1.02). A pipeline multiplies the over-read by its bubble (pp=2 +19% -> +3%: benchmarks/RESULTS.md).
+CPU_WARMUP_PASSES = 3
+
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -93,6 +99,8 @@ def _block_and_edges(
 
     loss = parts.get("loss") or _cross_entropy
     warmup = int(parts.get("warmup", 1))
+    if device.type == "cpu":
+        warmup = max(warmup, CPU_WARMUP_PASSES)
 
     def edges_forward() -> torch.Tensor:
         with autocast():

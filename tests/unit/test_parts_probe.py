@@ -204,3 +204,19 @@ def test_the_start_up_probes_leave_the_runs_random_streams_as_they_found_them(tm
         callback.writer.close()
     records = [json.loads(line) for line in telemetry_path(tmp_path, 0).read_text().splitlines()]
     assert {"calibration", "parts_calibration"} <= {r["kind"] for r in records}
+
+
+def test_an_eager_block_on_a_cpu_is_warmed_up_before_it_is_timed() -> None:
+    """A fresh process's first passes read slow on a CPU: an eager block (one warm-up pass asked for) and its edges
+    each get CPU_WARMUP_PASSES untimed passes before the timed ones."""
+    from diagnostics.collect.parts import CPU_WARMUP_PASSES
+
+    parts = model_parts(TINY, OptimizerConfig(), "fp32", torch.device("cpu"))
+    assert parts["warmup"] == 1 and CPU_WARMUP_PASSES > 1
+    eager_loss, block = parts["loss"], parts["block"]
+    losses: list[int] = []
+    blocks: list[int] = []
+    block.register_forward_hook(lambda *_: blocks.append(1))
+    parts["loss"] = lambda logits, targets: losses.append(1) or eager_loss(logits, targets)
+    time_model_parts(torch.device("cpu"), parts, micro_batch=2, repeats=2)
+    assert len(blocks) == len(losses) == CPU_WARMUP_PASSES + 2
