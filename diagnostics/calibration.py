@@ -65,6 +65,12 @@ class Calibration:
     # ``fsdp_step_tensor_us`` and ``fsdp_step_fixed_us``.
     fsdp_step_tensor_us: float | None = None
     fsdp_step_fixed_us: float | None = None
+    # What DeepSpeed's ZeRO-1/2 engine adds on the host (collect/zero_step.py), per micro-batch and per step:
+    # ``zero_backward_fixed_us``, ``zero_backward_ns_per_byte``, ``zero_step_fixed_us``, ``zero_step_ns_per_byte``.
+    zero_backward_fixed_us: float | None = None
+    zero_backward_ns_per_byte: float | None = None
+    zero_step_fixed_us: float | None = None
+    zero_step_ns_per_byte: float | None = None
     # Host microseconds an optimizer step spent outside its forward, backward and optimizer step: its batches' data
     # wait and the training loop's own work between the phases (hooks, callbacks, logging; the step records'
     # ``data_wait_s + other_s``), median over the steady steps of each rank, then over ranks. The hw profile's
@@ -109,6 +115,7 @@ def _records(run_dir: Path) -> list[dict]:
                 "overlap_calibration",
                 "tp_calibration",
                 "fsdp_calibration",
+                "zero_calibration",
                 "parts_calibration",
                 "meta",
                 "step",
@@ -200,6 +207,10 @@ def loop_overhead_us(per_rank: dict[int, list[float]]) -> float | None:
     return statistics.median(medians) * 1e6 if medians else None
 
 
+# The zero_calibration record's figures (collect/zero_step.py), each a Calibration field with a ``zero_`` prefix.
+ZERO_FIGURES = ("backward_fixed_us", "backward_ns_per_byte", "step_fixed_us", "step_ns_per_byte")
+
+
 def calibration_from_telemetry(run_dir: Path) -> Calibration:
     """Each rank's best matmul rate (start or end: load only ever lowers it), then the median over ranks."""
     best: dict[tuple[str, int], float] = {}
@@ -216,6 +227,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
     fsdp_per_byte: list[float] = []
     fsdp_step_tensor: list[float] = []
     fsdp_step_fixed: list[float] = []
+    zero: dict[str, list[float]] = {name: [] for name in ZERO_FIGURES}
     parts: list[dict] = []
     loops: dict[int, list[float]] = {}  # per rank, in step order
     host_clock_ranks: set[int] = set()  # ranks computing on the CPU, whose phases are their compute's
@@ -268,6 +280,10 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
             ):
                 if (value := _fraction(r.get(name), upper=math.inf)) is not None:
                     values.append(value)
+        elif r["kind"] == "zero_calibration":
+            for name, values in zero.items():
+                if (value := _fraction(r.get(name), upper=math.inf)) is not None:
+                    values.append(value)
         elif r["kind"] == "parts_calibration":
             parts.append(r)
         elif r["kind"] == "sync_calibration" and (segment := _positive(r.get("segment_s"))):
@@ -304,6 +320,7 @@ def calibration_from_telemetry(run_dir: Path) -> Calibration:
         fsdp_copy_ns_per_byte=statistics.median(fsdp_per_byte) if fsdp_per_byte else None,
         fsdp_step_tensor_us=statistics.median(fsdp_step_tensor) if fsdp_step_tensor else None,
         fsdp_step_fixed_us=statistics.median(fsdp_step_fixed) if fsdp_step_fixed else None,
+        **{f"zero_{name}": statistics.median(values) if values else None for name, values in zero.items()},
         loop_overhead_us=loop_overhead_us({r: v for r, v in loops.items() if r in host_clock_ranks}),
         parts=parts_figures(parts),
         ranks=len(ranks),

@@ -50,6 +50,7 @@ from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
 from diagnostics.collect.state_bytes import training_state_bytes
 from diagnostics.collect.steps import DataWaitProfiler, PhaseTimer, StepPhases
 from diagnostics.collect.watchdog import Watchdog
+from diagnostics.collect.zero_step import zero_overhead
 from diagnostics.mfu import flops_utilization
 from diagnostics.telemetry import TelemetryWriter
 
@@ -103,6 +104,9 @@ class RunFacts:
     # The run's step tail over a module's gradients (``step_tail(module)()``: the non-finite guard's norm, clipping
     # with it, the run's AdamW), for the FSDP probe's sharded-parameter cost; None: that part is not probed.
     step_tail: Callable[[torch.nn.Module], Callable[[], None]] | None = None
+    # A small copy of the run's own model and its DeepSpeed engine for the ZeRO probe (``parts(device=...)``, see
+    # ``zero_overhead``): a strategy=deepspeed run at ZeRO-1/2 the probe can build; None: not probed.
+    zero_probe: Callable[..., dict] | None = None
 
 
 def _run_rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
@@ -549,6 +553,16 @@ class DiagnosticsCallback(pl.Callback):
             if step_tail is not None:
                 record.update(fsdp_step_overhead(device, ranks, step_tail))
             self.write("fsdp_calibration", **record)
+        zero_probe, step_tail = self.facts.zero_probe, self.facts.step_tail
+        if zero_probe is not None and step_tail is not None and device.type == "cpu":
+            # DeepSpeed's host work on a copy of the run's model (1-2 s on 2 CPU ranks), on a CPU only (on a GPU the
+            # copy would take memory the run may need, and the host work hides behind the kernels). A model the probe
+            # cannot build fails alike on every rank, before its engine's first collective.
+            parts = functools.partial(zero_probe, device=device)
+            mb, world = self.facts.micro_batch_size, trainer.world_size
+            zero = self.guarded("zero_calibration", lambda: zero_overhead(device, parts, step_tail, mb, world))
+            if zero:
+                self.write("zero_calibration", **zero)
 
     def _throughput(self, world_size: int, tokens_per_s: float) -> None:
         f = self.facts

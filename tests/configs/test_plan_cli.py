@@ -208,6 +208,10 @@ def test_calibration_from_a_run_dir_replaces_the_datasheet_numbers(tmp_path: Pat
         "fsdp_copy_ns_per_byte": "none",
         "fsdp_step_tensor_us": "none",
         "fsdp_step_fixed_us": "none",
+        "zero_backward_fixed_us": "none",  # nor a ZeRO probe
+        "zero_backward_ns_per_byte": "none",
+        "zero_step_fixed_us": "none",
+        "zero_step_ns_per_byte": "none",
         "loop_overhead_us": "none",  # nor step records
     }
     assert payload["recommended"] is not None  # hw=cpu has no datasheet peak: only the calibration times steps

@@ -8,6 +8,7 @@ checkpoint itself holds full tensors under single-process names, like every stra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diagnostics.calibration import calibration_from_telemetry
 from diagnostics.telemetry import telemetry_path
 from disttrain.config.schema import ModelConfig
 from disttrain.models import build_model
@@ -44,7 +46,15 @@ COMMON = [
 STAGES = {
     # Accumulation: DeepSpeed's engine must not divide the loss by the accumulation a second time.
     1: ["strategy.stage=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=8"],
-    2: ["strategy.stage=2", "trainer.micro_batch_size=4"],
+    # Diagnosed with its start-up calibration: the ZeRO probe builds engines of its own before the run's, which must
+    # leave the run's training (parity below) as it was, and its figures reach the run's prediction.
+    2: [
+        "strategy.stage=2",
+        "trainer.micro_batch_size=4",
+        "diagnostics=default",
+        "diagnostics.profile=false",
+        "diagnostics.report=false",
+    ],
     # Threshold 0 partitions every parameter (DeepSpeed keeps ones under 1e5 elements whole by default);
     # activation checkpointing recomputes blocks whose parameters ZeRO-3 gathers again in backward.
     3: [
@@ -109,6 +119,33 @@ def test_zero_1_2_each_rank_holds_half_of_the_optimizer_state(stage: int, runs: 
         assert held["fp32_partition"] == expected, f"rank {rank}"
         assert held["params"] == totals, f"rank {rank}"  # stages 1/2 keep whole model parameters
     assert sum(expected) < sum(totals)  # strictly less than a replica's state
+
+
+def test_zero_2_measures_its_engines_host_work_on_the_runs_model_and_the_planner_charges_it(
+    runs: dict[str, Path],
+) -> None:
+    run_dir = runs["zero2"]
+    cfg = ModelConfig(**read_manifest(run_dir)["config"]["model"])
+    copy_bytes = 4 * sum(p.numel() for p in build_model(dataclasses.replace(cfg, n_layers=1), seed=0).parameters())
+    for rank in range(WORLD):
+        lines = telemetry_path(run_dir, rank).read_text().splitlines()
+        (record,) = [r for line in lines if (r := json.loads(line)).get("kind") == "zero_calibration"]
+        assert record["dp"] == WORLD and record["param_bytes"] == copy_bytes  # a one-block fp32 copy of the model
+        # The engine's hooks and step cost something beyond the plain twin's on tiny linears already.
+        assert record["backward_fixed_us"] > 0 and record["step_fixed_us"] > 0, record
+        assert record["backward_ns_per_byte"] >= 0 and record["step_ns_per_byte"] >= 0, record
+    calibration = calibration_from_telemetry(run_dir)
+    assert calibration.zero_backward_fixed_us is not None and calibration.zero_step_ns_per_byte is not None
+    model_bytes = 4 * model_shape(cfg).num_parameters
+    expected = (
+        calibration.zero_backward_fixed_us * 1e-6
+        + model_bytes * calibration.zero_backward_ns_per_byte * 1e-9
+        + calibration.zero_step_fixed_us * 1e-6
+        + model_bytes / WORLD * calibration.zero_step_ns_per_byte * 1e-9
+    )
+    prediction = read_manifest(run_dir)["prediction"]
+    assert prediction["predicted"]["zero_host_s"] == pytest.approx(expected) and expected > 0
+    assert prediction["basis"]["zero_backward_ns_per_byte"] == "measured"
 
 
 def test_zero_3_each_rank_holds_only_its_parameter_partitions(runs: dict[str, Path]) -> None:

@@ -129,6 +129,10 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
         fsdp_copy_ns_per_byte=0.5,
         fsdp_step_tensor_us=160.0,
         fsdp_step_fixed_us=900.0,
+        zero_backward_fixed_us=1000.0,
+        zero_backward_ns_per_byte=3.0,
+        zero_step_fixed_us=1200.0,
+        zero_step_ns_per_byte=0.1,
         loop_overhead_us=6000.0,
         source="RUN",
     )
@@ -145,6 +149,8 @@ def test_calibrated_profile_replaces_what_was_measured_and_says_so() -> None:
     assert (profile.hw.comm_overlap, profile.hw.tp_linear_overhead_us) == (0.9, 50.0)
     assert (profile.hw.fsdp_unit_overhead_us, profile.hw.fsdp_copy_ns_per_byte) == (700.0, 0.5)
     assert (profile.hw.fsdp_step_tensor_us, profile.hw.fsdp_step_fixed_us) == (160.0, 900.0)
+    assert (profile.hw.zero_backward_fixed_us, profile.hw.zero_backward_ns_per_byte) == (1000.0, 3.0)
+    assert (profile.hw.zero_step_fixed_us, profile.hw.zero_step_ns_per_byte) == (1200.0, 0.1)
     assert (profile.hw.tp_edge_overhead_us, profile.hw.tp_step_overhead_us) == (9000.0, 3000.0)
     assert profile.hw.loop_overhead_us == 6000.0
     assert set(profile.sources.values()) == {"measured"}
@@ -248,6 +254,7 @@ def test_the_plan_table_says_which_numbers_are_datasheet_measured_or_missing() -
         "inter_node_bandwidth_gbps datasheet; not modelled: intra_node_latency_us, inter_node_latency_us, "
         "sync_overhead_us, compute_jitter, tp_linear_overhead_us, tp_edge_overhead_us, tp_step_overhead_us, "
         "fsdp_unit_overhead_us, fsdp_copy_ns_per_byte, fsdp_step_tensor_us, fsdp_step_fixed_us, "
+        "zero_backward_fixed_us, zero_backward_ns_per_byte, zero_step_fixed_us, zero_step_ns_per_byte, "
         "loop_overhead_us"
     )
     measured = calibrated_profile(hw_profile("cpu"), Calibration(matmul_flops_per_s={"fp32": 1e10}), "fp32").sources

@@ -28,6 +28,10 @@ CALIBRATED_SCALARS = (
     "fsdp_copy_ns_per_byte",
     "fsdp_step_tensor_us",
     "fsdp_step_fixed_us",
+    "zero_backward_fixed_us",
+    "zero_backward_ns_per_byte",
+    "zero_step_fixed_us",
+    "zero_step_ns_per_byte",
     "loop_overhead_us",
 )
 
@@ -86,6 +90,14 @@ class HardwareProfile:
     # parameter tensor on the rank and per step. None: not modelled; calibration measures both in an FSDP2 run.
     fsdp_step_tensor_us: float | None = None
     fsdp_step_fixed_us: float | None = None
+    # Host cost DeepSpeed's ZeRO-1/2 engine adds beyond the math and the collectives (its per-parameter gradient
+    # hooks and bucket copies each micro-batch; its step's overflow check, norm, flattening, clipping and copy back):
+    # microseconds per micro-batch and nanoseconds per byte of the model's parameters, microseconds per step and
+    # nanoseconds per byte of the rank's partition. None: not modelled; a diagnosed CPU ZeRO-1/2 run measures them.
+    zero_backward_fixed_us: float | None = None
+    zero_backward_ns_per_byte: float | None = None
+    zero_step_fixed_us: float | None = None
+    zero_step_ns_per_byte: float | None = None
     # Host microseconds an optimizer step spends outside its forward, backward and optimizer step: waiting for its
     # batches and the training loop's own work (its hooks, callbacks, logging). Not the machine's alone (the loader
     # and the loop are the run's), but the host's speed sets it. None: not modelled; a diagnosed CPU run measures it

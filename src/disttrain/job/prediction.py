@@ -61,6 +61,7 @@ def predict_run(cfg: RunConfig, parallel: ParallelLayout, calibration: Calibrati
             optimizer_step_s=estimate.optimizer_step_s,
             tp_dispatch_s=estimate.host_dispatch_s,
             fsdp_host_s=estimate.fsdp_host_s,
+            zero_host_s=estimate.zero_host_s,
             loop_s=estimate.loop_s,
             tokens_per_s=estimate.tokens_per_s,
             mfu=estimate.mfu,

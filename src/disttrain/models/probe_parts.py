@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -90,6 +91,16 @@ def model_parts(
 
 # The torch.compile mode that builds a CUDA-graph mode's kernels without recording graphs.
 WITHOUT_GRAPHS = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def dense_known_model(model: object) -> TypeGuard[ModelConfig | HFModelConfig]:
+    """Whether a probe can build a copy of ``model``: the reference transformer or an HF model, without experts
+    (a user's own model's layers are unknown; experts are routed and placed, which a copy would not reproduce)."""
+    if type(model) is ModelConfig:
+        return model.num_experts == 0
+    if isinstance(model, HFModelConfig):
+        return hf_shape(model).num_experts == 0
+    return False
 
 
 def probe_compiles(cfg: ModelConfig, device: torch.device) -> bool:

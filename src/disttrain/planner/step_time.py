@@ -13,8 +13,10 @@ costs the host ``hw.tp_linear_overhead_us`` per micro-batch on top of its FLOPs,
 ``hw.fsdp_unit_overhead_us`` plus ``hw.fsdp_copy_ns_per_byte`` for each byte it copies into or out of its
 collective buffers, and every tensor-parallel block a rank holds adds ``hw.tp_step_overhead_us`` to the step's tail
 (its DTensor parameters' norm, clipping and AdamW step), every FSDP2-sharded parameter tensor
-``hw.fsdp_step_tensor_us`` (and the step ``hw.fsdp_step_fixed_us``), and every step the time its loop spends outside
-the phases (``hw.loop_overhead_us``: its batches' data wait, the training loop's hooks, callbacks and logging).
+``hw.fsdp_step_tensor_us`` (and the step ``hw.fsdp_step_fixed_us``), DeepSpeed's ZeRO-1/2 engine its gradient hooks
+every micro-batch and its step's host work (``hw.zero_*``: fixed and per byte of the parameters or the partition),
+and every step the time its loop spends outside the phases (``hw.loop_overhead_us``: its batches' data wait, the
+training loop's hooks, callbacks and logging).
 
 Where the run measured its own parts (one block, the edges, a block's optimizer step: ``planner.measured``), a
 layout's forward, backward and optimizer step are composed from them instead of FLOPs over a matmul rate x an
@@ -54,6 +56,7 @@ class StepEstimate:
     sync_wait_s: float  # blocking collectives after compute: waking up, waiting for the group's last rank
     host_dispatch_s: float  # tensor-parallel (DTensor) modules' host overhead beyond their math, all micro-batches
     fsdp_host_s: float  # FSDP2's hooks and buffer copies on the host, all micro-batches
+    zero_host_s: float  # DeepSpeed ZeRO-1/2's host work: its gradient hooks (all micro-batches), its step's tail
     loop_s: float  # the step outside its phases: data wait, the training loop's hooks, callbacks and logging
     bubble_fraction: float
     tokens_per_s: float
@@ -182,6 +185,24 @@ def fsdp_host_seconds(units: float, copy_bytes: float, hw: HardwareProfile) -> f
     return units * (hw.fsdp_unit_overhead_us or 0.0) * 1e-6 + copy_bytes * (hw.fsdp_copy_ns_per_byte or 0.0) * 1e-9
 
 
+# ZeRO stages whose engine the ZeRO probe times (stage 3 partitions parameters: another engine, other hooks).
+ZERO_HOST_STAGES = (1, 2)
+
+
+def zero_host_seconds(
+    shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile
+) -> tuple[float, float]:
+    """(per micro-batch, per step) host seconds DeepSpeed's ZeRO-1/2 engine adds beyond the math and the collectives:
+    its gradient hooks over the model's parameter bytes each micro-batch, its step over the rank's partition (the
+    measured fixed costs and per-byte rates; 0 where not measured, offloaded or another stage)."""
+    if layout.strategy != "deepspeed" or layout.zero_stage not in ZERO_HOST_STAGES or layout.offload_optimizer:
+        return 0.0, 0.0
+    model_bytes = (4 if workload.precision == "fp32" else 2) * shape.num_parameters
+    micro_batch = (hw.zero_backward_fixed_us or 0.0) * 1e-6 + model_bytes * (hw.zero_backward_ns_per_byte or 0.0) * 1e-9
+    step = (hw.zero_step_fixed_us or 0.0) * 1e-6 + model_bytes / layout.dp * (hw.zero_step_ns_per_byte or 0.0) * 1e-9
+    return micro_batch, step
+
+
 def _exposed(comm_s: float, window_s: float, overlap: float) -> float:
     return max(0.0, comm_s - overlap * window_s)
 
@@ -225,6 +246,7 @@ def estimate_step(
         comm.mb_tp_modules, hw.tp_linear_overhead_us, comm.mb_tp_edges, hw.tp_edge_overhead_us
     )
     fsdp_host = fsdp_host_seconds(comm.mb_fsdp_units, comm.mb_fsdp_copy_bytes, hw)
+    zero_mb, zero_step = zero_host_seconds(shape, layout, workload, hw)
 
     def seconds(traffic):
         return link_time(traffic, hw, assumptions.host_link_gbps)
@@ -237,7 +259,7 @@ def estimate_step(
     m = layout.microbatches
     # Each run of the schedule fills and drains the pipeline once: the bubble is per run, as a fraction.
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.per_schedule, layout.virtual_stages)
-    pipeline = m * (forward + backward + dispatch + fsdp_host + per_mb_exposed)
+    pipeline = m * (forward + backward + dispatch + fsdp_host + zero_mb + per_mb_exposed)
     step_exposed = (
         _exposed(seconds(comm.step_fwd), forward, overlap)
         + _exposed(seconds(comm.step_bwd), backward, overlap)
@@ -253,7 +275,7 @@ def estimate_step(
     overhead = (hw.sync_overhead_us or 0.0) * 1e-6
     sync_wait = sync_wait_seconds(m * (forward + backward), syncs, hw.compute_jitter, overhead)
     loop = (hw.loop_overhead_us or 0.0) * 1e-6
-    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + nvme + optimizer + sync_wait + loop
+    step = pipeline * (1.0 + bubble) + step_exposed + host_optimizer + nvme + optimizer + zero_step + sync_wait + loop
     tokens_per_s = workload.tokens_per_step / step
     util = mfu_from_throughput(tokens_per_s, model_per_token, layout.world_size, peak, hardware_per_token)
     return StepEstimate(
@@ -267,6 +289,7 @@ def estimate_step(
         sync_wait_s=sync_wait,
         host_dispatch_s=m * dispatch,
         fsdp_host_s=m * fsdp_host,
+        zero_host_s=m * zero_mb + zero_step,
         loop_s=loop,
         bubble_fraction=bubble,
         tokens_per_s=tokens_per_s,

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from disttrain.config.hf import hf_shape
 from disttrain.config.schema import FSDPConfig, HFModelConfig, ModelConfig, PrecisionConfig
-from disttrain.models.probe_parts import PRECISIONS, hf_probe_model
+from disttrain.models.probe_parts import PRECISIONS, dense_known_model, hf_probe_model
 from disttrain.models.transformer import build_model
 
 # Precisions whose FSDP2 units gather and compute in the dtype the parameters are held in (no mixed-precision
@@ -34,14 +33,8 @@ def fsdp_probe_supported(
 ) -> TypeGuard[ModelConfig | HFModelConfig]:
     """Whether the probe can build the run's model as the run shards it: the reference transformer or an HF model,
     dense, uncompiled, one expert-parallel group, parameters on the device, without a mixed-precision cast."""
-    if type(model) is ModelConfig:
-        dense = model.num_experts == 0
-    elif isinstance(model, HFModelConfig):
-        dense = hf_shape(model).num_experts == 0
-    else:
-        return False
     return (
-        dense
+        dense_known_model(model)
         and not compiled
         and fsdp.ep == 1
         and not fsdp.cpu_offload

@@ -23,6 +23,7 @@ from diagnostics.report import diagnose_run
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import (
     CustomDataConfig,
+    DeepSpeedConfig,
     FSDPConfig,
     HFModelConfig,
     LoggerConfig,
@@ -46,6 +47,7 @@ from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.fsdp_probe import fsdp_probe_parts, fsdp_probe_supported
 from disttrain.strategies.layout import ParallelLayout
 from disttrain.strategies.spec import StrategyBuild, spec_of, with_run_swap_folder
+from disttrain.strategies.zero_probe import zero_probe_parts, zero_probe_supported
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
@@ -131,6 +133,15 @@ def fsdp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     return functools.partial(fsdp_probe_parts, model, s, cfg.precision.name)
 
 
+def zero_probe(cfg: RunConfig, micro_batch: int) -> Callable[..., dict] | None:
+    """The ZeRO probe's model and engine for a strategy=deepspeed run at ZeRO-1/2 the probe can build
+    (``zero_probe_supported``); None otherwise (its host work is then not modelled)."""
+    s, model = cfg.strategy, cfg.model
+    if not isinstance(s, DeepSpeedConfig) or not zero_probe_supported(model, s, cfg.precision, bool(model.compile)):
+        return None
+    return functools.partial(zero_probe_parts, model, s, cfg.optimizer, cfg.trainer.grad_clip, micro_batch)
+
+
 def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     """The parts probe's layers (one block, the edges, the run's optimizer over a block) for a run of the reference
     transformer or an HF model, in its precision; None for a user's own model (its layers are unknown)."""
@@ -191,6 +202,7 @@ def build_diagnostics(
         fsdp_shard_ranks=parallel.fsdp_shard_ranks,
         fsdp_probe=fsdp_probe(cfg),
         step_tail=functools.partial(step_tail, optimizer=cfg.optimizer),
+        zero_probe=zero_probe(cfg, plan.micro_batch_size),
     )
     return DiagnosticsCallback(
         settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=functools.partial(report_hang, run_dir)

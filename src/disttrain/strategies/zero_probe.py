@@ -1,0 +1,81 @@
+"""The ZeRO probe's parts for a strategy=deepspeed run at stage 1 or 2 (``diagnostics.collect.zero_step``): a small copy
+of the run's own model (a block and its edges; an HF model at two layers), a DeepSpeed engine over any module with
+the run's ZeRO settings and AdamW (the plain twin's step is the run's step tail: ``training.step_tail``).
+
+What ZeRO-1/2 adds on the host beyond the math and the collectives the link model prices: a Python hook per
+parameter that copies its gradient into the reduction bucket, then in the step the overflow check, the norm, the
+gradients flattened into the partition, clipping, AdamW over the partition and the copy back into the parameters'
+flat buffer. On 2 CPU ranks of gpt-micro and the default model its optimizer phase measured 12-13 ms beyond its
+collectives against 2-4 ms planned, and its backward 4-10 ms over DDP's (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+from typing import Any, TypeGuard
+
+import torch
+from torch import nn
+
+from disttrain.config.schema import DeepSpeedConfig, HFModelConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from disttrain.models.probe_parts import block_optimizer, dense_known_model, hf_probe_model
+from disttrain.models.transformer import build_model
+from disttrain.strategies.deepspeed import deepspeed_config
+
+# ZeRO stages whose engine keeps whole parameters on every rank (stage 3 gathers them per module: another engine).
+PROBED_STAGES = (1, 2)
+
+
+def zero_probe_supported(
+    model: object, ds: DeepSpeedConfig, precision: PrecisionConfig, compiled: bool
+) -> TypeGuard[ModelConfig | HFModelConfig]:
+    """Whether the probe can build the run's engine on a copy of its model: ZeRO-1/2 without offload, in fp32
+    (DeepSpeed's bf16/fp16 engines keep an fp32 master the plain twin would not have), the reference transformer or
+    an HF model, dense and uncompiled."""
+    return (
+        dense_known_model(model)
+        and not compiled
+        and ds.stage in PROBED_STAGES
+        and ds.optimizer_offload_device is None
+        and ds.param_offload_device is None
+        and not ds.activation_checkpointing
+        and precision.name == "fp32"
+    )
+
+
+def zero_probe_parts(
+    model: ModelConfig | HFModelConfig,
+    ds: DeepSpeedConfig,
+    optimizer: OptimizerConfig,
+    grad_clip: float | None,
+    micro_batch: int,
+    device: torch.device,
+) -> dict[str, object]:
+    """``model`` (a small copy of the run's, tokens -> logits, fp32), ``engine(module)`` (DeepSpeed over ``module``
+    with the run's ZeRO settings, clipping and AdamW: the training step is ``engine.backward(loss)``, then
+    ``engine.step()``), ``vocab_size`` and ``seq_len``."""
+    with torch.random.fork_rng(devices=[]):  # the run's random streams are not the probe's to move
+        if isinstance(model, HFModelConfig):
+            small: nn.Module = hf_probe_model(model, torch.float32, device)
+        else:
+            small = build_model(dataclasses.replace(model, n_layers=1), seed=0, device=device)
+    config = {**deepspeed_config(ds, micro_batch), "gradient_clipping": float(grad_clip or 0.0)}
+
+    def engine(module: nn.Module) -> Any:
+        import deepspeed
+
+        wrapped, *_ = deepspeed.initialize(
+            # As the run's engine (strategies/deepspeed.py): DeepSpeed wants the local rank, set by every launcher.
+            args=argparse.Namespace(device_rank=int(os.environ.get("LOCAL_RANK", 0))),
+            config=copy.deepcopy(config),
+            model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            optimizer=block_optimizer(module, optimizer),
+            dist_init_required=False,
+        )
+        return wrapped
+
+    return {"model": small, "engine": engine, "vocab_size": model.vocab_size, "seq_len": model.seq_len}
