@@ -117,3 +117,20 @@ def test_swap_optimizer_keeps_groups_hyperparameters_and_schedule() -> None:
     swapped.step()
     schedule.step()
     assert [g["lr"] for g in swapped.param_groups] == pytest.approx([7.5e-4, 7.5e-4])
+
+
+def test_a_cpu_run_names_deepspeeds_accelerator_so_its_import_does_not_warn_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from disttrain.strategies.deepspeed import build_deepspeed
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    build_deepspeed(DeepSpeedConfig(stage=3), 4, "nccl", lambda module: None)
+    assert "DS_ACCELERATOR" not in os.environ  # a GPU run: DeepSpeed finds its CUDA itself
+    build_deepspeed(DeepSpeedConfig(stage=2), 4, "gloo", lambda module: None)
+    assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")  # a user's own choice wins
+    build_deepspeed(DeepSpeedConfig(stage=2), 4, "gloo", lambda module: None)
+    assert os.environ["DS_ACCELERATOR"] == "xpu"

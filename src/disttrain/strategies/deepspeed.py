@@ -293,6 +293,10 @@ def build_deepspeed(
     param_buffer_elements: int | None = None,
 ) -> tuple[CPUCapableDeepSpeedStrategy, Callable[[nn.Module, object], None]]:
     """The strategy and the plan ``LightningModule.configure_model`` applies to the freshly built model."""
+    if backend == "gloo":
+        # On a CPU, DeepSpeed's import finds no GPU and warns on every rank that it is "Setting accelerator to CPU";
+        # saying so first keeps that line off the console (a user's own DS_ACCELERATOR wins).
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     strategy = CPUCapableDeepSpeedStrategy(
         config=deepspeed_config(cfg, micro_batch_size, param_buffer_elements), process_group_backend=backend
     )
