@@ -95,7 +95,8 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
     "fsdp_calibration": ("ranks", "overhead_s", "unit_numel", "fixed_us", "ns_per_byte"),
     # what DeepSpeed's ZeRO-1/2 engine adds on the host, per micro-batch and per step (collect/zero_step.py)
     "zero_calibration": (
-        "dp", "param_bytes", "backward_fixed_us", "backward_ns_per_byte", "step_fixed_us", "step_ns_per_byte",
+        "dp", "accumulation", "param_bytes", "backward_fixed_us", "backward_ns_per_byte", "step_fixed_us",
+        "step_ns_per_byte",
     ),
     # the run's own block, edges and a block's optimizer step at its micro-batch and precision (collect/parts.py)
     "parts_calibration": (

@@ -40,11 +40,13 @@ def zero_overhead(
     """ZeRO's host cost per micro-batch (``backward_fixed_us`` + ``backward_ns_per_byte`` x the model's parameter
     bytes) and per step (``step_fixed_us`` + ``step_ns_per_byte`` x the partition's bytes, 1/``dp`` of them): the
     medians of ``repeats`` paired differences, engine minus plain (``step_tail(module)``: the run's norm, clipping
-    and AdamW). ``parts()``: ``model`` (tokens -> logits), ``engine(module)``, ``vocab_size``, ``seq_len``. Every
-    rank must call it (the engines reduce over the run's ranks)."""
+    and AdamW), each step over the run's ``accumulation`` micro-batches (ZeRO-2 reduces every one and adds it into
+    its partition). ``parts()``: ``model`` (tokens -> logits), ``engine(module)``, ``accumulation``, ``vocab_size``,
+    ``seq_len``. Every rank must call it (the engines reduce over the run's ranks)."""
     start = time.perf_counter()
     p = parts()
     engine: Callable[[torch.nn.Module], Any] = p["engine"]
+    accumulation = int(p.get("accumulation", 1))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         unit = torch.nn.Sequential(*[torch.nn.Linear(UNIT_WIDTH, UNIT_WIDTH) for _ in range(UNIT_LINEARS)]).to(device)
@@ -59,20 +61,21 @@ def zero_overhead(
         logits = module(tokens)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets)
 
-    fixed = _paired_steps(unit, engine, step_tail, unit_loss, device, repeats)
+    fixed = _paired_steps(unit, engine, step_tail, unit_loss, device, repeats, accumulation)
     model = p["model"]
-    measured = _paired_steps(model, engine, step_tail, model_loss, device, repeats)
+    measured = _paired_steps(model, engine, step_tail, model_loss, device, repeats, accumulation)
     param_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     backward_net = max(0.0, measured["backward_extra_s"] - fixed["backward_extra_s"])
     step_net = max(0.0, measured["step_extra_s"] - fixed["step_extra_s"])
     return {
         "dp": dp,
+        "accumulation": accumulation,
         "param_bytes": param_bytes,
         "unit": fixed,
         "model": measured,
-        "backward_fixed_us": max(0.0, fixed["backward_extra_s"]) * 1e6,
+        "backward_fixed_us": max(0.0, fixed["backward_extra_s"]) / accumulation * 1e6,
         "step_fixed_us": max(0.0, fixed["step_extra_s"]) * 1e6,
-        "backward_ns_per_byte": backward_net / param_bytes * 1e9,
+        "backward_ns_per_byte": backward_net / accumulation / param_bytes * 1e9,
         "step_ns_per_byte": step_net / (param_bytes / dp) * 1e9,
         "zero_wall_s": time.perf_counter() - start,
     }
@@ -85,24 +88,30 @@ def _paired_steps(
     loss: Callable[[torch.nn.Module], torch.Tensor],
     device: torch.device,
     repeats: int,
+    accumulation: int = 1,
 ) -> dict[str, float]:
-    """Training steps of ``plain`` (backward, then its step tail) and of ``engine`` over a copy of it (its backward,
-    then its step) in alternation, two warm-up rounds first (the moments, the engine's buffers), on
-    ``compute_clock``: the median over rounds of each segment's difference, engine minus plain."""
+    """Training steps of ``plain`` (``accumulation`` backward passes, then its step tail) and of ``engine`` over a copy
+    of it (as the run drives it: each micro-batch's backward, then its step, which only the last one takes) in
+    alternation, two warm-up rounds first (the moments, the engine's buffers), on ``compute_clock``: the median over
+    rounds of each segment's difference (the micro-batches, then the last step), engine minus plain."""
     _, clock = compute_clock(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     wrapped = engine(copy.deepcopy(plain))
     plain_step = step_tail(plain)
 
     def plain_backward() -> None:
-        loss(plain).backward()
+        for _ in range(accumulation):
+            loss(plain).backward()
 
     def plain_update() -> None:
         plain_step()
         plain.zero_grad(set_to_none=True)
 
     def engine_backward() -> None:
-        wrapped.backward(loss(wrapped))
+        for micro_batch in range(accumulation):
+            wrapped.backward(loss(wrapped))
+            if micro_batch < accumulation - 1:
+                wrapped.step()  # not at the accumulation boundary: the engine only counts the micro-batch
 
     segments = ((plain_backward, plain_update), (engine_backward, wrapped.step))
     seconds: list[list[list[float]]] = [[[], []], [[], []]]

@@ -46,11 +46,12 @@ COMMON = [
 STAGES = {
     # Accumulation: DeepSpeed's engine must not divide the loss by the accumulation a second time.
     1: ["strategy.stage=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=8"],
-    # Diagnosed with its start-up calibration: the ZeRO probe builds engines of its own before the run's, which must
-    # leave the run's training (parity below) as it was, and its figures reach the run's prediction.
+    # Diagnosed with its start-up calibration: the ZeRO probe builds engines of its own before the run's (at the run's
+    # accumulation), which must leave the run's training (parity below) as it was; its figures reach the prediction.
     2: [
         "strategy.stage=2",
-        "trainer.micro_batch_size=4",
+        "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=8",
         "diagnostics=default",
         "diagnostics.profile=false",
         "diagnostics.report=false",
@@ -131,6 +132,7 @@ def test_zero_2_measures_its_engines_host_work_on_the_runs_model_and_the_planner
         lines = telemetry_path(run_dir, rank).read_text().splitlines()
         (record,) = [r for line in lines if (r := json.loads(line)).get("kind") == "zero_calibration"]
         assert record["dp"] == WORLD and record["param_bytes"] == copy_bytes  # a one-block fp32 copy of the model
+        assert record["accumulation"] == 2  # the run's micro-batches per step, as the run's engine is driven
         # The engine's hooks and step cost something beyond the plain twin's on tiny linears already.
         assert record["backward_fixed_us"] > 0 and record["step_fixed_us"] > 0, record
         assert record["backward_ns_per_byte"] >= 0 and record["step_ns_per_byte"] >= 0, record
@@ -138,8 +140,8 @@ def test_zero_2_measures_its_engines_host_work_on_the_runs_model_and_the_planner
     assert calibration.zero_backward_fixed_us is not None and calibration.zero_step_ns_per_byte is not None
     model_bytes = 4 * model_shape(cfg).num_parameters
     expected = (
-        calibration.zero_backward_fixed_us * 1e-6
-        + model_bytes * calibration.zero_backward_ns_per_byte * 1e-9
+        2 * calibration.zero_backward_fixed_us * 1e-6  # each of the step's two micro-batches
+        + 2 * model_bytes * calibration.zero_backward_ns_per_byte * 1e-9
         + calibration.zero_step_fixed_us * 1e-6
         + model_bytes / WORLD * calibration.zero_step_ns_per_byte * 1e-9
     )

@@ -52,17 +52,25 @@ def zero_probe_parts(
     optimizer: OptimizerConfig,
     grad_clip: float | None,
     micro_batch: int,
+    accumulation: int,
     device: torch.device,
 ) -> dict[str, object]:
     """``model`` (a small copy of the run's, tokens -> logits, fp32), ``engine(module)`` (DeepSpeed over ``module``
-    with the run's ZeRO settings, clipping and AdamW: the training step is ``engine.backward(loss)``, then
-    ``engine.step()``), ``vocab_size`` and ``seq_len``."""
+    with the run's ZeRO settings, clipping, AdamW and gradient accumulation: each micro-batch is
+    ``engine.backward(loss)`` then ``engine.step()``, which steps at the last), ``accumulation``, ``vocab_size`` and
+    ``seq_len``."""
     with torch.random.fork_rng(devices=[]):  # the run's random streams are not the probe's to move
         if isinstance(model, HFModelConfig):
             small: nn.Module = hf_probe_model(model, torch.float32, device)
         else:
             small = build_model(dataclasses.replace(model, n_layers=1), seed=0, device=device)
-    config = {**deepspeed_config(ds, micro_batch), "gradient_clipping": float(grad_clip or 0.0)}
+    # What Lightning adds to the run's config: clipping, and accumulation (ZeRO-2 then reduces every micro-batch and
+    # adds each into its partition, work a single micro-batch per step would not show).
+    config = {
+        **deepspeed_config(ds, micro_batch),
+        "gradient_clipping": float(grad_clip or 0.0),
+        "gradient_accumulation_steps": accumulation,
+    }
 
     def engine(module: nn.Module) -> Any:
         import deepspeed
@@ -78,4 +86,10 @@ def zero_probe_parts(
         )
         return wrapped
 
-    return {"model": small, "engine": engine, "vocab_size": model.vocab_size, "seq_len": model.seq_len}
+    return {
+        "model": small,
+        "engine": engine,
+        "accumulation": accumulation,
+        "vocab_size": model.vocab_size,
+        "seq_len": model.seq_len,
+    }

@@ -133,13 +133,14 @@ def fsdp_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     return functools.partial(fsdp_probe_parts, model, s, cfg.precision.name)
 
 
-def zero_probe(cfg: RunConfig, micro_batch: int) -> Callable[..., dict] | None:
+def zero_probe(cfg: RunConfig, plan: BatchPlan) -> Callable[..., dict] | None:
     """The ZeRO probe's model and engine for a strategy=deepspeed run at ZeRO-1/2 the probe can build
     (``zero_probe_supported``); None otherwise (its host work is then not modelled)."""
     s, model = cfg.strategy, cfg.model
     if not isinstance(s, DeepSpeedConfig) or not zero_probe_supported(model, s, cfg.precision, bool(model.compile)):
         return None
-    return functools.partial(zero_probe_parts, model, s, cfg.optimizer, cfg.trainer.grad_clip, micro_batch)
+    clip = cfg.trainer.grad_clip
+    return functools.partial(zero_probe_parts, model, s, cfg.optimizer, clip, plan.micro_batch_size, plan.accumulation)
 
 
 def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
@@ -202,7 +203,7 @@ def build_diagnostics(
         fsdp_shard_ranks=parallel.fsdp_shard_ranks,
         fsdp_probe=fsdp_probe(cfg),
         step_tail=functools.partial(step_tail, optimizer=cfg.optimizer),
-        zero_probe=zero_probe(cfg, plan.micro_batch_size),
+        zero_probe=zero_probe(cfg, plan),
     )
     return DiagnosticsCallback(
         settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=functools.partial(report_hang, run_dir)
