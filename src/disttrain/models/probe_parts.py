@@ -28,7 +28,7 @@ from disttrain.models.factory import Fp8Linears
 from disttrain.models.fp8 import apply_fp8
 from disttrain.models.hf import HFCausalLM
 from disttrain.models.module import compiled_next_token_loss, next_token_loss, param_groups, use_fused_adamw
-from disttrain.models.transformer import Block, Transformer, rope_cache
+from disttrain.models.transformer import Block, Transformer, build_model, rope_cache
 
 # Lightning precision name -> (dtype the parameters are held in, dtype autocast runs the matmuls in or None).
 PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
@@ -101,6 +101,16 @@ def dense_known_model(model: object) -> TypeGuard[ModelConfig | HFModelConfig]:
     if isinstance(model, HFModelConfig):
         return hf_shape(model).num_experts == 0
     return False
+
+
+def small_model_copy(model: ModelConfig | HFModelConfig, param_dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The run's model cut down for a probe (tokens -> logits): the reference transformer at one block with its edges,
+    an HF model at ``PROBE_LAYERS`` layers; built under a private RNG (the run's random streams are not the probe's
+    to move)."""
+    if isinstance(model, HFModelConfig):
+        return hf_probe_model(model, param_dtype, device)  # forks the RNG itself
+    with torch.random.fork_rng(devices=[]):
+        return build_model(dataclasses.replace(model, n_layers=1), seed=0, device=device).to(dtype=param_dtype)
 
 
 def probe_compiles(cfg: ModelConfig, device: torch.device) -> bool:

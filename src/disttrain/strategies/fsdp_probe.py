@@ -12,16 +12,13 @@ only with its bytes, so it is measured on the run's own block. The planner charg
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import TypeGuard
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from disttrain.config.schema import FSDPConfig, HFModelConfig, ModelConfig, PrecisionConfig
-from disttrain.models.probe_parts import PRECISIONS, dense_known_model, hf_probe_model
-from disttrain.models.transformer import build_model
+from disttrain.models.probe_parts import PRECISIONS, dense_known_model, small_model_copy
 
 # Precisions whose FSDP2 units gather and compute in the dtype the parameters are held in (no mixed-precision
 # policy): the plain twin then runs the same math, so the difference is FSDP2's alone.
@@ -51,11 +48,7 @@ def fsdp_probe_parts(
     on the host per forward + backward: every parameter out of the all-gather buffer and its gradient into the
     reduce-scatter buffer, the blocks' parameters gathered again for backward when resharded after forward."""
     param_dtype, _ = PRECISIONS[precision]
-    with torch.random.fork_rng(devices=[]):  # the run's random streams are not the probe's to move
-        if isinstance(model, HFModelConfig):
-            plain: nn.Module = hf_probe_model(model, param_dtype, device)
-        else:
-            plain = build_model(dataclasses.replace(model, n_layers=1), seed=0, device=device).to(dtype=param_dtype)
+    plain = small_model_copy(model, param_dtype, device)
     sharded = copy.deepcopy(plain)
     blocks = list(sharded.blocks)  # type: ignore[arg-type]
     for block in blocks:

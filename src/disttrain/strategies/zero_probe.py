@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import os
 from typing import Any, TypeGuard
 
@@ -21,12 +20,9 @@ import torch
 from torch import nn
 
 from disttrain.config.schema import DeepSpeedConfig, HFModelConfig, ModelConfig, OptimizerConfig, PrecisionConfig
-from disttrain.models.probe_parts import block_optimizer, dense_known_model, hf_probe_model
-from disttrain.models.transformer import build_model
+from disttrain.models.probe_parts import block_optimizer, dense_known_model, small_model_copy
+from disttrain.planner.step_time import ZERO_HOST_STAGES
 from disttrain.strategies.deepspeed import deepspeed_config
-
-# ZeRO stages whose engine keeps whole parameters on every rank (stage 3 gathers them per module: another engine).
-PROBED_STAGES = (1, 2)
 
 
 def zero_probe_supported(
@@ -38,7 +34,7 @@ def zero_probe_supported(
     return (
         dense_known_model(model)
         and not compiled
-        and ds.stage in PROBED_STAGES
+        and ds.stage in ZERO_HOST_STAGES  # the stages the planner charges these figures to
         and ds.optimizer_offload_device is None
         and ds.param_offload_device is None
         and not ds.activation_checkpointing
@@ -59,11 +55,7 @@ def zero_probe_parts(
     with the run's ZeRO settings, clipping, AdamW and gradient accumulation: each micro-batch is
     ``engine.backward(loss)`` then ``engine.step()``, which steps at the last), ``accumulation``, ``vocab_size`` and
     ``seq_len``."""
-    with torch.random.fork_rng(devices=[]):  # the run's random streams are not the probe's to move
-        if isinstance(model, HFModelConfig):
-            small: nn.Module = hf_probe_model(model, torch.float32, device)
-        else:
-            small = build_model(dataclasses.replace(model, n_layers=1), seed=0, device=device)
+    small = small_model_copy(model, torch.float32, device)
     # What Lightning adds to the run's config: clipping, and accumulation (ZeRO-2 then reduces every micro-batch and
     # adds each into its partition, work a single micro-batch per step would not show).
     config = {
