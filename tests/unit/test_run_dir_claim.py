@@ -4,8 +4,10 @@ suffix, a named one is refused, and only a first launch's rank 0 claims."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,24 +48,48 @@ def test_a_dir_an_earlier_run_wrote_before_claims_existed_is_taken_and_left_unto
     assert not (tmp_path / CLAIM_FILE).exists()
 
 
-def _race(target: str, barrier: multiprocessing.synchronize.Barrier, results: multiprocessing.Queue) -> None:
-    barrier.wait()
-    results.put((os.getpid(), try_claim(Path(target), RUN) is None))
+# Each racer is its own interpreter (no fork of a threaded pytest worker, which can hang a child): it says it is
+# ready, waits for the gate, then claims; the parent opens the gate only when every racer waits at it.
+RACER = """
+import json, os, sys, time
+from pathlib import Path
+from disttrain.job.claim import try_claim
+gate, ready, target = map(Path, sys.argv[1:4])
+(ready / str(os.getpid())).touch()
+deadline = time.monotonic() + 120
+while not gate.exists():
+    if time.monotonic() > deadline:
+        sys.exit("the gate never opened")
+    time.sleep(0.0005)
+print(json.dumps([os.getpid(), try_claim(target, ("run.json", ".hydra/overrides.yaml")) is None]))
+"""
 
 
 @pytest.mark.parametrize("attempt", range(3))
 def test_of_processes_claiming_one_dir_at_once_exactly_one_gets_it(tmp_path: Path, attempt: int) -> None:
-    ctx = multiprocessing.get_context("fork")
-    barrier, results = ctx.Barrier(6), ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(str(tmp_path / "run"), barrier, results)) for _ in range(6)]
-    for proc in procs:
-        proc.start()
-    outcomes = [results.get(timeout=30) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=30)
+    gate, ready, target = tmp_path / "gate", tmp_path / "ready", tmp_path / "run"
+    ready.mkdir()
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(gate), str(ready), str(target)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
+    deadline = time.monotonic() + 120
+    while len(list(ready.iterdir())) < len(racers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.touch()
+    outcomes = []
+    for racer in racers:
+        out, err = racer.communicate(timeout=150)
+        assert racer.returncode == 0, err
+        outcomes.append(json.loads(out))
     winners = [pid for pid, won in outcomes if won]
     assert len(winners) == 1
-    assert json.loads((tmp_path / "run" / CLAIM_FILE).read_text())["pid"] == winners[0]
+    assert json.loads((target / CLAIM_FILE).read_text())["pid"] == winners[0]
 
 
 def test_a_taken_timestamped_dir_gets_the_next_free_suffix(tmp_path: Path) -> None:
