@@ -60,11 +60,45 @@ def tune_settings(overrides: list[str]) -> TuneSettings:
     return parse_tune_settings(OmegaConf.to_container(cfg.tune, resolve=True))  # type: ignore[arg-type]
 
 
+HELP_FLAGS = ("-h", "--help")
+
+
+def usage() -> str:
+    """``--help``: the command's form and every tune setting with its default and meaning, from conf/tune.yaml."""
+    lines = [
+        "usage: python -m tune [python -m train overrides] [tune.key=value ...] [hydra/launcher=NAME "
+        "hydra.launcher.key=value ...]",
+        "Trains the run, diagnoses it, A/B-tests the top finding's lever and keeps it only where the A/B confirms it",
+        "(docs/tune.md). The train overrides take python -m train's groups and keys (python -m train --help).",
+        "tune settings (conf/tune.yaml):",
+    ]
+    block = (CONF_DIR / "tune.yaml").read_text().split("\ntune:\n", 1)[1]
+    settings: list[tuple[str, str]] = []
+    above: list[str] = []  # comment lines over a key explain it (tune.allow's lever classes)
+    for line in (text.strip() for text in block.splitlines()):
+        if line.startswith("#"):
+            above.append(line.lstrip("# "))
+        elif ":" in line:
+            key, rest = line.split(":", 1)
+            value, _, comment = rest.partition("#")
+            settings.append((f"{TUNE_PREFIX}{key}={value.strip()}", " ".join([*above, comment.strip()]).strip()))
+            above = []
+    width = max(len(setting) for setting, _ in settings)
+    lines += [f"  {setting:<{width}}  {comment}".rstrip() for setting, comment in settings]
+    return "\n".join(lines)
+
+
 def check_train_overrides(overrides: list[str]) -> None:
     for override in overrides:
         key = key_of(override)
         if override in ("-m", "--multirun"):
             raise ConfigError("-m", "tune runs its own rounds of single runs", "drop -m")
+        if override.startswith("-"):
+            raise ConfigError(
+                override,
+                "is not an option of tune",
+                "pass python -m train overrides and tune.key=value only (python -m tune --help lists the settings)",
+            )
         if key in OWNED or key.startswith("hydra."):
             owner = OWNED.get(key, "tune.output_dir")
             raise ConfigError(key, "is set by tune for every run", f"set {owner} instead")
@@ -87,6 +121,9 @@ def tune_dir(settings: TuneSettings) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in HELP_FLAGS for a in argv):
+        print(usage())
+        return 0
     try:
         tune_overrides, train_overrides = split_argv(argv)
         settings = tune_settings(tune_overrides)

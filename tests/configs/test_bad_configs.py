@@ -39,7 +39,16 @@ BAD = [
     (["logger=wandb", "logger.mode=sometimes"], "logger.mode", "offline"),
     (["dry_run=maybe"], "dry_run", "dry_run=true"),
     (["check_memory=perhaps"], "check_memory", "check_memory=false"),
+    # A key added at the top (a misspelt group or setting) would otherwise ride through the run doing nothing.
+    (["+diagnostic.calibrate=false"], "diagnostic", "the groups are model, data"),
+    (["+resum=outputs/x"], "resum", "the settings dry_run, resume"),
 ]
+
+
+def test_a_misspelt_group_added_at_the_top_is_refused_with_the_group_it_meant() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_run_config(compose_train(["+diagnostic.calibrate=false"]))
+    assert "(did you mean 'diagnostics'?)" in info.value.problem
 
 
 @pytest.mark.parametrize(("overrides", "key", "fix"), BAD, ids=[" ".join(b[0]) for b in BAD])

@@ -29,6 +29,7 @@ CATALOGUE: list[tuple[list[str], dict[str, str], str, str]] = [
     (["experiment=does-not-exist"], {}, "experiment", "conf/experiment/"),
     (["trainer.max_step=5"], {}, "trainer.max_step", "'max_steps'"),
     (["dryrun=true"], {}, "dryrun", "'dry_run'"),
+    (["+diagnostic.calibrate=false"], {}, "diagnostic", "the groups are"),  # added with +: Hydra takes any key
     (["trainer.max_steps=[1,"], {}, "trainer.max_steps", "key=value"),
     (["optimizer.lr=1e-3,3e-3"], {}, "optimizer.lr", "add -m"),
     # wrong types

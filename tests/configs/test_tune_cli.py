@@ -81,6 +81,7 @@ def test_default_settings_compose_from_conf_tune_yaml() -> None:
         (["hydra.run.dir=x"], "hydra.run.dir: is set by tune for every run. Fix: set tune.output_dir instead"),
         (["hydra/launcher=slurmm"], "hydra/launcher: unknown launcher 'slurmm' (did you mean 'slurm'?)"),
         (["hydra.launcher.partition=debug"], "hydra.launcher.partition: sets a launcher, but no launcher is chosen"),
+        (["--cfg", "job"], "--cfg: is not an option of tune"),
         (
             ["strategy.bucket_cap=5"],
             "strategy.bucket_cap: is not a setting of strategy (did you mean 'bucket_cap_mb'?)",
@@ -94,6 +95,20 @@ def test_bad_input_is_one_line_and_exit_code_2_before_any_run(
     assert main([f"tune.output_dir={out}", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_help_lists_every_setting_with_its_default_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "tune"
+    assert main([f"tune.output_dir={out}", "strategy=fsdp", "--help"]) == 0
+    text = capsys.readouterr().out
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF / "tune.yaml").tune)
+    for key, value in defaults.items():
+        shown = "[]" if value == [] else "null" if value is None else str(value)
+        assert f"  tune.{key}={shown} " in text
+    assert "global_batch, precision, lossy_comm" in text  # tune.allow's classes, from the comment above it
     assert not out.exists()
 
 

@@ -62,6 +62,8 @@ STRATEGY_KINDS: dict[str, type] = {
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed", "fp8")
 LOGGERS = ("csv", "wandb", "tensorboard")
 OBJECTIVES = typing.get_args(Objective)
+# conf/train.yaml's own keys beside the groups; ``hydra`` is there when a caller composes with its config.
+TOP_LEVEL = ("dry_run", "resume", "resume_weights_only", "check_memory", "calibration", "objective", "trial", "hydra")
 
 
 def to_container(cfg: DictConfig | Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -200,6 +202,16 @@ def parse_trial(node: Any) -> TrialConfig:
 
 def parse_run_config(cfg: DictConfig) -> RunConfig:
     """Typed view of a composed ``conf/train.yaml``; raises ConfigError on the first problem found."""
+    # Hydra adds any ``+key=value``: a misspelt group (``+diagnostic.calibrate=false``) would otherwise be
+    # carried through the whole run and change nothing.
+    known = (*GROUPS, *TOP_LEVEL)
+    for key in cfg:
+        if str(key) not in known:
+            raise ConfigError(
+                str(key),
+                f"is not a setting or config group of train{did_you_mean(str(key), known)}",
+                f"remove it; the groups are {', '.join(GROUPS)} and the settings {', '.join(TOP_LEVEL[:-1])}",
+            )
     for group in GROUPS:
         if group not in cfg or cfg[group] is None:
             raise ConfigError(group, "no option selected", f"select one, e.g. {group}=<option> (see conf/{group}/)")
