@@ -8,9 +8,10 @@ import pytest
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
+from disttrain.job.preflight import preflight
 from disttrain.job.prepare import check_machine_can_serve
 from disttrain.strategies.layout import validate_run
-from tests.conftest import REPO, compose_train, run_cli
+from tests.conftest import CONF, REPO, TINY_MODEL, compose_train, run_cli
 
 # (overrides, the key the error must name, a fragment of the fix it must give)
 BAD = [
@@ -138,3 +139,14 @@ def test_default_warmup_is_shortened_to_fit_a_short_run_and_said() -> None:
     with pytest.raises(ConfigError) as caught:
         prepare(compose_train(explicit), None, explicit)
     assert caught.value.key == "optimizer.warmup_steps"
+
+
+def test_a_sweeps_later_job_is_refused_by_its_number_and_swept_values_only() -> None:
+    with pytest.raises(ConfigError) as info:
+        preflight(
+            ["-m", "strategy=ddp,fsdp", "trainer.micro_batch_size=16,5", "trainer.global_batch_size=32", *TINY_MODEL],
+            CONF,
+        )
+    assert info.value.key == "trainer.global_batch_size"
+    assert info.value.problem.endswith("(in sweep job #1: strategy=ddp trainer.micro_batch_size=5)")
+    preflight(["-m", "strategy=ddp,fsdp", "trainer.micro_batch_size=16,8", *TINY_MODEL], CONF)  # all four fine

@@ -70,6 +70,14 @@ CATALOGUE: list[tuple[list[str], dict[str, str], str, str]] = [
     (["hydra.run.dir={claimed}"], {}, "hydra.run.dir", "hydra.run.dir=<new dir>"),
     (["-m", "optimizer.lr=1e-3,3e-3", "hydra.sweep.dir={swept}"], {}, "hydra.sweep.dir", "hydra.sweep.dir=<new dir>"),
     (["hydra.job.name=../../escaped"], {}, "hydra.job.name", "plain name"),
+    # a sweep whose later job is wrong: refused before its first job trains, not when that job starts
+    (["-m", "optimizer.lr=1e-3,-1"], {}, "optimizer.lr", "> 0"),
+    (
+        ["-m", "strategy=ddp,fsdp", "trainer.micro_batch_size=16,5", "trainer.global_batch_size=32"],
+        {},
+        "trainer.global_batch_size",
+        "multiple of",
+    ),
 ]
 
 

@@ -115,6 +115,8 @@ def test_a_slurm_sweep_is_not_refused_for_devices_the_submitting_machine_lacks()
     with pytest.raises(ConfigError, match="hw"):
         preflight(["hw=8xa100"], CONF)  # this CPU box cannot run it itself
     preflight(["-m", "hydra/launcher=slurm", "hw=8xa100,2x8xh100"], CONF)  # the cluster's nodes will
+    with pytest.raises(ConfigError, match=r"\(in sweep job #1: hw=8xa100\)"):
+        preflight(["-m", "hw=cpu,8xa100"], CONF)  # every job of a local sweep runs here, the later ones too
     with pytest.raises(ConfigError, match="add -m"):
         preflight(["hydra/launcher=slurm"], CONF)  # Hydra would ignore the launcher and train right here
 

@@ -11,6 +11,7 @@ exits with code 2 and one line, before any directory is created or any existing 
 from __future__ import annotations
 
 import difflib
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,31 @@ def first_job(override: Override) -> str:
     if not override.is_sweep_override():
         return override.input_line
     return f"{override.get_key_element()}={values_of(override)[0]}"
+
+
+def sweep_jobs(overrides: list[Override]) -> list[list[str]]:
+    """Every job of a sweep Hydra's basic sweeper runs, as its overrides: the product of the listed values, in the
+    order Hydra launches them."""
+    options = [
+        [f"{o.get_key_element()}={v}" for v in values_of(o)] if o.is_sweep_override() else [o.input_line]
+        for o in overrides
+    ]
+    return [list(job) for job in itertools.product(*options)]
+
+
+def check_sweep_job(number: int, job: list[str], overrides: list[Override], here: bool) -> None:
+    """What the job's own start-up would refuse, refused now: a later job's bad value otherwise fails only after
+    the jobs before it have trained. The error names the job by its swept values."""
+    try:
+        try:
+            cfg = compose(config_name="train", overrides=job, return_hydra_config=True)
+        except HydraException as err:
+            message = str(err).splitlines()[0]
+            raise ConfigError("overrides", f"cannot compose the config ({message})", "check the overrides") from None
+        check_launchable(prepare(cfg, None, [o for o in job if not o.lstrip("+~").startswith("hydra")]), here)
+    except ConfigError as err:
+        swept = " ".join(value for value, o in zip(job, overrides, strict=True) if o.is_sweep_override())
+        raise ConfigError(err.key, f"{err.problem} (in sweep job #{number}: {swept})", err.fix) from None
 
 
 def check_plain_name(key: str, value: str) -> None:
@@ -278,8 +304,11 @@ def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
         prepared = prepare(cfg, run_dir, [first_job(o) for o in overrides if not o.key_or_group.startswith("hydra")])
         if study_sweep:  # after prepare: the sweeper's direction resolves through the objective prepare checked
             check_optuna_sweep(cfg, overrides)
-    # A cluster launcher (hydra/launcher=slurm) runs the jobs on other machines: this one need not serve them.
-    remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
+        # A cluster launcher (hydra/launcher=slurm) runs the jobs on other machines: this one need not serve them.
+        remote = any(o.key_or_group == "hydra/launcher" and values_of(o) != ["basic"] for o in overrides)
+        if multirun and not study_sweep:  # an Optuna study samples its jobs; a basic sweep's are known now
+            for number, later in enumerate(sweep_jobs(overrides)[1:], start=1):
+                check_sweep_job(number, later, overrides, here=not remote)
     # An Optuna sweep screens every trial's memory itself (a trial that does not fit is recorded, not launched):
     # the first listed value not fitting is no reason to refuse the whole sweep.
     check_launchable(prepared, here=not remote, memory=not study_sweep)
