@@ -320,3 +320,17 @@ class SlowTeardownData(CountingData):
             import time
 
             time.sleep(self.delay_s)
+
+
+class DictLogitsModel(BigramModel):
+    """A model that returns an output object (as HF models do) instead of the logits tensor."""
+
+    def forward(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"logits": super().forward(tokens)}
+
+
+class PooledLogitsModel(BigramModel):
+    """One row of logits per sequence, not per token (a classifier's head)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens).mean(dim=1)

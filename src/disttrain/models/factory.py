@@ -6,11 +6,11 @@ inside ``LightningModule.configure_model`` for training.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-from hydra.utils import get_object
 from torch import nn
 
 from disttrain.config.errors import ConfigError
@@ -29,13 +29,32 @@ class ModelFacts:
 
 
 def resolve_target(target: str, key: str) -> object:
-    """The object a ``_target_`` dotted path names (a model factory, a datamodule class)."""
-    try:
-        return get_object(target)
-    except Exception as err:  # hydra wraps import failures in several exception types
-        raise ConfigError(
-            key, f"cannot import '{target}' ({err})", "check the dotted path and that it is installed"
-        ) from None
+    """The object a ``_target_`` dotted path names (a model factory, a datamodule class): the longest importable
+    module prefix, then attributes. Failures are one line naming what is missing (Hydra's own lookup logs a
+    three-line error of its own first)."""
+    fix = "check the dotted path and that its package is importable (installed, or on PYTHONPATH)"
+    parts = target.split(".")
+    if not all(parts):
+        raise ConfigError(key, f"'{target}' is not a dotted path (module.name)", fix)
+    obj: object = None
+    for end in range(len(parts), 0, -1):
+        module = ".".join(parts[:end])
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name is not None and module != err.name and not module.startswith(f"{err.name}."):
+                raise ConfigError(key, f"importing '{module}' failed: {err}", fix) from None
+            continue  # not a module at this length: a shorter prefix may be one
+        except Exception as err:  # the user's module itself raised while importing
+            raise ConfigError(key, f"importing '{module}' failed: {type(err).__name__}: {err}", fix) from None
+        break
+    else:
+        raise ConfigError(key, f"cannot import '{target}': no module named '{parts[0]}'", fix)
+    for depth, name in enumerate(parts[end:], start=end):
+        if not hasattr(obj, name):
+            raise ConfigError(key, f"cannot import '{target}': '{'.'.join(parts[:depth])}' has no '{name}'", fix)
+        obj = getattr(obj, name)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -115,6 +134,34 @@ def _build_custom_model(
     return torch.compile(module) if model.compile else module
 
 
+def check_logits_shape(meta: nn.Module, model: CustomModelConfig) -> None:
+    """A user model must map token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]`` (the loss reads them so):
+    one forward on the meta device (no memory, no compute) finds a model that returns something else before any
+    rank starts, where the loss would fail on every rank. A model meta cannot run (data-dependent code, ops
+    without a meta kernel) is left to the run."""
+    tokens = torch.zeros(2, model.seq_len, dtype=torch.long, device="meta")
+    was_training = meta.training
+    meta.eval()  # dropout and the like off; a model that counts its training calls does not count this one
+    try:
+        with torch.no_grad():
+            out = meta(tokens)
+    except Exception:  # the check only speaks when the model ran
+        return
+    finally:
+        meta.train(was_training)
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+    # More columns than the vocabulary is a padded head (GPT-2's 50304): the loss reads them all, targets stay below.
+    if shape is not None and len(shape) == 3 and shape[:2] == (2, model.seq_len) and shape[2] >= model.vocab_size:
+        return
+    raise ConfigError(
+        "model._target_",
+        f"{model.target}(tokens [2, {model.seq_len}]) returned {list(shape) if shape else type(out).__name__}, "
+        f"not logits [2, {model.seq_len}, {model.vocab_size}] (batch, seq, model.vocab_size)",
+        "return the logits tensor itself (not a dict, tuple or output object), one row per token and at least "
+        "model.vocab_size columns",
+    )
+
+
 def model_facts(model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int) -> ModelFacts:
     """Parameter count and training FLOPs per token, without allocating the weights."""
     if isinstance(model, ModelConfig):
@@ -124,6 +171,7 @@ def model_facts(model: ModelConfig | CustomModelConfig | HFModelConfig, seed: in
         count = sum(p.numel() for p in build_model_factory(model, seed)(device="meta").parameters())
         return ModelFacts(count, flops_per_token(hf_shape(model)))
     meta = build_model_factory(model, seed)(device="meta")
+    check_logits_shape(getattr(meta, "_orig_mod", meta), model)  # uncompiled: a check must not compile it
     count = sum(p.numel() for p in meta.parameters())
     custom = getattr(meta, "flops_per_token", None)
     # Without the model's own accounting only the 6N matmul term is known (attention FLOPs are not).
