@@ -32,6 +32,8 @@ PEER_FAILURE_MARKERS = (
     "nccl communicator was aborted",
 )
 PEER_FAILURE_TYPES = ("DistNetworkError", "DistBackendError")
+# A user's mistake found only once the ranks run (a datamodule's first batch): reported as the config error it is.
+USER_ERROR_TYPES = ("ConfigError",)
 # Engines that re-raise an error of the user's code inside one of their own, chained to it: torch's pipeline
 # schedule reports a stage's error as "[Stage 1] failed to run forward:" and the arguments' shapes. The record
 # names the cause (its type and first line); the traceback keeps the whole chain.
@@ -82,6 +84,8 @@ def write_crash_record(
         "traceback": _cut("".join(traceback.format_exception(type(error), error, error.__traceback__))),
         "pid": os.getpid(),
     }
+    if type(cause).__name__ in USER_ERROR_TYPES:  # the whole one-line message: key, problem and fix
+        record["user_error"] = text
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write then rename: the launcher may read it while this rank is still exiting.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -334,3 +334,11 @@ class PooledLogitsModel(BigramModel):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return super().forward(tokens).mean(dim=1)
+
+
+class DictBatchData(CountingData):
+    """CountingData whose batches are dicts (an HF-style collator's), not the (inputs, targets) pairs runs read."""
+
+    def train_dataloader(self) -> DataLoader:
+        rows = [{"input_ids": x, "labels": y} for x, y in self.data]
+        return DataLoader(rows, batch_size=self.micro_batch_size, drop_last=True)  # type: ignore[arg-type]

@@ -276,3 +276,19 @@ def test_a_rank_that_raises_is_named_and_its_error_ends_the_console(raise_rank: 
                              text=True, timeout=120)  # fmt: skip
     assert rebuilt.returncode == 0
     assert f"critical crash [run stopped]: rank {raise_rank} raised in forward of step 6" in rebuilt.stdout
+
+
+def test_a_datamodule_whose_batches_the_model_cannot_read_is_one_config_error_from_both_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*SHORT, *USER_MODEL, "+data._target_=tests.plugins.DictBatchData", f"hydra.run.dir={run_dir}"]
+    args.remove("+data._target_=tests.plugins.CountingData")
+    result = run_cli(args, cwd=REPO, timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    said = "disttrain: config error: data._target_: the first training batch is a dict (keys input_ids, labels)"
+    lines = result.stderr.rstrip().splitlines()
+    assert lines[-1].startswith(said) and "Fix: yield (inputs, targets) pairs" in lines[-1]
+    console = result.stdout + result.stderr
+    assert console.count("config error") == 1 and "Traceback" not in console and "died" not in console
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["status"] == "failed" and said.removeprefix("disttrain: ") in manifest["failure"]
+    assert json.loads((run_dir / "failure.json").read_text())["traceback"] == ""

@@ -29,7 +29,7 @@ from diagnostics.crash import (
     write_crash_record,
 )
 from diagnostics.manifest import RunManifest
-from disttrain.config.errors import ConfigError
+from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
 from disttrain.job.report import say_report
 from disttrain.job.sweeps import TRACEBACK_CHARS, write_failure
 from disttrain.launch.env import process_role, say
@@ -105,6 +105,8 @@ def stop_for_failure(
             dead = ranks.dead(wait_s=30.0 if peer_left else 3.0)
         ranks.kill()
     cause = primary_crash(read_crash_records(run_dir))
+    if cause is not None and cause.get("user_error"):
+        return stop_for_user_error(failure_reporting, cause, own_error)
     if cause is not None:
         rank, error, trace = cause["rank"], cause["error"], cause.get("traceback") or ""
         site = describe_site(cause.get("step"), cause.get("phase"))
@@ -134,6 +136,21 @@ def stop_for_failure(
     if trace:
         say(trace.rstrip("\n"), file=sys.stderr)
     return RunStopped(FAILED, f"disttrain: {failure}; stopping the job{where}")
+
+
+def stop_for_user_error(
+    failure_reporting: FailureReporting, cause: dict, own_error: BaseException | None
+) -> RunStopped:
+    """A config error a rank found at run time (every rank may find the same one): recorded as the run's failure and
+    said once, as the one line a config error is before launch, with its exit code; no traceback, no report."""
+    run_dir, rank, message = failure_reporting.run_dir, cause["rank"], cause["user_error"]
+    if own_error is not None and cause["rank"] != process_role().global_rank:
+        log_to_own_file(run_dir, "".join(traceback.format_exception(own_error)))  # an echo of the failure
+    with contextlib.suppress(Exception):  # the job must end whatever happens here
+        failure_reporting.manifest.failed(f"rank {rank}: config error: {message}", rank).write(run_dir)
+        write_failure(run_dir, {"error": f"config error: {message}", "source": f"rank {rank}", "rank": rank,
+                                "traceback": ""})  # fmt: skip
+    return RunStopped(USER_ERROR_EXIT_CODE, f"disttrain: config error: {message}")
 
 
 def interrupting_signal(error: BaseException) -> signal.Signals | None:
@@ -196,9 +213,10 @@ def stop_fit(
 ) -> NoReturn:
     """What ends a fit that raised ``err``, raised: the crash recorded and the failing rank named once (a spawned
     rank leaves that to the launcher), a caught signal recorded as one, a dead local rank named as the cause;
-    a user's config error or an agreed stop passes through as it is."""
+    a user's config error found at run time is said once like one found before launch; an agreed stop passes
+    through as it is."""
     run_dir, manifest = failures.run_dir, failures.manifest
-    crashed = isinstance(err, Exception) and not isinstance(err, ConfigError | RunStopped)
+    crashed = isinstance(err, Exception) and not isinstance(err, RunStopped)
     if crashed:
         record_crash(run_dir, err, parts)
     if crashed and child:
@@ -207,7 +225,7 @@ def stop_fit(
         # The lost peer may be rank 0: its death is recorded first. An error not known as a peer's loss still
         # waits a moment, so that no wording of a lost connection leaves rank 0's death unrecorded.
         await_parent_death(timeout_s=PEER_LOSS_WAIT_S if is_peer_failure(type(err).__name__, str(err)) else 1.0)
-        raise RunStopped(FAILED) from None
+        raise RunStopped(USER_ERROR_EXIT_CODE if isinstance(err, ConfigError) else FAILED) from None
     if crashed and failures.reports:
         failures.lock.acquire()  # if the rank watcher holds it, it is ending this process
         raise stop_for_failure(failures, ranks, None, err) from None

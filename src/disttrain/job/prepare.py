@@ -29,6 +29,7 @@ from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import (
     AutoStrategyConfig,
+    CustomDataConfig,
     CustomModelConfig,
     HFDataConfig,
     RunConfig,
@@ -288,6 +289,10 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
         check_strategy_can_read(point.checkpoint, run_cfg.strategy.name, parallel.world_size)
         check_resumed_tokenizer(point, run_cfg)
+    if isinstance(run_cfg.data, CustomDataConfig):
+        from disttrain.data.user_datamodule import check_user_datamodule  # imports the user's module
+
+        check_user_datamodule(run_cfg.data, run_cfg.model.seq_len, parallel.batch.micro_batch_size)
     if isinstance(run_cfg.model, CustomModelConfig):
         from disttrain.models.factory import model_facts  # imports torch: only for a user's model
 

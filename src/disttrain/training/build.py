@@ -32,7 +32,9 @@ from disttrain.config.schema import (
     RunConfig,
 )
 from disttrain.config.validate import BatchPlan
+from disttrain.data.batch_check import UserBatchCheck
 from disttrain.data.datamodule import TokenDataModule
+from disttrain.data.user_datamodule import datamodule_arguments
 from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
@@ -59,7 +61,7 @@ from disttrain.training.wandb_sweep import run_group
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
     if isinstance(cfg.data, CustomDataConfig):
         cls = resolve_target(cfg.data.target, "data._target_")
-        return cls(seq_len=cfg.model.seq_len, micro_batch_size=plan.micro_batch_size, **cfg.data.kwargs)  # type: ignore[operator]
+        return cls(**datamodule_arguments(cfg.data, cfg.model.seq_len, plan.micro_batch_size))  # type: ignore[operator]
     data = cfg.data
     if data.pin_memory is None:  # pinned host batches let the copy to a GPU run asynchronously
         data = replace(data, pin_memory=cfg.hw.accelerator == "gpu")
@@ -227,7 +229,10 @@ def build_trainer(
         saving_s=lambda: reliability.checkpoints.save_s,
     )
     progress = build_progress(t.max_steps, t.log_every_n_steps, throughput)
-    callbacks = [*reliability.callbacks, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
+    callbacks: list[pl.Callback] = []
+    if isinstance(cfg.data, CustomDataConfig):  # first: a batch the model cannot read is refused before it runs
+        callbacks.append(UserBatchCheck(cfg.model.seq_len, plan.micro_batch_size, cfg.model.vocab_size))
+    callbacks += [*reliability.callbacks, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
     diagnostics = build_diagnostics(cfg, parallel, facts, run_dir, throughput) if cfg.diagnostics.enabled else None
     if diagnostics is not None:
         callbacks.append(diagnostics)

@@ -1,0 +1,81 @@
+"""A user's datamodule (``data._target_``) is held to the contract the loss and the accounting read: batches of
+``(inputs, targets)`` token-id tensors ``[micro_batch, seq_len]``, ids below ``model.vocab_size``.
+
+Its first training batch and its first validation batch are checked on every rank before the model sees them.
+Without the check a dict batch failed inside the model with ``'str' object has no attribute 'shape'``, ids past the
+vocabulary with an embedding ``IndexError`` (on a GPU a device-side assert), and a shorter sequence trained
+silently while tokens/s, MFU and the planner counted ``seq_len``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from disttrain.config.errors import ConfigError
+
+# cross_entropy's default ignore_index: a target the loss skips (padding), not a token id.
+IGNORED_TARGET = -100
+FIX = (
+    "yield (inputs, targets) pairs of integer token-id tensors [micro_batch_size, model.seq_len] with ids in "
+    "[0, model.vocab_size) (docs/configuration.md, 'Your own model or data')"
+)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"a dict (keys {', '.join(map(str, value))})"
+    if isinstance(value, torch.Tensor):
+        return f"a {list(value.shape)} {str(value.dtype).removeprefix('torch.')} tensor"
+    return f"a {type(value).__name__}"
+
+
+def batch_problem(batch: Any, seq_len: int, micro_batch: int, vocab_size: int) -> str | None:
+    """What is wrong with ``batch`` for a run of this shape, or None."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        return f"is {_describe(batch)}, not an (inputs, targets) pair"
+    inputs, targets = batch
+    for name, part in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(part, torch.Tensor):
+            return f"holds {_describe(part)} as its {name}, not a tensor"
+        if part.is_floating_point() or part.is_complex() or part.dtype == torch.bool:
+            return f"holds {_describe(part)} as its {name}, not token ids (an integer dtype)"
+    if inputs.dim() != 2 or inputs.shape != targets.shape:
+        return f"holds inputs {list(inputs.shape)} and targets {list(targets.shape)}, not two [batch, seq] tensors"
+    rows, columns = inputs.shape
+    if columns != seq_len:
+        return f"has sequences of {columns} tokens, not model.seq_len={seq_len}"
+    if rows > micro_batch:
+        return f"has {rows} rows, more than the micro-batch of {micro_batch} the datamodule was given"
+    low, high = int(inputs.min()), int(inputs.max())
+    if low < 0 or high >= vocab_size:
+        return f"holds input ids in [{low}, {high}], outside [0, model.vocab_size={vocab_size})"
+    kept = targets[targets != IGNORED_TARGET]
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= vocab_size):
+        return f"holds target ids in [{int(kept.min())}, {int(kept.max())}], outside [0, model.vocab_size={vocab_size})"
+    return None
+
+
+class UserBatchCheck(pl.Callback):
+    """Checks the first training and the first validation batch of a user's datamodule (once each)."""
+
+    def __init__(self, seq_len: int, micro_batch: int, vocab_size: int) -> None:
+        self.shape = (seq_len, micro_batch, vocab_size)
+        self.checked: set[str] = set()
+
+    def _check(self, loader: str, batch: Any) -> None:
+        if loader in self.checked:
+            return
+        self.checked.add(loader)
+        if (problem := batch_problem(batch, *self.shape)) is not None:
+            raise ConfigError("data._target_", f"the first {loader} batch {problem}", FIX)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        self._check("training", batch)
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
+    ) -> None:
+        self._check("validation", batch)
