@@ -115,6 +115,11 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
         (["hw=8xa10"], "hw: unknown option '8xa10' (did you mean '8xa100'?)"),
         (["model.n_layer=3"], "model.n_layer: is not a setting of model (did you mean 'n_layers'?)"),
         (["trainer=fast"], "trainer: unknown option 'fast'"),
+        # added with +: Hydra composes any key, and the train command the plan prints would be refused for it
+        (
+            ["+diagnostic.calibrate=false"],
+            "diagnostic: is not a setting of plan or train (did you mean 'diagnostics'?)",
+        ),
     ],
 )
 def test_a_wrong_group_option_or_key_is_one_line_as_in_train(args: list[str], start: str, tmp_path: Path) -> None:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from disttrain.config.calibration import load_calibration
-from disttrain.config.errors import ConfigError
+from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.hardware import HardwareProfile, validate_profile
 from disttrain.config.hf import reference_shape
-from disttrain.config.parse import PRECISIONS, build_dataclass, parse_model, to_container
+from disttrain.config.parse import GROUPS, PRECISIONS, TOP_LEVEL, build_dataclass, parse_model, to_container
 from disttrain.config.schema import HFModelConfig, PrecisionConfig, TrainerConfig
 from disttrain.config.validate import validate_model
 from disttrain.planner import Assumptions, ModelShape, model_shape
@@ -79,8 +79,29 @@ def _sequence_parallel(cfg: DictConfig) -> bool | None:
     return value
 
 
+# conf/plan.yaml's own keys. A train group or setting is kept too: the printed train command carries it.
+PLAN_KEYS = (
+    "model", "hw", "trainer", "precision", "output", "limit", "num_parameters", "calibration", "headroom",
+    "sequence_parallel", "throughput", "assumptions",
+)  # fmt: skip
+
+
+def check_top_level_keys(cfg: DictConfig) -> None:
+    """A ``+key`` neither plan nor train has (a misspelt group) is refused: Hydra composes any, and the train
+    command the plan prints would be refused for it."""
+    known = dict.fromkeys([*PLAN_KEYS, *GROUPS, *TOP_LEVEL])
+    for key in map(str, cfg):
+        if key not in known:
+            raise ConfigError(
+                key,
+                f"is not a setting of plan or train{did_you_mean(key, known)}",
+                f"remove it; plan's settings are {', '.join(PLAN_KEYS)}",
+            )
+
+
 def parse_plan_request(cfg: DictConfig) -> PlanRequest:
     """The typed request of a composed ``conf/plan.yaml``; ConfigError names the key and the fix on bad input."""
+    check_top_level_keys(cfg)
     if cfg.output not in OUTPUTS:
         raise ConfigError("output", f"'{cfg.output}' is not one of {list(OUTPUTS)}", "use output=table or output=json")
     if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
