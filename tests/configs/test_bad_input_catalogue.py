@@ -70,19 +70,6 @@ CATALOGUE: list[tuple[list[str], dict[str, str], str, str]] = [
     (["hydra.run.dir={claimed}"], {}, "hydra.run.dir", "hydra.run.dir=<new dir>"),
     (["-m", "optimizer.lr=1e-3,3e-3", "hydra.sweep.dir={swept}"], {}, "hydra.sweep.dir", "hydra.sweep.dir=<new dir>"),
     (["hydra.job.name=../../escaped"], {}, "hydra.job.name", "plain name"),
-    # a user model that returns an output object, not the logits; a dotted path to a module that is not there
-    (
-        ["~model", "+model._target_=tests.plugins.DictLogitsModel", "+model.vocab_size=16", "+model.seq_len=8"],
-        {},
-        "model._target_",
-        "the logits tensor itself",
-    ),
-    (
-        ["~model", "+model._target_=tests.plugin.BigramModel", "+model.vocab_size=16", "+model.seq_len=8"],
-        {},
-        "model._target_",
-        "on PYTHONPATH",
-    ),
     # a sweep whose later job is wrong: refused before its first job trains, not when that job starts
     (["-m", "optimizer.lr=1e-3,-1"], {}, "optimizer.lr", "> 0"),
     (

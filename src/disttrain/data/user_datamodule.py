@@ -1,4 +1,5 @@
-"""A user's datamodule (``data._target_``), found and called as the ranks will call it: checked before launch."""
+"""A user's datamodule (``data._target_``), found and called as the ranks will call it: checked as the job starts,
+before any rank builds it (job/run.py; not in preflight, which must not import torch: launch/fork.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def datamodule_arguments(data: CustomDataConfig, seq_len: int, micro_batch_size:
 
 def check_user_datamodule(data: CustomDataConfig, seq_len: int, micro_batch_size: int) -> None:
     """Import the class and bind the call's arguments to its signature (nothing is constructed: a datamodule may
-    download or read files in its constructor), so a wrong dotted path or keyword fails before any rank starts."""
+    download or read files in its constructor), so a wrong dotted path or keyword fails in one line before training."""
     cls = resolve_target(data.target, "data._target_")
     if not callable(cls):
         raise ConfigError("data._target_", f"'{data.target}' is a {type(cls).__name__}", "name a LightningDataModule")

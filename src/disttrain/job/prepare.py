@@ -27,14 +27,7 @@ from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import (
-    AutoStrategyConfig,
-    CustomDataConfig,
-    CustomModelConfig,
-    HFDataConfig,
-    RunConfig,
-    with_compile_decided,
-)
+from disttrain.config.schema import AutoStrategyConfig, HFDataConfig, RunConfig, with_compile_decided
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.corpus_check import tokenize_corpus
 from disttrain.data.hf import tokenizer_sha256
@@ -289,14 +282,6 @@ def prepare(cfg: DictConfig, run_dir: Path | None, task_overrides: list[str]) ->
         check_checkpoint_fits_model(point.checkpoint, run_cfg.model, run_cfg.trainer.seed)
         check_strategy_can_read(point.checkpoint, run_cfg.strategy.name, parallel.world_size)
         check_resumed_tokenizer(point, run_cfg)
-    if isinstance(run_cfg.data, CustomDataConfig):
-        from disttrain.data.user_datamodule import check_user_datamodule  # imports the user's module
-
-        check_user_datamodule(run_cfg.data, run_cfg.model.seq_len, parallel.batch.micro_batch_size)
-    if isinstance(run_cfg.model, CustomModelConfig):
-        from disttrain.models.factory import model_facts  # imports torch: only for a user's model
-
-        model_facts(run_cfg.model, run_cfg.trainer.seed)  # its factory's arguments and its logits, before any dir
     memory = predict_memory(run_cfg, parallel)
     return Prepared(cfg, run_cfg, parallel, auto_reason, point, attempt, memory, warmup_note, calibration, elastic_note)
 

@@ -18,6 +18,8 @@ from omegaconf import DictConfig
 
 from diagnostics.collect.profile_window import release_cupti_after_window
 from disttrain.config.errors import ConfigError
+from disttrain.config.schema import CustomDataConfig
+from disttrain.data.user_datamodule import check_user_datamodule
 from disttrain.job.describe import describe_launch
 from disttrain.job.job import Job
 from disttrain.job.launcher_death import report_launcher_death
@@ -54,7 +56,12 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     else:  # preflight checked the command and claimed the run dir (claim.py): no other launch writes here
         prepared = prepared.with_hydra_config(cfg)
     run_cfg = prepared.run_cfg
+    # A user's model and datamodule are checked here, not in preflight: importing them imports torch, and the
+    # launcher forks its CPU ranks only if torch was not imported before (launch/fork.py); a new interpreter per
+    # rank costs a short run seconds. facts: a user model's factory called on meta, its logits' shape checked.
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
+    if isinstance(run_cfg.data, CustomDataConfig):
+        check_user_datamodule(run_cfg.data, run_cfg.model.seq_len, prepared.parallel.batch.micro_batch_size)
     if role.is_global_zero:
         announce(prepared, facts)
     if run_cfg.dry_run:

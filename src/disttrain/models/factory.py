@@ -136,9 +136,9 @@ def _build_custom_model(
 
 def check_logits_shape(meta: nn.Module, model: CustomModelConfig) -> None:
     """A user model must map token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]`` (the loss reads them so):
-    one forward on the meta device (no memory, no compute) finds a model that returns something else before any
-    rank starts, where the loss would fail on every rank. A model meta cannot run (data-dependent code, ops
-    without a meta kernel) is left to the run."""
+    one forward on the meta device (no memory, no compute) finds a model that returns something else as the job
+    starts (``model_facts``), where the loss would fail on every rank at its first step. A model meta cannot run
+    (data-dependent code, ops without a meta kernel) is left to the run."""
     tokens = torch.zeros(2, model.seq_len, dtype=torch.long, device="meta")
     was_training = meta.training
     meta.eval()  # dropout and the like off; a model that counts its training calls does not count this one
