@@ -32,7 +32,8 @@ def pair(rows: int = MICRO, seq: int = SEQ, low: int = 0, high: int = VOCAB) -> 
     ("rows", "dtype", "as_list"), list(itertools.product([1, MICRO], [torch.int64, torch.int32], [False, True]))
 )
 def test_every_well_formed_batch_passes(rows: int, dtype: torch.dtype, as_list: bool) -> None:
-    inputs, targets = (t.to(dtype) for t in pair(rows))
+    inputs, targets = pair(rows)
+    inputs = inputs.to(dtype)  # the embedding takes int32 ids too; the loss wants int64 targets
     targets[0, -1] = -100  # padding the loss ignores
     batch = [inputs, targets] if as_list else (inputs, targets)
     assert batch_problem(batch, SEQ, MICRO, VOCAB) is None
@@ -46,6 +47,8 @@ def wrong(kind: str) -> object:
         "triple": (inputs, targets, targets),
         "floats": (inputs.float(), targets),
         "bools": (inputs, targets > 3),
+        "int32 targets": (inputs, targets.int()),
+        "uint8 inputs": (inputs.to(torch.uint8), targets),
         "lists": (inputs.tolist(), targets),
         "3-d": (inputs[..., None], targets[..., None]),
         "mismatch": (inputs, targets[:, :-1]),
@@ -63,7 +66,9 @@ def wrong(kind: str) -> object:
         ("dict", "is a dict (keys input_ids, labels), not an (inputs, targets) pair"),
         ("single tensor", "is a [4, 8] int64 tensor, not an (inputs, targets) pair"),
         ("triple", "is a tuple, not an (inputs, targets) pair"),
-        ("floats", "holds a [4, 8] float32 tensor as its inputs, not token ids"),
+        ("floats", "holds a [4, 8] float32 tensor as its inputs, not token ids (int64 or int32)"),
+        ("int32 targets", "holds a [4, 8] int32 tensor as its targets, not token ids (int64)"),
+        ("uint8 inputs", "holds a [4, 8] uint8 tensor as its inputs, not token ids"),
         ("bools", "holds a [4, 8] bool tensor as its targets, not token ids"),
         ("lists", "holds a list as its inputs, not a tensor"),
         ("3-d", "holds inputs [4, 8, 1] and targets [4, 8, 1], not two [batch, seq] tensors"),

@@ -18,8 +18,10 @@ from disttrain.config.errors import ConfigError
 
 # cross_entropy's default ignore_index: a target the loss skips (padding), not a token id.
 IGNORED_TARGET = -100
+# What reads them takes: the embedding int64 or int32 ids, cross_entropy int64 targets (int32 fails inside the loss).
+ID_DTYPES = {"inputs": (torch.int64, torch.int32), "targets": (torch.int64,)}
 FIX = (
-    "yield (inputs, targets) pairs of integer token-id tensors [micro_batch_size, model.seq_len] with ids in "
+    "yield (inputs, targets) pairs of int64 token-id tensors [micro_batch_size, model.seq_len] with ids in "
     "[0, model.vocab_size) (docs/configuration.md, 'Your own model or data')"
 )
 
@@ -40,8 +42,9 @@ def batch_problem(batch: Any, seq_len: int, micro_batch: int, vocab_size: int) -
     for name, part in (("inputs", inputs), ("targets", targets)):
         if not isinstance(part, torch.Tensor):
             return f"holds {_describe(part)} as its {name}, not a tensor"
-        if part.is_floating_point() or part.is_complex() or part.dtype == torch.bool:
-            return f"holds {_describe(part)} as its {name}, not token ids (an integer dtype)"
+        if part.dtype not in ID_DTYPES[name]:
+            allowed = " or ".join(str(d).removeprefix("torch.") for d in ID_DTYPES[name])
+            return f"holds {_describe(part)} as its {name}, not token ids ({allowed})"
     if inputs.dim() != 2 or inputs.shape != targets.shape:
         return f"holds inputs {list(inputs.shape)} and targets {list(targets.shape)}, not two [batch, seq] tensors"
     rows, columns = inputs.shape
