@@ -63,6 +63,7 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler", "strategy", "precision", "hw",
         "compute_dtype", "num_parameters", "flops_per_token", "hardware_flops_per_token", "tokens_per_step",
         "micro_batch_size", "accumulation", "seq_len", "peak_flops", "peak_flops_source", "max_steps",
+        "work_unit", "tokens_per_sample",
     ),
     "step": (
         "step", "step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "local_compute_s",
@@ -86,6 +87,8 @@ RECORD_FIELDS: dict[str, tuple[str, ...]] = {
         "steps_measured",
     ),
     "calibration": ("when", "dtype", "matrix_size", "flops_per_s", "seconds"),
+    # a LightningModule's FLOPs per unit of work counted at its first step (training/flop_count.py)
+    "flops_count": ("flops_per_unit", "source"),
     "link_calibration": ("link", "op", "ranks", "bytes", "seconds", "algbw_gbps", "busbw_gbps", "latency_us"),
     "memory_calibration": ("bandwidth_gbps",),
     "sync_calibration": ("ranks", "rounds", "segment_s", "wait_s", "waits_s", "latency_s"),

@@ -125,6 +125,7 @@ class RankTelemetry:
     pauses: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
     first_t: float | None = None
+    flops_count: dict[str, Any] | None = None  # a LightningModule's FLOPs per unit, counted at its first step
 
 
 @dataclass
@@ -146,6 +147,11 @@ class RunTelemetry:
         if self.manifest is not None and self.manifest.world_size is not None:
             return self.manifest.world_size
         return max(self.ranks, default=-1) + 1
+
+    @property
+    def work_unit(self) -> str:
+        """What the run's ``tokens_*`` figures count: "token", or "sample" for a LightningModule's run."""
+        return str(self.meta("work_unit") or "token")
 
     def meta(self, key: str) -> Any:
         """A meta field from the lowest rank that reported it."""
@@ -255,7 +261,7 @@ def _add(tele: RankTelemetry, rec: dict[str, Any], windows: list[RanksWindow]) -
         tele.experts.append(rec)
     elif kind == "pause":
         tele.pauses.append(rec)
-    elif kind in ("meta", "memory", "throughput", "hang", "end", "expert_layout"):
+    elif kind in ("meta", "memory", "throughput", "hang", "end", "expert_layout", "flops_count"):
         setattr(tele, kind, rec)
 
 

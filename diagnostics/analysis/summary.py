@@ -58,8 +58,12 @@ class Summary:
     world_size: int
     device: str  # gpu | cpu | unknown: what the samplers saw
     steps_recorded: int
-    tokens_per_s: float | None = None  # over training steps only
+    # Work per second over training steps only, in the run's ``work_unit`` (token, or sample for a LightningModule's
+    # run, whose figure ``samples_per_s`` also holds); ``to_json`` keeps tokens_per_s only where tokens apply.
+    tokens_per_s: float | None = None
     tokens_per_s_source: str | None = None
+    work_unit: str = "token"
+    samples_per_s: float | None = None
     # The training loop's wall-clock time, its validation and checkpoint pauses, and the tokens per second it
     # delivers with them (analysis.pauses); None without timed step records.
     loop: dict[str, Any] | None = None
@@ -80,8 +84,19 @@ class Summary:
     # Expert parallelism's all-to-alls: their share of the step, its transfer and waiting (analysis.phase_comm).
     all_to_all: dict[str, float] | None = None
 
+    @property
+    def rate_label(self) -> str:
+        return "tokens/s" if self.work_unit == "token" else "samples/s"
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.work_unit != "token":  # a sample run's rate is samples/s; it says so under its own name
+            for key in ("tokens_per_s", "tokens_per_s_source", "flops_per_token", "hardware_flops_per_token"):
+                out.pop(key)
+            out["flops_per_sample"] = self.flops_per_token
+            out["hardware_flops_per_sample"] = self.hardware_flops_per_token
+            out["samples_per_s_source"] = self.tokens_per_s_source
+        return out
 
 
 def _profile_means(tele: RankTelemetry) -> dict[str, float | None]:
@@ -215,11 +230,22 @@ def _tokens_per_s(run: RunTelemetry, step_times: list[float]) -> tuple[float | N
     return None, None
 
 
+def _samples_per_s(run: RunTelemetry, rate: float | None) -> float | None:
+    """Samples per second: the rate itself in a sample run; a token run's tokens/s over its sequence length."""
+    if rate is None or run.work_unit != "token":
+        return rate
+    seq_len = num(run.meta("seq_len"))
+    return rate / seq_len if seq_len else None
+
+
 def _utilizations(run: RunTelemetry, summary: Summary) -> None:
     """Fill MFU/HFU from the throughput record, else compute them; >100% becomes an accounting error."""
     rec = (run.ranks.get(0) or RankTelemetry(0)).throughput or {}
     recorded_flops = run.manifest.flops_per_token if run.manifest is not None else None
-    summary.flops_per_token = num(run.meta("flops_per_token")) or num(recorded_flops)
+    counted = (run.ranks.get(0) or RankTelemetry(0)).flops_count or {}
+    summary.flops_per_token = (
+        num(run.meta("flops_per_token")) or num(counted.get("flops_per_unit")) or num(recorded_flops)
+    )
     summary.hardware_flops_per_token = num(run.meta("hardware_flops_per_token")) or summary.flops_per_token
     summary.peak_flops = num(rec.get("peak_flops")) or num(run.meta("peak_flops"))
     summary.peak_flops_source = run.meta("peak_flops_source")
@@ -280,6 +306,8 @@ def summarize(run: RunTelemetry) -> tuple[Summary, list[RankPhases]]:
         all_to_all=comm.all_to_all() if comm is not None else None,
     )
     summary.tokens_per_s, summary.tokens_per_s_source = _tokens_per_s(run, step_times)
+    summary.work_unit = run.work_unit
+    summary.samples_per_s = _samples_per_s(run, summary.tokens_per_s)
     _utilizations(run, summary)
     summary.step_time = {
         "p50": percentile(step_times, 50),

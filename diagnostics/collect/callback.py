@@ -76,6 +76,9 @@ class RunFacts:
     compute_dtype: str
     hw: str
     num_parameters: int
+    # The run's unit of work: "token" for a token model; "sample" for a LightningModule, whose samples are its
+    # batches' rows. ``flops_per_token``, ``tokens_per_step`` and the telemetry's ``tokens_per_s`` are per unit of
+    # work (the names predate other units; a sample run's telemetry says ``work_unit: sample``).
     flops_per_token: float
     hardware_flops_per_token: float
     tokens_per_step: int
@@ -107,6 +110,11 @@ class RunFacts:
     # A small copy of the run's own model and its DeepSpeed engine for the ZeRO probe (``parts(device=...)``, see
     # ``zero_overhead``): a strategy=deepspeed run at ZeRO-1/2 the probe can build; None: not probed.
     zero_probe: Callable[..., dict] | None = None
+    work_unit: str = "token"
+    tokens_per_sample: int | None = None  # a sample run whose module says what a token is (its tokens per sample)
+    # FLOPs per unit counted at the first step (training/flop_count.py) where the module states none: the MFU
+    # numerator from then on (``flops_per_token`` is 0 until then).
+    counted_flops_per_unit: Callable[[], float | None] | None = None
 
 
 def _run_rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
@@ -202,6 +210,8 @@ class DiagnosticsCallback(pl.Callback):
             flops_per_token=f.flops_per_token,
             hardware_flops_per_token=f.hardware_flops_per_token,
             tokens_per_step=f.tokens_per_step,
+            work_unit=f.work_unit,
+            tokens_per_sample=f.tokens_per_sample,
             micro_batch_size=f.micro_batch_size,
             accumulation=f.accumulation,
             seq_len=f.seq_len,
@@ -475,6 +485,8 @@ class DiagnosticsCallback(pl.Callback):
         self.write("memory", **memory)
         if self.settings.calibrate:
             self.calibrate(pl_module.device, "end")
+        if self.facts.counted_flops_per_unit is not None and (counted := self.facts.counted_flops_per_unit()):
+            self.write("flops_count", flops_per_unit=counted, source="FlopCounterMode over the first micro-batch")
         tokens_per_s = self.tokens_per_s()
         if tokens_per_s:
             self.guarded("throughput", lambda: self._throughput(trainer.world_size, tokens_per_s))
@@ -570,17 +582,28 @@ class DiagnosticsCallback(pl.Callback):
         def ratio(flops_per_token: float, peak: float | None, what: str) -> float | None:
             return None if not peak else flops_utilization(tokens_per_s, flops_per_token, world_size, peak, what)
 
+        flops, hardware = self.flops_per_unit, self.hardware_flops_per_unit
         self.final_throughput = dict(
             tokens_per_s=tokens_per_s,
-            mfu=ratio(f.flops_per_token, f.peak_flops, "MFU"),
-            hfu=ratio(f.hardware_flops_per_token, f.peak_flops, "HFU"),
-            calibrated_mfu=ratio(f.flops_per_token, self.calibrated, "calibrated MFU"),
-            calibrated_hfu=ratio(f.hardware_flops_per_token, self.calibrated, "calibrated HFU"),
+            mfu=ratio(flops, f.peak_flops, "MFU") if flops else None,
+            hfu=ratio(hardware, f.peak_flops, "HFU") if hardware else None,
+            calibrated_mfu=ratio(flops, self.calibrated, "calibrated MFU") if flops else None,
+            calibrated_hfu=ratio(hardware, self.calibrated, "calibrated HFU") if hardware else None,
             peak_flops=f.peak_flops,
             calibrated_peak_flops=self.calibrated,
             steps_measured=self.steps_seen,
         )
         self.write("throughput", **self.final_throughput)
+
+    @property
+    def flops_per_unit(self) -> float:
+        """Model FLOPs per unit of work: the model's own figure, else the first step's count (0 before it)."""
+        counted = self.facts.counted_flops_per_unit
+        return self.facts.flops_per_token or (counted() or 0.0 if counted is not None else 0.0)
+
+    @property
+    def hardware_flops_per_unit(self) -> float:
+        return self.facts.hardware_flops_per_token or self.flops_per_unit
 
     def teardown_collectors(self) -> None:
         if self._untime_deepspeed is not None:

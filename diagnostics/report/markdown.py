@@ -44,13 +44,13 @@ def summary_rows(report: Report) -> list[list[object]]:
         kinds = ", ".join(f"{what} {v['count']}x {seconds(v['seconds'])}" for what, v in loop["by_what"].items())
         paused = [
             [
-                "tokens/s with validation and checkpoints",
+                f"{s.rate_label} with validation and checkpoints",
                 f"{rate(loop.get('loop_tokens_per_s'))} ({pct(loop.get('share'))} of the loop's "
                 f"{seconds(loop.get('loop_s'))} outside the steps: {kinds})",
             ]
         ]
     return [
-        ["tokens/s", f"{rate(s.tokens_per_s)} ({s.tokens_per_s_source or 'n/a'})"],
+        [s.rate_label, f"{rate(s.tokens_per_s)} ({s.tokens_per_s_source or 'n/a'})"],
         *paused,
         ["MFU / HFU", datasheet],
         ["calibrated MFU / HFU", f"{pct(s.calibrated_mfu)} / {pct(s.calibrated_hfu)} of {calibrated} per device"],

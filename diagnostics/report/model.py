@@ -138,6 +138,9 @@ class Report:
             mfu = f"MFU {pct(s.mfu)} (HFU {pct(s.hfu)}) of {s.peak_flops_source or 'datasheet'} peak"
         elif s.calibrated_mfu is not None:
             mfu = f"MFU {pct(s.calibrated_mfu)} (HFU {pct(s.calibrated_hfu)}) of calibrated peak"
+        elif not s.flops_per_token:
+            # A module whose work is lookups and elementwise ops (embedding tables) has no matmul FLOPs to count.
+            mfu = "MFU n/a (no matmul or convolution FLOPs counted)"
         else:
             mfu = "MFU n/a (no peak known)"
         if s.accounting_errors:
@@ -150,7 +153,7 @@ class Report:
             # The steps' rate is what the hardware does; with pauses this large, the run delivers less.
             paused = f" ({rate(loop['loop_tokens_per_s'])} with validation and checkpoints)"
         return (
-            f"{rate(s.tokens_per_s)} tokens/s{paused} | {mfu} | step p50 {seconds(st.get('p50'))}"
+            f"{rate(s.tokens_per_s)} {s.rate_label}{paused} | {mfu} | step p50 {seconds(st.get('p50'))}"
             f" p90 {seconds(st.get('p90'))} p99 {seconds(st.get('p99'))} | peak {label} {gib(peak)}"
         )
 

@@ -100,7 +100,7 @@ def test_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> 
     parallel = parallel_layout(run_cfg)
     plan, layout = parallel.batch, parallel.world
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
-    text = describe_launch(run_cfg, parallel, facts.num_parameters, facts.flops_per_token)
+    text = describe_launch(run_cfg, parallel, facts)
     assert f"{facts.num_parameters:,} parameters" in text
     assert f"{plan.global_batch_size * run_cfg.model.seq_len:,} tokens/step" in text
     expect_batch(run_cfg, plan)

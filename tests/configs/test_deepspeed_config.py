@@ -11,7 +11,7 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import DeepSpeedConfig
 from disttrain.models import apply_activation_checkpointing
-from disttrain.models.factory import ModelFacts
+from disttrain.models.facts import ModelFacts
 from disttrain.planner import Layout
 from disttrain.strategies.layout import parallel_layout, validate_run
 from disttrain.strategies.spec import build_strategy

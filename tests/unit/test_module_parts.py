@@ -72,7 +72,7 @@ def test_throughput_leaves_out_checkpoint_writes_and_validation(monkeypatch: pyt
     clock = {"now": 0.0}
     monkeypatch.setattr(callbacks.time, "perf_counter", lambda: clock["now"])
     saving = {"s": 3.0}  # a save before the measured steps began does not count either
-    throughput = callbacks.Throughput(tokens_per_step=100, skip_steps=1, saving_s=lambda: saving["s"])
+    throughput = callbacks.Throughput(units_per_step=100, skip_steps=1, saving_s=lambda: saving["s"])
     trainer = SimpleNamespace(global_step=0)
     for step in range(1, 6):  # one second of training per step; step 3 also saves for 2 s, then validates 4 s
         clock["now"] += 1.0
@@ -99,7 +99,7 @@ def test_throughput_median_step_leaves_out_warm_up_saves_validation_and_counts_o
     clock = {"now": 0.0}
     monkeypatch.setattr(callbacks.time, "perf_counter", lambda: clock["now"])
     saving = {"s": 0.0}
-    throughput = callbacks.Throughput(tokens_per_step=100, skip_steps=2, saving_s=lambda: saving["s"])
+    throughput = callbacks.Throughput(units_per_step=100, skip_steps=2, saving_s=lambda: saving["s"])
     trainer = SimpleNamespace(global_step=0)
     durations = {1: 9.0, 2: 9.0, 3: 1.0, 4: 1.5, 5: 1.0, 6: 2.0, 7: 1.0, 8: 1.2}  # steps 1-2: warm-up
     assert throughput.step_time_p50_s is None

@@ -35,8 +35,8 @@ def fake_trainer(step: int, max_steps: int = 20, global_zero: bool = True, val: 
 
 
 def throughput(tokens_per_s: float | None) -> Throughput:
-    meter = Throughput(tokens_per_step=512, skip_steps=0)
-    meter.tokens_per_s = tokens_per_s
+    meter = Throughput(units_per_step=512, skip_steps=0)
+    meter.units_per_s = tokens_per_s
     return meter
 
 

@@ -119,10 +119,10 @@ class Strict:
 def test_the_datamodule_call_is_bound_before_launch(target: str, kwargs: dict, said: str | None) -> None:
     data = CustomDataConfig(target=target, kwargs=kwargs)
     if said is None:
-        check_user_datamodule(data, SEQ, MICRO)
+        check_user_datamodule(data, MICRO, SEQ)
         return
     with pytest.raises(ConfigError) as info:
-        check_user_datamodule(data, SEQ, MICRO)
+        check_user_datamodule(data, MICRO, SEQ)
     assert info.value.key == "data._target_" and said in info.value.problem
 
 

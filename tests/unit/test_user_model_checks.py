@@ -11,7 +11,8 @@ from torch import nn
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.schema import CustomModelConfig
-from disttrain.models.factory import check_logits_shape, model_facts, resolve_target
+from disttrain.models.factory import check_logits_shape, model_facts
+from disttrain.models.targets import resolve_target
 from tests.plugins import BigramModel
 
 

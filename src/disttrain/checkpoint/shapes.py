@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import CustomModelConfig, HFModelConfig, ModelConfig
+from disttrain.config.schema import AnyModelConfig, CustomModelConfig, LightningModuleConfig
 from disttrain.models.factory import build_model_factory
 from disttrain.models.transformer import canonical_name
+from disttrain.models.user_module import build_lightning_module, resolve_model_kind
 
 
 def checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
@@ -44,15 +45,19 @@ def checkpoint_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
     return {canonical_name(k): tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
 
 
-def model_shapes(model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of the configured model, named as the LightningModule's state dict names them."""
+def model_shapes(model: AnyModelConfig, seed: int) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of the configured model, named as the LightningModule's state dict names them (a user's
+    LightningModule is that module itself; the built-in module holds the model as ``model``)."""
+    if isinstance(model, CustomModelConfig | LightningModuleConfig):
+        model = resolve_model_kind(model)
+    if isinstance(model, LightningModuleConfig):
+        module = build_lightning_module(model, device="meta")
+        return {canonical_name(name): tuple(p.shape) for name, p in module.named_parameters()}
     meta = build_model_factory(model, seed)(device="meta")
     return {canonical_name(f"model.{name}"): tuple(p.shape) for name, p in meta.named_parameters()}
 
 
-def check_checkpoint_fits_model(
-    checkpoint: Path, model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int
-) -> None:
+def check_checkpoint_fits_model(checkpoint: Path, model: AnyModelConfig, seed: int) -> None:
     saved = checkpoint_shapes(checkpoint)
     if saved is None:
         return

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.hf import hf_sequence_parallel_problem, hf_shape, load_hf_config
-from disttrain.config.schema import CustomModelConfig, HFModelConfig, MegatronConfig, ModelConfig
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, LightningModuleConfig, MegatronConfig, ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
@@ -103,15 +103,19 @@ def megatron_degrees(cfg: MegatronConfig, world_size: int) -> MegatronDegrees:
 
 
 def validate_megatron(
-    cfg: MegatronConfig, model: ModelConfig | CustomModelConfig | HFModelConfig, world_size: int, precision: str
+    cfg: MegatronConfig,
+    model: ModelConfig | CustomModelConfig | HFModelConfig | LightningModuleConfig,
+    world_size: int,
+    precision: str,
 ) -> MegatronDegrees:
     """Every compose-time rule of the 3D layout; returns the resolved degrees."""
     degrees = megatron_degrees(cfg, world_size)
-    if isinstance(model, CustomModelConfig):
+    if isinstance(model, CustomModelConfig | LightningModuleConfig):
         raise ConfigError(
             "strategy",
-            "strategy=megatron needs the tensor/pipeline plans of the reference transformer; a user model has none",
-            "use a model/ preset (or model.n_layers=... overrides), or strategy=fsdp / ddp for your own model",
+            "strategy=megatron needs a tensor/pipeline plan, which the reference transformer and HF Llama-style "
+            "models have and a user model (an nn.Module or LightningModule of yours) does not",
+            "use strategy=ddp, fsdp or deepspeed for your own model (docs/user_modules.md: what TP/PP would take)",
         )
     hf = isinstance(model, HFModelConfig)
     if isinstance(model, HFModelConfig):

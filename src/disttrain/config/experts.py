@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.hf import hf_shape
-from disttrain.config.schema import CustomModelConfig, HFModelConfig, MegatronConfig, ModelConfig
+from disttrain.config.schema import AnyModelConfig, CustomModelConfig, HFModelConfig, MegatronConfig, ModelConfig
 
 
-def routed_experts(model: ModelConfig | CustomModelConfig | HFModelConfig) -> int:
+def routed_experts(model: AnyModelConfig) -> int:
     """The routed experts per MoE layer of the built-in model or an HF MoE model; 0 for a dense or custom one."""
     if isinstance(model, ModelConfig):
         return model.num_experts
@@ -25,7 +25,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_expert_parallel(ep: int, model: ModelConfig | CustomModelConfig | HFModelConfig, world_size: int) -> None:
+def validate_expert_parallel(ep: int, model: AnyModelConfig, world_size: int) -> None:
     """Refuse an ``ep`` that cannot shard this model's experts over this world."""
     if ep < 1:
         raise ConfigError("strategy.ep", f"must be >= 1, got {ep}", "use strategy.ep=1 (no expert parallelism)")
@@ -55,7 +55,7 @@ def validate_expert_parallel(ep: int, model: ModelConfig | CustomModelConfig | H
         )
 
 
-def validate_megatron_experts(cfg: MegatronConfig, model: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
+def validate_megatron_experts(cfg: MegatronConfig, model: AnyModelConfig) -> None:
     """``strategy=megatron`` with an MoE model: the tp ranks split the experts (each computes ``E / tp`` on every
     token and the outputs are summed over the group); pipeline stages hold their layers' experts whole. Refused
     where that is not built: transformers' MoE blocks, sequence parallelism, and experts that do not split evenly
@@ -83,16 +83,14 @@ def validate_megatron_experts(cfg: MegatronConfig, model: ModelConfig | CustomMo
         )
 
 
-def moe_layer_count(model: ModelConfig | CustomModelConfig | HFModelConfig) -> int:
+def moe_layer_count(model: AnyModelConfig) -> int:
     """MoE layers of the built-in model or an HF MoE model (every block routes its MLP); 0 otherwise."""
     if not routed_experts(model):
         return 0
     return model.n_layers if isinstance(model, ModelConfig) else hf_shape(model).n_layers  # type: ignore[arg-type]
 
 
-def validate_expert_placement(
-    placement: list[list[int]] | None, ep: int, model: ModelConfig | CustomModelConfig | HFModelConfig
-) -> None:
+def validate_expert_placement(placement: list[list[int]] | None, ep: int, model: AnyModelConfig) -> None:
     """Refuse a ``strategy.expert_placement`` that is not one permutation of the experts, or one per MoE layer."""
     if placement is None:
         return

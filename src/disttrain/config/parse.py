@@ -28,6 +28,7 @@ from disttrain.config.schema import (
     FSDPConfig,
     HFDataConfig,
     HFModelConfig,
+    LightningModuleConfig,
     LoggerConfig,
     MegatronConfig,
     ModelConfig,
@@ -171,11 +172,21 @@ def _split_target(values: dict[str, Any], reserved: tuple[str, ...]) -> tuple[di
     return own, kwargs
 
 
-def parse_model(values: dict[str, Any]) -> ModelConfig | CustomModelConfig | HFModelConfig:
+# The keys that make a ``_target_`` model a token model (an nn.Module mapping ids to logits): the data and the FLOPs
+# accounting need them. Without them the target is taken for a LightningModule; the job's start imports it and
+# tells the two apart (models/user_module.py), since preflight must not import torch.
+TOKEN_MODEL_KEYS = ("vocab_size", "seq_len")
+
+
+def parse_model(values: dict[str, Any]) -> ModelConfig | CustomModelConfig | HFModelConfig | LightningModuleConfig:
     if values.get("family") == "hf":
         return build_dataclass(HFModelConfig, values, "model")
     if "_target_" in values:
-        own, kwargs = _split_target(values, ("name", "compile", "vocab_size", "seq_len"))
+        if not any(key in values for key in TOKEN_MODEL_KEYS):
+            own, kwargs = _split_target(values, ("name", "compile"))
+            target = {"target": values["_target_"], **own, "kwargs": kwargs}
+            return build_dataclass(LightningModuleConfig, target, "model")
+        own, kwargs = _split_target(values, ("name", "compile", *TOKEN_MODEL_KEYS))
         return build_dataclass(CustomModelConfig, {"target": values["_target_"], **own, "kwargs": kwargs}, "model")
     return build_dataclass(ModelConfig, values, "model")
 

@@ -110,6 +110,21 @@ class CustomModelConfig:
 
 
 @dataclass(frozen=True)
+class LightningModuleConfig:
+    """A user's own ``LightningModule``, trained as written: its steps, ``configure_optimizers``, logging and hooks.
+
+    ``target`` is the import path of the class (or of a function returning one); ``kwargs`` are the other
+    ``model.*`` keys, instantiated by Hydra (nested ``_target_`` nodes, ``_partial_`` included). The work unit is
+    the sample; a module that says what a token is (``tokens_per_sample``) is also counted in tokens.
+    """
+
+    target: str
+    name: str = "lightning"
+    compile: bool | None = None  # None: off (torch.compile of the module on request)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class HFModelConfig:
     """A Hugging Face ``transformers`` causal LM, from a local directory or an inline config (never the hub).
 
@@ -262,6 +277,11 @@ class FSDPConfig:
     # E / ep entries are the experts of the group's k-th rank (null: contiguous, rank k holds [k E / ep, ...)).
     # One permutation applies to every layer. The report's expert_imbalance finding proposes balanced ones.
     expert_placement: list[list[int]] | None = None
+    # A user's LightningModule (model._target_): the classes whose every instance is one FSDP unit (import paths,
+    # e.g. [pkg.Block]); null: units chosen by size, each module holding >= fsdp_unit_min_params parameters not yet
+    # in a unit below it. The module's top-level children are the roots, sharded last.
+    fsdp_wrap: list[str] | None = None
+    fsdp_unit_min_params: int = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -479,7 +499,7 @@ class TrialConfig:
 class RunConfig:
     """Everything one run needs, validated and typed."""
 
-    model: ModelConfig | CustomModelConfig | HFModelConfig
+    model: ModelConfig | CustomModelConfig | HFModelConfig | LightningModuleConfig
     data: DataConfig
     strategy: StrategyConfig | AutoStrategyConfig
     precision: PrecisionConfig
@@ -500,6 +520,14 @@ class RunConfig:
     # training tokens/s (maximized); see disttrain.sweep.objective.
     objective: Objective = "val_loss"
     trial: TrialConfig = field(default_factory=TrialConfig)
+
+
+AnyModelConfig = ModelConfig | CustomModelConfig | HFModelConfig | LightningModuleConfig
+
+
+def token_seq_len(model: AnyModelConfig) -> int | None:
+    """Tokens per sample of a token model; None for a LightningModule, whose samples are its batches' rows."""
+    return None if isinstance(model, LightningModuleConfig) else model.seq_len
 
 
 COMPILED_STRATEGIES = ("ddp", "fsdp")

@@ -26,6 +26,7 @@ from disttrain.config.schema import (
     CustomModelConfig,
     HFDataConfig,
     HFModelConfig,
+    LightningModuleConfig,
     ModelConfig,
     RunConfig,
     SyntheticDataConfig,
@@ -105,10 +106,12 @@ def validate_moe(m: ModelConfig) -> None:
         )
 
 
-def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig) -> None:
+def validate_model(m: ModelConfig | CustomModelConfig | HFModelConfig | LightningModuleConfig) -> None:
     if isinstance(m, HFModelConfig):
         validate_hf_model(m)
         return
+    if isinstance(m, LightningModuleConfig):
+        return  # its class is imported, and told apart from a token model, as the job starts (models/user_module.py)
     require_positive("model.vocab_size", m.vocab_size)
     require_positive("model.seq_len", m.seq_len)
     if isinstance(m, CustomModelConfig):
@@ -170,8 +173,34 @@ def _check_file(key: str, path: str) -> None:
         raise ConfigError(key, f"'{path}' is empty", f"set {key} to a file with data in it")
 
 
+def validate_lightning_module_data(cfg: RunConfig, plan: BatchPlan) -> None:
+    """A user's LightningModule brings its own datamodule (the built-in data are token windows of model.seq_len),
+    which is handed the run's micro-batch as ``batch_size``: a different ``data.batch_size`` would leave the batch
+    plan (global batch, accumulation, samples/s) describing another run."""
+    d = cfg.data
+    if not isinstance(d, CustomDataConfig):
+        raise ConfigError(
+            "data",
+            f"data={d.name} makes token windows of model.seq_len for a token model; a LightningModule "
+            f"({getattr(cfg.model, 'target', cfg.model.name)}) reads the batches of its own datamodule",
+            "add ~data +data._target_=your_pkg.YourDataModule (or give model.vocab_size and model.seq_len for a model "
+            "that maps token ids to logits)",
+        )
+    given = d.kwargs.get("batch_size")
+    if given is not None and given != plan.micro_batch_size:
+        raise ConfigError(
+            "data.batch_size",
+            f"{given} differs from trainer.micro_batch_size={plan.micro_batch_size}, the micro-batch the run plans "
+            "with (and passes to the datamodule as batch_size)",
+            f"drop data.batch_size and set trainer.micro_batch_size={given}",
+        )
+
+
 def validate_data(cfg: RunConfig, plan: BatchPlan) -> None:
     d = cfg.data
+    if isinstance(cfg.model, LightningModuleConfig):
+        validate_lightning_module_data(cfg, plan)
+        return
     if isinstance(d, CustomDataConfig):
         return
     require_positive("data.num_workers", d.num_workers, allow_zero=True)
@@ -322,12 +351,32 @@ def validate_onebit_adam(cfg: RunConfig) -> None:
         )
 
 
+def validate_lightning_module_run(cfg: RunConfig) -> None:
+    """What a user's LightningModule can be composed with: its own optimizer, no fp8 conversion of layers this
+    project did not build (Megatron's plans are the strategy's own rule: config/degrees.py)."""
+    if not isinstance(cfg.model, LightningModuleConfig):
+        return
+    if cfg.optimizer.name == "onebit_adam":
+        raise ConfigError(
+            "optimizer",
+            "onebit_adam replaces the optimizer, and a LightningModule builds its own in configure_optimizers",
+            "drop optimizer=onebit_adam (your configure_optimizers decides the optimizer)",
+        )
+    if cfg.precision.fp8:
+        raise ConfigError(
+            "precision",
+            "fp8 converts the built-in models' linear layers; a LightningModule's layers are its own",
+            "use precision=bf16-mixed (or convert your layers with torchao in your module)",
+        )
+
+
 def validate_fields(cfg: RunConfig) -> None:
     """Every config group's own checks and those across groups that need no strategy rule (the strategy's own, and
     the batch plan they imply, are strategies/layout.py's: ``validate_run``)."""
     validate_model(cfg.model)
+    validate_lightning_module_run(cfg)
     validate_cudagraphs(cfg)
-    t, o = cfg.trainer, cfg.optimizer
+    t = cfg.trainer
     for key in ("max_steps", "micro_batch_size", "val_every_n_steps", "log_every_n_steps"):
         require_positive(f"trainer.{key}", getattr(t, key))
     if t.global_batch_size is not None:
@@ -344,6 +393,13 @@ def validate_fields(cfg: RunConfig) -> None:
     if t.num_threads is not None:
         require_positive("trainer.num_threads", t.num_threads)
     validate_reliability(t)
+    if not isinstance(cfg.model, LightningModuleConfig):  # whose optimizer is its configure_optimizers'
+        validate_optimizer(cfg)
+    validate_precision(cfg)
+
+
+def validate_optimizer(cfg: RunConfig) -> None:
+    t, o = cfg.trainer, cfg.optimizer
     require_positive("optimizer.lr", o.lr)
     require_positive("optimizer.eps", o.eps)
     require_positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
@@ -361,6 +417,8 @@ def validate_fields(cfg: RunConfig) -> None:
         )
     validate_onebit_adam(cfg)
 
+
+def validate_precision(cfg: RunConfig) -> None:
     on_cpu = cfg.hw.accelerator == "cpu"
     if cfg.precision.name == "fp16-mixed" and on_cpu:
         raise ConfigError(
@@ -383,7 +441,7 @@ def validate_data_fits(cfg: RunConfig, plan: BatchPlan) -> None:
     """The data against the batch plan and the model: enough of it for the plan, ids inside the vocabulary."""
     validate_data(cfg, plan)
     vocab = data_vocab_size(cfg)
-    if vocab is not None and vocab > cfg.model.vocab_size:
+    if vocab is not None and not isinstance(cfg.model, LightningModuleConfig) and vocab > cfg.model.vocab_size:
         raise ConfigError(
             "model.vocab_size",
             f"{cfg.model.vocab_size} is smaller than the data's vocabulary ({vocab})",

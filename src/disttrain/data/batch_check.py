@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 
 from disttrain.config.errors import ConfigError
+from disttrain.data.samples import rows_problem
 
 # cross_entropy's default ignore_index: a target the loss skips (padding), not a token id.
 IGNORED_TARGET = -100
@@ -82,3 +83,23 @@ class UserBatchCheck(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any
     ) -> None:
         self._check("validation", batch)
+
+
+class ModuleBatchCheck(pl.Callback):
+    """A LightningModule's first training batch (any structure): its rows are the micro-batch the run planned."""
+
+    def __init__(self, micro_batch: int) -> None:
+        self.micro_batch = micro_batch
+        self.checked = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        if self.checked:
+            return
+        self.checked = True
+        if (problem := rows_problem(batch, self.micro_batch)) is not None:
+            raise ConfigError(
+                "trainer.micro_batch_size",
+                f"the first training batch {problem}",
+                "set trainer.micro_batch_size to your loader's batch size (or give your datamodule a batch_size "
+                "argument: the run passes trainer.micro_batch_size to it)",
+            )

@@ -4,7 +4,7 @@ map it) and checked against the model: the tokenizer's ids fit its vocabulary, t
 from __future__ import annotations
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import HFDataConfig, HFModelConfig, RunConfig
+from disttrain.config.schema import HFDataConfig, HFModelConfig, LightningModuleConfig, RunConfig
 from disttrain.data.hf import prepare_corpus
 
 
@@ -12,7 +12,7 @@ def tokenize_corpus(cfg: RunConfig) -> None:
     """Tokenize a ``data=hf`` corpus into its cache (once per corpus and tokenizer) and check it fits the model;
     nothing for other data."""
     d = cfg.data
-    if not isinstance(d, HFDataConfig):
+    if not isinstance(d, HFDataConfig) or isinstance(cfg.model, LightningModuleConfig):  # validation refuses those
         return
     from disttrain.data.sources import split_stream  # imports torch: only for an HF corpus
 

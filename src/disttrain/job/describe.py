@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from disttrain.config.schema import CUDAGRAPH_MODES, RunConfig
+from disttrain.config.schema import CUDAGRAPH_MODES, LightningModuleConfig, RunConfig
 from disttrain.strategies.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from disttrain.models.facts import ModelFacts
 
 
 def _options(obj: object) -> str:
@@ -21,10 +25,14 @@ def human_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def describe_launch(cfg: RunConfig, parallel: ParallelLayout, num_parameters: int, flops_per_token: float) -> str:
+def describe_launch(cfg: RunConfig, parallel: ParallelLayout, facts: ModelFacts) -> str:
     hw, layout, plan = cfg.hw, parallel.world, parallel.batch
     device = "CPU process" if hw.accelerator == "cpu" else f"GPU ({hw.device_type})"
-    tokens_per_step = plan.global_batch_size * cfg.model.seq_len
+    tokens = facts.tokens_per_sample
+    per_step = (
+        f"{plan.global_batch_size * tokens:,} tokens/step" if tokens else f"{plan.global_batch_size:,} samples/step"
+    )
+    total = plan.global_batch_size * cfg.trainer.max_steps * (tokens or 1)
     lines = [
         f"hardware     hw={hw.name}: {layout.num_nodes} node(s) x {layout.devices_per_node} {device}"
         f" = world size {layout.world_size}",
@@ -36,17 +44,36 @@ def describe_launch(cfg: RunConfig, parallel: ParallelLayout, num_parameters: in
             else ""
         )
         + f" (compute dtype {cfg.precision.compute_dtype})",
-        f"model        {cfg.model.name}: {num_parameters:,} parameters ({human_count(num_parameters)}),"
-        f" seq_len {cfg.model.seq_len}, {human_count(flops_per_token)}FLOP/token (6N + 12LHQT)" + _compiled(cfg.model),
+        f"model        {_model_line(cfg, facts)}" + _compiled(cfg.model),
         f"batch        global {plan.global_batch_size} = micro {plan.micro_batch_size} x dp {plan.data_parallel_size}"
-        f" x accumulation {plan.accumulation}; {tokens_per_step:,} tokens/step",
+        f" x accumulation {plan.accumulation}; {per_step}",
         f"data         {cfg.data.name} ({_options(cfg.data)})",
-        f"optimizer    {cfg.optimizer.name}: lr {cfg.optimizer.lr:g}, warmup {cfg.optimizer.warmup_steps},"
-        f" weight decay {cfg.optimizer.weight_decay:g}" + _onebit(cfg),
-        f"schedule     {cfg.trainer.max_steps} steps = {human_count(tokens_per_step * cfg.trainer.max_steps)} tokens,"
+        f"optimizer    {_optimizer_line(cfg)}",
+        f"schedule     {cfg.trainer.max_steps} steps = {human_count(total)} {'tokens' if tokens else 'samples'},"
         f" val every {cfg.trainer.val_every_n_steps}, {_checkpoints(cfg.trainer.ckpt_every_n_steps)}",
     ]
     return "\n".join(lines)
+
+
+def _model_line(cfg: RunConfig, facts: ModelFacts) -> str:
+    n = facts.num_parameters
+    if isinstance(cfg.model, LightningModuleConfig):
+        stated = facts.stated_flops_per_sample
+        flops = f"{human_count(stated)}FLOP/sample (its own)" if stated else "FLOPs counted at the first step"
+        tokens = f", {facts.tokens_per_sample} tokens/sample" if facts.tokens_per_sample else ""
+        return f"{cfg.model.target} (your LightningModule): {n:,} parameters ({human_count(n)}){tokens}, {flops}"
+    flops_per_token = facts.flops_per_token or 0.0
+    return (
+        f"{cfg.model.name}: {n:,} parameters ({human_count(n)}), seq_len {cfg.model.seq_len}, "
+        f"{human_count(flops_per_token)}FLOP/token (6N + 12LHQT)"
+    )
+
+
+def _optimizer_line(cfg: RunConfig) -> str:
+    if isinstance(cfg.model, LightningModuleConfig):
+        return "the module's own configure_optimizers"
+    o = cfg.optimizer
+    return f"{o.name}: lr {o.lr:g}, warmup {o.warmup_steps}, weight decay {o.weight_decay:g}" + _onebit(cfg)
 
 
 def _checkpoints(every_n_steps: int) -> str:
@@ -63,6 +90,9 @@ class RunResult:
     entropy_rate: float | None
     tokens_per_s: float | None
     run_dir: str
+    samples_per_s: float | None = None
+    # A LightningModule's own logged metrics at the end (name -> value): its losses are not nats per token.
+    metrics: dict[str, float] | None = None
     step_time_p50_s: float | None = None  # the median optimizer step after the warm-up (Throughput)
     predicted_memory_bytes: int | None = None
     measured_memory_bytes: int | None = None
@@ -80,17 +110,23 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
 
 
 def describe_result(result: RunResult) -> str:
-    lines = [
-        f"done: {result.steps} steps in {result.wall_time_s:.1f} s",
-        f"  loss        train {_fmt(result.train_loss)}   val {_fmt(result.val_loss)} (nats/token)",
-    ]
+    lines = [f"done: {result.steps} steps in {result.wall_time_s:.1f} s"]
+    if result.metrics is not None:
+        shown = "   ".join(f"{name} {value:.4g}" for name, value in result.metrics.items())
+        lines.append(f"  metrics     {shown or 'none logged'}")
+    else:
+        lines.append(f"  loss        train {_fmt(result.train_loss)}   val {_fmt(result.val_loss)} (nats/token)")
     if result.loss_floor is not None:
         lines.append(
             f"  loss floor  {_fmt(result.loss_floor)} for these windows (entropy rate {_fmt(result.entropy_rate)});"
             f" val gap to floor {_fmt(result.gap_to_floor, '+.4f')}"
         )
     median = f"; median step {1e3 * result.step_time_p50_s:.1f} ms" if result.step_time_p50_s else ""
-    lines.append(f"  throughput  {_fmt(result.tokens_per_s, ',.0f')} tokens/s (training steps only{median})")
+    if result.tokens_per_s is not None or result.samples_per_s is None:
+        rate = f"{_fmt(result.tokens_per_s, ',.0f')} tokens/s"
+    else:
+        rate = f"{_fmt(result.samples_per_s, ',.1f')} samples/s"
+    lines.append(f"  throughput  {rate} (training steps only{median})")
     if result.measured_memory_bytes:
         measured = f"{result.memory_kind} {result.measured_memory_bytes / 2**30:.2f} GiB (rank 0)"
         if result.predicted_memory_bytes:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,7 +16,7 @@ from diagnostics.calibration import Calibration
 from diagnostics.manifest import RunManifest
 from diagnostics.prediction import one_line
 from disttrain.checkpoint.resume import newest_complete
-from disttrain.config.schema import RunConfig
+from disttrain.config.schema import LightningModuleConfig, RunConfig
 from disttrain.job.describe import RunResult, describe_result
 from disttrain.job.export import export_final_hf
 from disttrain.job.prediction import predict_and_measure
@@ -102,6 +103,8 @@ def run_result(
     run_dir, started, peak_memory = run
     metrics = parts.trainer.callback_metrics
     floor = getattr(datamodule, "loss_floor", None)
+    throughput = parts.throughput
+    own = own_metrics(metrics) if isinstance(run_cfg.model, LightningModuleConfig) else None
     return RunResult(
         steps=parts.trainer.global_step,
         wall_time_s=time.time() - started,
@@ -109,13 +112,26 @@ def run_result(
         val_loss=float(metrics["val/loss"]) if "val/loss" in metrics else None,
         loss_floor=floor.window_floor if floor else None,
         entropy_rate=floor.entropy_rate if floor else None,
-        tokens_per_s=parts.throughput.tokens_per_s,
+        tokens_per_s=throughput.tokens_per_s,
         run_dir=str(run_dir),
+        samples_per_s=throughput.units_per_s if throughput.unit == "sample" else None,
+        metrics=own,
         step_time_p50_s=parts.throughput.step_time_p50_s,
         predicted_memory_bytes=prediction["predicted"]["memory_bytes"] if prediction else None,
         measured_memory_bytes=peak_memory,
         memory_kind="peak RSS" if run_cfg.hw.accelerator == "cpu" else "peak allocated",
     )
+
+
+def own_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """A LightningModule's logged scalars at the end (what ``self.log`` reached ``callback_metrics``), by name."""
+
+    def scalar(value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            return value.numel() == 1
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    return {name: float(value) for name, value in sorted(metrics.items()) if scalar(value)}
 
 
 def measured_peak_memory() -> int:

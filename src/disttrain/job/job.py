@@ -24,7 +24,7 @@ from disttrain.job.prepare import Prepared
 from disttrain.launch.env import ProcessRole, cpu_threads, say
 from disttrain.launch.exit_codes import NONFINITE, RunStopped
 from disttrain.launch.local import LocalRanks, spawn_local_ranks
-from disttrain.models.factory import ModelFacts
+from disttrain.models.facts import ModelFacts
 from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
 from disttrain.training.build import build_run
 

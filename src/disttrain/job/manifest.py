@@ -14,7 +14,7 @@ from diagnostics.manifest import RunManifest, read_manifest
 from disttrain.config.schema import HFDataConfig, RunConfig
 from disttrain.data.hf import tokenizer_sha256
 from disttrain.job.redaction import redact, redact_yaml_files
-from disttrain.models.factory import ModelFacts
+from disttrain.models.facts import ModelFacts
 from disttrain.strategies.layout import ParallelLayout
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from diagnostics.calibration import Calibration, write_calibration
 from diagnostics.prediction import compare
 from disttrain.config.hf import reference_shape
-from disttrain.config.schema import RunConfig
+from disttrain.config.schema import RunConfig, token_seq_len
 from disttrain.planner import memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.comm import link_time
@@ -106,7 +106,7 @@ def predict_and_measure(
     if record is None:
         return None
     measured: dict = {}
-    tokens_per_step = parallel.batch.global_batch_size * run_cfg.model.seq_len
+    tokens_per_step = parallel.batch.global_batch_size * (token_seq_len(run_cfg.model) or 1)
     # The median step, as the telemetry's figure is (the report replaces this one): a whole-run mean carries
     # every burst of other work on a shared machine.
     step_time_s = parts.throughput.step_time_p50_s

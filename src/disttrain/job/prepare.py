@@ -27,7 +27,13 @@ from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import AutoStrategyConfig, HFDataConfig, RunConfig, with_compile_decided
+from disttrain.config.schema import (
+    AutoStrategyConfig,
+    HFDataConfig,
+    LightningModuleConfig,
+    RunConfig,
+    with_compile_decided,
+)
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.corpus_check import tokenize_corpus
 from disttrain.data.hf import tokenizer_sha256
@@ -69,11 +75,27 @@ class Prepared:
         return self if self.resume is not None else dataclasses.replace(self, cfg=cfg)
 
 
+def refuse_optimizer_overrides(overrides: list[str]) -> None:
+    """A LightningModule builds its optimizer in ``configure_optimizers``: an ``optimizer`` override would change
+    nothing, silently."""
+    for item in overrides:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key == "optimizer" or key.startswith("optimizer."):
+            raise ConfigError(
+                key,
+                "does not reach a LightningModule: its configure_optimizers builds the optimizer and schedule",
+                "pass the value to your module instead (e.g. +model.lr=1e-3 for an lr argument), and drop it",
+            )
+
+
 def fit_default_warmup(run_cfg: RunConfig, overrides: list[str]) -> tuple[RunConfig, str | None]:
     """``python -m train trainer.max_steps=10`` is the first thing people try: a default warmup longer than the
     run is shortened to a tenth of it (1-bit Adam's default freeze to a fifth: the paper's 15-25%), and said. A
     value the user set on the command line is theirs (validation still refuses one that does not fit)."""
     o, steps = run_cfg.optimizer, run_cfg.trainer.max_steps
+    if isinstance(run_cfg.model, LightningModuleConfig):  # its optimizer and schedule are its own
+        refuse_optimizer_overrides(overrides)
+        return run_cfg, None
     fitted: dict[str, Any] = {}
     notes: list[str] = []
     for key, current, share, applies in (

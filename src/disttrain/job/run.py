@@ -8,6 +8,7 @@ here instead.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from functools import partial
@@ -18,8 +19,8 @@ from omegaconf import DictConfig
 
 from diagnostics.collect.profile_window import release_cupti_after_window
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import CustomDataConfig
-from disttrain.data.user_datamodule import check_user_datamodule
+from disttrain.config.schema import CustomDataConfig, CustomModelConfig, LightningModuleConfig, token_seq_len
+from disttrain.data.user_datamodule import check_user_datamodule, describe_batch_size
 from disttrain.job.describe import describe_launch
 from disttrain.job.job import Job
 from disttrain.job.launcher_death import report_launcher_death
@@ -29,7 +30,9 @@ from disttrain.launch.env import ProcessRole, process_role, say
 from disttrain.launch.exit_codes import RunStopped
 from disttrain.launch.local import child_command, die_with_parent
 from disttrain.launch.supervise import supervise
-from disttrain.models.factory import ModelFacts, model_facts
+from disttrain.models.factory import model_facts
+from disttrain.models.facts import ModelFacts
+from disttrain.models.user_module import resolve_model_kind
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 from disttrain.strategies.auto import check_fits, describe_memory
 from disttrain.sweep.objective import objective_value
@@ -55,13 +58,15 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
         check_launchable(prepared)
     else:  # preflight checked the command and claimed the run dir (claim.py): no other launch writes here
         prepared = prepared.with_hydra_config(cfg)
-    run_cfg = prepared.run_cfg
     # A user's model and datamodule are checked here, not in preflight: importing them imports torch, and the
     # launcher forks its CPU ranks only if torch was not imported before (launch/fork.py); a new interpreter per
     # rank costs a short run seconds. facts: a user model's factory called on meta, its logits' shape checked.
+    prepared = with_user_model_resolved(prepared)
+    run_cfg = prepared.run_cfg
     facts = model_facts(run_cfg.model, run_cfg.trainer.seed)
+    micro = prepared.parallel.batch.micro_batch_size
     if isinstance(run_cfg.data, CustomDataConfig):
-        check_user_datamodule(run_cfg.data, run_cfg.model.seq_len, prepared.parallel.batch.micro_batch_size)
+        check_user_datamodule(run_cfg.data, micro, token_seq_len(run_cfg.model))
     if role.is_global_zero:
         announce(prepared, facts)
     if run_cfg.dry_run:
@@ -91,11 +96,25 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     return objective_value(run_dir, run_cfg.objective) if role.is_global_zero else None
 
 
+def with_user_model_resolved(prepared: Prepared) -> Prepared:
+    """``prepared`` with a ``model._target_`` imported and told apart: a LightningModule or a token model
+    (models/user_module.py); any other model as it is."""
+    model = prepared.run_cfg.model
+    if not isinstance(model, CustomModelConfig | LightningModuleConfig):
+        return prepared
+    resolved = resolve_model_kind(model)
+    if resolved is model:
+        return prepared
+    return dataclasses.replace(prepared, run_cfg=dataclasses.replace(prepared.run_cfg, model=resolved))
+
+
 def announce(prepared: Prepared, facts: ModelFacts) -> None:
     """The launch lines: layout, batch and model, then what prepare decided for the user (warmup, elastic world,
     the auto strategy's pick) and the predicted memory."""
     run_cfg = prepared.run_cfg
-    say(describe_launch(run_cfg, prepared.parallel, facts.num_parameters, facts.flops_per_token))
+    say(describe_launch(run_cfg, prepared.parallel, facts))
+    if isinstance(run_cfg.model, LightningModuleConfig) and isinstance(run_cfg.data, CustomDataConfig):
+        say(describe_batch_size(run_cfg.data, prepared.parallel.batch.micro_batch_size))
     for note in (prepared.warmup_note, prepared.elastic_note, prepared.auto_reason):
         if note:
             say(note)

@@ -6,7 +6,6 @@ inside ``LightningModule.configure_model`` for training.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -15,46 +14,14 @@ from torch import nn
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.hf import hf_shape
-from disttrain.config.schema import CustomModelConfig, HFModelConfig, ModelConfig
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, LightningModuleConfig, ModelConfig
 from disttrain.models.accounting import count_parameters, flops_per_token
+from disttrain.models.facts import ModelFacts
 from disttrain.models.fp8 import HEAD_NAMES, apply_fp8, is_float8, is_head
 from disttrain.models.hf import build_hf_model
+from disttrain.models.targets import resolve_target
 from disttrain.models.transformer import build_model
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    num_parameters: int
-    flops_per_token: float
-
-
-def resolve_target(target: str, key: str) -> object:
-    """The object a ``_target_`` dotted path names (a model factory, a datamodule class): the longest importable
-    module prefix, then attributes. Failures are one line naming what is missing (Hydra's own lookup logs a
-    three-line error of its own first)."""
-    fix = "check the dotted path and that its package is importable (installed, or on PYTHONPATH)"
-    parts = target.split(".")
-    if not all(parts):
-        raise ConfigError(key, f"'{target}' is not a dotted path (module.name)", fix)
-    obj: object = None
-    for end in range(len(parts), 0, -1):
-        module = ".".join(parts[:end])
-        try:
-            obj = importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name is not None and module != err.name and not module.startswith(f"{err.name}."):
-                raise ConfigError(key, f"importing '{module}' failed: {err}", fix) from None
-            continue  # not a module at this length: a shorter prefix may be one
-        except Exception as err:  # the user's module itself raised while importing
-            raise ConfigError(key, f"importing '{module}' failed: {type(err).__name__}: {err}", fix) from None
-        break
-    else:
-        raise ConfigError(key, f"cannot import '{target}': no module named '{parts[0]}'", fix)
-    for depth, name in enumerate(parts[end:], start=end):
-        if not hasattr(obj, name):
-            raise ConfigError(key, f"cannot import '{target}': '{'.'.join(parts[:depth])}' has no '{name}'", fix)
-        obj = getattr(obj, name)
-    return obj
+from disttrain.models.user_module import lightning_module_facts
 
 
 @dataclass(frozen=True)
@@ -162,17 +129,22 @@ def check_logits_shape(meta: nn.Module, model: CustomModelConfig) -> None:
     )
 
 
-def model_facts(model: ModelConfig | CustomModelConfig | HFModelConfig, seed: int) -> ModelFacts:
-    """Parameter count and training FLOPs per token, without allocating the weights."""
+def model_facts(
+    model: ModelConfig | CustomModelConfig | HFModelConfig | LightningModuleConfig, seed: int
+) -> ModelFacts:
+    """Parameter count and training FLOPs per token (per sample for a LightningModule), without allocating the
+    weights."""
+    if isinstance(model, LightningModuleConfig):
+        return lightning_module_facts(model)
     if isinstance(model, ModelConfig):
-        return ModelFacts(count_parameters(model), flops_per_token(model))
+        return ModelFacts(count_parameters(model), flops_per_token(model), model.seq_len)
     if isinstance(model, HFModelConfig):
         # The count is the real model's (on meta); FLOPs follow from the shape read from its config.
         count = sum(p.numel() for p in build_model_factory(model, seed)(device="meta").parameters())
-        return ModelFacts(count, flops_per_token(hf_shape(model)))
+        return ModelFacts(count, flops_per_token(hf_shape(model)), model.seq_len)
     meta = build_model_factory(model, seed)(device="meta")
     check_logits_shape(getattr(meta, "_orig_mod", meta), model)  # uncompiled: a check must not compile it
     count = sum(p.numel() for p in meta.parameters())
     custom = getattr(meta, "flops_per_token", None)
     # Without the model's own accounting only the 6N matmul term is known (attention FLOPs are not).
-    return ModelFacts(count, float(custom(model.seq_len)) if callable(custom) else 6.0 * count)
+    return ModelFacts(count, float(custom(model.seq_len)) if callable(custom) else 6.0 * count, model.seq_len)

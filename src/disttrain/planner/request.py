@@ -18,7 +18,7 @@ from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.hardware import HardwareProfile, validate_profile
 from disttrain.config.hf import reference_shape
 from disttrain.config.parse import GROUPS, PRECISIONS, TOP_LEVEL, build_dataclass, parse_model, to_container
-from disttrain.config.schema import HFModelConfig, PrecisionConfig, TrainerConfig
+from disttrain.config.schema import HFModelConfig, LightningModuleConfig, PrecisionConfig, TrainerConfig
 from disttrain.config.validate import validate_model
 from disttrain.planner import Assumptions, ModelShape, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
@@ -125,6 +125,12 @@ def parse_plan_request(cfg: DictConfig) -> PlanRequest:
     model_values = to_container(cfg.model, "model")
     head_dim = _head_dim(model_values)
     model = parse_model(model_values)
+    if isinstance(model, LightningModuleConfig):
+        raise ConfigError(
+            "model._target_",
+            "python -m plan does not plan a LightningModule of yours yet: its parts are not measured before a launch",
+            "train it (python -m train ...): its report gives the measured step time, samples/s, MFU and memory",
+        )
     validate_model(model)
     sequence_parallel = _sequence_parallel(cfg)
     target: ModelShape | int

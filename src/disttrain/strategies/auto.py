@@ -26,6 +26,7 @@ from disttrain.config.schema import (
     MegatronConfig,
     RunConfig,
     StrategyConfig,
+    token_seq_len,
 )
 from disttrain.config.validate import BatchPlan
 from disttrain.planner import Layout, MemoryBreakdown, Workload, memory_per_gpu, model_shape
@@ -42,7 +43,9 @@ AUTO_TIE = 0.01
 
 
 def workload(cfg: RunConfig, batch: BatchPlan) -> Workload:
-    return Workload(batch.micro_batch_size, batch.global_batch_size, cfg.model.seq_len, cfg.precision.planner)
+    # A LightningModule's samples are not token windows: one "token" a sample (the planner does not model it yet).
+    tokens = token_seq_len(cfg.model) or 1
+    return Workload(batch.micro_batch_size, batch.global_batch_size, tokens, cfg.precision.planner)
 
 
 def predict_memory(cfg: RunConfig, parallel: ParallelLayout) -> MemoryBreakdown | None:

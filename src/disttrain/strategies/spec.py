@@ -32,6 +32,7 @@ from disttrain.config.schema import (
     DeepSpeedConfig,
     FSDPConfig,
     HFModelConfig,
+    LightningModuleConfig,
     MegatronConfig,
     ModelConfig,
     RunConfig,
@@ -42,8 +43,9 @@ from disttrain.planner.memory import nvme_param_buffer_elements
 from disttrain.planner.shapes import model_shape
 
 if TYPE_CHECKING:
-    from disttrain.models.factory import ModelFacts
-    from disttrain.models.module import LanguageModelModule
+    import lightning.pytorch as pl
+
+    from disttrain.models.facts import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -109,9 +111,18 @@ class StrategySpec:
         materializes them sharded."""
         return "whole"
 
+    def user_module_plan(self, cfg: RunConfig, built: StrategyBuild) -> Callable[[Any, object], None] | None:
+        """What the strategy applies to a user's LightningModule in its ``configure_model`` (after the user's own):
+        the plan it applies to the built-in models, which for DDP is none and for DeepSpeed partitions any module."""
+        return built.parallelize
+
     def build_module(
         self, cfg: RunConfig, accumulation: int, built: StrategyBuild, facts: ModelFacts
-    ) -> LanguageModelModule:
+    ) -> pl.LightningModule:
+        if isinstance(cfg.model, LightningModuleConfig):
+            from disttrain.models.user_module import build_user_module
+
+            return build_user_module(cfg.model, self.user_module_plan(cfg, built))
         from disttrain.models.factory import Fp8Linears, build_model_factory
         from disttrain.models.module import LanguageModelModule
 
@@ -267,6 +278,11 @@ class FSDPSpec(StrategySpec):
 
     def model_placement(self, world_size: int) -> str:
         return "deferred"  # apply_fsdp materializes this rank's shards after fully_shard
+
+    def user_module_plan(self, cfg: RunConfig, built: StrategyBuild) -> Callable[[Any, object], None] | None:
+        from disttrain.strategies.fsdp_user import user_module_fsdp_plan
+
+        return user_module_fsdp_plan(self.config, cfg.precision)
 
 
 def validate_offload(ds: DeepSpeedConfig) -> None:
@@ -466,7 +482,7 @@ class MegatronSpec(StrategySpec):
 
     def build_module(
         self, cfg: RunConfig, accumulation: int, built: StrategyBuild, facts: ModelFacts
-    ) -> LanguageModelModule:
+    ) -> pl.LightningModule:
         from disttrain.strategies.megatron import engine_settings
         from disttrain.strategies.megatron.module import MegatronModule
 

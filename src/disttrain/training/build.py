@@ -26,22 +26,25 @@ from disttrain.config.schema import (
     DeepSpeedConfig,
     FSDPConfig,
     HFModelConfig,
+    LightningModuleConfig,
     LoggerConfig,
     MegatronConfig,
     ModelConfig,
     RunConfig,
+    token_seq_len,
 )
 from disttrain.config.validate import BatchPlan
-from disttrain.data.batch_check import UserBatchCheck
+from disttrain.data.batch_check import ModuleBatchCheck, UserBatchCheck
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.data.user_datamodule import datamodule_arguments
 from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
-from disttrain.models.factory import Fp8Linears, ModelFacts, resolve_target
+from disttrain.models.factory import Fp8Linears
+from disttrain.models.facts import ModelFacts
 from disttrain.models.hf_tensor_parallel import hf_tp_probe_parts
-from disttrain.models.module import LanguageModelModule
 from disttrain.models.probe_parts import hf_model_parts, model_parts
+from disttrain.models.targets import resolve_target
 from disttrain.models.tensor_parallel import tp_probe_parts
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
@@ -51,6 +54,7 @@ from disttrain.strategies.layout import ParallelLayout
 from disttrain.strategies.spec import StrategyBuild, spec_of, with_run_swap_folder
 from disttrain.strategies.zero_probe import zero_probe_parts, zero_probe_supported
 from disttrain.training.callbacks import FinalValidation, Throughput
+from disttrain.training.flop_count import FirstStepFlops
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
 from disttrain.training.pruning import TrialPruning
@@ -61,13 +65,15 @@ from disttrain.training.wandb_sweep import run_group
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
     if isinstance(cfg.data, CustomDataConfig):
         cls = resolve_target(cfg.data.target, "data._target_")
-        return cls(**datamodule_arguments(cfg.data, cfg.model.seq_len, plan.micro_batch_size))  # type: ignore[operator]
+        return cls(**datamodule_arguments(cfg.data, plan.micro_batch_size, token_seq_len(cfg.model)))  # type: ignore[operator]
     data = cfg.data
     if data.pin_memory is None:  # pinned host batches let the copy to a GPU run asynchronously
         data = replace(data, pin_memory=cfg.hw.accelerator == "gpu")
+    seq_len = token_seq_len(cfg.model)
+    assert seq_len is not None, "a LightningModule reads its own datamodule (validated)"
     return TokenDataModule(
         data,
-        cfg.model.seq_len,
+        seq_len,
         spec_of(cfg.strategy).loader_batch_size(plan.micro_batch_size, plan.accumulation),
         plan.global_batch_size,
         seed=cfg.trainer.seed,
@@ -162,8 +168,33 @@ def report_hang(run_dir: Path, hang: dict) -> None:
     diagnose_run(run_dir)
 
 
+@dataclass(frozen=True)
+class Work:
+    """A run's unit of work and its accounting: tokens for a token model, samples for a LightningModule (its
+    FLOPs per sample stated by the module, else ``counted`` at the first step)."""
+
+    unit: str
+    units_per_step: int
+    flops: float  # model FLOPs per unit; 0.0 until counted
+    counted: Callable[[], float | None] | None = None
+
+
+def work_of(cfg: RunConfig, plan: BatchPlan, facts: ModelFacts, counted: FirstStepFlops | None) -> Work:
+    seq_len = token_seq_len(cfg.model)
+    if seq_len is not None:
+        return Work("token", plan.global_batch_size * seq_len, facts.flops_per_token or 0.0)
+    stated = facts.stated_flops_per_sample
+    count = (lambda: counted.flops_per_sample) if counted is not None and stated is None else None
+    return Work("sample", plan.global_batch_size, stated or 0.0, count)
+
+
 def build_diagnostics(
-    cfg: RunConfig, parallel: ParallelLayout, facts: ModelFacts, run_dir: Path, throughput: Throughput
+    cfg: RunConfig,
+    parallel: ParallelLayout,
+    facts: ModelFacts,
+    run_dir: Path,
+    throughput: Throughput,
+    counted: FirstStepFlops | None = None,
 ) -> DiagnosticsCallback:
     d, plan = cfg.diagnostics, parallel.batch
     settings = CollectSettings(
@@ -178,10 +209,9 @@ def build_diagnostics(
     )
     recomputes = spec_of(cfg.strategy).recomputes_activations
     shape = reference_shape(cfg.model)
+    work = work_of(cfg, plan, facts, counted)
     hardware_flops = (
-        hardware_flops_per_token(shape, activation_checkpointing=recomputes)
-        if shape is not None
-        else facts.flops_per_token
+        hardware_flops_per_token(shape, activation_checkpointing=recomputes) if shape is not None else work.flops
     )
     run_facts = RunFacts(
         strategy=cfg.strategy.name,
@@ -189,12 +219,15 @@ def build_diagnostics(
         compute_dtype=cfg.precision.compute_dtype,
         hw=cfg.hw.name,
         num_parameters=facts.num_parameters,
-        flops_per_token=facts.flops_per_token,
+        flops_per_token=work.flops,
         hardware_flops_per_token=hardware_flops,
-        tokens_per_step=plan.global_batch_size * cfg.model.seq_len,
+        tokens_per_step=work.units_per_step,
+        work_unit=work.unit,
+        tokens_per_sample=facts.tokens_per_sample,
+        counted_flops_per_unit=work.counted,
         micro_batch_size=plan.micro_batch_size,
         accumulation=plan.accumulation,
-        seq_len=cfg.model.seq_len,
+        seq_len=token_seq_len(cfg.model) or 0,
         max_steps=cfg.trainer.max_steps,
         peak_flops=cfg.hw.peak_flops(cfg.precision.compute_dtype),
         tp=parallel.tensor_parallel,
@@ -208,7 +241,7 @@ def build_diagnostics(
         zero_probe=zero_probe(cfg, plan),
     )
     return DiagnosticsCallback(
-        settings, run_facts, run_dir, lambda: throughput.tokens_per_s, on_hang=functools.partial(report_hang, run_dir)
+        settings, run_facts, run_dir, lambda: throughput.units_per_s, on_hang=functools.partial(report_hang, run_dir)
     )
 
 
@@ -223,17 +256,28 @@ def build_trainer(
     slurm = current_task()
     clip_norm = t.grad_clip if guard_clips else None
     reliability = build_reliability(t, ckpt_dir, clip_norm=clip_norm, preemptible=slurm is not None)
+    work = work_of(cfg, plan, facts, None)
     throughput = Throughput(
-        plan.global_batch_size * cfg.model.seq_len,
+        work.units_per_step,
         skip_steps=min(10, t.max_steps // 10),
         saving_s=lambda: reliability.checkpoints.save_s,
+        unit=work.unit,
     )
     progress = build_progress(t.max_steps, t.log_every_n_steps, throughput)
     callbacks: list[pl.Callback] = []
-    if isinstance(cfg.data, CustomDataConfig):  # first: a batch the model cannot read is refused before it runs
+    # First: a batch the model cannot read, or that is not the planned micro-batch, is refused before it runs.
+    counted: FirstStepFlops | None = None
+    if isinstance(cfg.model, LightningModuleConfig):
+        callbacks.append(ModuleBatchCheck(plan.micro_batch_size))
+        if facts.stated_flops_per_sample is None:
+            counted = FirstStepFlops()
+            callbacks.append(counted)
+    elif isinstance(cfg.data, CustomDataConfig):
         callbacks.append(UserBatchCheck(cfg.model.seq_len, plan.micro_batch_size, cfg.model.vocab_size))
     callbacks += [*reliability.callbacks, FinalValidation(), throughput, progress, LearningRateMonitor("step")]
-    diagnostics = build_diagnostics(cfg, parallel, facts, run_dir, throughput) if cfg.diagnostics.enabled else None
+    diagnostics = (
+        build_diagnostics(cfg, parallel, facts, run_dir, throughput, counted) if cfg.diagnostics.enabled else None
+    )
     if diagnostics is not None:
         callbacks.append(diagnostics)
         reliability.guard.record = diagnostics.write  # a non-finite step shows in this rank's telemetry
@@ -284,7 +328,7 @@ def build_trainer(
 
 def build_run(
     cfg: RunConfig, parallel: ParallelLayout, run_dir: Path, facts: ModelFacts
-) -> tuple[TrainerParts, LanguageModelModule, pl.LightningDataModule]:
+) -> tuple[TrainerParts, pl.LightningModule, pl.LightningDataModule]:
     """Everything ``trainer.fit`` needs: the Trainer and its callbacks, the module, the datamodule."""
     cfg = with_run_swap_folder(cfg, run_dir)
     spec = spec_of(cfg.strategy)

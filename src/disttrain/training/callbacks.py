@@ -22,16 +22,25 @@ class FinalValidation(pl.Callback):
 
 
 class Throughput(pl.Callback):
-    """Tokens per second over training steps only: validation, checkpoint writes and the first ``skip_steps``
+    """Work per second over training steps only: validation, checkpoint writes and the first ``skip_steps``
     excluded (``saving_s`` reports the seconds spent saving so far; a save runs inside a step's end hooks).
+
+    The unit of work is the sample; a token model's are counted in tokens (``unit="token"``).
 
     Also each optimizer step's duration (end hooks to end hooks, a step with a validation or a save in it left
     out): ``step_time_p50_s``, the median, is the steady rate a long run converges to, which one burst of other
     work on a shared machine moves far less than the mean over the run.
     """
 
-    def __init__(self, tokens_per_step: int, skip_steps: int, saving_s: Callable[[], float] | None = None) -> None:
-        self.tokens_per_step = tokens_per_step
+    def __init__(
+        self,
+        units_per_step: int,
+        skip_steps: int,
+        saving_s: Callable[[], float] | None = None,
+        unit: str = "token",
+    ) -> None:
+        self.units_per_step = units_per_step
+        self.unit = unit
         self.skip_steps = skip_steps
         self.saving_s = saving_s or (lambda: 0.0)
         self._saving_at_start = 0.0
@@ -39,11 +48,15 @@ class Throughput(pl.Callback):
         self.start_step = 0
         self.excluded_s = 0.0
         self._val_start: float | None = None
-        self.tokens_per_s: float | None = None
+        self.units_per_s: float | None = None
         self.train_time_s = 0.0
         self.step_times_s = array("d")  # 8 bytes a step: a million steps hold 8 MB
         self._last_step = -1
         self._last_end: tuple[float, float, float] | None = None  # (time, excluded_s, saving_s) at the last step end
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.units_per_s if self.unit == "token" else None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         step = trainer.global_step
@@ -63,7 +76,7 @@ class Throughput(pl.Callback):
         saving = saving_total - self._saving_at_start
         self.train_time_s = now - self.start - self.excluded_s - saving
         if step > self.start_step and self.train_time_s > 0:
-            self.tokens_per_s = (step - self.start_step) * self.tokens_per_step / self.train_time_s
+            self.units_per_s = (step - self.start_step) * self.units_per_step / self.train_time_s
 
     @property
     def step_time_p50_s(self) -> float | None:

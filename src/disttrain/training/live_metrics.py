@@ -129,11 +129,11 @@ class LiveMetrics(pl.Callback):
         self._mark = (step, t.train_time_s)
         f = self.diagnostics.facts
         return window_rate_metrics(
-            (step - mark_step) * t.tokens_per_step,
+            (step - mark_step) * t.units_per_step,
             t.train_time_s - mark_time,
             trainer.world_size,
-            f.flops_per_token,
-            f.hardware_flops_per_token,
+            self.diagnostics.flops_per_unit,
+            self.diagnostics.hardware_flops_per_unit,
             f.peak_flops,
             self.diagnostics.calibrated,
         )

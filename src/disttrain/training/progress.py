@@ -19,19 +19,27 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemaining
 from disttrain.launch.env import say
 from disttrain.training.callbacks import Throughput
 
+MAX_OWN_METRICS = 3  # a module's own metrics on one progress line
+
 
 def progress_fields(trainer: pl.Trainer, throughput: Throughput, lr: bool = True) -> list[str]:
     """The latest loss, validation loss, learning rate (``lr``) and tokens/s, as the lines and the bar show them."""
     metrics = trainer.callback_metrics
     parts = []
-    if "train/loss" in metrics:
-        parts.append(f"loss {float(metrics['train/loss']):.4f}")
-    if "val/loss" in metrics:
-        parts.append(f"val {float(metrics['val/loss']):.4f}")
+    if "train/loss" in metrics or "val/loss" in metrics:
+        if "train/loss" in metrics:
+            parts.append(f"loss {float(metrics['train/loss']):.4f}")
+        if "val/loss" in metrics:
+            parts.append(f"val {float(metrics['val/loss']):.4f}")
+    else:  # a LightningModule's own: what it logs to the progress bar, else its losses
+        losses = {k: v for k, v in metrics.items() if "loss" in k}
+        shown = {**losses, **{k: v for k, v in trainer.progress_bar_metrics.items() if k != "v_num"}}
+        parts += [f"{name} {float(value):.4g}" for name, value in list(shown.items())[:MAX_OWN_METRICS]]
     if lr and trainer.optimizers:
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.2e}")
-    if throughput.tokens_per_s:
-        parts.append(f"{throughput.tokens_per_s:,.0f} tok/s")
+    if throughput.units_per_s:
+        rate = throughput.units_per_s
+        parts.append(f"{rate:,.0f} tok/s" if throughput.unit == "token" else f"{rate:,.1f} samples/s")
     return parts
 
 
