@@ -51,6 +51,9 @@ class RunManifest:
     batch: Any = None  # the batch plan: micro, accumulation, global batch
     num_parameters: int | None = None
     flops_per_token: float | None = None
+    # The run's unit of work and what its module is: {"unit": "token" | "sample", "lightning_module": bool,
+    # "automatic_optimization": bool, "tokens_per_sample": int | None}; the levers a recommendation may use read it.
+    work: dict[str, Any] | None = None
     versions: dict[str, str] = field(default_factory=dict)
     git: dict[str, Any] | None = None
     resumed_from: str | None = None
@@ -146,7 +149,7 @@ def _get(value: Any, key: str) -> Any:
     return value.get(key) if isinstance(value, dict) else getattr(value, key, None)
 
 
-_DICTS = {"config", "versions", "git", "nonfinite", "prediction"}
+_DICTS = {"config", "versions", "git", "nonfinite", "prediction", "work"}
 _INTS = {"num_parameters", "restart_attempt", "failed_rank", "step"}
 _STRS = {"status", "resumed_from", "hf_export", "failure", "exception", "phase", "tokenizer_sha256"}
 _NUMBERS = {"flops_per_token", "wall_time_s", "result_gap_to_floor"}

@@ -900,6 +900,22 @@ def _free_cores_for_loading(ctx: RunContext, finding: Finding) -> str | None:
     )
 
 
+def _builtin_optimizer(ctx: RunContext, finding: Finding) -> str | None:
+    if ctx.lightning_module:
+        return "your LightningModule builds its optimizer and schedule in configure_optimizers (set them there)"
+    return None
+
+
+def _builtin_layers(ctx: RunContext, finding: Finding) -> str | None:
+    return "the run does not compile a LightningModule of yours" if ctx.lightning_module else None
+
+
+def _accumulates(ctx: RunContext, finding: Finding) -> str | None:
+    if ctx.manual_optimization:
+        return "your LightningModule optimizes manually, and Lightning accumulates micro-batches only for automatic"
+    return None
+
+
 def _several_ranks(ctx: RunContext, finding: Finding) -> str | None:
     world = ctx.batch.get("data_parallel_size")
     return "one data-parallel rank has no gradient traffic to change" if world == 1 else None
@@ -915,7 +931,12 @@ LEVER_NEEDS: dict[str, Callable[[RunContext, Finding], str | None]] = {
     "+data.num_workers": _free_cores_for_loading,
     "strategy.comm_hook": _several_ranks,
     "strategy.bucket_cap_mb": _several_ranks,
-    "optimizer": _several_ranks,  # 1-bit Adam: compression with no one to exchange with
+    "optimizer": lambda ctx, f: _builtin_optimizer(ctx, f) or _several_ranks(ctx, f),  # 1-bit Adam needs peers
+    "optimizer.lr": _builtin_optimizer,
+    "optimizer.warmup_steps": _builtin_optimizer,
+    "model.compile": _builtin_layers,
+    "model.compile_mode": _builtin_layers,
+    "trainer.global_batch_size": _accumulates,
 }
 
 

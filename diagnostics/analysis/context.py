@@ -36,6 +36,7 @@ class RunContext:
     cpu_count: int | None
     num_threads: int | None = None  # torch intra-op threads per rank (meta; not in every collector version)
     ranks_per_host: int | None = None  # ranks that reported the same hostname
+    work: dict[str, Any] | None = None  # run.json's unit of work and module kind (a user's LightningModule or not)
 
     @classmethod
     def from_run(cls, run: RunTelemetry) -> RunContext:
@@ -52,6 +53,7 @@ class RunContext:
             cpus if isinstance(cpus, int) else None,
             threads if isinstance(threads, int) and not isinstance(threads, bool) else None,
             max(hosts.values()) if hosts else None,
+            manifest.work if manifest is not None else None,
         )
 
     def host_cores_busy(self) -> bool | None:
@@ -68,6 +70,15 @@ class RunContext:
         if not isinstance(threads, int):
             threads = max(1, self.cpu_count // ranks)
         return threads * ranks >= self.cpu_count
+
+    @property
+    def lightning_module(self) -> bool:
+        """A user's own LightningModule: its optimizer, schedule and layers are its own, not the config's."""
+        return bool((self.work or {}).get("lightning_module"))
+
+    @property
+    def manual_optimization(self) -> bool:
+        return (self.work or {}).get("automatic_optimization") is False
 
     def get(self, dotted: str) -> Any:
         node: Any = self.config

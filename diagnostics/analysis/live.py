@@ -77,13 +77,16 @@ def window_rate_metrics(
     peak_flops: float | None,
     calibrated_flops: float | None,
     suffix: str = "",
+    unit: str = "token",
 ) -> dict[str, float]:
-    """``throughput/`` keys for ``tokens`` trained in ``seconds``: tokens/s (job and per device), MFU and HFU
-    against the datasheet peak and the measured one (each only where that peak is known)."""
+    """``throughput/`` keys for ``tokens`` (units of work: tokens, or samples where ``unit`` says so) trained in
+    ``seconds``: the rate (job and per device), MFU and HFU against the datasheet peak and the measured one (each
+    only where that peak is known)."""
     if seconds <= 0 or tokens <= 0:
         return {}
     rate = tokens / seconds
-    out = {f"throughput/tokens_per_s{suffix}": rate, f"throughput/tokens_per_s_per_device{suffix}": rate / world_size}
+    key = f"throughput/{unit}s_per_s"
+    out = {f"{key}{suffix}": rate, f"{key}_per_device{suffix}": rate / world_size}
     pairs = (
         ("mfu", flops_per_token, peak_flops),
         ("hfu", hardware_flops_per_token, peak_flops),

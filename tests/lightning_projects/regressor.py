@@ -61,3 +61,23 @@ class WaveData(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class ManualRegressor(LitRegressor):
+    """The same regressor stepping its optimizer itself (Lightning's manual optimization)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        optimizer, schedule = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = F.mse_loss(self(x).float(), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        optimizer.step()
+        schedule.step()
+        self.log("train_loss", loss, sync_dist=True)
+        return loss

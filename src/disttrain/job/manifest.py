@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from diagnostics.manifest import RunManifest, read_manifest
-from disttrain.config.schema import HFDataConfig, RunConfig
+from disttrain.config.schema import HFDataConfig, LightningModuleConfig, RunConfig
 from disttrain.data.hf import tokenizer_sha256
 from disttrain.job.redaction import redact, redact_yaml_files
 from disttrain.models.facts import ModelFacts
@@ -74,6 +74,13 @@ def record_start(
     manifest.config = redact(config)
     manifest.hw, manifest.world, manifest.batch = run_cfg.hw, parallel.world, parallel.batch
     manifest.num_parameters, manifest.flops_per_token = facts.num_parameters, facts.flops_per_token
+    lightning_module = isinstance(run_cfg.model, LightningModuleConfig)
+    manifest.work = {
+        "unit": "sample" if lightning_module else "token",
+        "lightning_module": lightning_module,
+        "automatic_optimization": facts.automatic_optimization,
+        "tokens_per_sample": facts.tokens_per_sample,
+    }
     manifest.versions, manifest.git = versions(), git_commit()
     manifest.resumed_from = str(checkpoint) if checkpoint else None
     manifest.restart_attempt = attempt
@@ -82,7 +89,8 @@ def record_start(
     if isinstance(run_cfg.data, HFDataConfig):
         manifest.tokenizer_sha256 = tokenizer_sha256(run_cfg.data.tokenizer)
     # The warmup the run uses (a default too long for max_steps was shortened by prepare).
-    manifest.config["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
+    if not lightning_module:  # whose optimizer is its own: the group's values are not what it ran with
+        manifest.config["optimizer"]["warmup_steps"] = run_cfg.optimizer.warmup_steps
     if "compile" in manifest.config["model"]:  # null decided by the device and strategy (schema.py)
         manifest.config["model"]["compile"] = run_cfg.model.compile
 

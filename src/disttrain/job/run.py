@@ -32,7 +32,7 @@ from disttrain.launch.local import child_command, die_with_parent
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import model_facts
 from disttrain.models.facts import ModelFacts
-from disttrain.models.user_module import resolve_model_kind
+from disttrain.models.user_module import check_manual_optimization, resolve_model_kind
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 from disttrain.strategies.auto import check_fits, describe_memory
 from disttrain.sweep.objective import objective_value
@@ -67,8 +67,11 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     micro = prepared.parallel.batch.micro_batch_size
     if isinstance(run_cfg.data, CustomDataConfig):
         check_user_datamodule(run_cfg.data, micro, token_seq_len(run_cfg.model))
+    manual_note = check_manual_optimization(facts, prepared.parallel.batch.accumulation, run_cfg.trainer.grad_clip)
     if role.is_global_zero:
         announce(prepared, facts)
+        if manual_note:
+            say(manual_note)
     if run_cfg.dry_run:
         if role.is_global_zero:
             try:

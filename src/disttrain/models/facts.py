@@ -15,6 +15,9 @@ class ModelFacts:
     flops_per_token: float | None
     tokens_per_sample: int | None = None
     stated_flops_per_sample: float | None = None
+    # False: a LightningModule that steps its optimizers itself (Lightning's manual optimization), which Lightning
+    # neither accumulates nor clips for.
+    automatic_optimization: bool = True
 
     @property
     def flops_per_sample(self) -> float | None:

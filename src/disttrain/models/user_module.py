@@ -126,6 +126,28 @@ def lightning_module_facts(model: LightningModuleConfig) -> ModelFacts:
         flops_per_token=None,
         tokens_per_sample=int(tokens) if tokens else None,
         stated_flops_per_sample=stated_number(module, "flops_per_sample"),
+        automatic_optimization=bool(module.automatic_optimization),
+    )
+
+
+def check_manual_optimization(facts: ModelFacts, accumulation: int, grad_clip: float) -> str | None:
+    """A module that optimizes manually runs one micro-batch a step (Lightning accumulates only for automatic
+    optimization): refused with accumulation. Returns the line saying that ``trainer.grad_clip`` is the module's to
+    apply (``self.clip_gradients``), or None."""
+    if facts.automatic_optimization:
+        return None
+    if accumulation > 1:
+        raise ConfigError(
+            "trainer.global_batch_size",
+            f"your LightningModule optimizes manually (automatic_optimization=False), and {accumulation} micro-batches "
+            "a step need Lightning's gradient accumulation, which only automatic optimization has",
+            "drop trainer.global_batch_size (one micro-batch per rank a step), or accumulate in your training_step",
+        )
+    if not grad_clip:
+        return None
+    return (
+        f"note: trainer.grad_clip={grad_clip:g} is not applied: your LightningModule optimizes manually (clip in "
+        "training_step with self.clip_gradients)"
     )
 
 

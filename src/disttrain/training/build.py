@@ -37,6 +37,7 @@ from disttrain.config.validate import BatchPlan
 from disttrain.data.batch_check import ModuleBatchCheck, UserBatchCheck
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.data.user_datamodule import datamodule_arguments
+from disttrain.data.user_loaders import shard_user_loaders
 from disttrain.launch.env import process_role
 from disttrain.launch.slurm import current_task
 from disttrain.models import apply_activation_checkpointing, hardware_flops_per_token
@@ -65,7 +66,11 @@ from disttrain.training.wandb_sweep import run_group
 def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
     if isinstance(cfg.data, CustomDataConfig):
         cls = resolve_target(cfg.data.target, "data._target_")
-        return cls(**datamodule_arguments(cfg.data, plan.micro_batch_size, token_seq_len(cfg.model)))  # type: ignore[operator]
+        datamodule = cls(**datamodule_arguments(cfg.data, plan.micro_batch_size, token_seq_len(cfg.model)))  # type: ignore[operator]
+        if isinstance(cfg.model, LightningModuleConfig):
+            role = process_role()
+            shard_user_loaders(datamodule, role.global_rank, plan.data_parallel_size, cfg.trainer.seed)
+        return datamodule
     data = cfg.data
     if data.pin_memory is None:  # pinned host batches let the copy to a GPU run asynchronously
         data = replace(data, pin_memory=cfg.hw.accelerator == "gpu")
@@ -252,7 +257,9 @@ def build_trainer(
     ckpt_dir = run_dir / "checkpoints"
     spec = spec_of(cfg.strategy)
     # Where torch clips by the global norm, the non-finite guard does it with the norm it computes anyway.
-    guard_clips = spec.norm_clipped_by_torch and not spec.engine_runs_the_step and bool(t.grad_clip)
+    # A module that optimizes manually clips itself (Lightning refuses gradient_clip_val for it).
+    clips = bool(t.grad_clip) and facts.automatic_optimization
+    guard_clips = spec.norm_clipped_by_torch and not spec.engine_runs_the_step and clips
     slurm = current_task()
     clip_norm = t.grad_clip if guard_clips else None
     reliability = build_reliability(t, ckpt_dir, clip_norm=clip_norm, preemptible=slurm is not None)
@@ -304,7 +311,7 @@ def build_trainer(
         accumulate_grad_batches=batches_per_step,
         # An engine that runs the step clips by the global norm over all stages itself (manual optimization), and
         # the guard clips where torch would.
-        gradient_clip_val=None if spec.engine_runs_the_step or guard_clips else t.grad_clip or None,
+        gradient_clip_val=None if spec.engine_runs_the_step or guard_clips or not clips else t.grad_clip,
         # The train loader is endless (step-based), so validation is scheduled in loader batches.
         val_check_interval=t.val_every_n_steps * batches_per_step,
         check_val_every_n_epoch=None,

@@ -136,6 +136,7 @@ class LiveMetrics(pl.Callback):
             self.diagnostics.hardware_flops_per_unit,
             f.peak_flops,
             self.diagnostics.calibrated,
+            unit=f.work_unit,
         )
 
     def _steps(self) -> dict[str, float]:
@@ -168,14 +169,15 @@ class LiveMetrics(pl.Callback):
         record = self.diagnostics.final_throughput
         if not trainer.is_global_zero or not record:
             return
+        rate = f"throughput/{self.diagnostics.facts.work_unit}s_per_s_run"
         names = {
-            "tokens_per_s": "throughput/tokens_per_s_run",
+            "tokens_per_s": rate,
             "mfu": "throughput/mfu_run",
             "hfu": "throughput/hfu_run",
             "calibrated_mfu": "throughput/mfu_calibrated_run",
             "calibrated_hfu": "throughput/hfu_calibrated_run",
         }
         metrics = {key: float(record[name]) for name, key in names.items() if record.get(name) is not None}
-        metrics["throughput/tokens_per_s_per_device_run"] = metrics["throughput/tokens_per_s_run"] / trainer.world_size
+        metrics[rate.replace("_run", "_per_device_run")] = metrics[rate] / trainer.world_size
         for logger in trainer.loggers:  # the step the last batch's loss was logged at (the counter moved past it)
             logger.log_metrics(metrics, step=max(0, logging_step(trainer) - 1))

@@ -1,0 +1,149 @@
+"""Three Lightning projects written as plain Lightning code (tests/lightning_projects), plugged in with
+``~model +model._target_=... ~data +data._target_=...``: each trains under ddp, fsdp and deepspeed stage 2 on 2 gloo
+ranks, learns, and matches one process to 1e-4 in fp32; their reports speak samples/s and MFU from counted FLOPs.
+
+The projects log their losses with ``sync_dist=True`` (the mean over ranks, which with equal per-rank batches is the
+global batch's), and their loaders do not shuffle: Lightning's DistributedSampler then hands rank r the samples
+r, r+2, ..., so 2 ranks of micro-batch m see, step by step, exactly the samples one process of 2m sees.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, read_manifest, run_cli
+
+pytestmark = pytest.mark.dist
+
+STEPS = 20
+PROJECTS = "tests.lightning_projects"
+COMMON = [
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_every_n_steps=10",
+    "trainer.val_batches=2",
+    "trainer.ckpt_every_n_steps=0",
+    "precision=fp32",
+]
+# project: (its overrides, the loss it logs per step, the metric it validates with, the micro-batch of 2 ranks)
+MODULES = {
+    "classifier": (
+        [f"+model._target_={PROJECTS}.classifier.LitClassifier", f"+model.net._target_={PROJECTS}.classifier.ConvNet",
+         f"+data._target_={PROJECTS}.classifier.DigitsData"],
+        "train_loss", "val_loss", 8,
+    ),
+    "recommender": (
+        [f"+model._target_={PROJECTS}.recommender.LitRecommender", f"+data._target_={PROJECTS}.recommender.RatingsData",
+         "+model.lr=0.05", "+data.active=64"],
+        "train_mse", "val_mse", 64,
+    ),
+    # Accumulation: 2 micro-batches a step on 2 ranks, 4 in one process.
+    "regressor": (
+        [f"+model._target_={PROJECTS}.regressor.LitRegressor", f"+data._target_={PROJECTS}.regressor.WaveData",
+         "trainer.global_batch_size=64"],
+        "train_loss", "val_loss", 16,
+    ),
+}  # fmt: skip
+LAYOUTS = {
+    "ddp": ["strategy=ddp"],
+    "fsdp": ["strategy=fsdp"],
+    "deepspeed-2": ["strategy=deepspeed", "strategy.stage=2"],
+}
+# Mixed precision is not bitwise: these learn beside the fp32 reference (FSDP2 casts, DDP and DeepSpeed autocast).
+BF16 = {"fsdp-bf16": ["strategy=fsdp", "precision=bf16-mixed"], "ddp-bf16": ["strategy=ddp", "precision=bf16-mixed"]}
+DIAGNOSED = {("classifier", "ddp"), ("recommender", "fsdp"), ("regressor", "deepspeed-2")}
+
+
+def logged(run_dir: Path, name: str) -> dict[int, float]:
+    """``name`` by step as the CSV logger wrote it (metrics/metrics.csv)."""
+    with (run_dir / "metrics" / "metrics.csv").open() as handle:
+        return {int(row["step"]): float(row[name]) for row in csv.DictReader(handle) if row.get(name)}
+
+
+class ModuleRuns:
+    """Each (project, layout) run once per module; ``single`` is the one-process reference of a project."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.done: dict[tuple[str, str], tuple[Path, str]] = {}
+
+    def get(self, project: str, layout: str) -> tuple[Path, str]:
+        if (project, layout) not in self.done:
+            overrides, _, _, micro = MODULES[project]
+            if layout == "single":
+                shape = ["hw.devices_per_node=1", f"trainer.micro_batch_size={2 * micro}"]
+            else:
+                shape = [*{**LAYOUTS, **BF16}[layout], f"trainer.micro_batch_size={micro}"]
+            diagnosed = [] if (project, layout) in DIAGNOSED else ["diagnostics=off"]
+            run_dir = self.factory.mktemp(f"{project}-{layout}") / "run"
+            args = ["~model", "~data", *overrides, *COMMON, *diagnosed, *shape, f"hydra.run.dir={run_dir}"]
+            result = run_cli(args, cwd=REPO)
+            console = result.stdout + result.stderr
+            assert result.returncode == 0, console[-4000:]
+            self.done[(project, layout)] = (run_dir, console)
+        return self.done[(project, layout)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> ModuleRuns:
+    return ModuleRuns(tmp_path_factory)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("project", sorted(MODULES))
+def test_two_ranks_match_one_process_and_learn(project: str, layout: str, runs: ModuleRuns) -> None:
+    _, loss_name, val_name, _ = MODULES[project]
+    reference_dir, _ = runs.get(project, "single")
+    run_dir, _ = runs.get(project, layout)
+    reference, losses = logged(reference_dir, loss_name), logged(run_dir, loss_name)
+    assert sorted(losses) == sorted(reference) and len(losses) >= STEPS - 1
+    worst = max(abs(losses[s] - reference[s]) for s in reference)
+    assert worst <= 1e-4 * max(1.0, abs(reference[min(reference)])), f"max |{loss_name} - one process| = {worst:.2e}"
+    val, val_reference = logged(run_dir, val_name), logged(reference_dir, val_name)
+    assert sorted(val) == sorted(val_reference)
+    assert max(abs(val[s] - val_reference[s]) for s in val) <= 1e-4 * max(1.0, abs(val_reference[min(val)]))
+    first, last = reference[min(reference)], reference[max(reference)]
+    assert last < 0.7 * first, f"{project} did not learn: {loss_name} {first:.4f} -> {last:.4f}"
+    manifest = read_manifest(run_dir)
+    assert manifest["status"] == "completed"
+    assert manifest["work"] == {
+        "unit": "sample", "lightning_module": True, "automatic_optimization": True, "tokens_per_sample": None,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("project", "layout"), sorted(DIAGNOSED))
+def test_reports_speak_samples_and_counted_flops(project: str, layout: str, runs: ModuleRuns) -> None:
+    run_dir, console = runs.get(project, layout)
+    summary = json.loads((run_dir / "report" / "report.json").read_text())["summary"]
+    assert summary["work_unit"] == "sample" and summary["samples_per_s"] > 0
+    assert "tokens_per_s" not in summary and "flops_per_token" not in summary
+    result = read_manifest(run_dir)["result"]
+    assert result["samples_per_s"] == pytest.approx(summary["samples_per_s"], rel=0.02)
+    assert result["tokens_per_s"] is None
+    assert "samples/s" in console and "tokens/s" not in console and "tok/s" not in console
+    assert "(nats/token)" not in console  # a module's own metrics, by the names it logged them under
+    assert f"{MODULES[project][2]} " in console.split("done:")[-1]
+    if project == "recommender":  # embedding lookups and elementwise work: no matmul to count
+        assert summary.get("flops_per_sample") is None and summary["calibrated_mfu"] is None
+    else:
+        assert summary["flops_per_sample"] > 0 and 0 < summary["calibrated_mfu"] < 1
+    # The split of the step: every rank's communication measured beside its compute.
+    shares = summary["step_shares"]
+    assert shares["compute"] > 0 and shares["communication"] > 0
+
+
+@pytest.mark.parametrize("layout", sorted(BF16))
+def test_the_regressor_learns_in_bf16_mixed_with_accumulation(layout: str, runs: ModuleRuns) -> None:
+    """The bf16 MLP regressor with 2 micro-batches a step on 2 ranks: its loss follows the fp32 one-process run's
+    (bf16 keeps 8 bits of mantissa: within 5%) and falls as far."""
+    reference = logged(runs.get("regressor", "single")[0], "train_loss")
+    run_dir, console = runs.get("regressor", layout)
+    losses = logged(run_dir, "train_loss")
+    assert sorted(losses) == sorted(reference)
+    assert max(abs(losses[s] - reference[s]) / reference[s] for s in reference) < 0.05
+    assert losses[max(losses)] < 0.7 * losses[min(losses)]
+    assert "precision    bf16-mixed" in console and "accumulation 2" in console
