@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import REPO, read_manifest, run_cli
+from tests.conftest import REPO, load_checkpoint, read_manifest, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -147,3 +148,46 @@ def test_the_regressor_learns_in_bf16_mixed_with_accumulation(layout: str, runs:
     assert max(abs(losses[s] - reference[s]) / reference[s] for s in reference) < 0.05
     assert losses[max(losses)] < 0.7 * losses[min(losses)]
     assert "precision    bf16-mixed" in console and "accumulation 2" in console
+
+
+SHUFFLED = [*MODULES["classifier"][0], "+data.shuffle=true", "trainer.max_steps=20", "trainer.ckpt_every_n_steps=10",
+            "trainer.micro_batch_size=8", "diagnostics=off", "precision=fp32"]  # fmt: skip
+
+
+def module_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_checkpoint(checkpoint)["state_dict"].items() if isinstance(v, torch.Tensor)}
+
+
+def test_a_lightning_module_resumes_exactly_across_layouts_and_exports_into_its_own_class(tmp_path: Path) -> None:
+    """A shuffled classifier's step-10 checkpoint resumed under its own layout ends bitwise where the uninterrupted
+    run ended (the loader continues mid-epoch, not from its first batch); under deepspeed and in one process it
+    ends within float rounding; the export loads into the user's own class with ``load_from_checkpoint``."""
+    from tests.lightning_projects.classifier import ConvNet, LitClassifier
+
+    def train(name: str, args: list[str]) -> Path:
+        run_dir = tmp_path / name
+        result = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=REPO)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        return run_dir
+
+    whole = train("whole", ["~model", "~data", *SHUFFLED])
+    final = module_weights(whole / "checkpoints" / "step000020.ckpt")
+    mid = whole / "checkpoints" / "step000010.ckpt"
+    for name, extra, tolerance in (
+        ("same", [], 0.0),
+        ("deepspeed", ["strategy=deepspeed"], 1e-6),
+        ("one-process", ["hw.devices_per_node=1", "trainer.micro_batch_size=16"], 1e-6),
+    ):
+        resumed = module_weights(train(name, [f"resume={mid}", *extra]) / "checkpoints" / "step000020.ckpt")
+        assert resumed.keys() == final.keys()
+        worst = max((resumed[k] - final[k]).abs().max().item() for k in final)
+        assert worst <= tolerance, f"{name}: max |w - uninterrupted| = {worst:.2e}"
+    result = run_cli([f"export={tmp_path / 'deepspeed'}"], cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    exported = tmp_path / "deepspeed" / "export" / "step000020.ckpt"
+    module = LitClassifier.load_from_checkpoint(exported, net=ConvNet(), weights_only=True)
+    assert module.hparams.lr == 0.05 and module.hparams.step_size == 20
+    weights = module_weights(tmp_path / "deepspeed" / "checkpoints" / "step000020.ckpt")
+    assert all(torch.equal(module.state_dict()[k], weights[k]) for k in weights)
+    plain = torch.load(exported.with_suffix(".pt"), weights_only=True)
+    LitClassifier(ConvNet()).load_state_dict(plain)  # the module's own names, strict

@@ -46,14 +46,29 @@ def checkpoint_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
 
 
-def export_state_dict(checkpoint: Path, out: Path) -> Path:
+def export_state_dict(checkpoint: Path, out: Path, prefix: str = MODEL_PREFIX) -> Path:
     """One ``torch.save`` file of the model's weights under the model's own names (``blocks.0.attn.wq.weight``):
-    ``model.load_state_dict(torch.load(out))`` on the single-process model, whatever strategy trained it."""
-    weights = {k.removeprefix(MODEL_PREFIX): v for k, v in checkpoint_state(checkpoint).items()}
+    ``model.load_state_dict(torch.load(out))`` on the single-process model, whatever strategy trained it. A user's
+    LightningModule is its own model (``prefix=""``): its names are its state dict's (``net.conv1.weight``)."""
+    weights = {k.removeprefix(prefix): v for k, v in checkpoint_state(checkpoint).items()}
+    return save_exclusively(weights, out)
+
+
+def export_lightning_checkpoint(checkpoint: Path, out: Path) -> Path:
+    """A user's LightningModule's weights with its saved hyper-parameters as a Lightning checkpoint file:
+    ``YourModule.load_from_checkpoint(out)`` builds the trained module (arguments it did not save, such as a
+    network passed in, are given to that call), whatever strategy and world size trained it."""
+    saved = universal.read_meta(checkpoint) if universal.is_universal(checkpoint) else {}
+    kept = {k: saved[k] for k in ("hyper_parameters", "hparams_name", "pytorch-lightning_version") if k in saved}
+    return save_exclusively({"state_dict": checkpoint_state(checkpoint), **kept}, out)
+
+
+def save_exclusively(payload: dict, out: Path) -> Path:
+    """``torch.save(payload)`` to ``out``, which must not exist; a kill mid-write leaves no file there."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")  # its own: two exports never write one file
     try:
-        torch.save(weights, partial)
+        torch.save(payload, partial)
         # A hard link is an exclusive create of the final name (FileExistsError if it exists, as another export
         # may have made it since the caller looked) and holds the whole file: a kill mid-write leaves no file there.
         os.link(partial, out)

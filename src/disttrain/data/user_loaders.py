@@ -20,20 +20,29 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 
 class EpochShardedSampler(DistributedSampler):
-    """One epoch of the world-size-invariant order; the tail that does not divide by the ranks is dropped."""
+    """One epoch of the world-size-invariant order; the tail that does not divide by the ranks is dropped.
+
+    ``resume_at(sample)``: the next iteration continues the stream at that global sample (a resumed run's
+    ``global_step x global batch``), in the epoch it falls in, so a resume trains on the batches the run would have."""
 
     def __init__(self, dataset: Any, num_replicas: int, rank: int, shuffle: bool, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.total_size = len(dataset) // num_replicas * num_replicas
         self.num_samples = self.total_size // num_replicas
+        self._resume: tuple[int, int] | None = None  # (epoch, offset) of the next iteration only
+
+    def resume_at(self, sample: int) -> None:
+        self._resume = divmod(sample, self.total_size) if sample > 0 else None
 
     def __iter__(self) -> Iterator[int]:
+        epoch, offset = self._resume if self._resume is not None else (self.epoch, 0)
+        self._resume = None
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            generator = torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(len(self.dataset), generator=generator)[: self.total_size]  # type: ignore[arg-type]
         else:
             order = torch.arange(self.total_size)
-        return iter(order[self.rank : self.total_size : self.num_replicas].tolist())
+        return iter(order[offset + self.rank : self.total_size : self.num_replicas].tolist())
 
 
 def sharded(loader: Any, rank: int, world: int, seed: int) -> Any:
@@ -48,17 +57,24 @@ def sharded(loader: Any, rank: int, world: int, seed: int) -> Any:
     return _update_dataloader(loader, EpochShardedSampler(loader.dataset, world, rank, shuffle, seed))
 
 
-def shard_user_loaders(datamodule: pl.LightningDataModule, rank: int, world: int, seed: int) -> None:
-    """Wrap the instance's train and validation loader hooks so every loader they return is ``sharded``."""
+def shard_user_loaders(datamodule: pl.LightningDataModule, rank: int, world: int, seed: int, global_batch: int) -> None:
+    """Wrap the instance's train and validation loader hooks so every loader they return is ``sharded``; a resumed
+    run's training loader continues at ``global_step x global_batch`` (Lightning would restart the epoch at its first
+    batch: a plain loader cannot be fast-forwarded)."""
     for hook in ("train_dataloader", "val_dataloader"):
         own: Callable[[], Any] = getattr(datamodule, hook)
 
-        def loaders(own: Callable[[], Any] = own) -> Any:
+        def loaders(own: Callable[[], Any] = own, train: bool = hook == "train_dataloader") -> Any:
             made = own()
             if isinstance(made, list | tuple):
                 return type(made)(sharded(loader, rank, world, seed) for loader in made)
             if isinstance(made, dict):
                 return {key: sharded(loader, rank, world, seed) for key, loader in made.items()}
-            return sharded(made, rank, world, seed)
+            made = sharded(made, rank, world, seed)
+            trainer = getattr(datamodule, "trainer", None)
+            sampler = getattr(made, "sampler", None)
+            if train and trainer is not None and isinstance(sampler, EpochShardedSampler):
+                sampler.resume_at(trainer.global_step * global_batch)
+            return made
 
         setattr(datamodule, hook, loaders)

@@ -16,7 +16,7 @@ from hydra import initialize_config_dir
 from disttrain.checkpoint.resume import find_resume_point, newest_complete, run_dir_of
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import HFModelConfig, RunConfig
+from disttrain.config.schema import HFModelConfig, LightningModuleConfig, RunConfig
 
 KEYS = ("export", "export_to")
 
@@ -38,7 +38,7 @@ def export_arguments(argv: list[str]) -> dict[str, str] | None:
 
 def run_export(args: dict[str, str], conf_dir: Path) -> list[Path]:
     """Write the export files; returns their paths."""
-    from disttrain.checkpoint.export import export_hf, export_state_dict
+    from disttrain.checkpoint.export import MODEL_PREFIX, export_hf, export_lightning_checkpoint, export_state_dict
 
     try:
         checkpoint = find_resume_point(args["export"]).checkpoint
@@ -48,11 +48,14 @@ def run_export(args: dict[str, str], conf_dir: Path) -> list[Path]:
     out = Path(args.get("export_to") or default).expanduser()
     if out.exists():
         raise refuse_existing_export(out)
+    run_cfg = recorded_run_config(args["export"], conf_dir)
+    lightning_module = run_cfg is not None and isinstance(run_cfg.model, LightningModuleConfig)
     try:
-        written = [export_state_dict(checkpoint, out)]
+        written = [export_state_dict(checkpoint, out, prefix="" if lightning_module else MODEL_PREFIX)]
+        if lightning_module:  # also loadable with the user's own YourModule.load_from_checkpoint
+            written.append(export_lightning_checkpoint(checkpoint, out.with_suffix(".ckpt")))
     except FileExistsError:  # another export of the same checkpoint wrote it first
         raise refuse_existing_export(out) from None
-    run_cfg = recorded_run_config(args["export"], conf_dir)
     if run_cfg is not None and isinstance(run_cfg.model, HFModelConfig):
         written.append(export_hf(checkpoint, run_cfg.model, out.with_suffix(".hf"), run_cfg.trainer.seed))
     return written

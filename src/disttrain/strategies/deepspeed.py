@@ -148,7 +148,8 @@ class CPUCapableDeepSpeedStrategy(ForkGuardedLoaders, UniversalCheckpointing, De
         if not self.resume_weights_only:
             names = [names[0] for names in ds.param_names(module).values()]
             keys = ds.moment_keys(index, universal.optimizer_key(0), names)
-            states = [ds.optimizer_template(module, zero, keys)]
+            with_step = ds.saves_step(index, universal.optimizer_key(0), names)
+            states = [ds.optimizer_template(module, zero, keys, with_step)]
         universal.read_into(path, model_state, states, index)
         ds.load_model_state(module, zero, model_state)
         if states:

@@ -140,8 +140,16 @@ def model_template(module: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def optimizer_template(module: nn.Module, zero: Any, moment_keys: tuple[str, ...]) -> dict[str, Any]:
-    """What a load reads into: the moments, the step and this optimizer's hyper-parameters per parameter."""
+def saves_step(index: dict[str, Any], prefix: str, template_names: list[str]) -> bool:
+    """Whether the checkpoint's optimizer counts steps per parameter (Adam does; SGD with momentum does not)."""
+    return any(f"{prefix}.{STATE}.{name}.{STEP}" in index for name in template_names)
+
+
+def optimizer_template(
+    module: nn.Module, zero: Any, moment_keys: tuple[str, ...], with_step: bool = True
+) -> dict[str, Any]:
+    """What a load reads into: the moments, the step (where the optimizer keeps one) and this optimizer's
+    hyper-parameters per parameter."""
     names = param_names(module)
     out: dict[str, Any] = {}
     for group_id, params, _ in zero_groups(zero):
@@ -150,7 +158,8 @@ def optimizer_template(module: nn.Module, zero: Any, moment_keys: tuple[str, ...
             name = names[id(param)][0]
             for key in moment_keys:
                 out[f"{STATE}.{name}.{key}"] = torch.empty(_full_shape(param), dtype=torch.float32)
-            out[f"{STATE}.{name}.{STEP}"] = torch.zeros((), dtype=torch.float32)
+            if with_step:
+                out[f"{STATE}.{name}.{STEP}"] = torch.zeros((), dtype=torch.float32)
             for key, value in hyper.items():
                 out[f"{PARAM_GROUPS}.{name}.{key}"] = value
     return out

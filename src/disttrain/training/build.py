@@ -69,7 +69,8 @@ def build_datamodule(cfg: RunConfig, plan: BatchPlan) -> pl.LightningDataModule:
         datamodule = cls(**datamodule_arguments(cfg.data, plan.micro_batch_size, token_seq_len(cfg.model)))  # type: ignore[operator]
         if isinstance(cfg.model, LightningModuleConfig):
             role = process_role()
-            shard_user_loaders(datamodule, role.global_rank, plan.data_parallel_size, cfg.trainer.seed)
+            dp, seed = plan.data_parallel_size, cfg.trainer.seed
+            shard_user_loaders(datamodule, role.global_rank, dp, seed, plan.global_batch_size)
         return datamodule
     data = cfg.data
     if data.pin_memory is None:  # pinned host batches let the copy to a GPU run asynchronously
