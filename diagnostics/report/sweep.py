@@ -51,6 +51,7 @@ class SweepRun:
     prediction: dict[str, Any] | None = None  # run.json's planner prediction with measured values and errors
     trial: int | None = None  # the Optuna trial (hydra/sweeper=optuna)
     pruned_at_step: int | None = None
+    unit: str = "token"  # what tokens_per_s counts: "sample" for a LightningModule's run (its rate is samples/s)
 
     @property
     def final_loss(self) -> float | None:
@@ -86,6 +87,12 @@ class SweepReport:
         """The run by what varies in the sweep (``optimizer.lr=1e-4 strategy=fsdp``), else its dir name."""
         parts = [f"{k}={run.overrides[k]}" for k in self.varying if k in run.overrides]
         return " ".join(parts) or run.name
+
+    @property
+    def rate_label(self) -> str:
+        """The runs' throughput unit: tokens/s, samples/s (LightningModules' runs), or both where they mix."""
+        units = {r.unit for r in self.runs} or {"token"}
+        return " or ".join(f"{unit}s/s" for unit in sorted(units))
 
     @property
     def failed(self) -> list[SweepRun]:
@@ -167,6 +174,11 @@ def load_run(sweep_dir: Path, run_dir: Path) -> SweepRun:
     result = manifest.result if isinstance(manifest.result, dict) else {}
     run.train_loss, run.val_loss = result.get("train_loss"), result.get("val_loss")
     run.steps, run.tokens_per_s = result.get("steps"), result.get("tokens_per_s")
+    if isinstance(manifest.work, dict) and manifest.work.get("unit") == "sample":  # a LightningModule's run
+        metrics = result.get("metrics")
+        logged: dict[str, Any] = metrics if isinstance(metrics, dict) else {}
+        run.unit, run.tokens_per_s = "sample", result.get("samples_per_s")
+        run.train_loss, run.val_loss = logged.get("train_loss"), logged.get("val_loss")
     run.world_size = manifest.world_size
     if result.get("measured_memory_bytes"):
         run.peak_memory_bytes, run.peak_memory_kind = result["measured_memory_bytes"], result.get("memory_kind")
@@ -192,7 +204,7 @@ def load_run(sweep_dir: Path, run_dir: Path) -> SweepRun:
 def _apply_report(run: SweepRun, report: dict[str, Any]) -> None:
     run.has_report = True
     summary = report.get("summary") or {}
-    run.tokens_per_s = summary.get("tokens_per_s") or run.tokens_per_s
+    run.tokens_per_s = summary.get("tokens_per_s") or summary.get("samples_per_s") or run.tokens_per_s
     run.world_size = summary.get("world_size") or run.world_size
     if summary.get("mfu") is not None:
         run.mfu, run.mfu_basis = summary["mfu"], "datasheet"

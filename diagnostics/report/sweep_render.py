@@ -16,6 +16,13 @@ from diagnostics.report.sweep import SWEEP_REPORT_DIR, SweepReport, SweepRun
 
 HEADER = ["#", "run", "overrides", "status", "final loss", "tokens/s", "MFU", "peak memory", "planner error"]
 HEADER += ["top bottleneck"]
+
+
+def header(report: SweepReport) -> list[str]:
+    """The runs table's columns, the rate in the runs' own unit."""
+    return [report.rate_label if name == "tokens/s" else name for name in HEADER]
+
+
 # The predicted-vs-measured errors a sweep shows per run (``diagnostics.prediction``), with short names.
 PLANNER_ERRORS = {"step_time_s": "step", "comm_s": "comm", "memory_bytes": "memory", "state_bytes": "state"}
 
@@ -76,9 +83,9 @@ def to_markdown(report: SweepReport) -> str:
     parts = [f"# Sweep report: {report.sweep_dir}", "", report.text_summary().split("\n")[0], ""]
     varying = ", ".join(report.varying) or "nothing (a single run, or identical overrides)"
     parts += [f"Varied: {varying}. Ranked by final loss (validation if measured, else training).", ""]
-    parts += ["## Runs", "", _md_table(HEADER, run_rows(report)), ""]
-    parts += ["## Pareto front: tokens/s vs peak memory", ""]
-    parts += [", ".join(report.pareto) or "no completed run recorded both tokens/s and peak memory", ""]
+    parts += ["## Runs", "", _md_table(header(report), run_rows(report)), ""]
+    parts += [f"## Pareto front: {report.rate_label} vs peak memory", ""]
+    parts += [", ".join(report.pareto) or f"no completed run recorded both {report.rate_label} and peak memory", ""]
     if report.scaling:
         parts += ["## Scaling efficiency (runs that differ only in world size)", ""]
         parts += [_md_table(["run", "world size", "tokens/s", "speedup", "efficiency"], scaling_rows(report)), ""]
@@ -125,7 +132,8 @@ def plots(report: SweepReport) -> list[tuple[str, str, str | None]]:
     points = [
         (r.name, r.peak_memory_bytes / GIB, r.tokens_per_s) for r in done if r.tokens_per_s and r.peak_memory_bytes
     ]
-    front = scatter("pareto", "Tokens/s vs peak memory", "peak memory GiB", "tokens/s", points, report.pareto)
+    label = report.rate_label
+    front = scatter("pareto", f"{label.capitalize()} vs peak memory", "peak memory GiB", label, points, report.pareto)
     losses = [r for r in done if r.final_loss is not None]
     loss_bars = stacked_bars(
         "final-loss", "Final loss per run", "nats/token", [r.name for r in losses],
@@ -148,8 +156,8 @@ def to_html(report: SweepReport) -> str:
         f"<p>{_e(report.text_summary().splitlines()[0])}. Varied: <code>{_e(', '.join(report.varying) or 'nothing')}"
         "</code>. Ranked by final loss (validation if measured, else training).</p>",
         "<h2>Runs</h2>",
-        _table(HEADER, run_rows(report), [r.status for r in report.runs]),
-        "<h2>Pareto front: tokens/s vs peak memory</h2>",
+        _table(header(report), run_rows(report), [r.status for r in report.runs]),
+        f"<h2>Pareto front: {report.rate_label} vs peak memory</h2>",
         f"<p>{_e(', '.join(report.pareto) or 'no completed run recorded both tokens/s and peak memory')}</p>",
         '<div class="plots">' + "\n".join(figures) + "</div>",
     ]

@@ -191,3 +191,26 @@ def test_a_lightning_module_resumes_exactly_across_layouts_and_exports_into_its_
     assert all(torch.equal(module.state_dict()[k], weights[k]) for k in weights)
     plain = torch.load(exported.with_suffix(".pt"), weights_only=True)
     LitClassifier(ConvNet()).load_state_dict(plain)  # the module's own names, strict
+
+
+def test_an_optuna_sweep_maximizes_a_metric_the_module_logs(tmp_path: Path) -> None:
+    """``objective=val_acc``: maximized (its name measures a gain), each trial's value its final logged val_acc."""
+    import optuna
+
+    sweep = tmp_path / "sweep"
+    trial = ["hw.devices_per_node=1", "trainer.max_steps=10", "trainer.val_every_n_steps=5", "trainer.val_batches=2",
+             "trainer.ckpt_every_n_steps=0", "diagnostics=off"]  # fmt: skip
+    args = ["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "hydra.sweeper.n_jobs=1", "~model", "~data",
+            *MODULES["classifier"][0], "+model.lr=choice(0.0005,0.05)", "objective=val_acc", *trial,
+            f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    result = run_cli(args, cwd=REPO)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    study = optuna.load_study(study_name="disttrain", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    assert study.direction == optuna.study.StudyDirection.MAXIMIZE
+    done = study.get_trials()
+    assert len(done) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in done)
+    for t in done:
+        assert t.value == read_manifest(sweep / t.user_attrs["disttrain.job"])["result"]["metrics"]["val_acc"]
+    assert study.best_trial.params["+model.lr"] == 0.05 and study.best_value > min(t.value for t in done)
+    report = json.loads((sweep / "report" / "sweep.json").read_text())
+    assert all(r["unit"] == "sample" and r["tokens_per_s"] > 0 and r["val_loss"] is not None for r in report["runs"])

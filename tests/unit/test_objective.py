@@ -32,8 +32,33 @@ def test_the_job_returns_its_final_val_loss_or_tokens_per_s_from_run_json(tmp_pa
 def test_direction_follows_the_objective() -> None:
     assert objective_direction("val_loss") == "minimize"
     assert objective_direction("tokens_per_s") == "maximize"
+    assert objective_direction("samples_per_s") == "maximize"
     with pytest.raises(ValueError, match="objective"):
-        objective_direction("loss")
+        objective_direction("val acc")
+
+
+@pytest.mark.parametrize(
+    ("objective", "direction"),
+    [
+        ("val_acc", "maximize"), ("val/accuracy", "maximize"), ("top5_acc", "maximize"), ("val_auc", "maximize"),
+        ("f1", "maximize"), ("map50", "maximize"), ("val_mse", "minimize"), ("val_mae", "minimize"),
+        ("loss", "minimize"), ("max:val_score", "maximize"), ("min:val_acc", "minimize"), ("images_per_s", "maximize"),
+    ],
+)  # fmt: skip
+def test_a_metric_a_module_logs_is_maximized_where_its_name_measures_a_gain(objective: str, direction: str) -> None:
+    assert objective_direction(objective) == direction
+
+
+def test_a_lightning_modules_objective_is_read_from_its_final_logged_metrics(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    result = {"val_loss": None, "samples_per_s": 900.0, "metrics": {"val_acc": 0.93, "val_loss": 0.2}}
+    (run_dir / "run.json").write_text(json.dumps({"status": "completed", "result": result}))
+    assert objective_value(run_dir, "val_acc") == 0.93
+    assert objective_value(run_dir, "max:val_acc") == 0.93
+    assert objective_value(run_dir, "val_loss") == 0.2  # the module's own val_loss, where the built-in one is absent
+    assert objective_value(run_dir, "samples_per_s") == 900.0
+    assert objective_value(run_dir, "val_f1") is None  # not logged: the trial fails, as a run without validation
 
 
 @pytest.mark.parametrize(("objective", "direction"), [(None, "minimize"), ("tokens_per_s", "maximize")])

@@ -18,6 +18,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.hardware import HardwareProfile, validate_profile
+from disttrain.config.objective import OBJECTIVES, objective_problem
 from disttrain.config.schema import (
     AutoStrategyConfig,
     CustomDataConfig,
@@ -32,7 +33,6 @@ from disttrain.config.schema import (
     LoggerConfig,
     MegatronConfig,
     ModelConfig,
-    Objective,
     OptimizerConfig,
     PrecisionConfig,
     RunConfig,
@@ -62,7 +62,6 @@ STRATEGY_KINDS: dict[str, type] = {
 }
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed", "fp8")
 LOGGERS = ("csv", "wandb", "tensorboard")
-OBJECTIVES = typing.get_args(Objective)
 # conf/train.yaml's own keys beside the groups; ``hydra`` is there when a caller composes with its config.
 TOP_LEVEL = ("dry_run", "resume", "resume_weights_only", "check_memory", "calibration", "objective", "trial", "hydra")
 
@@ -251,11 +250,13 @@ def parse_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(
             "calibration", f"expected a run dir, got {top['calibration']!r}", "use calibration=outputs/<date>/<time>"
         )
-    if top["objective"] not in OBJECTIVES:
+    objective = top["objective"]
+    problem = objective_problem(objective) if isinstance(objective, str) else f"expected a name, got {objective!r}"
+    if problem is not None:
         raise ConfigError(
             "objective",
-            f"unknown objective {top['objective']!r}{did_you_mean(str(top['objective']), OBJECTIVES)}",
-            f"use one of {list(OBJECTIVES)} (what the job returns to hydra/sweeper=optuna)",
+            problem,
+            f"use one of {list(OBJECTIVES)} or a metric your module logs (objective=val_acc, objective=max:score)",
         )
     strategy: Any = build_dataclass(strategy_cls, groups["strategy"], "strategy")  # one of STRATEGY_KINDS' classes
     if isinstance(strategy, DDPConfig):  # gradient_as_bucket_view: null is decided by the device

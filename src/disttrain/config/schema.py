@@ -18,7 +18,6 @@ Norm = Literal["layernorm", "rmsnorm"]
 Mlp = Literal["gelu", "swiglu"]
 PosEmb = Literal["learned", "rope"]
 RouterGate = Literal["softmax", "sigmoid"]
-Objective = Literal["val_loss", "tokens_per_s"]  # what a job returns to a Hydra sweeper
 NORMS: tuple[str, ...] = get_args(Norm)
 MLPS: tuple[str, ...] = get_args(Mlp)
 POS_EMBS: tuple[str, ...] = get_args(PosEmb)
@@ -516,9 +515,9 @@ class RunConfig:
     # A finished run dir whose measured speeds (matmul, memory, links) the planner uses instead of the datasheet's:
     # strategy=auto chooses with them, and the prediction in run.json uses them when this run measured none.
     calibration: str | None = None
-    # What the job returns to a Hydra sweeper (hydra/sweeper=optuna): the final validation loss (minimized) or the
-    # training tokens/s (maximized); see disttrain.sweep.objective.
-    objective: Objective = "val_loss"
+    # What the job returns to a Hydra sweeper (hydra/sweeper=optuna): the final validation loss (minimized), the
+    # training tokens/s or samples/s (maximized), or a metric the module logs (config/objective.py: its direction).
+    objective: str = "val_loss"
     trial: TrialConfig = field(default_factory=TrialConfig)
 
 

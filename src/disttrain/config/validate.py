@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from disttrain.config.errors import ConfigError, require_one_of, require_positive
+from disttrain.config.errors import ConfigError, did_you_mean, require_one_of, require_positive
 from disttrain.config.hf import check_hf_weights, hf_shape, max_positions
+from disttrain.config.objective import OBJECTIVES, split_objective
 from disttrain.config.schema import (
     COMPILE_MODES,
     CUDAGRAPH_MODES,
@@ -376,11 +377,25 @@ def validate_lightning_module_run(cfg: RunConfig) -> None:
         )
 
 
+def validate_objective(cfg: RunConfig) -> None:
+    """The built-in models answer to the built-in objectives only; a metric name is a LightningModule's to log."""
+    name, _ = split_objective(cfg.objective)
+    if name in OBJECTIVES or isinstance(cfg.model, LightningModuleConfig):
+        return
+    raise ConfigError(
+        "objective",
+        f"unknown objective '{cfg.objective}'{did_you_mean(name, OBJECTIVES)} for model={cfg.model.name}: metric names "
+        "apply to a LightningModule of yours, which logs its own",
+        f"use one of {list(OBJECTIVES)} (what the job returns to hydra/sweeper=optuna)",
+    )
+
+
 def validate_fields(cfg: RunConfig) -> None:
     """Every config group's own checks and those across groups that need no strategy rule (the strategy's own, and
     the batch plan they imply, are strategies/layout.py's: ``validate_run``)."""
     validate_model(cfg.model)
     validate_lightning_module_run(cfg)
+    validate_objective(cfg)
     validate_cudagraphs(cfg)
     t = cfg.trainer
     for key in ("max_steps", "micro_batch_size", "val_every_n_steps", "log_every_n_steps"):

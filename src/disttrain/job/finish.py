@@ -55,7 +55,8 @@ def conclude(
     manifest.status = "stopped" if stopped else "pruned" if pruned is not None else "completed"
     if pruned is not None:  # the sweep's pruner stopped it at this validation: a clean end, reported as usual
         manifest.pruned_at_step = pruned
-        say(f"disttrain: pruned at step {pruned}: the study's pruner judged this trial's validation loss hopeless")
+        metric = parts.pruning.metric if parts.pruning is not None else "val/loss"
+        say(f"disttrain: pruned at step {pruned}: the study's pruner judged this trial's {metric} hopeless")
     manifest.wall_time_s, manifest.result = result.wall_time_s, result
     manifest.result_gap_to_floor = result.gap_to_floor
     # No checkpoint is written for the bad step, so the newest complete one is the last good one.

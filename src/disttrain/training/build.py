@@ -21,6 +21,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
 from diagnostics.report import diagnose_run
 from disttrain.config.hf import reference_shape
+from disttrain.config.objective import OBJECTIVES, split_objective
 from disttrain.config.schema import (
     CustomDataConfig,
     DeepSpeedConfig,
@@ -251,6 +252,15 @@ def build_diagnostics(
     )
 
 
+def pruned_metric(cfg: RunConfig) -> str:
+    """What a sweep job reports to its trial at each validation: the objective's metric where it is one the module
+    logs, else the validation loss (the built-in model's ``val/loss``; a LightningModule's ``val_loss``)."""
+    name, _ = split_objective(cfg.objective)
+    if name not in OBJECTIVES:
+        return name
+    return "val_loss" if isinstance(cfg.model, LightningModuleConfig) else "val/loss"
+
+
 def build_trainer(
     cfg: RunConfig, parallel: ParallelLayout, strategy: StrategyBuild, run_dir: Path, facts: ModelFacts
 ) -> TrainerParts:
@@ -291,7 +301,7 @@ def build_trainer(
         reliability.guard.record = diagnostics.write  # a non-finite step shows in this rank's telemetry
         # After the diagnostics: it reads the step they just recorded, and at train end their throughput record.
         callbacks.append(LiveMetrics(t.log_every_n_steps, diagnostics, throughput, reliability.guard))
-    pruning = TrialPruning(cfg.trial, process_role().is_global_zero) if cfg.trial.linked else None
+    pruning = TrialPruning(cfg.trial, process_role().is_global_zero, pruned_metric(cfg)) if cfg.trial.linked else None
     if pruning is not None:
         callbacks.append(pruning)
     if reliability.preemption is not None:  # last: the step it stops at has been seen by every callback above

@@ -21,11 +21,13 @@ if TYPE_CHECKING:
 
 
 class TrialPruning(pl.Callback):
-    """Report ``val/loss`` to the trial at each validation; on the pruner's word stop all ranks together."""
+    """Report ``metric`` (``val/loss``, or the metric a LightningModule's objective names) to the trial at each
+    validation; on the pruner's word stop all ranks together."""
 
-    def __init__(self, link: TrialConfig, rank_zero: bool) -> None:
+    def __init__(self, link: TrialConfig, rank_zero: bool, metric: str = "val/loss") -> None:
         self.link = link
         self.rank_zero = rank_zero
+        self.metric = metric
         self._trial: optuna.Trial | None = None
         self.pruned_at: int | None = None  # the step the run was pruned at (None: not pruned)
         self.reported: dict[int, float] = {}
@@ -51,7 +53,7 @@ class TrialPruning(pl.Callback):
         step = trainer.global_step
         prune = False
         if self.rank_zero:
-            loss = trainer.callback_metrics.get("val/loss")
+            loss = trainer.callback_metrics.get(self.metric)
             prune = self.verdict(step, float(loss) if loss is not None else None, step >= (trainer.max_steps or 0))
         if trainer.world_size > 1:
             prune = bool(trainer.strategy.broadcast(prune, src=0))
