@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.lightning_projects.classifier import LitClassifier
+
 
 class BigramModel(nn.Module):
     """Next token from the current one only: tiny, and enough to learn a counting sequence."""
@@ -342,3 +344,20 @@ class DictBatchData(CountingData):
     def train_dataloader(self) -> DataLoader:
         rows = [{"input_ids": x, "labels": y} for x, y in self.data]
         return DataLoader(rows, batch_size=self.micro_batch_size, drop_last=True)  # type: ignore[arg-type]
+
+
+class SleepyRankClassifier(LitClassifier):
+    """The plain Lightning classifier whose training_step sleeps ``sleep_s`` on local rank ``slow_rank`` before its
+    forward: a straggler inside a user's own LightningModule."""
+
+    def __init__(self, net: nn.Module, slow_rank: int = 1, sleep_s: float = 0.05, **kwargs: float) -> None:
+        super().__init__(net, **kwargs)
+        self.slow = _rank() == slow_rank
+        self.sleep_s = sleep_s
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.slow and self.training:
+            import time
+
+            time.sleep(self.sleep_s)
+        return super().forward(images)

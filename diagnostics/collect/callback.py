@@ -44,6 +44,7 @@ from diagnostics.collect.experts import (
 )
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.fsdp_step import fsdp_step_overhead
+from diagnostics.collect.lightning_comm import time_lightning_collectives
 from diagnostics.collect.parts import time_model_parts
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
@@ -156,6 +157,7 @@ class DiagnosticsCallback(pl.Callback):
         self.times_collectives = False
         self.times_all_to_all = False  # and expert parallelism's all-to-alls, apart (collect/experts)
         self._untime_deepspeed: Callable[[], None] | None = None
+        self._untime_lightning: Callable[[], None] | None = None  # a LightningModule's strategy.reduce timed
         self.expert_layers: list[Any] = []  # a mixture-of-experts model's layers, whose load is read every step
         self._disabled: set[str] = set()
         # For the user's logger (disttrain.training.live_metrics), on rank 0 only: its steps since the logger last
@@ -245,7 +247,12 @@ class DiagnosticsCallback(pl.Callback):
                 "expert_comm", lambda: time_expert_collectives(layers, self.timer.model_collective_ran)
             )
             self.times_all_to_all = bool(observed) and exchanges_tokens(layers)
-        self.times_collectives = bool(wrapped) or self._untime_deepspeed is not None or bool(observed)
+        if self.facts.work_unit == "sample":  # a user's LightningModule: its sync_dist logging reduces in forward
+            self._untime_lightning = self.guarded(
+                "lightning_comm", lambda: time_lightning_collectives(trainer.strategy, self.timer.collective_ran)
+            )
+        timed = (self._untime_deepspeed, self._untime_lightning)
+        self.times_collectives = bool(wrapped) or any(undo is not None for undo in timed) or bool(observed)
         if self.sampler is not None:
             self.sampler.start()
         if self.settings.profile:
@@ -609,6 +616,9 @@ class DiagnosticsCallback(pl.Callback):
         if self._untime_deepspeed is not None:
             self._untime_deepspeed()
             self._untime_deepspeed = None
+        if self._untime_lightning is not None:
+            self._untime_lightning()
+            self._untime_lightning = None
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.sampler is not None and self.sampler.is_alive():

@@ -214,3 +214,22 @@ def test_an_optuna_sweep_maximizes_a_metric_the_module_logs(tmp_path: Path) -> N
     assert study.best_trial.params["+model.lr"] == 0.05 and study.best_value > min(t.value for t in done)
     report = json.loads((sweep / "report" / "sweep.json").read_text())
     assert all(r["unit"] == "sample" and r["tokens_per_s"] > 0 and r["val_loss"] is not None for r in report["runs"])
+
+
+def test_a_slow_rank_inside_a_users_module_is_named_with_its_phase(tmp_path: Path) -> None:
+    """Rank 1 sleeps 50 ms in its forward; the module logs with sync_dist=True, a reduce inside training_step where
+    rank 0 waits for rank 1. Timed as the collective it is, the wait is rank 0's and the slowness rank 1's forward
+    (untimed, both ranks' forward read 57 ms and no straggler was found)."""
+    run_dir = tmp_path / "run"
+    args = ["~model", "~data", "+model._target_=tests.plugins.SleepyRankClassifier",
+            f"+model.net._target_={PROJECTS}.classifier.ConvNet", f"+data._target_={PROJECTS}.classifier.DigitsData",
+            "trainer.max_steps=30", "trainer.val_every_n_steps=30", "trainer.ckpt_every_n_steps=0",
+            f"hydra.run.dir={run_dir}"]  # fmt: skip
+    result = run_cli(args, cwd=REPO)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    stragglers = [f for f in report["findings"] if f["kind"] == "straggler"]
+    assert len(stragglers) == 1 and stragglers[0]["ranks"] == [1], [f["message"] for f in report["findings"]]
+    assert "slow in forward" in stragglers[0]["message"]
+    assert report["findings"][0]["kind"] == "straggler"  # the costliest
+    assert report["summary"]["step_shares"]["waiting"] > 0.2  # rank 0's wait, not communication
