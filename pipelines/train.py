@@ -21,6 +21,7 @@ from disttrain.job.claim import as_override, claim_launch_dir
 from disttrain.job.export import export_arguments, run_export
 from disttrain.launch.console import drop_import_chatter
 from disttrain.launch.exit_codes import FAILED, RunStopped
+from disttrain.launch.local import rank_overrides
 
 if TYPE_CHECKING:
     from disttrain.job.prepare import Prepared
@@ -41,7 +42,7 @@ def run_job(cfg: DictConfig, prepared: Prepared | None) -> float | None:
         hydra_cfg = HydraConfig.get()
         run_dir = Path(hydra_cfg.runtime.output_dir)
         forks = forks_its_ranks(prepared)
-        overrides = list(hydra_cfg.overrides.task)
+        overrides = rank_overrides(hydra_cfg)
         start_ranks = partial(maybe_start_local_ranks, prepared, "train", overrides, run_dir, forks)
         if not forks:
             start_ranks()

@@ -4,6 +4,7 @@ any module, its data in one order for every world size, and refused in one line 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -33,7 +34,7 @@ from disttrain.models.user_module import (
 )
 from disttrain.strategies.fsdp_user import refuse_own_parameters, roots, units_by_class, units_by_size, wrap_classes
 from disttrain.training.flop_count import FirstStepFlops
-from tests.conftest import compose_train
+from tests.conftest import CONF, compose_train
 from tests.lightning_projects import classifier, recommender
 
 CLASSIFIER = "tests.lightning_projects.classifier"
@@ -317,3 +318,25 @@ def test_a_sample_runs_summary_speaks_samples_not_tokens() -> None:
     assert summary.rate_label == "samples/s"
     token = Summary(world_size=2, device="cpu", steps_recorded=10, tokens_per_s=500.0)
     assert token.to_json()["tokens_per_s"] == 500.0 and token.rate_label == "tokens/s"
+
+
+def test_a_model_yaml_in_the_users_own_config_dir_with_a_nested_net(tmp_path: Path) -> None:
+    """lightning-hydra-template's layout: ``configs/model/<name>.yaml`` with ``_target_`` and a nested ``net``,
+    found through ``hydra.searchpath``; an option in neither dir is still refused in one line."""
+    from disttrain.job.preflight import preflight
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "model" / "digits-convnet.yaml").write_text(
+        f"_target_: {CLASSIFIER}.LitClassifier\nlr: 0.02\nnet:\n  _target_: {CLASSIFIER}.ConvNet\n  channels: 4\n"
+    )
+    (tmp_path / "data" / "digits.yaml").write_text(f"_target_: {CLASSIFIER}.DigitsData\nnoise: 0.5\n")
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    checked = preflight([search, "model=digits-convnet", "data=digits", "dry_run=true"], CONF)
+    assert checked.prepared is not None
+    model = checked.prepared.run_cfg.model
+    assert isinstance(model, LightningModuleConfig) and model.target == f"{CLASSIFIER}.LitClassifier"
+    assert model.kwargs == {"lr": 0.02, "net": {"_target_": f"{CLASSIFIER}.ConvNet", "channels": 4}}
+    assert build_lightning_module(model).net.conv1.out_channels == 4
+    with pytest.raises(ConfigError, match="unknown option 'digits-convnt'"):
+        preflight([search, "model=digits-convnt", "data=digits"], CONF)

@@ -86,11 +86,26 @@ class UserBatchCheck(pl.Callback):
 
 
 class ModuleBatchCheck(pl.Callback):
-    """A LightningModule's first training batch (any structure): its rows are the micro-batch the run planned."""
+    """A LightningModule's first training batch (any structure): its rows are the micro-batch the run planned; and
+    its first ``training_step``, under automatic optimization, returned a loss (Lightning skips the optimizer step of
+    a step that returns None: a module that always does trains nothing, silently)."""
 
     def __init__(self, micro_batch: int) -> None:
         self.micro_batch = micro_batch
         self.checked = False
+        self.output_checked = False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        if self.output_checked:
+            return
+        self.output_checked = True
+        if pl_module.automatic_optimization and outputs is None:
+            raise ConfigError(
+                "model._target_",
+                f"{type(pl_module).__name__}.training_step returned None under automatic optimization: Lightning "
+                "then skips the optimizer step, and nothing trains",
+                "return the loss (or a dict with a 'loss' key) from training_step",
+            )
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
         if self.checked:

@@ -140,9 +140,32 @@ def config_groups(conf_dir: Path) -> set[str]:
     return {p.name for p in conf_dir.iterdir() if p.is_dir()} - {"hydra"}
 
 
-def check_group_option(conf_dir: Path, override: Override) -> None:
+SEARCHPATH = "hydra.searchpath"
+
+
+def searchpath_dirs(overrides: list[Override]) -> list[Path] | None:
+    """The config dirs ``hydra.searchpath=[file:///my/conf]`` adds (a lightning-hydra-template user's own
+    ``configs/``, where their ``model/<name>.yaml`` lives); None where an entry is a package (``pkg://``), whose
+    options only Hydra can list."""
+    dirs: list[Path] = []
+    for o in overrides:
+        if o.key_or_group != SEARCHPATH:
+            continue
+        value = o.value()
+        for entry in value if isinstance(value, list) else [value]:
+            entry = str(entry)
+            if entry.startswith("pkg://"):
+                return None
+            dirs.append(Path(entry.removeprefix("file://")).expanduser())
+    return dirs
+
+
+def check_group_option(conf_dir: Path, override: Override, extra_dirs: list[Path] | None) -> None:
+    """An option of a group: a yaml of conf/<group>/ or of a searchpath dir's <group>/ (None: not checkable)."""
+    if extra_dirs is None:
+        return
     group = override.key_or_group
-    options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+    options = sorted({p.stem for d in (conf_dir, *extra_dirs) for p in (d / group).glob("*.yaml")})
     for value in values_of(override):
         if value != "null" and value not in options:
             close = difflib.get_close_matches(value, options, n=1, cutoff=0.6)
@@ -218,11 +241,12 @@ def check_overrides(argv: list[str], conf_dir: Path, config_name: str) -> None:
     groups = config_groups(conf_dir)
     for o in overrides:
         if o.key_or_group in groups and o.package is None and not o.is_delete():
-            check_group_option(conf_dir, o)
+            check_group_option(conf_dir, o, searchpath_dirs(overrides))
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         try:
             composed = compose(
-                config_name=config_name, overrides=[o.input_line for o in overrides if o.key_or_group in groups]
+                config_name=config_name,
+                overrides=[o.input_line for o in overrides if o.key_or_group in groups or o.key_or_group == SEARCHPATH],
             )
             for o in overrides:
                 if (
@@ -266,12 +290,12 @@ def preflight(argv: list[str], conf_dir: Path) -> Preflighted:
                 "add -m to run one job per value, or give a single value",
             )
         if o.key_or_group in groups and o.package is None and not o.is_delete():
-            check_group_option(conf_dir, o)
+            check_group_option(conf_dir, o, searchpath_dirs(overrides))
         if o.key_or_group in PATH_NAME_KEYS:
             for value in values_of(o):
                 check_plain_name(o.key_or_group, value)
     job = [first_job(o) for o in overrides]
-    choices = [first_job(o) for o in overrides if o.key_or_group in groups]
+    choices = [first_job(o) for o in overrides if o.key_or_group in groups or o.key_or_group == SEARCHPATH]
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         try:
             with_groups = compose(config_name="train", overrides=choices)

@@ -19,7 +19,13 @@ from omegaconf import DictConfig
 
 from diagnostics.collect.profile_window import release_cupti_after_window
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import CustomDataConfig, CustomModelConfig, LightningModuleConfig, token_seq_len
+from disttrain.config.schema import (
+    CustomDataConfig,
+    CustomModelConfig,
+    FSDPConfig,
+    LightningModuleConfig,
+    token_seq_len,
+)
 from disttrain.data.user_datamodule import check_user_datamodule, describe_batch_size
 from disttrain.job.describe import describe_launch
 from disttrain.job.job import Job
@@ -28,13 +34,14 @@ from disttrain.job.prepare import Prepared, check_launchable, prepare
 from disttrain.launch.console import route_library_output_to_log_file
 from disttrain.launch.env import ProcessRole, process_role, say
 from disttrain.launch.exit_codes import RunStopped
-from disttrain.launch.local import child_command, die_with_parent
+from disttrain.launch.local import child_command, die_with_parent, rank_overrides
 from disttrain.launch.supervise import supervise
 from disttrain.models.factory import model_facts
 from disttrain.models.facts import ModelFacts
 from disttrain.models.user_module import check_manual_optimization, resolve_model_kind
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 from disttrain.strategies.auto import check_fits, describe_memory
+from disttrain.strategies.fsdp_user import wrap_classes
 from disttrain.sweep.objective import objective_value
 
 
@@ -45,7 +52,7 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     started = time.time()
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    task_overrides = list(hydra_cfg.overrides.task)
+    task_overrides = rank_overrides(hydra_cfg)
     # Read once, before anything is spawned: spawning sets this process's NODE_RANK (it then looks like a cluster
     # task). A spawned rank or restart attempt must not outlive the process that started it; a rank spawned by an
     # unsupervised rank 0 also records rank 0's death (nobody else can); under the supervisor, the supervisor does.
@@ -68,6 +75,8 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
     if isinstance(run_cfg.data, CustomDataConfig):
         check_user_datamodule(run_cfg.data, micro, token_seq_len(run_cfg.model))
     manual_note = check_manual_optimization(facts, prepared.parallel.batch.accumulation, run_cfg.trainer.grad_clip)
+    if isinstance(run_cfg.model, LightningModuleConfig) and isinstance(run_cfg.strategy, FSDPConfig):
+        wrap_classes(run_cfg.strategy)  # a class path that does not import: one line now, not on every rank
     if role.is_global_zero:
         announce(prepared, facts)
         if manual_note:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from disttrain.launch.env import CHILD_ENV_FLAG, PARENT_PID_ENV
 from disttrain.launch.fork import ForkedProcess, fork_module
@@ -152,6 +153,13 @@ def secondary_job(job_name: str) -> list[str]:
     """Hydra overrides of a process that joins a job as another rank or attempt: it logs to ``<job_name>.log`` and
     leaves the ``.hydra/`` record to the job's first process."""
     return ["hydra.output_subdir=null", f"hydra.job.name={job_name}"]
+
+
+def rank_overrides(hydra_cfg: Any) -> list[str]:
+    """The overrides another rank or attempt of this Hydra job is started with: the task's, and a config dir of the
+    user's own (``hydra.searchpath``, where their ``model/<name>.yaml`` lives), which Hydra keeps among its own."""
+    searchpath = [o for o in hydra_cfg.overrides.hydra if o.lstrip("+").startswith("hydra.searchpath=")]
+    return [*hydra_cfg.overrides.task, *searchpath]
 
 
 def child_command(module: str, task_overrides: Sequence[str], run_dir: str, local_rank: int) -> list[str]:
