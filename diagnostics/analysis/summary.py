@@ -64,6 +64,7 @@ class Summary:
     tokens_per_s_source: str | None = None
     work_unit: str = "token"
     samples_per_s: float | None = None
+    tokens_per_sample: int | None = None  # a sample run whose module says what a token is: its tokens/s follow
     # The training loop's wall-clock time, its validation and checkpoint pauses, and the tokens per second it
     # delivers with them (analysis.pauses); None without timed step records.
     loop: dict[str, Any] | None = None
@@ -96,6 +97,8 @@ class Summary:
             out["flops_per_sample"] = self.flops_per_token
             out["hardware_flops_per_sample"] = self.hardware_flops_per_token
             out["samples_per_s_source"] = self.tokens_per_s_source
+            if self.tokens_per_sample and self.samples_per_s is not None:
+                out["tokens_per_s"] = self.samples_per_s * self.tokens_per_sample
         return out
 
 
@@ -308,6 +311,8 @@ def summarize(run: RunTelemetry) -> tuple[Summary, list[RankPhases]]:
     summary.tokens_per_s, summary.tokens_per_s_source = _tokens_per_s(run, step_times)
     summary.work_unit = run.work_unit
     summary.samples_per_s = _samples_per_s(run, summary.tokens_per_s)
+    tokens = run.meta("tokens_per_sample")
+    summary.tokens_per_sample = tokens if isinstance(tokens, int) and summary.work_unit != "token" else None
     _utilizations(run, summary)
     summary.step_time = {
         "p50": percentile(step_times, 50),

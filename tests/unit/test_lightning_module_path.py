@@ -316,6 +316,8 @@ def test_a_sample_runs_summary_speaks_samples_not_tokens() -> None:
     assert out["samples_per_s"] == 500.0 and out["flops_per_sample"] == 2e6
     assert "tokens_per_s" not in out and "flops_per_token" not in out
     assert summary.rate_label == "samples/s"
+    summary.tokens_per_sample = 32  # a module that says what a token is: its tokens/s follow from its samples/s
+    assert summary.to_json()["tokens_per_s"] == 16_000.0
     token = Summary(world_size=2, device="cpu", steps_recorded=10, tokens_per_s=500.0)
     assert token.to_json()["tokens_per_s"] == 500.0 and token.rate_label == "tokens/s"
 
