@@ -342,3 +342,19 @@ def test_a_model_yaml_in_the_users_own_config_dir_with_a_nested_net(tmp_path: Pa
     assert build_lightning_module(model).net.conv1.out_channels == 4
     with pytest.raises(ConfigError, match="unknown option 'digits-convnt'"):
         preflight([search, "model=digits-convnt", "data=digits"], CONF)
+
+
+class NoTrainLoader(pl.LightningDataModule):
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.zeros(4, 1)))
+
+
+def test_a_datamodule_without_train_dataloader_is_refused_before_it_is_built() -> None:
+    from disttrain.data.user_datamodule import check_user_datamodule
+
+    with pytest.raises(ConfigError) as err:
+        check_user_datamodule(CustomDataConfig(f"{__name__}.NoTrainLoader"), 16, None)
+    assert err.value.key == "data._target_" and "has no train_dataloader()" in err.value.problem
+    check_user_datamodule(CustomDataConfig(f"{CLASSIFIER}.DigitsData"), 16, None)  # binds batch_size=16
+    with pytest.raises(ConfigError, match="does not fit its signature"):
+        check_user_datamodule(CustomDataConfig(f"{CLASSIFIER}.DigitsData", kwargs={"bogus": 1}), 16, None)
