@@ -358,3 +358,19 @@ def test_a_datamodule_without_train_dataloader_is_refused_before_it_is_built() -
     check_user_datamodule(CustomDataConfig(f"{CLASSIFIER}.DigitsData"), 16, None)  # binds batch_size=16
     with pytest.raises(ConfigError, match="does not fit its signature"):
         check_user_datamodule(CustomDataConfig(f"{CLASSIFIER}.DigitsData", kwargs={"bogus": 1}), 16, None)
+
+
+class TrainOnly(pl.LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.arange(8)), batch_size=2)
+
+
+def test_only_the_loader_hooks_a_datamodule_defines_are_wrapped() -> None:
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from disttrain.data.user_loaders import shard_user_loaders
+
+    data = TrainOnly()
+    shard_user_loaders(data, rank=1, world=2, seed=0, global_batch=4)
+    assert not is_overridden("val_dataloader", data)  # Lightning would call the base's "must be implemented"
+    assert [b[0].tolist() for b in data.train_dataloader()] == [[1, 3], [5, 7]]

@@ -62,6 +62,8 @@ def shard_user_loaders(datamodule: pl.LightningDataModule, rank: int, world: int
     run's training loader continues at ``global_step x global_batch`` (Lightning would restart the epoch at its first
     batch: a plain loader cannot be fast-forwarded)."""
     for hook in ("train_dataloader", "val_dataloader"):
+        if getattr(type(datamodule), hook, None) is getattr(pl.LightningDataModule, hook):
+            continue  # not defined by the user: wrapping it would make Lightning call the base's "must implement"
         own: Callable[[], Any] = getattr(datamodule, hook)
 
         def loaders(own: Callable[[], Any] = own, train: bool = hook == "train_dataloader") -> Any:
