@@ -31,7 +31,11 @@ STRATEGIES: dict[str, list[str]] = {
 # on every rank; stall: one rank held in one phase every ``every``-th step; slow-link: DDP's gradient all-reduce over
 # an emulated slow link; none: nothing injected.
 FAULTS = ("forward", "backward", "optimizer", "data-one", "data-all", "stall", "slow-link", "none")
-MODELS = ("builtin", "user", "hf")
+# user: an nn.Module token model of the user's (its forward and backward are the injection points); lit-conv and
+# lit-embed: a user's own LightningModule (benchmarks/injected.py: a conv-net classifier, an embedding recommender)
+# trained as written, its samples the unit of work.
+MODELS = ("builtin", "user", "hf", "lit-conv", "lit-embed")
+OWN_INJECTIONS = ("user", "lit-conv", "lit-embed")  # models whose own forward/backward can hold a rank
 MAGNITUDE = (0.1, 3.0)  # of the counterfactual's step
 STALL_EVERY = (4, 10)
 WORK_CHOICES = ("sleep", "compute", "mixed")  # mixed: each draw's fault asleep or computing, drawn per draw
@@ -44,8 +48,18 @@ USER_MODEL = [
     "+model.seq_len=128",
     "+model.width=512",
 ]
-MODEL_OVERRIDES = {"builtin": [], "user": USER_MODEL, "hf": ["model=hf-tiny-llama"]}
+LIT = ["~model", "+model._target_=benchmarks.injected.InjectedLightningModule"]
+MODEL_OVERRIDES = {
+    "builtin": [], "user": USER_MODEL, "hf": ["model=hf-tiny-llama"],
+    "lit-conv": [*LIT, "+model.net=conv"], "lit-embed": [*LIT, "+model.net=embed"],
+}  # fmt: skip
 VOCAB = {"builtin": 256, "user": 256, "hf": 512}
+LIT_DATA = ["~data", "+data._target_=benchmarks.injected.InjectedSamples"]
+DATA_OVERRIDES = {
+    **{model: [*PLUGIN_DATA, f"+data.vocab_size={vocab}"] for model, vocab in VOCAB.items()},
+    "lit-conv": [*LIT_DATA, "+data.net=conv"],
+    "lit-embed": [*LIT_DATA, "+data.net=embed", "trainer.micro_batch_size=256"],  # lookups are cheap: a fuller step
+}
 GRADIENT_BYTES = {"builtin": 4 * 1_828_992}  # fp32 gradients of gpt-nano, what DDP all-reduces per step
 COMM_BOUND_FRACTION = 0.25  # diagnostics/analysis/thresholds.py: a slow link below it is low_overlap
 
@@ -92,8 +106,7 @@ class Draw:
             *world,
             *STRATEGIES[self.strategy],
             *MODEL_OVERRIDES[self.model],
-            *PLUGIN_DATA,
-            f"+data.vocab_size={VOCAB[self.model]}",
+            *DATA_OVERRIDES[self.model],
         ]
 
     def fault_overrides(self, step_s: float) -> list[str]:
@@ -105,7 +118,7 @@ class Draw:
         work = [] if self.work == "sleep" else [f"+model.work={self.work}"]
         data_work = [] if self.work == "sleep" else [f"+data.work={self.work}"]
         base = self._base()
-        if self.fault in ("forward", "backward") or (self.fault == "stall" and self.model == "user"):
+        if self.fault in ("forward", "backward") or (self.fault == "stall" and self.model in OWN_INJECTIONS):
             phase = "forward" if self.fault == "stall" else self.fault
             stall = [f"+model.stall_every={self.every}"] if self.every > 1 else []
             return [*base, f"+model.phase={phase}", f"+model.sleep_s={seconds}", *model_ranks, *stall, *work]
@@ -127,7 +140,7 @@ class Draw:
         if self.fault == "slow-link":
             kind = "comm_bound" if measured_cost is None or measured_cost >= COMM_BOUND_FRACTION else "low_overlap"
             return kind, every_rank
-        if self.fault in ("data-one", "data-all") or (self.fault == "stall" and self.model != "user"):
+        if self.fault in ("data-one", "data-all") or (self.fault == "stall" and self.model not in OWN_INJECTIONS):
             return "input_bound", ranks
         return "straggler", ranks
 
@@ -142,7 +155,7 @@ def compatible(strategy: str, fault: str, model: str, world: int = 2) -> bool:
     megatron = strategy.startswith("megatron")
     if megatron and world % 2:
         return False
-    if fault in ("forward", "backward") and model != "user":
+    if fault in ("forward", "backward") and model not in OWN_INJECTIONS:
         return False
     if megatron and model != "builtin":
         return False

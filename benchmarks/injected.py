@@ -358,3 +358,96 @@ class InjectedModel(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         return 6.0 * sum(p.numel() for name, p in self.named_parameters() if not name.startswith("embed"))
+
+
+class InjectedLightningModule(pl.LightningModule):
+    """A user's own LightningModule, written as a user writes one (its training_step logs its loss with
+    ``sync_dist=True``: a reduce inside the step), held ``sleep_s`` in ``phase`` on ``slow_ranks`` like
+    ``InjectedModel``. ``net``: ``conv`` (a conv-net image classifier, SGD with momentum) or ``embed`` (an
+    embedding-table recommender over (user, item) ids, Adam): the two generic cells of the diagnosis matrix."""
+
+    def __init__(
+        self,
+        net: str = "conv",
+        phase: str = "forward",
+        sleep_s: float = 0.0,
+        slow_ranks: list[int] | None = None,
+        stall_every: int = 1,
+        work: str = "sleep",
+        local_grads: bool = False,
+    ) -> None:
+        super().__init__()
+        if phase not in ("forward", "backward", "optimizer"):
+            raise ValueError(f"model.phase: unknown phase {phase!r}; use forward, backward or optimizer")
+        if net == "conv":
+            self.body = nn.Sequential(
+                nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+            )  # fmt: skip
+        elif net == "embed":
+            self.users, self.items = nn.Embedding(IDS, 64), nn.Embedding(IDS, 64)
+            for table in (self.users, self.items):
+                nn.init.normal_(table.weight, std=0.1)  # dot products of unit scale
+        else:
+            raise ValueError(f"model.net: unknown {net!r}; use conv or embed")
+        self.net, self.phase, self.sleep_s, self.slow_ranks, self.work = net, phase, sleep_s, slow_ranks, work
+        self.stall_every, self.calls = stall_every, 0
+        if sleep_s and phase == "optimizer":
+            sleep_in_optimizer_step(sleep_s, slow_ranks, stall_every, work)
+        if local_grads:
+            use_ddp_comm_hook(local_gradient_hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += self.training
+        slow = self.training and self.sleep_s > 0 and is_slow_here(self.slow_ranks)
+        slow = slow and self.calls % self.stall_every == 0
+        if slow and self.phase == "forward":
+            hold(self.sleep_s, self.work)
+        if self.net == "conv":
+            h = self.body[0](x)
+            if slow and self.phase == "backward":
+                h = SleepInBackward.apply(h, self.sleep_s, self.work)
+            return self.body[1:](h)
+        user = self.users(x[:, 0])
+        if slow and self.phase == "backward":
+            user = SleepInBackward.apply(user, self.sleep_s, self.work)
+        return (user * self.items(x[:, 1])).sum(-1)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        return nn.functional.cross_entropy(out, y) if self.net == "conv" else nn.functional.mse_loss(out, y)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.net == "conv":
+            return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+IDS = 16384  # rows of each of the recommender's two embedding tables: 2.1M parameters
+
+
+class InjectedSamples(RandomTokens):
+    """``RandomTokens``'s injections (loader delays, optimizer sleeps, the local-gradient counterfactual) over a
+    LightningModule's own samples: 1 x 16 x 16 images with class labels (``net=conv``) or (user, item) id pairs with
+    ratings (``net=embed``); the run's micro-batch arrives as ``batch_size``."""
+
+    def __init__(self, batch_size: int, net: str = "conv", num_samples: int = 4096, **injections: object) -> None:
+        super().__init__(seq_len=1, micro_batch_size=batch_size, num_sequences=1, **injections)  # type: ignore[arg-type]
+        generator = torch.Generator().manual_seed(0)
+        if net == "conv":
+            labels = torch.randint(0, 10, (num_samples,), generator=generator)
+            templates = torch.randn(10, 1, 16, 16, generator=generator)
+            images = templates[labels] + torch.randn(num_samples, 1, 16, 16, generator=generator)
+            self.data = TensorDataset(images, labels)
+        else:
+            ids = torch.randint(0, 512, (num_samples, 2), generator=generator)
+            self.data = TensorDataset(ids, torch.randn(num_samples, generator=generator))

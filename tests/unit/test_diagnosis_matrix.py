@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.diagnosis_matrix import FAULTS, STRATEGIES, Draw, compatible, draw_matrix
+from benchmarks.diagnosis_matrix import FAULTS, MODELS, STRATEGIES, Draw, compatible, draw_matrix
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 7])
@@ -33,7 +33,7 @@ def test_every_draw_composes_with_the_real_config(world: int) -> None:
     commands: set[tuple[str, ...]] = set()  # a counterfactual is shared by every fault of its cell: composed once
     for strategy in STRATEGIES:
         for fault in FAULTS:
-            for model in ("builtin", "user", "hf"):
+            for model in MODELS:
                 if not compatible(strategy, fault, model, world):
                     continue
                 rank = None if fault == "data-all" else world - 1
