@@ -307,6 +307,18 @@ class SleepInBackward(torch.autograd.Function):
         return grad, None, None
 
 
+def held_now(module: nn.Module) -> bool:
+    """Whether this training call of ``module`` (an injected model: ``sleep_s``, ``slow_ranks``, ``stall_every``,
+    ``calls``) is one its fault holds; a forward fault is held here. The rank is read at the call, not at
+    construction: the launcher builds the model once before it knows its rank."""
+    module.calls += module.training
+    slow = module.training and module.sleep_s > 0 and is_slow_here(module.slow_ranks)
+    slow = slow and module.calls % module.stall_every == 0
+    if slow and module.phase == "forward":
+        hold(module.sleep_s, module.work)
+    return slow
+
+
 class InjectedModel(nn.Module):
     """An MLP language model (``blocks`` for FSDP) held ``sleep_s`` in ``phase`` on ``slow_ranks``.
 
@@ -343,12 +355,7 @@ class InjectedModel(nn.Module):
             use_ddp_comm_hook(local_gradient_hook)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # The rank is read here, not at construction: the launcher builds the model once before it knows its rank.
-        self.calls += self.training
-        slow = self.training and self.sleep_s > 0 and is_slow_here(self.slow_ranks)
-        slow = slow and self.calls % self.stall_every == 0
-        if slow and self.phase == "forward":
-            hold(self.sleep_s, self.work)
+        slow = held_now(self)
         h = self.embed(tokens)
         if slow and self.phase == "backward":
             h = SleepInBackward.apply(h, self.sleep_s, self.work)
@@ -398,11 +405,7 @@ class InjectedLightningModule(pl.LightningModule):
             use_ddp_comm_hook(local_gradient_hook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += self.training
-        slow = self.training and self.sleep_s > 0 and is_slow_here(self.slow_ranks)
-        slow = slow and self.calls % self.stall_every == 0
-        if slow and self.phase == "forward":
-            hold(self.sleep_s, self.work)
+        slow = held_now(self)
         if self.net == "conv":
             h = self.body[0](x)
             if slow and self.phase == "backward":
