@@ -552,7 +552,12 @@ def matrix_summary(verdicts: list[Verdict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=2, help="runs per arm (default 2)")
-    parser.add_argument("--only", nargs="*", default=[], help="scenario names to run (default: all)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=[],
+        help="scenario names to run (default: all); with --seed, draw names or models (e.g. lit-conv lit-embed)",
+    )
     parser.add_argument(
         "--seed", type=int, help="run a generated matrix (benchmarks/diagnosis_matrix.py) instead of the fixed list"
     )
@@ -577,7 +582,10 @@ def main() -> None:
     if args.seed is not None:
         keep = args.reuse or args.keep
         reuse = args.reuse is not None
-        run_matrix(args.seed, args.size, args.repeats, keep, args.json, reuse=reuse, world=args.world, work=args.work)
+        run_matrix(
+            args.seed, args.size, args.repeats, keep, args.json, reuse=reuse, world=args.world, work=args.work,
+            only=args.only,
+        )  # fmt: skip
         return
     names = [s.name for s in SCENARIOS]
     unknown = [n for n in args.only if n not in names]
@@ -607,8 +615,14 @@ def run_matrix(
     reuse: bool = False,
     world: int = 2,
     work: str = "sleep",
+    only: list[str] | None = None,
 ) -> None:
+    """The seed's matrix; ``only``: just the draws of those names or models (the rest of the seed's draws as drawn)."""
     draws = draw_matrix(seed, size, world, work)
+    if only:
+        draws = [d for d in draws if d.name in only or d.model in only]
+        if not draws:
+            raise SystemExit(f"--only {' '.join(only)}: no draw of seed {seed} has that name or model")
     with tempfile.TemporaryDirectory() as tmp:
         root = keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,8 @@ class RunOutcome:
     seconds: float = 0.0
     # Tokens over the training loop's wall-clock time, validation and checkpoint writes included (analysis.pauses).
     loop_tokens_per_s: float | None = None
+    # The rates' unit: a run's work unit (a LightningModule's runs count samples; tokens_per_s then holds samples/s).
+    rate_label: str = "tokens/s"
 
     def rate(self, metric: str) -> float | None:
         """``tokens_per_s`` (training steps only) or ``loop_tokens_per_s``; None for a failed run."""
@@ -113,14 +115,14 @@ def tokens_per_s(run_dir: Path) -> float | None:
     return rates(run_dir)[0]
 
 
-def rates(run_dir: Path) -> tuple[float | None, float | None]:
-    """(training steps' tokens/s, the loop's wall-clock tokens/s) as the report states them; Nones without
-    telemetry."""
+def rates(run_dir: Path) -> tuple[float | None, float | None, str]:
+    """(training steps' rate, the loop's wall-clock rate, their unit: tokens/s or samples/s) as the report states
+    them; Nones without telemetry."""
     try:
         summary, _ = summarize(load_run(run_dir))
     except FileNotFoundError:
-        return None, None
-    return summary.tokens_per_s, (summary.loop or {}).get("loop_tokens_per_s")
+        return None, None, "tokens/s"
+    return summary.tokens_per_s, (summary.loop or {}).get("loop_tokens_per_s"), summary.rate_label
 
 
 def _last_line(log: Path) -> str:
@@ -146,17 +148,18 @@ def run_train(argv: list[str], run_dir: Path) -> RunOutcome:
     seconds = time.monotonic() - start
     if code != 0:
         return RunOutcome(run_dir, None, f"exit code {code}: {_last_line(log)} (log: {log})", seconds)
-    value, loop = rates(run_dir)
+    value, loop, label = rates(run_dir)
     if value is None:
-        return RunOutcome(run_dir, None, f"no tokens/s recorded in {run_dir}/telemetry (log: {log})", seconds)
-    return RunOutcome(run_dir, value, None, seconds, loop)
+        return RunOutcome(run_dir, None, f"no throughput recorded in {run_dir}/telemetry (log: {log})", seconds)
+    return RunOutcome(run_dir, value, None, seconds, loop, label)
 
 
 Launcher = Callable[[Arm, Path], RunOutcome]
 
 
 def _say_outcome(say: Callable[[str], None], round_no: int, arm: Arm, outcome: RunOutcome, loop: bool) -> None:
-    what = f"{outcome.tokens_per_s:,.0f} tokens/s" if outcome.tokens_per_s is not None else f"failed, {outcome.error}"
+    rate = outcome.tokens_per_s
+    what = f"{rate:,.0f} {outcome.rate_label}" if rate is not None else f"failed, {outcome.error}"
     if loop and outcome.loop_tokens_per_s is not None:
         what += f" ({outcome.loop_tokens_per_s:,.0f} with validation and checkpoints)"
     say(f"ab: round {round_no} {arm.name} ({arm.label}): {what} [{outcome.seconds:.0f} s]")

@@ -86,7 +86,7 @@ def _signed(x: float) -> str:
     return f"{x:+.1%}"
 
 
-def judge(original: list[float | None], recommended: list[float | None]) -> Verdict:
+def judge(original: list[float | None], recommended: list[float | None], rate: str = "tokens/s") -> Verdict:
     """The verdict of one recommendation from its arm and the original's, aligned by round.
 
     ``failed`` when any run of the recommended arm failed (the change breaks runs, whatever its speed);
@@ -103,9 +103,9 @@ def judge(original: list[float | None], recommended: list[float | None]) -> Verd
         return Verdict("inconclusive", f"fewer than 2 rounds in which both arms completed{lost}", None, a, b)
     interval = f"{CONFIDENCE:.0%} CI {_signed(change.low)} .. {_signed(change.high)} over {change.pairs} rounds"
     if change.low > 0:
-        return Verdict("confirmed", f"{_signed(change.estimate)} tokens/s, {interval}{lost}", change, a, b)
+        return Verdict("confirmed", f"{_signed(change.estimate)} {rate}, {interval}{lost}", change, a, b)
     if change.high < 0:
-        return Verdict("worse", f"{_signed(change.estimate)} tokens/s, {interval}{lost}", change, a, b)
+        return Verdict("worse", f"{_signed(change.estimate)} {rate}, {interval}{lost}", change, a, b)
     if change.resolved:
         reason = f"{_signed(change.estimate)}, {interval}: any effect is smaller than {RESOLUTION:.0%}{lost}"
     else:

@@ -41,7 +41,8 @@ def _test_json(ab: AbSet, runs: ArmRuns, run_root: Path) -> dict[str, Any]:
     original = [ab.arms[0].rounds[r] for r in rounds]
     mine = [runs.rounds[r] for r in rounds]
     metric = runs.arm.metric
-    verdict = judge([r.rate(metric) for r in original], [r.rate(metric) for r in mine])
+    label = next((r.rate_label for r in [*original, *mine] if r.tokens_per_s is not None), "tokens/s")
+    verdict = judge([r.rate(metric) for r in original], [r.rate(metric) for r in mine], label)
     change = verdict.change
     expected = expected_change(runs.arm.expected_gain)
     return {
@@ -60,6 +61,7 @@ def _test_json(ab: AbSet, runs: ArmRuns, run_root: Path) -> dict[str, Any]:
         "rounds": rounds,
         # tokens_per_s: the training steps' rate; loop_tokens_per_s: the loop's, validation and checkpoints included.
         "metric": metric,
+        "rate_label": label,  # the unit of every *_tokens_per_s figure here: tokens/s, or a sample run's samples/s
         "original": _arm_json(original, run_root, metric),
         "recommended": _arm_json(mine, run_root, metric),
         "command": {"original": list(ab.arms[0].arm.overrides), "recommended": list(runs.arm.overrides)},
@@ -150,8 +152,8 @@ def to_markdown(data: dict[str, Any]) -> str:
         f"Sets: {', '.join(data['sets'])}. Arms ran interleaved, round by round. Change: {data['method']}; a change "
         f"is resolved when its interval excludes zero or lies within ±{data['resolution']:.0%}.",
         "",
-        "| recommendation | verdict | change | CI | original tokens/s: median (min .. max), spread | "
-        "recommended tokens/s: median (min .. max), spread | failed runs (A / B) |",
+        f"| recommendation | verdict | change | CI | original {_label(data)}: median (min .. max), spread | "
+        f"recommended {_label(data)}: median (min .. max), spread | failed runs (A / B) |",
         "|---|---|---|---|---|---|---|",
     ]
     for v in data["recommendations"]:
@@ -168,7 +170,8 @@ def to_markdown(data: dict[str, Any]) -> str:
         lines += ["", f"## `{v['override']}` ({v['set']}, arm {v['arm']}): {v['verdict']}", "", v["reason"], ""]
         if v.get("metric") == "loop_tokens_per_s":
             lines += [f"Compared: {metric_label(v)} (the lever changes time outside the training steps).", ""]
-        lines.append("| round | original tokens/s | recommended tokens/s | run dirs |")
+        rate = v.get("rate_label", "tokens/s")
+        lines.append(f"| round | original {rate} | recommended {rate} | run dirs |")
         lines.append("|---|---|---|---|")
         a, b = v["original"], v["recommended"]
         for i, round_no in enumerate(v["rounds"]):
@@ -179,11 +182,18 @@ def to_markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _label(data: dict[str, Any]) -> str:
+    """The verdict table's unit: its tests' one unit (a run's tests all share it), else ``rate``."""
+    labels = {v.get("rate_label", "tokens/s") for v in data["recommendations"]}
+    return labels.pop() if len(labels) == 1 else "rate"
+
+
 def metric_label(test: dict[str, Any]) -> str:
-    """What a test's tokens/s figures are: the training steps' rate, or the loop's wall-clock rate."""
+    """What a test's figures are: the training steps' rate, or the loop's wall-clock rate, in the run's unit."""
+    rate = test.get("rate_label", "tokens/s")
     if test.get("metric") == "loop_tokens_per_s":
-        return "wall-clock tokens/s (validation and checkpoints included)"
-    return "tokens/s"
+        return f"wall-clock {rate} (validation and checkpoints included)"
+    return rate
 
 
 def _write(path: Path, text: str) -> None:

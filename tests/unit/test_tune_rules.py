@@ -220,7 +220,7 @@ def test_a_retry_gets_more_rounds_than_the_first_ab_up_to_twice_as_many_as_the_b
     assert reason == "not kept: inconclusive after 9 rounds (last 95% CI -12.0%..+15.0%); retried once with more rounds"
 
 
-def _noisy_launcher(tokens_of_b: list[float], calls: list[str]) -> Launcher:
+def _noisy_launcher(tokens_of_b: list[float], calls: list[str], label: str = "tokens/s") -> Launcher:
     """A launcher writing the recorded comm-bound run (tests.diag_fixtures) for every arm, with the original arm at
     1,000 tokens/s and the tested arm at the next of ``tokens_of_b``: verdicts chosen by the test, no processes."""
     b_runs = iter(tokens_of_b)
@@ -230,16 +230,20 @@ def _noisy_launcher(tokens_of_b: list[float], calls: list[str]) -> Launcher:
         (run_dir / "metrics").mkdir(exist_ok=True)
         (run_dir / "metrics" / "metrics.csv").write_text("step,train/loss\n9,2.0\n19,1.0\n")
         calls.append(arm.name)
-        return RunOutcome(run_dir, 1000.0 if arm.name == "A" else next(b_runs), None, 1.0)  # A: start, original
+        rate = 1000.0 if arm.name == "A" else next(b_runs)  # A: start, original
+        return RunOutcome(run_dir, rate, None, 1.0, rate_label=label)
 
     return launch
 
 
-def _tune(tmp_path: Path, tokens_of_b: list[float], max_rounds: int) -> tuple[Tuner, list[str], list[str]]:
+def _tune(
+    tmp_path: Path, tokens_of_b: list[float], max_rounds: int, label: str = "tokens/s"
+) -> tuple[Tuner, list[str], list[str]]:
     settings = TuneSettings(60.0, 20, max_rounds, (), 3, 3, 0.02, 0.05, None)
     calls: list[str] = []
     said: list[str] = []
-    tuner = Tuner([], settings, tmp_path / "tune", set(), _noisy_launcher(tokens_of_b, calls), said.append)
+    launch = _noisy_launcher(tokens_of_b, calls, label)
+    tuner = Tuner([], settings, tmp_path / "tune", set(), launch, said.append)
     tuner.run()
     return tuner, calls, said
 
@@ -273,3 +277,19 @@ def test_a_retry_that_confirms_the_lever_keeps_it(tmp_path: Path) -> None:
     assert (retry.retry, retry.pairs, retry.verdict, retry.kept) == (True, 4, "confirmed", True)
     assert tuner.summary.inconclusive == [] and tuner.summary.changes() == [first.override]
     assert calls.count("B1") == 3 + 4  # the retry stopped at its minimum: settled
+
+
+def test_a_sample_runs_tune_speaks_samples_per_s(tmp_path: Path) -> None:
+    """A LightningModule's runs count samples: every line, the summary and the A/B verdict say samples/s."""
+    tuner, _, said = _tune(tmp_path, [1300.0] * 3, max_rounds=1, label="samples/s")
+    (row,) = tuner.summary.rows
+    assert row.kept and tuner.summary.rate_label == "samples/s"
+    text = "\n".join(said)
+    assert "tune: round 0 (start): 1,000 samples/s" in text and "1,300 samples/s" in text
+    assert "tokens/s" not in text
+    summary = json.loads((tmp_path / "tune" / "tune" / "summary.json").read_text())
+    assert summary["rate_label"] == "samples/s"
+    (verdict,) = (tmp_path / "tune").rglob("verdict.json")
+    (test,) = json.loads(verdict.read_text())["recommendations"]
+    assert test["rate_label"] == "samples/s" and " samples/s, 95% CI" in test["reason"]
+    assert "original samples/s" in verdict.with_suffix(".md").read_text()

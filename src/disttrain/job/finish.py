@@ -24,6 +24,7 @@ from disttrain.job.report import say_report
 from disttrain.launch.env import say
 from disttrain.launch.exit_codes import NONFINITE, RunStopped
 from disttrain.strategies.layout import ParallelLayout
+from disttrain.training.step_loss import logged_step_loss
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -109,7 +110,7 @@ def run_result(
     return RunResult(
         steps=parts.trainer.global_step,
         wall_time_s=time.time() - started,
-        train_loss=float(metrics["train/loss"]) if "train/loss" in metrics else None,
+        train_loss=float(metrics["train/loss"]) if "train/loss" in metrics else logged_step_loss(parts.trainer),
         val_loss=float(metrics["val/loss"]) if "val/loss" in metrics else None,
         loss_floor=floor.window_floor if floor else None,
         entropy_rate=floor.entropy_rate if floor else None,

@@ -60,6 +60,7 @@ from disttrain.training.flop_count import FirstStepFlops
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
 from disttrain.training.pruning import TrialPruning
+from disttrain.training.step_loss import StepLoss
 from disttrain.training.step_tail import step_tail, with_step_tail
 from disttrain.training.wandb_sweep import run_group
 
@@ -290,6 +291,8 @@ def build_trainer(
         if facts.stated_flops_per_sample is None:
             counted = FirstStepFlops()
             callbacks.append(counted)
+        if facts.automatic_optimization:
+            callbacks.append(StepLoss(t.log_every_n_steps))
     elif isinstance(cfg.data, CustomDataConfig):
         callbacks.append(UserBatchCheck(cfg.model.seq_len, plan.micro_batch_size, cfg.model.vocab_size))
     callbacks += [*reliability.callbacks, FinalValidation(), throughput, progress, LearningRateMonitor("step")]

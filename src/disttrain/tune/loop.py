@@ -98,8 +98,9 @@ class Tuner:
             self.summary.stop = "the starting config did not run"
             self.summary.error = base.error
             return self._finish()
-        self.summary.start_tokens_per_s = base.tokens_per_s
-        self.say(f"tune: round 0 (start): {base.tokens_per_s:,.0f} tokens/s [{base.seconds:.0f} s]; {base.run_dir}")
+        self.summary.start_tokens_per_s, self.summary.rate_label = base.tokens_per_s, base.rate_label
+        rate = f"{base.tokens_per_s:,.0f} {base.rate_label}"
+        self.say(f"tune: round 0 (start): {rate} [{base.seconds:.0f} s]; {base.run_dir}")
         report, run_s = build_report(base.run_dir), base.seconds
         speedup = 1.0
         earlier: list[Candidate] = []  # untested candidates of earlier diagnoses

@@ -77,7 +77,8 @@ class TuneSummary:
     no_lever: list[dict[str, Any]] = field(default_factory=list)  # costly findings without a config lever
     skipped: list[dict[str, Any]] = field(default_factory=list)  # levers that change the math, not allowed
     inconclusive: list[dict[str, Any]] = field(default_factory=list)  # levers dropped unsettled (finding, why)
-    start_tokens_per_s: float | None = None
+    start_tokens_per_s: float | None = None  # in rate_label's unit
+    rate_label: str = "tokens/s"  # the runs' unit: a LightningModule's runs count samples
     wall_s: float = 0.0
     experiment: str | None = None  # the experiment file, relative to tune_dir
     error: str | None = None
@@ -99,6 +100,7 @@ class TuneSummary:
             "settings": self.settings,
             "start_overrides": self.start,
             "start_tokens_per_s": self.start_tokens_per_s,
+            "rate_label": self.rate_label,
             "final_overrides": self.final,
             "command": self.command,
             "experiment": self.experiment,
@@ -122,7 +124,8 @@ class TuneSummary:
         lines += [f"tune: dropped: {d['override']} ({d['finding']}): {d['reason']}" for d in self.inconclusive]
         if self.changes():
             kept = ", ".join(self.changes())
-            lines.append(f"tune: kept {kept}: x{self.speedup:.3f} tokens/s over the starting config (measured)")
+            gain = f"x{self.speedup:.3f} {self.rate_label}"
+            lines.append(f"tune: kept {kept}: {gain} over the starting config (measured)")
         else:
             lines.append("tune: no change kept: the starting config stays")
         lines.append(f"tune: reproduce: {self.command}")
@@ -139,7 +142,7 @@ class TuneSummary:
             f"# Tune: {self.tune_dir}",
             "",
             f"Started from `python -m train {shlex.join(self.start)}`"
-            + (f" ({self.start_tokens_per_s:,.0f} tokens/s)." if self.start_tokens_per_s else "."),
+            + (f" ({self.start_tokens_per_s:,.0f} {self.rate_label})." if self.start_tokens_per_s else "."),
             f"Stopped: {self.stop}. Wall time {self.wall_s / 60:.1f} min. Measured speed-up x{self.speedup:.3f}.",
             "",
             f"Final: `{self.command}`",
