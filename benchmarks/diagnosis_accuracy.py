@@ -510,7 +510,8 @@ def measure_cell(draws: list[Draw], repeats: int, root: Path, cell: str = "", re
             bases.append(obtain(counterfactual, root / f"{cell}-counterfactual-{len(bases)}"))
     drift = [b.mean_throughput for b in bases if b.ok and b.mean_throughput]
     if len(drift) > 1:
-        print(f"  {cell} counterfactual: {min(drift):,.0f}..{max(drift):,.0f} tokens/s over the cell", flush=True)
+        unit = "samples/s" if draws[0].model.startswith("lit-") else "tokens/s"  # a LightningModule counts samples
+        print(f"  {cell} counterfactual: {min(drift):,.0f}..{max(drift):,.0f} {unit} over the cell", flush=True)
     return [
         judge_draw(
             d, first.step_s, [run for run, _ in faults[k]], [bracket(bases[b], bases[b + 1]) for _, b in faults[k]]

@@ -907,7 +907,9 @@ def _builtin_optimizer(ctx: RunContext, finding: Finding) -> str | None:
 
 
 def _builtin_layers(ctx: RunContext, finding: Finding) -> str | None:
-    return "the run does not compile a LightningModule of yours" if ctx.lightning_module else None
+    if ctx.lightning_module:
+        return "a LightningModule's submodules compile in inductor's default mode (model.compile=true), no other"
+    return None
 
 
 def _accumulates(ctx: RunContext, finding: Finding) -> str | None:
@@ -934,7 +936,6 @@ LEVER_NEEDS: dict[str, Callable[[RunContext, Finding], str | None]] = {
     "optimizer": lambda ctx, f: _builtin_optimizer(ctx, f) or _several_ranks(ctx, f),  # 1-bit Adam needs peers
     "optimizer.lr": _builtin_optimizer,
     "optimizer.warmup_steps": _builtin_optimizer,
-    "model.compile": _builtin_layers,
     "model.compile_mode": _builtin_layers,
     "trainer.global_batch_size": _accumulates,
 }

@@ -29,11 +29,13 @@ from disttrain.models.user_module import (
     apply_in_configure_model,
     build_lightning_module,
     check_manual_optimization,
+    compile_submodules,
     lightning_module_facts,
     resolve_model_kind,
+    with_compile_first,
 )
 from disttrain.strategies.fsdp_user import refuse_own_parameters, roots, units_by_class, units_by_size, wrap_classes
-from disttrain.training.flop_count import FirstStepFlops
+from disttrain.training.flop_count import FirstStepFlops, is_compiled
 from tests.conftest import CONF, compose_train
 from tests.lightning_projects import classifier, recommender
 
@@ -227,11 +229,14 @@ class Blocky(pl.LightningModule):
 
 def test_fsdp_units_by_size_or_class_and_the_roots_are_the_children_that_run_a_forward() -> None:
     module = Blocky()
-    units = units_by_size(module, min_params=500)
-    assert units == [module.embed, module.blocks[0], module.blocks[1]]  # bottom-up; the small head is left over
+    (first, second), (third, fourth) = module.blocks
+    units = units_by_size(module, min_params=200)
+    assert units == [module.embed, first, second, third, fourth]  # bottom-up; the small head is left over
+    # A Sequential is looked into, never a unit or root itself: code that indexes it calls only its members.
+    assert units_by_size(module, min_params=500) == [module.embed]
     assert units_by_size(module, min_params=10_000) == []
-    assert roots(module) == [module.embed, module.blocks[0], module.blocks[1], module.head]  # into the ModuleList
-    by_class = units_by_class(module, (nn.Sequential,))
+    assert roots(module) == [module.embed, first, second, third, fourth, module.head]
+    by_class = units_by_class(module, (nn.Sequential,))  # named in strategy.fsdp_wrap, it is one
     assert by_class == [module.blocks[1], module.blocks[0]]
     with pytest.raises(ConfigError, match="holds no module of class Conv2d"):
         units_by_class(module, (nn.Conv2d,))
@@ -277,7 +282,6 @@ DATA = ["~data", f"+data._target_={CLASSIFIER}.DigitsData"]
         ([], "data", "reads the batches of its own datamodule"),
         ([*DATA, "+data.batch_size=64"], "data.batch_size", "differs from trainer.micro_batch_size=16"),
         ([*DATA, "strategy=megatron"], "strategy", "a user model"),
-        ([*DATA, "model.compile=true"], "model.compile", "does not compile a LightningModule"),
         ([*DATA, "optimizer.lr=0.1"], "optimizer.lr", "does not reach a LightningModule"),
     ],
 )
@@ -286,8 +290,7 @@ def test_what_a_lightning_module_cannot_be_composed_with_is_refused_before_launc
 ) -> None:
     from disttrain.job.prepare import prepare
 
-    composed = compose_train([*LIT, *overrides] if "model.compile=true" not in overrides else [*LIT, *DATA,
-                             "+model.compile=true"])  # fmt: skip
+    composed = compose_train([*LIT, *overrides])
     with pytest.raises(ConfigError) as err:
         prepare(composed, None, [*LIT, *overrides])
     assert err.value.key == key and said in err.value.problem
@@ -374,3 +377,76 @@ def test_only_the_loader_hooks_a_datamodule_defines_are_wrapped() -> None:
     shard_user_loaders(data, rank=1, world=2, seed=0, global_batch=4)
     assert not is_overridden("val_dataloader", data)  # Lightning would call the base's "must be implemented"
     assert [b[0].tolist() for b in data.train_dataloader()] == [[1, 3], [5, 7]]
+
+
+class Towers(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(4, 1))
+        self.act = nn.ReLU()  # no parameters: nothing to compile
+
+
+def test_model_compile_compiles_each_top_level_submodule_in_place_before_the_strategys_plan() -> None:
+    module = Towers()
+    keys = list(module.state_dict())
+    order: list[str] = []
+
+    def plan(m: nn.Module, mesh: object) -> None:
+        order.append("plan" if is_compiled(m.head) else "plan before compile")
+
+    with_compile_first(plan)(module, None)
+    assert order == ["plan"]
+    assert [is_compiled(m) for m in (*module.towers, module.head)] == [True, True, True]  # into the ModuleList
+    # No parameters, the LightningModule itself, a compiled Sequential's members: not compiled on their own
+    assert not any(is_compiled(m) for m in (module.act, module, module.head[0], module.head[1]))
+    # The forward is compiled, the module's hooks are not: they stay outside the graph (FSDP2's, ZeRO-3's)
+    assert module.towers[0]._compiled_call_impl is None
+    assert list(module.state_dict()) == keys  # in place: checkpoints and exports keep the module's own names
+    assert compile_submodules(Towers()) == ["towers.0", "towers.1", "head"]
+
+
+class Head(nn.Module):
+    """A forward of the user's own: dynamo does not trace a bare torch.nn layer as the top frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class CompiledHead(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.head = Head()
+        self.head.compile(backend="eager")  # dynamo without inductor: the same rule, no C++ build
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(torch.relu(self.body(x))), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_module_with_compiled_code_is_counted_on_its_second_micro_batch_and_stays_compiled(tmp_path: Path) -> None:
+    """A first call under FlopCounterMode (a dispatch mode) would leave the compiled code eager for good."""
+    from torch._dynamo.utils import counters
+
+    from disttrain.training.flop_count import holds_compiled_code
+
+    assert holds_compiled_code(CompiledHead()) and not holds_compiled_code(Blocky())
+    counters.clear()
+    module, counted = CompiledHead(), FirstStepFlops()
+    data = TensorDataset(torch.randn(12, 6), torch.randint(0, 2, (12,)))
+    trainer = pl.Trainer(
+        max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[counted], default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    assert counters["stats"]["unique_graphs"] >= 1  # the head was compiled, not left eager
+    # per sample: forward 2 x (36 + 12); backward the weight gradients of both (2 x 48) and the head's input's (24)
+    assert counted.flops_per_sample == pytest.approx(2 * 48 + 2 * 48 + 2 * 12)

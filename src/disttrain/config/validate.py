@@ -369,12 +369,6 @@ def validate_lightning_module_run(cfg: RunConfig) -> None:
             "fp8 converts the built-in models' linear layers; a LightningModule's layers are its own",
             "use precision=bf16-mixed (or convert your layers with torchao in your module)",
         )
-    if cfg.model.compile:
-        raise ConfigError(
-            "model.compile",
-            "the run does not compile a LightningModule of yours (Lightning's own route: torch.compile inside it)",
-            "drop model.compile, and compile the submodules you want in your module (e.g. in configure_model)",
-        )
 
 
 def validate_objective(cfg: RunConfig) -> None:

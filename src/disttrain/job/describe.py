@@ -59,7 +59,7 @@ def _model_line(cfg: RunConfig, facts: ModelFacts) -> str:
     n = facts.num_parameters
     if isinstance(cfg.model, LightningModuleConfig):
         stated = facts.stated_flops_per_sample
-        flops = f"{human_count(stated)}FLOP/sample (its own)" if stated else "FLOPs counted at the first step"
+        flops = f"{human_count(stated)}FLOP/sample (its own)" if stated else "FLOPs counted on an early micro-batch"
         tokens = f", {facts.tokens_per_sample} tokens/sample" if facts.tokens_per_sample else ""
         return f"{cfg.model.target} (your LightningModule): {n:,} parameters ({human_count(n)}){tokens}, {flops}"
     flops_per_token = facts.flops_per_token or 0.0

@@ -5,9 +5,12 @@ The built-in models name their blocks; a user's module does not, so the units ar
 parameters not already in a unit below it (torch's size-based policy, bottom-up). Only one unit's full parameters
 are live at a time. The roots are the module's top-level children: FSDP2 gathers a module's parameters in its
 forward hooks, and Lightning calls ``training_step``, not the LightningModule's own forward, so a root on the
-LightningModule itself would never gather. Containers without a forward of their own (ModuleList, ModuleDict) are
-looked into: their members are the roots. A parameter held by the LightningModule itself has no forward to gather
-it in: it is refused with the fix.
+LightningModule itself would never gather. Containers are looked into, their members the roots and the units:
+ModuleList and ModuleDict have no forward of their own, and a Sequential's is skipped as often as it runs (user
+code indexes and slices it: ``self.body[0](x)``, ``self.features[:4](x)``, calling the members, never the
+Sequential). A parameter held by the LightningModule itself has no forward to gather it in: it is refused with the
+fix. A module whose own forward the code bypasses in another way (calling ``self.encoder.layer1`` directly) needs
+its called submodules named in ``strategy.fsdp_wrap``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.schema import FSDPConfig, PrecisionConfig
 from disttrain.models.targets import resolve_target
 
-CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def wrap_classes(fsdp: FSDPConfig) -> tuple[type, ...]:

@@ -4,6 +4,11 @@ The count is what the module's own ``training_step`` and backward ran (matmuls, 
 elementwise work of activations and optimizers is not counted, as MFU conventions leave it out), on the run's real
 batch, so no formula has to know the architecture. Every rank counts, so no rank's first step runs slower than
 its peers'; the first steps are outside the measured throughput anyway.
+
+A module holding compiled code (``model.compile``, or the user's own ``torch.compile`` of a submodule) is counted
+on its second micro-batch instead: dynamo leaves code that first runs under a dispatch mode (the counter is one)
+eager for good, so counting the first call would silently undo the compile; once compiled, a counted call runs
+the same ops eagerly and later calls keep the compiled graph.
 """
 
 from __future__ import annotations
@@ -11,9 +16,26 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from disttrain.data.samples import batch_rows
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Compiled in place (``nn.Module.compile``), wrapped (``torch.compile(module)``) or by its forward
+    (``module.forward = torch.compile(module.forward)``, what ``model.compile`` does to a LightningModule's parts)."""
+    forward = vars(module).get("forward")
+    return (
+        getattr(module, "_compiled_call_impl", None) is not None
+        or hasattr(module, "_orig_mod")
+        or hasattr(forward, "_torchdynamo_orig_callable")
+    )
+
+
+def holds_compiled_code(module: nn.Module) -> bool:
+    """Whether the module or any submodule is compiled (``is_compiled``)."""
+    return any(is_compiled(m) for m in module.modules())
 
 
 class FirstStepFlops(pl.Callback):
@@ -28,7 +50,10 @@ class FirstStepFlops(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.flops_per_sample is not None or self._mode is not None or trainer.global_step or batch_idx:
+        counted_at = 1 if holds_compiled_code(pl_module) else 0
+        if self.flops_per_sample is not None or self._mode is not None or batch_idx != counted_at:
+            return
+        if trainer.global_step > counted_at:  # a resumed run: its first batches are not the run's first
             return
         self._rows = batch_rows(batch)
         if not self._rows:

@@ -3,8 +3,9 @@
 A built-in model logs ``train/loss`` itself. A LightningModule logs what its author chose (``train_loss``,
 ``loss/train``, nothing at all), yet tune's keep rule (tune/losses.py) and run.json's ``train_loss`` need the one
 loss the optimizer minimized, under one name. That is the tensor ``training_step`` returned: Lightning hands it to
-``on_before_backward`` already divided by the accumulation, so the sum over a step's micro-batches is the step's
-mean, and the mean over the ranks is what a single process over the same global batch would have seen.
+``on_before_backward`` already divided by the accumulation (under DeepSpeed too), so the sum over a step's
+micro-batches is the step's mean, and the mean over the ranks is what a single process over the same global batch
+would have seen.
 
 Only logging steps (``trainer.log_every_n_steps``) are kept: one tensor add per micro-batch of such a step and one
 scalar all-reduce and host read per logged step, nothing on the others. A module that logs ``train/loss`` itself
@@ -18,6 +19,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from disttrain.training.live_metrics import logging_step
 
 KEY = "train/loss"
 
@@ -38,6 +41,7 @@ class StepLoss(pl.Callback):
         self.last: float | None = None  # the newest logged value: run.json's train_loss
         self._sum: torch.Tensor | None = None
         self._module_logs_it = False
+        self._step = -1  # the optimizer steps before the step being summed
 
     def _logs_this_step(self, trainer: pl.Trainer) -> bool:
         # Lightning writes a step's metrics when the step it completes, counted from 1, is a multiple of the interval.
@@ -48,9 +52,12 @@ class StepLoss(pl.Callback):
             return
         part = loss.detach().float()
         self._sum = part if self._sum is None else self._sum + part
+        self._step = trainer.global_step
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._sum is None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # Once the step is done: Lightning may call the optimizer-step hooks for every micro-batch (DeepSpeed
+        # accumulates inside its engine), but the step count moves once.
+        if self._sum is None or trainer.global_step == self._step:
             return
         step_loss, self._sum = self._sum, None
         if module_logs_it(trainer):  # the same on every rank: the module's logging does not depend on the rank
@@ -58,7 +65,7 @@ class StepLoss(pl.Callback):
             return
         mean = trainer.strategy.reduce(step_loss, reduce_op="mean")
         self.last = float(mean)
-        trainer._logger_connector.log_metrics({KEY: self.last})
+        trainer._logger_connector.log_metrics({KEY: self.last}, step=logging_step(trainer))
 
 
 def logged_step_loss(trainer: pl.Trainer) -> float | None:
