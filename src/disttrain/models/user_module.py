@@ -168,9 +168,9 @@ def compile_submodules(module: nn.Module) -> list[str]:
     place; the names compiled.
 
     The forward, not the module: the module's hooks stay outside the graph, where FSDP2 gathers and reduce-scatters
-    and DeepSpeed's ZeRO-3 fetches (an in-place ``nn.Module.compile`` traces them, and under FSDP2 the gradients
-    came out wrong: 2 ranks left one process by 2e-3 at the first step), and the parameters keep their names, so
-    checkpoints, the export and the user's own ``load_state_dict`` see the module as written. Submodules, not the
+    and DeepSpeed's ZeRO-3 fetches (an in-place ``nn.Module.compile`` traces them, and captures nothing at all for a
+    torch.nn container such as a Sequential), and the parameters keep their names, so checkpoints, the export and
+    the user's own ``load_state_dict`` see the module as written. Submodules, not the
     LightningModule: its ``training_step`` and ``self.log`` are Python the graph would break on."""
     names = {id(m): name for name, m in module.named_modules()}
     compiled = []

@@ -39,22 +39,29 @@ def holds_compiled_code(module: nn.Module) -> bool:
 
 
 class FirstStepFlops(pl.Callback):
-    """``flops_per_sample`` after the first micro-batch: its counted FLOPs over its rows (None before, or where the
-    batch has no tensor to count rows from)."""
+    """``flops_per_sample`` after the micro-batch it counts (the first; the second where compiled): its FLOPs over its
+    rows (None before, or where the batch has no tensor to count rows from)."""
 
     def __init__(self) -> None:
         self.flops_per_sample: float | None = None
         self._mode: FlopCounterMode | None = None
         self._rows: int | None = None
+        self._counted_at: int | None = None  # the micro-batch counted: the first, or the second under compile
+        self._done = False  # counted (or given up on): no work on later batches
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        counted_at = 1 if holds_compiled_code(pl_module) else 0
-        if self.flops_per_sample is not None or self._mode is not None or batch_idx != counted_at:
+        if self._done or self._mode is not None:
             return
-        if trainer.global_step > counted_at:  # a resumed run: its first batches are not the run's first
+        if self._counted_at is None:  # once: the module is configured (and compiled) by the first batch
+            self._counted_at = 1 if holds_compiled_code(pl_module) else 0
+        if trainer.global_step > self._counted_at:  # past it, or a resumed run: its first batches are not the run's
+            self._done = True
             return
+        if batch_idx != self._counted_at:
+            return
+        self._done = True
         self._rows = batch_rows(batch)
         if not self._rows:
             return
