@@ -60,6 +60,8 @@ DATA_OVERRIDES = {
     "lit-conv": [*LIT_DATA, "+data.net=conv"],
     "lit-embed": [*LIT_DATA, "+data.net=embed", "trainer.micro_batch_size=256"],  # lookups are cheap: a fuller step
 }
+MICRO_BATCH_KEY = "trainer.micro_batch_size="
+MATRIX_MICRO_BATCH = [f"{MICRO_BATCH_KEY}8"]  # diagnosis_accuracy.py's MATRIX_BASE, which every run starts from
 GRADIENT_BYTES = {"builtin": 4 * 1_828_992}  # fp32 gradients of gpt-nano, what DDP all-reduces per step
 COMM_BOUND_FRACTION = 0.25  # diagnostics/analysis/thresholds.py: a slow link below it is low_overlap
 
@@ -108,6 +110,27 @@ class Draw:
             *MODEL_OVERRIDES[self.model],
             *DATA_OVERRIDES[self.model],
         ]
+
+    def lever_arms(self) -> list[tuple[tuple[str, ...], str, list[str]]]:
+        """(findings, name, overrides): the counterfactuals that measure what a finding's own lever gains on the
+        cell's run, whatever fault a draw adds. A finding whose arm gains HEALTHY_GAIN or more is the run's own,
+        like an inherent one (it may come with or without the fault). DDP's communication is measured by keeping
+        its gradients local, except on a healthy DDP draw, whose counterfactual already does (its warning must
+        be worth it)."""
+        arms: list[tuple[tuple[str, ...], str, list[str]]] = [(("host_overhead",), "amortized", self.amortized())]
+        if self.strategy == "ddp" and self.fault != "none":
+            local = [*self.counterfactual(), "+data.local_grads=true"]
+            arms.append((("comm_bound", "low_overlap"), "local-grads", local))
+        return arms
+
+    def amortized(self) -> list[str]:
+        """The counterfactual at twice its micro-batch: what host_overhead's own lever (more samples over the same
+        per-step Python and framework work) gains. A tiny module's step can be mostly that work: a run that gains
+        HEALTHY_GAIN or more here has that much to gain, and a host_overhead warning on it is not a healthy run's
+        false alarm (the gain bounds the overhead's from above: a larger batch also runs its kernels fuller)."""
+        base = self.counterfactual()
+        sizes = [int(o.split("=", 1)[1]) for o in [*MATRIX_MICRO_BATCH, *base] if o.startswith(MICRO_BATCH_KEY)]
+        return [*base, f"{MICRO_BATCH_KEY}{2 * sizes[-1]}"]
 
     def fault_overrides(self, step_s: float) -> list[str]:
         """The faulty run, its fault sized from the counterfactual's measured ``step_s``."""

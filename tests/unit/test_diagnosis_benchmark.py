@@ -121,6 +121,22 @@ def test_the_time_outside_a_pipeline_schedule_comes_from_the_step_records(tmp_pa
     assert result.findings == []
 
 
+def test_the_mean_step_keeps_stalls_and_drops_the_runs_end_and_one_off_pauses(tmp_path) -> None:
+    """Every 5th step a stall at 4x the step (the largest fault the matrix injects) stays in the mean; a pause at
+    25x (both ranks stopped at one collective) and the last step (the run's end) do not."""
+    telemetry = tmp_path / "telemetry"
+    telemetry.mkdir()
+    times = {i: 0.04 if i % 5 == 0 else 0.01 for i in range(2, 62)}
+    times[34], times[61] = 0.25, 0.08
+    records = [{"kind": "meta", "tokens_per_step": 16}]
+    records += [{"kind": "step", "step": i, "step_s": t} for i, t in times.items()]
+    (telemetry / "rank0000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    _, step_s, _, mean_s = median_step(tmp_path)
+    kept = [t for i, t in times.items() if i not in (34, 61)]
+    assert step_s == 0.01 and mean_s == pytest.approx(sum(kept) / len(kept))
+    assert mean_s == pytest.approx((0.04 * 12 + 0.01 * 46) / 58)
+
+
 def test_stability_compares_sets_of_loud_kinds_and_optionally_their_ranks() -> None:
     run = ran(1.0, finding("straggler", [1]), finding("low_mfu", [0, 1], "info"))
     assert loud_kinds(run) == ["straggler[1]"]
@@ -170,7 +186,8 @@ def test_a_cell_gives_every_draw_its_own_run_directories(tmp_path, monkeypatch) 
     assert len(accuracy.measure_cell(twice, 1, tmp_path, "cell00-ddp-hf")) == 2
     healthy = [Draw("ddp", "none", None, 0.0, "hf")]
     accuracy.measure_cell(healthy, 1, tmp_path, "cell01-ddp-hf")
-    assert len(used) == len(set(used)) == 7  # 2 counterfactuals + 2 faults, then 2 + 1
+    # 2 counterfactuals + 2 faults + 2 lever arms (amortized, local gradients), then 2 + 1 + 1 (amortized only)
+    assert len(used) == len(set(used)) == 10
 
 
 def test_each_faulty_run_is_judged_against_the_counterfactuals_just_before_and_after_it(tmp_path, monkeypatch) -> None:
@@ -194,7 +211,38 @@ def test_each_faulty_run_is_judged_against_the_counterfactuals_just_before_and_a
     draws = [Draw("ddp", "data-one", 1, 0.5, "builtin"), Draw("ddp", "data-all", None, 0.5, "builtin"),
              Draw("ddp", "data-one", 0, 0.5, "builtin")]  # fmt: skip
     verdicts = accuracy.measure_cell(draws, 1, tmp_path, "cell00-ddp-builtin")
-    assert [n.split("-")[-2] for n in runs] == ["counterfactual", "fault", "fault", "counterfactual", "fault",
-                                                "counterfactual"]  # fmt: skip
+    assert [n.split("-")[-2] for n in runs[:-2]] == ["counterfactual", "fault", "fault", "counterfactual", "fault",
+                                                     "counterfactual"]  # fmt: skip
+    assert runs[-2:] == ["cell00-ddp-builtin-amortized", "cell00-ddp-builtin-local-grads"]
     assert verdicts[0].measured_cost == pytest.approx(1 - 850 / 1200)
     assert verdicts[2].measured_cost == pytest.approx(1 - 850 / 1700)
+
+
+def test_host_overhead_on_a_healthy_run_is_judged_against_the_run_at_twice_its_micro_batch(tmp_path, monkeypatch):
+    """A tiny module's healthy run whose step is mostly Python: host_overhead's warning is justified where the
+    cell's run at twice the micro-batch gains HEALTHY_GAIN or more, and a false alarm where it gains less."""
+    import benchmarks.diagnosis_accuracy as accuracy
+    from benchmarks.diagnosis_matrix import Draw
+
+    healthy = Draw("deepspeed-2", "none", None, 0.0, "lit-conv")
+    assert healthy.amortized()[-1] == "trainer.micro_batch_size=16"
+    assert Draw("ddp", "none", None, 0.0, "lit-embed").amortized()[-1] == "trainer.micro_batch_size=512"
+    assert "+data.local_grads=true" in Draw("ddp", "none", None, 0.0, "user").amortized()  # its own counterfactual
+    stall = Draw("ddp", "stall", 0, 0.2, "lit-conv", every=5)  # DDP's comm measured without its all-reduce
+    assert [(kinds, arm) for kinds, arm, _ in stall.lever_arms()] == [
+        (("host_overhead",), "amortized"), (("comm_bound", "low_overlap"), "local-grads")]  # fmt: skip
+    assert "+data.local_grads=true" in stall.lever_arms()[1][2]
+    assert [arm for _, arm, _ in healthy.lever_arms()] == ["amortized"]  # ZeRO's comm has no local arm
+
+    def cell(amortized_rate: float) -> dict[str, bool | None]:
+        def fake_run(overrides: list[str], run_dir, base=None) -> RunResult:
+            rate = amortized_rate if run_dir.name.endswith("amortized") else 1000.0
+            overhead = finding("host_overhead", [0, 1], "warning", cost=0.2)
+            return RunResult(True, rate, rate, 0.01, findings=[overhead])
+
+        monkeypatch.setattr(accuracy, "run_train", fake_run)
+        return accuracy.measure_cell([healthy], 1, tmp_path / str(amortized_rate), "cell")[0].targets
+
+    assert cell(1250.0) == {"quiet when healthy": True}  # 20% to gain: the warning has its counterfactual
+    assert cell(1020.0) == {"quiet when healthy": False}  # 2%: nothing to gain, a healthy run's false alarm
+    assert accuracy.lever_gain([], RunResult(True, 1.0, 1.0)) is None
