@@ -14,12 +14,12 @@ import os
 
 LIBRARY_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
-# Lines libraries log while they are imported, about nothing the run uses: torchao (which transformers' modeling
+# Lines libraries log about nothing the run uses, most while they are imported: torchao (which transformers' modeling
 # code imports for its quantizers) warns for each optional C++ kernel a CPU-only or other-version torch cannot load
 # and that triton is absent, and torch's pytree warns about the enums torchao registers. Each process of an HF or
-# fp8 run printed them. DeepSpeed warns that ZeRO runs an "untested" optimizer whenever the optimizer is not one of
-# its own: every run's optimizer is a torch one (ours or the user's configure_optimizers'), chosen on purpose
-# (strategies/deepspeed.py allows it), so the line says nothing to act on.
+# fp8 run printed them. DeepSpeed's engine, once built, warns that ZeRO runs an "untested" optimizer whenever it is
+# not one of DeepSpeed's own: every run's optimizer is a torch one (ours or the user's configure_optimizers'),
+# chosen on purpose (strategies/deepspeed.py allows it), so the line says nothing to act on.
 IMPORT_CHATTER = {
     "torchao": ("Failed to load ",),
     "torchao.kernel.intmm": ("Detected no triton",),
