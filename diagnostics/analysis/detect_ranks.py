@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
 from diagnostics.analysis.load import RunTelemetry, StepRecord
-from diagnostics.analysis.stats import mean, median, percentile, present, rounded, steady
+from diagnostics.analysis.stats import interquartile_mean, mean, median, percentile, present, rounded, steady
 from diagnostics.analysis.summary import RankPhases, job_step_moved, job_step_times
 from diagnostics.analysis.thresholds import (
     MIN_PHASE_S,
@@ -185,10 +185,7 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         excess = _excess(steps, rank)
         seconds = sum(e for e, _ in excess) / len(excess)
         share = sum(1 for e, _ in excess if e > 0) / len(excess)
-        # The cost is that of the typical step: the median over steps of the excess over the step's own time.
-        # A mean over the whole window would mix in the steps the profiler window or a rank-0 log write
-        # stretched (on the benchmark's forward-rank1-ddp: 10% of the steps, -8 points of cost).
-        shares[rank] = median(e / t for e, t in excess if t > 0) or 0.0
+        shares[rank] = _typical_cost(steps, rank, _own_excess(run, rank, growth))
         if phase != "data" and step_s and seconds >= STRAGGLER_MIN_COST * step_s and share >= STRAGGLER_PERSISTENCE:
             slow[rank] = (phase, seconds, share)
     stalls = _stalls(run, steps, phases)
@@ -227,10 +224,84 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
     if waiting:
         message += f": {ranks_verb(waiting, 'waits', 'wait')} for {'it' if len(flagged) == 1 else 'them'}"
     basis = (
-        f"time rank {worst} falls behind the earliest rank per step beyond the other ranks' median / that step's time, "
-        f"median over {len(steps)} steps"
+        f"per step over {len(steps)} steps, how long the others waited for rank {worst} beyond their wait for the "
+        "latest of them, at most its median excess over the others (the skew paid without it stays) / mean step time"
     )
     return [costed("straggler", sorted(flagged), evidence, message, shares[worst], basis)]
+
+
+# Segments where ranks meet: the timed collectives of each phase, a pipeline's schedule, and the time between steps
+# (Lightning's and the guard's per-step collectives, untimed). A rank's lateness shrinks there because the others wait
+# for it; inside its own work it shrinks only because another rank's work took longer (nobody waits for it).
+MEETINGS = frozenset(("other", "forward_comm", "backward_comm", "comm_wait", "optimizer_comm", "schedule"))
+
+
+def _meetings(steps: list[tuple[float, dict[int, list[float]]]]) -> frozenset[str]:
+    """The segments in which ranks wait for each other in this run: ``MEETINGS``, unless the records do not time
+    them (an older collector, FSDP's wait at the end of backward timed as compute), that is, unless most of the
+    ranks' lateness shrinks elsewhere: then every segment, as the waits sit inside the work."""
+    shrink = {name: 0.0 for _, name in SEGMENTS}
+    for _, step in steps:
+        for row in step.values():
+            for g, (_, name) in zip(row, SEGMENTS, strict=True):
+                shrink[name] += max(0.0, -g)
+    total = sum(shrink.values())
+    timed = sum(v for name, v in shrink.items() if name in MEETINGS)
+    return MEETINGS if total <= 0 or timed >= total / 2 else frozenset(shrink)
+
+
+def _waited_for(step: dict[int, list[float]], rank: int, meetings: frozenset[str]) -> float:
+    """Seconds the job waited for ``rank`` in one step beyond its wait for the latest other rank: where ranks meet
+    (``meetings``) each one's lateness shrinks by how late it arrived, so per meeting the rank's shrink less the
+    largest other's."""
+    others = [row for r, row in step.items() if r != rank]
+    return sum(
+        max(0.0, max(0.0, -g) - max(max(0.0, -row[i]) for row in others))
+        for i, (g, (_, name)) in enumerate(zip(step[rank], SEGMENTS, strict=True))
+        if name in meetings
+    )
+
+
+def _own_excess(run: RunTelemetry, rank: int, growth: dict[str, float]) -> float:
+    """The time ``rank`` spends per step beyond the others on its own work in the phases it falls behind in (those
+    within STRAGGLER_SECONDARY_SHARE of its slowest): per step, its segments' durations less the other ranks'
+    median, the interquartile mean over steps. From durations, not lateness: another rank held earlier in the step
+    (a shared host's scheduler, a log write) changes who is late, not how long this rank's work took."""
+    top = max((v for p, v in growth.items() if p not in ("data", "schedule")), default=0.0)
+    slow = [i for i, (_, name) in enumerate(SEGMENTS) if name not in ("data", "schedule") and top > 0
+            and growth.get(name, 0.0) >= STRAGGLER_SECONDARY_SHARE * top]  # fmt: skip
+    by_step: dict[int, dict[int, list[float]]] = {}
+    for r, tele in run.ranks.items():
+        for record in steady(tele.steps):
+            if (seg := segments(record)) is not None:
+                by_step.setdefault(record.step, {})[r] = seg
+    diffs = [
+        sum(rows[rank][i] - (median(row[i] for o, row in rows.items() if o != rank) or 0.0) for i in slow)
+        for rows in by_step.values()
+        if rank in rows and len(rows) > 1
+    ]
+    return max(0.0, interquartile_mean(diffs) or 0.0)
+
+
+def _typical_cost(steps: list[tuple[float, dict[int, list[float]]]], rank: int, own_s: float) -> float:
+    """What the run would gain if ``rank`` kept the others' pace, as a share of its mean step.
+
+    Per step the job waits for the rank as long as the others waited for it beyond their wait for the latest of them
+    (``_waited_for``); at the others' pace it would still arrive with its own noise, so a step gains that wait up to
+    the rank's own excess ``own_s`` (``_own_excess``). A rank slow by a lot absorbs the skew the host puts between
+    the ranks (the others' holds hide in their wait for it): the job pays that skew with or without the slow rank,
+    so it is not the rank's cost, and a step in which another rank was held longer elsewhere gains nothing. Over the
+    mean step, not the typical one: the share of the run's time, which is what its throughput gains
+    (benchmarks/RESULTS.md: the median excess over the median step read 12-14 points above the measured gain on
+    small DDP steps).
+    """
+    job = [t for t, step in steps if rank in step and len(step) > 1]
+    mean_step = mean(job) or 0.0
+    if own_s <= 0 or mean_step <= 0:
+        return 0.0
+    meetings = _meetings(steps)
+    gains = [min(_waited_for(step, rank, meetings), own_s) for _, step in steps if rank in step and len(step) > 1]
+    return (mean(gains) or 0.0) / mean_step
 
 
 def _usual_excess(excess: list[tuple[float, float]]) -> float:

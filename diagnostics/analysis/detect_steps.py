@@ -132,6 +132,8 @@ def _step_transfers(run: RunTelemetry) -> list[tuple[float, float]]:
     world = len(run.ranks)
     rows = [pairs for pairs in by_step.values() if len(pairs) == world and world > 1]
     out = [(min(w for w, _ in pairs), max(t for _, t in pairs)) for pairs in rows]
+    if RunContext.from_run(run).strategy == "ddp":  # its comm hook times every bucket: a small wait is a small one
+        return out
     # No wait at all: FSDP2's gradients bypass the hook that separates it, so the step timer could not see it.
     return out if out and sum(w for w, _ in out) / len(out) >= MIN_PHASE_S else []
 
@@ -184,6 +186,16 @@ def token_exchange(run: RunTelemetry) -> dict[str, float] | None:
     return {**exchange, "of_phase_transfer": rounded(of_transfer, 3) or 0.0}
 
 
+def gradient_wait_timed(context: RunContext, steps: dict[int, float], timed: int) -> bool:
+    """Whether the whole run's step records measure every rank's exposed gradient communication: DDP's, whose
+    comm hook wraps every bucket, so what its all-reduce does not hide behind backward is its wait after backward,
+    timed every step. There the profile window adds nothing about the gradients and much that is not theirs: the
+    module's own collectives (a metric logged with ``sync_dist``, the preemption vote), which no gradient lever
+    removes, and on small steps a profiler that stretches each collective (benchmarks/RESULTS.md: a small
+    classifier's window read seven times what keeping its gradients local gained)."""
+    return context.strategy == "ddp" and timed > 0 and len(steps) == timed
+
+
 def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
     """Communication that every rank pays (minimums over ranks: fast ranks also wait for slow ones).
 
@@ -203,10 +215,12 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     comm_s = collective_comm_s(phases)
     saturation = {p.rank: s for p in phases if (s := _saturation(p, comm_s)) is not None}
     timed = len([p for p in phases if p.step_s is not None or p.profile_total_s])
-    floor = min(exposed.values()) if exposed and len(exposed) == timed else 0.0
-    saturated = min(saturation.values()) if saturation and len(saturation) == timed else 0.0
     context = RunContext.from_run(run)
     busy = context.host_cores_busy()
+    if gradient_wait_timed(context, steps, timed):
+        exposed, saturation, busy = dict(steps), {}, False
+    floor = min(exposed.values()) if exposed and len(exposed) == timed else 0.0
+    saturated = min(saturation.values()) if saturation and len(saturation) == timed else 0.0
     # On a host whose compute threads fill every core the overlapped collectives run on the compute's cores: all of
     # their time is the step's (benchmarks/RESULTS.md: 4 ranks of FSDP at 26% read nothing, reshard_after_forward
     # then gained ~11%).

@@ -35,6 +35,16 @@ def median(values: Iterable[float | None]) -> float | None:
     return percentile(present(values), 50.0)
 
 
+def interquartile_mean(values: Iterable[float | None]) -> float | None:
+    """The mean of the middle half of the values: the centre of noise that comes in two clusters (a shared host
+    holding one rank or the other, where a median picks a cluster) that a minority of outliers does not move."""
+    ordered = sorted(present(values))
+    if not ordered:
+        return None
+    quarter = len(ordered) // 4
+    return mean(ordered[quarter : len(ordered) - quarter])
+
+
 def ratio(part: float | None, whole: float | None) -> float | None:
     if part is None or whole is None or whole <= 0:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from diagnostics.analysis.detect_devices import slowdown_reasons
 from diagnostics.analysis.finding import severity_of
 from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING, INPUT_BOUND_FRACTION
 from diagnostics.telemetry import TelemetryWriter, telemetry_path
-from tests.diag_fixtures import SCENARIOS, write_run
+from tests.diag_fixtures import SCENARIOS, T0, _timeline, write_run
 
 
 def findings_of(tmp_path: Path, scenario: str, **changes: object) -> dict[str, Finding]:
@@ -178,17 +179,17 @@ def test_under_fsdp_without_timed_collectives_the_waiting_rank_is_still_never_bl
     assert not [f for f in found.values() if f.severity != "info" and f.ranks == [1]], found
 
 
-def test_a_stragglers_cost_is_that_of_the_typical_step(tmp_path: Path) -> None:
+def test_a_stragglers_cost_is_what_the_run_gains_without_it(tmp_path: Path) -> None:
     """Every 4th step rank 0 is held between steps (a log write) as long as rank 1's slow forward: in those steps
     the slow rank costs nothing (the job waits for rank 0 anyway), and beyond the others it even reads -0.12 s
-    (rank 0 fell behind, rank 1 did not). The cost is the typical step's share, as the benchmark's counterfactual
-    (median steps) measures it; the mean over the 18 steady steps reads (13 - 5) / 18 of it."""
+    (rank 0 fell behind, rank 1 did not). The cost is what the run's time would gain: 0.12 s in 3 of 4 steps of
+    0.463 s; the mean excess over the 18 steady steps reads (13 - 5) / 18 of 0.12 s."""
     found = findings_of(tmp_path, "healthy", slow_rank=1, slow_phase="forward", slow_s=0.12, rank0_hold=(4, 0.12))
     finding = found["straggler"]
     assert finding.ranks == [1] and finding.evidence["slow_phase"] == "forward"
-    assert finding.evidence["falls_behind_s_per_step"][1] == pytest.approx(8 / 18 * 0.12, rel=0.1)  # the mean ...
-    assert finding.cost["fraction"] == pytest.approx(0.12 / (0.343 + 0.12), rel=0.05)  # ... the typical step
-    assert "median over" in finding.cost["basis"]
+    assert finding.evidence["falls_behind_s_per_step"][1] == pytest.approx(8 / 18 * 0.12, rel=0.1)
+    assert finding.cost["fraction"] == pytest.approx(0.75 * 0.12 / (0.343 + 0.12), rel=0.05)
+    assert "mean step time" in finding.cost["basis"]
 
 
 def test_a_rank_waiting_for_slow_batches_inside_its_forward_is_not_a_straggler(tmp_path: Path) -> None:
@@ -221,8 +222,12 @@ def test_ranks_that_fall_behind_in_turn_are_not_stragglers(tmp_path: Path) -> No
 
 
 def test_mild_imbalance_costs_what_it_costs_and_noise_is_not_a_straggler(tmp_path: Path) -> None:
+    """Rank 2 of 4 computes 10% longer: the run gains what the fixture's timeline gains with it at 1.0 (less than
+    its 10% of the compute: the job still waits for the noisiest of the other three)."""
     mild = findings_of(tmp_path / "a", "straggler", slow_factor=1.1)["straggler"]
-    assert mild.severity == "warning" and mild.cost["fraction"] == pytest.approx(0.1 * 0.32 / 0.36, rel=0.15)
+    slow, even = (_timeline(dataclasses.replace(SCENARIOS["straggler"], slow_factor=f), 4) for f in (1.1, 1.0))
+    gain = 1.0 - (max(s.start_t + s.step_s for s in even[-1]) - T0) / (max(s.start_t + s.step_s for s in slow[-1]) - T0)
+    assert mild.severity == "warning" and mild.cost["fraction"] == pytest.approx(gain, abs=0.01)
     assert "straggler" not in findings_of(tmp_path / "b", "straggler", slow_factor=1.02)
 
 
@@ -270,6 +275,18 @@ def test_overlapped_comm_on_a_busy_host_costs_all_its_time(
         assert evidence["all_comm_fraction"] >= 0.25
         assert found["comm_bound"].cost_fraction == pytest.approx(evidence["all_comm_fraction"], abs=1e-3)
         assert "on the compute's cores" in found["comm_bound"].message
+
+
+@pytest.mark.parametrize(("scenario", "bound"), [("comm_saturated", False), ("comm_bound", True)])
+def test_ddp_is_comm_bound_on_what_its_step_records_time(tmp_path: Path, scenario: str, bound: bool) -> None:
+    """Under DDP every step times the gradients' exposure (the wait after backward): a profile window whose
+    collectives take as long as the backward, on a busy host, with 9% of the step exposed is not comm_bound (the
+    window holds the module's own collectives, which no gradient lever removes); 40% exposed is, costed on it."""
+    found = findings_of(tmp_path, scenario, overrides=())
+    assert ("comm_bound" in found) == bound
+    if bound:
+        evidence = found["comm_bound"].evidence
+        assert found["comm_bound"].cost_fraction == pytest.approx(min(evidence["step_comm_wait_fraction"].values()))
 
 
 def test_one_rank_is_never_comm_bound(tmp_path: Path) -> None:
@@ -356,7 +373,7 @@ def test_finding_vocabulary_is_enforced() -> None:
 
 def test_fsdp_style_comm_is_found_from_the_profile(tmp_path: Path) -> None:
     # FSDP2's gradients bypass the grad hook: the step timer counts the communication wait as compute.
-    found = findings_of(tmp_path, "comm_bound", grad_hook=False)
+    found = findings_of(tmp_path, "comm_bound", grad_hook=False, overrides=("strategy=fsdp",))
     assert "comm_bound" in found and "straggler" not in found
     evidence = found["comm_bound"].evidence
     assert evidence["step_comm_wait_fraction"] == {}
