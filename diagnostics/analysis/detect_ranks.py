@@ -185,7 +185,7 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         excess = _excess(steps, rank)
         seconds = sum(e for e, _ in excess) / len(excess)
         share = sum(1 for e, _ in excess if e > 0) / len(excess)
-        shares[rank] = _typical_cost(steps, rank, _own_excess(run, rank, growth))
+        shares[rank] = _gain_at_others_pace(steps, rank, _own_excess(run, rank, growth))
         if phase != "data" and step_s and seconds >= STRAGGLER_MIN_COST * step_s and share >= STRAGGLER_PERSISTENCE:
             slow[rank] = (phase, seconds, share)
     stalls = _stalls(run, steps, phases)
@@ -225,7 +225,7 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         message += f": {ranks_verb(waiting, 'waits', 'wait')} for {'it' if len(flagged) == 1 else 'them'}"
     basis = (
         f"per step over {len(steps)} steps, how long the others waited for rank {worst} beyond their wait for the "
-        "latest of them, at most its median excess over the others (the skew paid without it stays) / mean step time"
+        "latest of them, at most its own work's excess over theirs (the skew paid without it stays) / mean step time"
     )
     return [costed("straggler", sorted(flagged), evidence, message, shares[worst], basis)]
 
@@ -283,7 +283,7 @@ def _own_excess(run: RunTelemetry, rank: int, growth: dict[str, float]) -> float
     return max(0.0, interquartile_mean(diffs) or 0.0)
 
 
-def _typical_cost(steps: list[tuple[float, dict[int, list[float]]]], rank: int, own_s: float) -> float:
+def _gain_at_others_pace(steps: list[tuple[float, dict[int, list[float]]]], rank: int, own_s: float) -> float:
     """What the run would gain if ``rank`` kept the others' pace, as a share of its mean step.
 
     Per step the job waits for the rank as long as the others waited for it beyond their wait for the latest of them

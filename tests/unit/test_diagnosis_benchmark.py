@@ -225,7 +225,7 @@ def test_host_overhead_on_a_healthy_run_is_judged_against_the_run_at_twice_its_m
     from benchmarks.diagnosis_matrix import Draw
 
     healthy = Draw("deepspeed-2", "none", None, 0.0, "lit-conv")
-    assert healthy.amortized()[-1] == "trainer.micro_batch_size=16"
+    assert healthy.amortized()[-1] == "trainer.micro_batch_size=128"
     assert Draw("ddp", "none", None, 0.0, "lit-embed").amortized()[-1] == "trainer.micro_batch_size=512"
     assert "+data.local_grads=true" in Draw("ddp", "none", None, 0.0, "user").amortized()  # its own counterfactual
     stall = Draw("ddp", "stall", 0, 0.2, "lit-conv", every=5)  # DDP's comm measured without its all-reduce
