@@ -24,6 +24,7 @@ from diagnostics.analysis.thresholds import (
     LOW_DEVICE_UTIL_PCT,
     MIN_PHASE_S,
     TOKENS_DOMINATE,
+    WINDOW_AGREEMENT,
 )
 
 
@@ -189,11 +190,18 @@ def token_exchange(run: RunTelemetry) -> dict[str, float] | None:
 def gradient_wait_timed(context: RunContext, steps: dict[int, float], timed: int) -> bool:
     """Whether the whole run's step records measure every rank's exposed gradient communication: DDP's, whose
     comm hook wraps every bucket, so what its all-reduce does not hide behind backward is its wait after backward,
-    timed every step. There the profile window adds nothing about the gradients and much that is not theirs: the
-    module's own collectives (a metric logged with ``sync_dist``, the preemption vote), which no gradient lever
-    removes, and on small steps a profiler that stretches each collective (benchmarks/RESULTS.md: a small
-    classifier's window read seven times what keeping its gradients local gained)."""
+    timed every step. There the exposure comes from them, not from the one profile window."""
     return context.strategy == "ddp" and timed > 0 and len(steps) == timed
+
+
+def window_agrees(steps: dict[int, float], profile: dict[int, float]) -> bool:
+    """Whether the profile window's collectives are DDP's gradients: the exposure it shows is within
+    WINDOW_AGREEMENT of what the step records time every step. Where it is far above, the window holds other
+    collectives (a metric logged with ``sync_dist``, the preemption vote), which no gradient lever removes, or a
+    profiler that stretches each call on small steps, and its collective time says nothing of the gradients'
+    saturation (benchmarks/RESULTS.md: a small classifier's window read seven times its step records, whose
+    figure keeping the gradients local confirmed)."""
+    return bool(profile) and min(profile.values()) <= WINDOW_AGREEMENT * max(min(steps.values()), MIN_PHASE_S)
 
 
 def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Finding]:
@@ -218,7 +226,9 @@ def detect_comm_bound(run: RunTelemetry, phases: list[RankPhases]) -> list[Findi
     context = RunContext.from_run(run)
     busy = context.host_cores_busy()
     if gradient_wait_timed(context, steps, timed):
-        exposed, saturation, busy = dict(steps), {}, False
+        exposed = dict(steps)
+        if not window_agrees(steps, profile):
+            saturation, busy = {}, False
     floor = min(exposed.values()) if exposed and len(exposed) == timed else 0.0
     saturated = min(saturation.values()) if saturation and len(saturation) == timed else 0.0
     # On a host whose compute threads fill every core the overlapped collectives run on the compute's cores: all of

@@ -141,3 +141,7 @@ TOKENS_MATERIAL = 0.05
 AMORTIZED_MIN = 0.2
 # A smaller tp is offered when tensor parallelism's collectives are at least this share of the communication.
 TP_MATERIAL = 0.25
+
+# Under DDP the profile window's collectives stand for the gradients' (their saturation of backward, their share of a
+# busy host's cores) only where the exposure it shows is within this factor of what the step records time every step.
+WINDOW_AGREEMENT = 2.0
