@@ -176,7 +176,8 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
     step_s = mean(job_step_times(run)) or 0.0
     slow: dict[int, tuple[str, float, float]] = {}  # rank -> (phase, seconds per step, persistence)
     table: dict[int, dict[str, float]] = {}
-    shares: dict[int, float] = {}  # rank -> its typical step's share lost to it
+    shares: dict[int, float] = {}  # rank -> the share of the run's time it costs
+    meetings, durations = _meetings(steps), _durations_by_step(run)
     for rank in sorted({r for _, step in steps for r in step}):
         per_step = [step[rank] for _, step in steps if rank in step]
         growth = _by_phase(per_step)
@@ -185,7 +186,7 @@ def detect_straggler(run: RunTelemetry, phases: list[RankPhases]) -> list[Findin
         excess = _excess(steps, rank)
         seconds = sum(e for e, _ in excess) / len(excess)
         share = sum(1 for e, _ in excess if e > 0) / len(excess)
-        shares[rank] = _gain_at_others_pace(steps, rank, _own_excess(run, rank, growth))
+        shares[rank] = _gain_at_others_pace(steps, rank, _own_excess(durations, rank, growth), meetings)
         if phase != "data" and step_s and seconds >= STRAGGLER_MIN_COST * step_s and share >= STRAGGLER_PERSISTENCE:
             slow[rank] = (phase, seconds, share)
     stalls = _stalls(run, steps, phases)
@@ -262,7 +263,17 @@ def _waited_for(step: dict[int, list[float]], rank: int, meetings: frozenset[str
     )
 
 
-def _own_excess(run: RunTelemetry, rank: int, growth: dict[str, float]) -> float:
+def _durations_by_step(run: RunTelemetry) -> list[dict[int, list[float]]]:
+    """Per steady step that at least two ranks recorded: each rank's segment durations (``segments``)."""
+    by_step: dict[int, dict[int, list[float]]] = {}
+    for r, tele in run.ranks.items():
+        for record in steady(tele.steps):
+            if (seg := segments(record)) is not None:
+                by_step.setdefault(record.step, {})[r] = seg
+    return [rows for rows in by_step.values() if len(rows) > 1]
+
+
+def _own_excess(durations: list[dict[int, list[float]]], rank: int, growth: dict[str, float]) -> float:
     """The time ``rank`` spends per step beyond the others on its own work in the phases it falls behind in (those
     within STRAGGLER_SECONDARY_SHARE of its slowest): per step, its segments' durations less the other ranks'
     median, the interquartile mean over steps. From durations, not lateness: another rank held earlier in the step
@@ -270,38 +281,33 @@ def _own_excess(run: RunTelemetry, rank: int, growth: dict[str, float]) -> float
     top = max((v for p, v in growth.items() if p not in ("data", "schedule")), default=0.0)
     slow = [i for i, (_, name) in enumerate(SEGMENTS) if name not in ("data", "schedule") and top > 0
             and growth.get(name, 0.0) >= STRAGGLER_SECONDARY_SHARE * top]  # fmt: skip
-    by_step: dict[int, dict[int, list[float]]] = {}
-    for r, tele in run.ranks.items():
-        for record in steady(tele.steps):
-            if (seg := segments(record)) is not None:
-                by_step.setdefault(record.step, {})[r] = seg
     diffs = [
         sum(rows[rank][i] - (median(row[i] for o, row in rows.items() if o != rank) or 0.0) for i in slow)
-        for rows in by_step.values()
-        if rank in rows and len(rows) > 1
+        for rows in durations
+        if rank in rows
     ]
     return max(0.0, interquartile_mean(diffs) or 0.0)
 
 
-def _gain_at_others_pace(steps: list[tuple[float, dict[int, list[float]]]], rank: int, own_s: float) -> float:
+def _gain_at_others_pace(
+    steps: list[tuple[float, dict[int, list[float]]]], rank: int, own_s: float, meetings: frozenset[str]
+) -> float:
     """What the run would gain if ``rank`` kept the others' pace, as a share of its mean step.
 
-    Per step the job waits for the rank as long as the others waited for it beyond their wait for the latest of them
-    (``_waited_for``); at the others' pace it would still arrive with its own noise, so a step gains that wait up to
-    the rank's own excess ``own_s`` (``_own_excess``). A rank slow by a lot absorbs the skew the host puts between
-    the ranks (the others' holds hide in their wait for it): the job pays that skew with or without the slow rank,
-    so it is not the rank's cost, and a step in which another rank was held longer elsewhere gains nothing. Over the
-    mean step, not the typical one: the share of the run's time, which is what its throughput gains
-    (benchmarks/RESULTS.md: the median excess over the median step read 12-14 points above the measured gain on
-    small DDP steps).
+    Per step the job waits for the rank as long as the others waited for it beyond their wait for the latest of
+    them (``_waited_for`` at ``meetings``); at the others' pace it would still arrive with its own noise, so a step
+    gains that wait up to the rank's own excess ``own_s`` (``_own_excess``). A rank slow by a lot absorbs the skew
+    the host puts between the ranks (the others' holds hide in their wait for it): the job pays that skew with or
+    without the slow rank, so it is not the rank's cost, and a step in which another rank was held longer elsewhere
+    gains nothing. Over the mean step, not the typical one: the share of the run's time, which is what its
+    throughput gains (benchmarks/RESULTS.md: the median excess over the median step read 12-14 points above the
+    measured gain on small DDP steps).
     """
-    job = [t for t, step in steps if rank in step and len(step) > 1]
-    mean_step = mean(job) or 0.0
+    mine = [(t, step) for t, step in steps if rank in step]  # lateness_growth: at least two ranks every step
+    mean_step = mean(t for t, _ in mine) or 0.0
     if own_s <= 0 or mean_step <= 0:
         return 0.0
-    meetings = _meetings(steps)
-    gains = [min(_waited_for(step, rank, meetings), own_s) for _, step in steps if rank in step and len(step) > 1]
-    return (mean(gains) or 0.0) / mean_step
+    return (mean(min(_waited_for(step, rank, meetings), own_s) for _, step in mine) or 0.0) / mean_step
 
 
 def _usual_excess(excess: list[tuple[float, float]]) -> float:
