@@ -6,24 +6,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING
+from diagnostics.kinds import ORDER
 
-KINDS = (
-    "crash",
-    "hang",
-    "nonfinite",
-    "input_bound",
-    "straggler",
-    "comm_bound",
-    "memory_pressure",
-    "throttling",
-    "pipeline_bubble",
-    "expert_imbalance",
-    "pauses",
-    "low_overlap",
-    "host_overhead",
-    "low_mfu",
-)  # the tie-break order at equal cost: a run's end (crash, hang, non-finite stop) explains everything else, low MFU
-# is usually a consequence
+KINDS = ORDER  # the finding kinds, in their tie-break order (diagnostics/kinds)
 SEVERITIES = ("critical", "warning", "info")
 PHASES = ("data", "forward", "backward", "optimizer", "other")  # what a slow rank is slow in
 

@@ -6,7 +6,7 @@ import json
 from html import escape
 
 from diagnostics.ab.verdict import phrase
-from diagnostics.recommend import Recommendation
+from diagnostics.kinds.levers import Recommendation
 from diagnostics.report.fmt import cost_text, gain_text, rank_label
 from diagnostics.report.markdown import AB_VERDICT, PHASE_HEADER, phase_rows, summary_rows
 from diagnostics.report.model import Report

@@ -7,8 +7,8 @@ import json
 from diagnostics.ab.runner import AB_DIR
 from diagnostics.ab.verdict import VERDICT_MD, phrase
 from diagnostics.analysis.tail import tail_line
+from diagnostics.kinds.levers import Recommendation
 from diagnostics.prediction import basis_text, comparison_rows
-from diagnostics.recommend import Recommendation
 from diagnostics.report.fmt import cost_text, flops, gain_text, gib, pct, peak_memory, rank_label, rate, seconds
 from diagnostics.report.model import Report
 

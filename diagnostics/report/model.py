@@ -16,8 +16,8 @@ from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.stats import rounded
 from diagnostics.analysis.tail import tail_line
 from diagnostics.analysis.thresholds import COST_WARNING, PAUSES_MIN_SHARE
+from diagnostics.kinds.levers import Recommendation
 from diagnostics.prediction import one_line, prediction_of
-from diagnostics.recommend import Recommendation
 from diagnostics.report.fmt import flatten, gib, pct, peak_memory, rate, scale_of, scale_of_rec, seconds
 
 SCHEMA_VERSION = 1

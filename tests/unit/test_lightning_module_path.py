@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.finding import Finding
 from diagnostics.analysis.summary import Summary
-from diagnostics.recommend import gated
+from diagnostics.kinds.needs import gated
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_model
 from disttrain.config.schema import CustomDataConfig, CustomModelConfig, FSDPConfig, LightningModuleConfig
@@ -301,10 +301,10 @@ def context(work: dict | None) -> RunContext:
 
 
 def test_levers_a_lightning_module_cannot_take_are_explained_not_recommended() -> None:
-    from diagnostics.recommend import _rec
+    from diagnostics.kinds.levers import lever
 
     finding = Finding("comm_bound", "warning", [0, 1], {}, "communication is exposed")
-    recs = [_rec("optimizer.lr", 5e-4, "why", "effect"), _rec("trainer.global_batch_size", 64, "why", "effect")]
+    recs = [lever("optimizer.lr", 5e-4, "why", "effect"), lever("trainer.global_batch_size", 64, "why", "effect")]
     plain = gated(recs, context({"lightning_module": False, "automatic_optimization": True}), finding)
     assert [r.key for r in plain] == ["optimizer.lr", "trainer.global_batch_size"]
     lit = gated(recs, context({"lightning_module": True, "automatic_optimization": False}), finding)

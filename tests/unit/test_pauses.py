@@ -12,7 +12,8 @@ from diagnostics.ab.runner import AbSet, Arm, ArmRuns, RunOutcome
 from diagnostics.ab.verdict import set_verdict, text_table
 from diagnostics.analysis import analyse
 from diagnostics.collect.steps import PhaseTimer
-from diagnostics.recommend import ab_tests, periodic_count, recommend_all
+from diagnostics.kinds.pauses import periodic_count
+from diagnostics.recommend import ab_tests, recommend_all
 from tests.unit.test_collect import FakeClock
 
 T0 = 1_700_000_000.0

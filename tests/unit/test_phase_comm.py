@@ -17,7 +17,8 @@ from diagnostics.analysis import analyse
 from diagnostics.analysis.comm_split import collective_kind
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.phase_comm import call_minimum
-from diagnostics.recommend import recommend_all, zero2_lever
+from diagnostics.kinds.comm_bound import zero2_lever
+from diagnostics.recommend import recommend_all
 from tests.diag_fixtures import SCENARIOS, write_run
 
 SKEW, CALLS = SCENARIOS["moe_waits"].call_skew, SCENARIOS["moe_waits"].phase_calls

@@ -12,7 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 from diagnostics.analysis import Finding, analyse
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import cost
-from diagnostics.recommend import ab_tests, gated, recommend, recommend_all, share_hidden_by_workers
+from diagnostics.kinds.input_bound import share_hidden_by_workers
+from diagnostics.kinds.needs import gated
+from diagnostics.recommend import ab_tests, recommend, recommend_all
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import BatchPlan
 from disttrain.strategies.layout import validate_run

@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 from diagnostics.analysis import Analysis
 from diagnostics.analysis.context import RunContext
-from diagnostics.recommend import AbTest, Recommendation, ab_test
+from diagnostics.kinds.levers import Recommendation
+from diagnostics.recommend import AbTest, ab_test
 from disttrain.tune.levers import MATH_CHANGING, Lever, classify, global_pin, key_of
 
 ARMS = 2  # the current best and one candidate per A/B

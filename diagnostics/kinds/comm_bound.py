@@ -1,0 +1,140 @@
+"""``comm_bound``: exposed communication (not hidden behind compute) is a large share of the step. Its levers
+send fewer bytes (comm hooks, 1-bit Adam, ZeRO-2 instead of ZeRO-3), less often (accumulation) or over a faster
+link (tensor parallelism inside a node, expert exchange).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diagnostics.analysis import Finding
+from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.finding import pct
+from diagnostics.analysis.thresholds import (
+    AMORTIZED_MIN,
+    TOKENS_MATERIAL,
+)
+from diagnostics.kinds.comm_levers import comm_split_of, ddp_comm_hooks, onebit_adam, tensor_parallel_levers
+from diagnostics.kinds.levers import HALF, Recommendation, bigger_global, gain, lever, no_lever
+
+
+def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    """Each lever by the part of the communication it shrinks (``comm_split``): accumulation the part that moves
+    once per optimizer step, a smaller tp tensor parallelism's, a smaller ep the all-to-alls'."""
+    split = comm_split_of(finding, ctx)
+    recs: list[Recommendation] = []
+    if ctx.strategy == "megatron":
+        recs += tensor_parallel_levers(finding, ctx, split)
+    # An MoE run's all-to-alls move every micro-batch's tokens (measured where they were timed).
+    exchange = finding.evidence.get("all_to_all") or {}
+    tokens = float(exchange.get("of_phase_transfer") or 0.0)
+    recs += _expert_exchange_levers(finding, ctx, exchange)
+    # Without a split (a strategy whose schedule needs shapes the run did not record): gradients assumed.
+    once = split.get("once_per_step")
+    amortized = min(1.0 if once is None else float(once), 1.0 - tokens)
+    if amortized >= AMORTIZED_MIN:
+        what = "the gradients' reduction" if once is None else f"{pct(amortized)} of the communication"
+        why = f"{what} moves once per optimizer step; twice the accumulation halves it per token"
+        effect = "communication per token falls (the batch doubles: retune lr if needed)"
+        basis = f"one step's once-only traffic ({pct(amortized)} of it) spread over twice the tokens"
+        if split.get("basis"):
+            basis += f"; the split from {split['basis']}"
+        per_token = gain(finding, HALF * amortized, basis)
+        recs += [r.gaining(per_token) for r in bigger_global(ctx, why, effect)]
+    precision = ctx.get("precision.name")
+    busy = bool(ctx.host_cores_busy())
+    if ctx.strategy == "ddp" and onebit_adam(ctx):
+        why = (
+            "1-bit Adam already sends ~1/30 of the gradient bytes, from the optimizer step where no compute hides "
+            "them; what is left is the exchange's own time"
+        )
+        recs.append(no_lever(why, "a bigger global batch (above) spreads the exchange over more tokens"))
+    elif ctx.strategy == "ddp":
+        recs += ddp_comm_hooks(ctx, finding)
+        bucket = ctx.get("strategy.bucket_cap_mb") or 25
+        why = f"fewer, larger all-reduces than {bucket} MB buckets pay the collective latency fewer times"
+        recs.append(lever("strategy.bucket_cap_mb", 4 * bucket, why, "less exposed communication if latency-bound"))
+        # Moving communication behind compute needs a free core (or a GPU) to run it on.
+        if precision != "fp16-mixed" and not busy:  # FSDP2 here takes fp32 and bf16 policies only
+            why = (
+                "FSDP reduce-scatters gradients per block during backward (in bf16 if asked); it moves 1.5x DDP's "
+                "bytes, so it pays when overlap, not bandwidth, is the limit"
+            )
+            recs.append(lever("strategy", "fsdp", why, "more communication hidden behind compute"))
+    elif ctx.strategy == "fsdp":
+        if precision in ("bf16-mixed", "bf16-true") and ctx.get("strategy.reduce_dtype") == "fp32":
+            reduced = min(float(split.get("gradient_reduction", 1.0)), 1.0 - tokens)
+            why = f"reduce-scatter gradients in bf16 instead of fp32 ({pct(reduced)} of the communication)"
+            basis = f"half the gradient bytes: half of the reduce-scatters' {pct(reduced)} of the communication"
+            half = gain(finding, HALF * reduced, basis)
+            recs.append(lever("strategy.reduce_dtype", "bf16", why, "half the gradient bytes").gaining(half))
+        if ctx.get("strategy.reshard_after_forward") is True:
+            why = "keep gathered parameters from forward to backward: one all-gather per block instead of two"
+            rec = lever("strategy.reshard_after_forward", False, why, "a third less traffic, more memory")
+            if "gradient_reduction" in split:
+                # What is not gradient reduction (or tokens) is the blocks' all-gathers, forward's and backward's
+                # alike: backward's half of them goes.
+                gathers = max(0.0, 1.0 - float(split["gradient_reduction"]) - tokens)
+                basis = f"backward's all-gathers: half of the all-gathers' {pct(gathers)} of the communication"
+                rec = rec.gaining(gain(finding, HALF * gathers, basis))
+            recs.append(rec)
+    elif ctx.zero3 and "gradient_reduction" in split:
+        recs += zero2_lever(finding, ctx, split, tokens)
+    return recs
+
+
+def zero2_lever(finding: Finding, ctx: RunContext, split: dict[str, Any], tokens: float) -> list[Recommendation]:
+    """ZeRO-3 gathers each module's parameters before its forward and again before its backward, every micro-batch
+    (and its small "persistent" parameters after every step); ZeRO-2 keeps whole parameters and gathers the updated
+    ones once per step. Costed on bytes: the gathers less the one ZeRO-2 keeps, 1/(2 x micro-batches) of them: a
+    lower bound. ZeRO-3's many small calls and its per-module hooks cost host time beyond the collectives' (4 CPU
+    ranks, default model: expected +17% tokens/s, --ab measured +115%, 95% CI +99..+132%). Not offered where the
+    devices' measured headroom cannot hold the whole parameters (ZeRO-3 is often there because they do not fit)."""
+    ev = finding.evidence
+    dp = int(ctx.batch.get("data_parallel_size") or 1)
+    precision = str(ctx.get("precision.name") or "fp32")
+    width = 2 if precision.startswith(("bf16", "fp16")) else 4
+    headroom, params = ev.get("device_headroom_bytes"), ev.get("num_parameters")
+    if isinstance(headroom, int | float) and isinstance(params, int) and width * params * (1 - 1 / dp) > headroom:
+        return []
+    gathers = max(0.0, 1.0 - float(split["gradient_reduction"]) - tokens)
+    micro_batches = int(ctx.batch.get("accumulation") or 1)
+    saved = gathers * (1.0 - 1.0 / (2 * micro_batches))
+    why = (
+        f"ZeRO-3's all-gathers ({pct(gathers)} of the communication) fetch every module's parameters before its "
+        "forward and again before its backward, every micro-batch; ZeRO-2 keeps whole parameters on every rank and "
+        "gathers the updated ones once per step"
+    )
+    effect = "fewer and larger all-gathers; each rank holds whole parameters instead of a 1/dp shard"
+    basis = (
+        f"the all-gathers' {pct(gathers)} of the communication less the once-per-step gather ZeRO-2 keeps "
+        f"(1/(2 x {micro_batches}) of their bytes); a lower bound: ZeRO-3's per-module hooks are not counted"
+    )
+    return [lever("strategy.stage", 2, why, effect).gaining(gain(finding, saved, basis))]
+
+
+def _expert_exchange_levers(finding: Finding, ctx: RunContext, exchange: dict[str, Any]) -> list[Recommendation]:
+    """Expert parallelism whose all-to-alls take a material share of the step: fewer ranks per expert group.
+
+    Halving ep from N, each rank sends (1 - 2/N) of its tokens away instead of (1 - 1/N): 1/(N-1) less token
+    traffic (all of it at N=2), and the all-to-alls' waits go with their calls.
+    """
+    ep = ctx.get("strategy.ep")
+    share = float(exchange.get("share") or 0.0)
+    if share < TOKENS_MATERIAL or not isinstance(ep, int) or ep < 2:
+        return []
+    tokens = float(exchange.get("of_phase_transfer") or 0.0)
+    why = (
+        f"the expert all-to-alls take {pct(share)} of the step ({pct(tokens)} of the phases' transfer) and move "
+        f"tokens among ep={ep} ranks; with ep={ep // 2} each rank holds twice the experts, "
+        + ("exchanges no tokens, " if ep == 2 else f"exchanges tokens among {ep // 2} ranks, ")
+        + "and the experts' gradients join the data-parallel reduction, once per optimizer step"
+    )
+    effect = "token traffic halved or gone; more expert memory per rank and more gradient traffic"
+    saved = share / (ep - 1)
+    basis = (
+        f"the all-to-alls' {pct(share)} of the step x 1/(ep-1) = {pct(saved)} (token traffic at ep={ep // 2}); "
+        "the experts' added gradient traffic is not counted"
+    )
+    expected = {"fraction": round(min(finding.cost_fraction, saved), 4), "basis": basis}
+    return [lever("strategy.ep", ep // 2, why, effect).gaining(expected)]

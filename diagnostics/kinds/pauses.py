@@ -1,0 +1,65 @@
+"""``pauses``: validations and checkpoint writes take a large share of the loop's wall time. Its levers space them
+out, each with the trade-off it brings (later feedback, more steps lost on a crash).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from diagnostics.analysis import Finding
+from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.finding import pct
+from diagnostics.analysis.pauses import INTERVAL_KEYS
+from diagnostics.analysis.thresholds import (
+    PAUSE_TARGET_SHARE,
+)
+from diagnostics.kinds.levers import Recommendation, gain, lever, no_lever
+
+PAUSE_NAMES = {"validation": "validations", "checkpoint": "checkpoint writes"}
+
+
+PAUSE_TRADE_OFFS = {
+    "validation": "a validation loss every {n} steps instead of every {old}",
+    "checkpoint": "a crash or preemption loses up to {n} steps of work instead of {old}",
+}
+
+
+def periodic_count(every: int, max_steps: int) -> int:
+    """Pauses due before the last step (the one at the last step comes whatever the interval)."""
+    return (max_steps - 1) // every if every > 0 else 0
+
+
+def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:
+    """Each kind of pause made rarer, most costly first: its interval multiplied until its share is about
+    PAUSE_TARGET_SHARE (but one still comes before the last step); the gain is the share of its pauses that no
+    longer come in the run's steps."""
+    shares = finding.evidence.get("share_by_what") or {}
+    max_steps = ctx.get("trainer.max_steps")
+    recs: list[Recommendation] = []
+    for what, share in sorted(shares.items(), key=lambda item: -float(item[1] or 0.0)):
+        key, share = INTERVAL_KEYS.get(what), float(share or 0.0)
+        if share <= PAUSE_TARGET_SHARE:
+            continue
+        every = ctx.get(key) if key else None
+        periodic = isinstance(every, int) and isinstance(max_steps, int) and periodic_count(every, max_steps) > 0
+        if key is None or not isinstance(every, int) or not isinstance(max_steps, int) or not periodic:
+            # Pauses no interval of the run's config makes periodic (a signal's checkpoints, a user callback's saves).
+            shown = f"{key}={every}" if key and every is not None else "no interval in the run's config"
+            recs.append(no_lever(f"{PAUSE_NAMES.get(what, what)} take {pct(share)} of the loop ({shown})", "-"))
+            continue
+        before = periodic_count(every, max_steps)
+        # At most as rare as keeps one of them inside the run: a run validates or saves for a reason.
+        factor = max(2, min(math.ceil(share / PAUSE_TARGET_SHARE), before))
+        rarer, after = every * factor, periodic_count(every * factor, max_steps)
+        saved = 1.0 - after / before
+        why = (
+            f"{PAUSE_NAMES.get(what, what)} take {pct(share)} of the training loop, every {every} steps; every "
+            f"{rarer} steps they come {factor}x less often"
+        )
+        trade_off = PAUSE_TRADE_OFFS.get(what, "{n} steps apart instead of {old}").format(n=rarer, old=every)
+        effect = f"{pct(share * saved)} less wall-clock time for the same steps; {trade_off}"
+        basis = f"the {what} pauses that no longer come: {before} -> {after} in the run"
+        rec = replace(lever(key, rarer, why, effect), metric="loop_tokens_per_s")
+        recs.append(rec.gaining(gain(finding, share * saved / (finding.cost_fraction or 1.0), basis)))
+    return recs

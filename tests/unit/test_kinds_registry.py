@@ -1,0 +1,29 @@
+"""The finding kinds' one registry: every kind of ``ORDER`` is a module of diagnostics/kinds with its ``recommend``,
+and every module there is a kind or one of the shared lever modules."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from diagnostics.analysis.finding import Finding
+from diagnostics.kinds import ORDER
+from diagnostics.kinds.registry import RECOMMENDERS
+from tests.conftest import REPO
+
+SHARED = {"__init__", "registry", "levers", "comm_levers", "needs"}  # not kinds: what the kinds' modules share
+
+
+def test_every_kind_has_its_module_and_every_module_is_a_kind() -> None:
+    modules = {path.stem for path in (REPO / "diagnostics" / "kinds").glob("*.py")} - SHARED
+    assert modules == set(ORDER)
+    assert list(RECOMMENDERS) == list(ORDER)
+    for kind, recommend in RECOMMENDERS.items():
+        assert recommend.__module__ == f"diagnostics.kinds.{kind}"
+        assert list(inspect.signature(recommend).parameters) == ["finding", "ctx"]
+
+
+def test_a_finding_of_a_kind_outside_the_registry_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown finding kind 'slow_disk'"):
+        Finding("slow_disk", "info", [0], {}, "x")
