@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 from diagnosis_accuracy import PLUGIN_DATA, PLUGIN_MODEL, SHORT, run_train  # noqa: E402
 
-from diagnostics.analysis import analyse  # noqa: E402
+from diagnostics.diagnosis import analyse  # noqa: E402
 from diagnostics.recommend import recommend_all  # noqa: E402
 
 TOLERANCE = 0.07

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from diagnostics.analysis import Analysis
+    from diagnostics.diagnosis import Analysis
 
 COMPARED = {
     "step_time_s": "step time",

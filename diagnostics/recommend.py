@@ -13,8 +13,9 @@ import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from diagnostics.analysis import Analysis, Finding
+from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext, hydra_value
+from diagnostics.diagnosis import Analysis
 from diagnostics.kinds.levers import Recommendation
 from diagnostics.kinds.needs import gated
 from diagnostics.kinds.registry import RECOMMENDERS

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diagnostics.analysis import Analysis
 from diagnostics.analysis.context import RunContext
+from diagnostics.diagnosis import Analysis
 
 LEDGER = "advice_ledger.jsonl"
 DATE_DIR = re.compile(r"^\d{4}-\d{2}-\d{2}$")  # Hydra's default ``outputs/<date>/<time>`` run dirs

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from diagnostics.ab.verdict import verdicts_by_override
-from diagnostics.analysis import analyse
+from diagnostics.diagnosis import analyse
 from diagnostics.files import write_text_atomic
 from diagnostics.recommend import ab_tests, recommend_all
 from diagnostics.report.html import to_html

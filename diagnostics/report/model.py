@@ -10,12 +10,13 @@ from typing import Any
 
 from diagnostics.ab.runner import AB_DIR
 from diagnostics.ab.verdict import VERDICT_MD, phrase
-from diagnostics.analysis import Analysis, Finding
+from diagnostics.analysis import Finding
 from diagnostics.analysis import thresholds as thresholds_module
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.stats import rounded
 from diagnostics.analysis.tail import tail_line
 from diagnostics.analysis.thresholds import COST_WARNING, PAUSES_MIN_SHARE
+from diagnostics.diagnosis import Analysis
 from diagnostics.kinds.levers import Recommendation
 from diagnostics.prediction import one_line, prediction_of
 from diagnostics.report.fmt import flatten, gib, pct, peak_memory, rate, scale_of, scale_of_rec, seconds

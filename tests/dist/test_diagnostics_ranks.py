@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from diagnostics.analysis import analyse, load_run
+from diagnostics.analysis import load_run
+from diagnostics.diagnosis import analyse
 from tests.conftest import REPO, run_cli
 from tests.diag_fixtures import slice_steps
 from tests.plugins import PHASE_FIRST_STEP, PHASE_SEGMENT_STEPS, SLOW_PHASES, phase_plan

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from diagnostics.analysis import Finding, analyse, load_run
+from diagnostics.analysis import Finding, load_run
 from diagnostics.analysis.detect_devices import slowdown_reasons
 from diagnostics.analysis.finding import severity_of
 from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING, INPUT_BOUND_FRACTION
+from diagnostics.diagnosis import analyse
 from diagnostics.telemetry import TelemetryWriter, telemetry_path
 from tests.diag_fixtures import SCENARIOS, T0, _timeline, write_run
 

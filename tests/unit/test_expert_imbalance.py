@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from diagnostics.analysis import analyse
 from diagnostics.analysis.detect_experts import waited_for_experts
+from diagnostics.diagnosis import analyse
 from diagnostics.recommend import recommend_all
 from tests.diag_fixtures import write_run
 
@@ -111,7 +111,7 @@ def test_where_the_exchanges_were_timed_the_cost_is_the_measured_wait_not_the_fl
 
 def test_a_straggler_that_is_the_rank_holding_the_hot_experts_is_the_imbalance_not_another_finding() -> None:
     from diagnostics.analysis.finding import Finding, cost
-    from diagnostics.analysis.findings import explained_by_experts
+    from diagnostics.diagnosis import explained_by_experts
 
     def finding(kind: str, ranks: list[int], fraction: float) -> Finding:
         return Finding(kind, "warning", ranks, {}, kind, cost=cost(fraction, "test"))

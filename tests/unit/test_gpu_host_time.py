@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from diagnostics.analysis import analyse
+from diagnostics.diagnosis import analyse
 from tests.diag_fixtures import GPU, write_run
 
 GPU_RUN = (*GPU, "precision=bf16-mixed")

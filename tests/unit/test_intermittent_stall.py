@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from diagnostics.analysis import analyse
+from diagnostics.diagnosis import analyse
 from tests.diag_fixtures import write_run
 
 STEP = 0.10 + 0.20 + 0.02 + 0.002 + 0.02 + 0.001 + 0.0005  # the healthy scenario's step

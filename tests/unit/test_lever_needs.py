@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from diagnostics.analysis import analyse
+from diagnostics.diagnosis import analyse
 from diagnostics.recommend import recommend_all
 from diagnostics.report import diagnose_run
 from tests.diag_fixtures import write_run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diagnostics.analysis import analyse
+from diagnostics.diagnosis import analyse
 from diagnostics.recommend import ab_tests, recommend_all
 from diagnostics.report import build_report, diagnose_run
 from diagnostics.telemetry import TelemetryWriter

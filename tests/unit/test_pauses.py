@@ -10,8 +10,8 @@ import pytest
 
 from diagnostics.ab.runner import AbSet, Arm, ArmRuns, RunOutcome
 from diagnostics.ab.verdict import set_verdict, text_table
-from diagnostics.analysis import analyse
 from diagnostics.collect.steps import PhaseTimer
+from diagnostics.diagnosis import analyse
 from diagnostics.kinds.pauses import periodic_count
 from diagnostics.recommend import ab_tests, recommend_all
 from tests.unit.test_collect import FakeClock

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from diagnostics.analysis import analyse
 from diagnostics.analysis.comm_split import collective_kind
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.phase_comm import call_minimum
+from diagnostics.diagnosis import analyse
 from diagnostics.kinds.comm_bound import zero2_lever
 from diagnostics.recommend import recommend_all
 from tests.diag_fixtures import SCENARIOS, write_run

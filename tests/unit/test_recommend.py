@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from diagnostics.analysis import Finding, analyse
+from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.analysis.finding import cost
+from diagnostics.diagnosis import analyse
 from diagnostics.kinds.input_bound import share_hidden_by_workers
 from diagnostics.kinds.needs import gated
 from diagnostics.recommend import ab_tests, recommend, recommend_all

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from diagnostics.analysis import Finding, analyse
+from diagnostics.analysis import Finding
+from diagnostics.diagnosis import analyse
 from tests.diag_fixtures import write_run
 
 FOUR_RANKS = ("hw.devices_per_node=4",)

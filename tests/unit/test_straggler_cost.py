@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from diagnostics.analysis import analyse
+from diagnostics.diagnosis import analyse
 from tests.diag_fixtures import SCENARIOS, _timeline, write_run
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from diagnostics.ab import ledger
 from diagnostics.ab.runner import Arm, Launcher, RunOutcome
-from diagnostics.analysis import analyse
+from diagnostics.diagnosis import analyse
 from diagnostics.recommend import recommend_all
 from disttrain.tune.levers import classify, global_pin
 from disttrain.tune.loop import Tuner

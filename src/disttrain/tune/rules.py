@@ -8,8 +8,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from diagnostics.analysis import Analysis
 from diagnostics.analysis.context import RunContext
+from diagnostics.diagnosis import Analysis
 from diagnostics.kinds.levers import Recommendation
 from diagnostics.recommend import AbTest, ab_test
 from disttrain.tune.levers import MATH_CHANGING, Lever, classify, global_pin, key_of

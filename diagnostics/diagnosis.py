@@ -1,8 +1,10 @@
-"""Run every detector over a loaded run and order what they found, most limiting first."""
+"""A run's diagnosis: its telemetry loaded and summarized, every finding kind's detector run over it, and what they
+found reconciled and ordered, most limiting first."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from diagnostics.analysis.detect_crash import detect_crash, temper_after_crash
 from diagnostics.analysis.detect_devices import (
@@ -22,10 +24,12 @@ from diagnostics.analysis.detect_steps import (
     detect_pipeline_bubble,
 )
 from diagnostics.analysis.finding import Finding
-from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.load import RunTelemetry, load_run
 from diagnostics.analysis.pauses import detect_pauses, loop_time
 from diagnostics.analysis.shared_cores import bound_by_idle_cores
-from diagnostics.analysis.summary import RankPhases, Summary
+from diagnostics.analysis.shares import step_shares
+from diagnostics.analysis.summary import RankPhases, Summary, summarize
+from diagnostics.analysis.tail import slow_tail
 
 PHASE_DETECTORS = (
     detect_hang,
@@ -91,3 +95,21 @@ def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> l
     # Skipped steps are counted exactly, not estimated from the few steps measured: never tempered.
     skipped = [f for f in nonfinite if f not in stopped]
     return sorted(ended + skipped + findings, key=Finding.sort_key)
+
+
+@dataclass
+class Analysis:
+    run: RunTelemetry
+    summary: Summary
+    phases: list[RankPhases]
+    findings: list[Finding]
+
+
+def analyse(run_dir: Path) -> Analysis:
+    """Load ``run_dir``'s telemetry and run every detector (FileNotFoundError if it has no telemetry)."""
+    run = load_run(Path(run_dir))
+    summary, phases = summarize(run)
+    summary.step_shares = step_shares(run, phases)
+    findings = find_all(run, summary, phases)
+    summary.tail = slow_tail(summary.step_time, findings)
+    return Analysis(run, summary, phases, findings)
