@@ -6,42 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from diagnostics.analysis.detect_crash import detect_crash, temper_after_crash
-from diagnostics.analysis.detect_devices import (
-    detect_hang,
-    detect_low_mfu,
-    detect_low_overlap,
-    detect_memory_pressure,
-    detect_throttling,
-)
-from diagnostics.analysis.detect_experts import detect_expert_imbalance
-from diagnostics.analysis.detect_nonfinite import detect_nonfinite
-from diagnostics.analysis.detect_ranks import detect_straggler
-from diagnostics.analysis.detect_steps import (
-    detect_comm_bound,
-    detect_host_overhead,
-    detect_input_bound,
-    detect_pipeline_bubble,
-)
 from diagnostics.analysis.finding import Finding
 from diagnostics.analysis.load import RunTelemetry, load_run
-from diagnostics.analysis.pauses import detect_pauses, loop_time
 from diagnostics.analysis.shared_cores import bound_by_idle_cores
 from diagnostics.analysis.shares import step_shares
 from diagnostics.analysis.summary import RankPhases, Summary, summarize
 from diagnostics.analysis.tail import slow_tail
+from diagnostics.kinds import ORDER
+from diagnostics.kinds.crash import temper_after_crash
+from diagnostics.kinds.registry import REGISTRY
 
-PHASE_DETECTORS = (
-    detect_hang,
-    detect_input_bound,
-    detect_straggler,
-    detect_comm_bound,
-    detect_low_overlap,
-    detect_memory_pressure,
-    detect_throttling,
-    detect_host_overhead,
-    detect_pipeline_bubble,
-)
+# The kinds whose findings join the others' after these are one per cause, each at its step of ``find_all``; every
+# other kind's findings are first reduced to one per cause (``one_per_cause``).
+JOINING_LATER = ("low_mfu", "pauses", "expert_imbalance", "nonfinite", "crash")
 
 
 def one_per_cause(findings: list[Finding]) -> list[Finding]:
@@ -78,22 +55,21 @@ def explained_by_experts(findings: list[Finding], experts: list[Finding]) -> lis
 def find_all(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
     """All findings, the biggest lever first (cost descending; see ``Finding.sort_key``). A crash or a non-finite
     stop comes first, and the other findings of a run that ended early are graded on the little it measured."""
-    findings = one_per_cause([f for detect in PHASE_DETECTORS for f in detect(run, phases)])
+    found = {name: kind.detect(run, summary, phases) for name, kind in REGISTRY.items()}
+    findings = one_per_cause([f for name in ORDER if name not in JOINING_LATER for f in found[name]])
     if any(f.kind == "comm_bound" for f in findings):
         # On a host whose compute threads fill every core, low_overlap has no lever (nothing to overlap with) and
         # would cost comm_bound's exposed communication a second time; with free cores it offers its own (overlap).
         findings = [f for f in findings if not (f.kind == "low_overlap" and f.evidence.get("host_cores_busy"))]
-    findings += detect_low_mfu(run, summary)
-    findings += detect_pauses(run, loop_time(run))
-    findings = explained_by_experts(findings, detect_expert_imbalance(run))
+    findings += found["low_mfu"] + found["pauses"]
+    findings = explained_by_experts(findings, found["expert_imbalance"])
     findings = bound_by_idle_cores(findings, run)
-    nonfinite = detect_nonfinite(run)
-    stopped = [f for f in nonfinite if f.evidence.get("action") == "stopped"]
-    ended = detect_crash(run) + stopped
+    stopped = [f for f in found["nonfinite"] if f.evidence.get("action") == "stopped"]
+    ended = found["crash"] + stopped
     if ended:
         findings = temper_after_crash(findings, run)
     # Skipped steps are counted exactly, not estimated from the few steps measured: never tempered.
-    skipped = [f for f in nonfinite if f not in stopped]
+    skipped = [f for f in found["nonfinite"] if f not in stopped]
     return sorted(ended + skipped + findings, key=Finding.sort_key)
 
 

@@ -18,12 +18,12 @@ from diagnostics.analysis.context import RunContext, hydra_value
 from diagnostics.diagnosis import Analysis
 from diagnostics.kinds.levers import Recommendation
 from diagnostics.kinds.needs import gated
-from diagnostics.kinds.registry import RECOMMENDERS
+from diagnostics.kinds.registry import REGISTRY
 
 
 def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     """Ranked recommendations for one finding, most effective first; none the run's evidence contradicts."""
-    return gated(RECOMMENDERS[finding.kind](finding, ctx), ctx, finding)
+    return gated(REGISTRY[finding.kind].recommend(finding, ctx), ctx, finding)
 
 
 def recommend_all(analysis: Analysis) -> list[list[Recommendation]]:

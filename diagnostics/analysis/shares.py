@@ -1,7 +1,7 @@
 """Where the step time goes, as shares of the job's step: the verdict line of the report.
 
 compute + data + communication + waiting + bubble + host = 1. ``communication`` is the exposed transfer that
-every rank pays (per step the minimum over ranks, see detect_steps.step_transfer_fraction); ``waiting`` is the
+every rank pays (per step the minimum over ranks, see step_measures.step_transfer_fraction); ``waiting`` is the
 rest of the ranks' comm wait, and of their time between steps beyond what every rank pays (a preemption
 vote or logging sync holds the ranks that reach it first): time a rank waited for a slower one. Compute is
 what remains, so a wait the collectors cannot separate counts as compute; the collectives a phase issues itself
@@ -12,17 +12,12 @@ time kernel launches there, not kernels).
 
 from __future__ import annotations
 
-from diagnostics.analysis.detect_steps import (
-    collective_comm_s,
-    device_idle,
-    profile_exposed,
-    shared_unattributed,
-    step_transfer_fraction,
-)
 from diagnostics.analysis.load import RunTelemetry
 from diagnostics.analysis.phase_comm import timed_comm
 from diagnostics.analysis.stats import mean, present, ratio, rounded, steady
+from diagnostics.analysis.step_measures import collective_comm_s, device_idle, profile_exposed, step_transfer_fraction
 from diagnostics.analysis.summary import RankPhases, run_device
+from diagnostics.kinds.host_overhead import shared_unattributed
 
 SHARES = ("compute", "data", "communication", "waiting", "bubble", "host")
 

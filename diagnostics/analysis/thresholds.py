@@ -44,7 +44,7 @@ STRAGGLER_PERSISTENCE = 0.7
 # rank relaying DDP's buffer broadcast to a late rank lagged 12 ms a step beside that rank's 79 ms) or what the
 # scheduler hands out when ranks share cores. Fixing the first shows the next.
 STRAGGLER_SECONDARY_SHARE = 1 / 3
-# An intermittent straggler (detect_ranks._stalls): a step in which one rank fell behind the others, beyond its usual
+# An intermittent straggler (kinds/straggler._stalls): a step in which one rank fell behind the others, beyond its usual
 # excess, by at least STALL_FRACTION of the typical step and STALL_NOISE times the spread of its own excess (a robust
 # standard deviation) is a stall; it takes MIN_STALLS of them to call it a pattern, not a one-off. On this 2-core box
 # healthy 2-rank runs keep one rank's excess over the other within ~5% of the step; a fixed quarter of the step

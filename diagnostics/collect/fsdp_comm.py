@@ -4,7 +4,7 @@ Under FSDP2 a rank meets the others at every block: the all-gather before each b
 before its backward), the reduce-scatter after its backward. A rank that is fast waits for a slow one inside
 those collectives, and that wait lands in the phase it happens in (forward, backward), where it looks exactly
 like slow work of its own. Timing the collectives themselves separates the two: what is left of the phase is
-the rank's own work (diagnostics/analysis/detect_ranks reads both).
+the rank's own work (diagnostics/kinds/straggler reads both).
 
 How: FSDP2's public ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` take the communication object
 its parameter groups call; a subclass of the default one (so FSDP's own type checks still see the default)

@@ -61,7 +61,7 @@ class StepPhases:
     phase_comm_known: bool = True
     step_s: float = 0.0
     # Unix time the step started (the previous step's end): ranks on one host share the clock, so the analysis
-    # can tell which rank reached each phase end last (the order of arrival; see diagnostics/analysis/detect_ranks).
+    # can tell which rank reached each phase end last (the order of arrival; see diagnostics/kinds/straggler).
     start_t: float = 0.0
 
     @property

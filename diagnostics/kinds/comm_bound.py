@@ -7,15 +7,156 @@ from __future__ import annotations
 
 from typing import Any
 
-from diagnostics.analysis import Finding
+from diagnostics.analysis.comm_split import comm_split
 from diagnostics.analysis.context import RunContext
-from diagnostics.analysis.finding import pct
+from diagnostics.analysis.finding import Finding, costed, pct
+from diagnostics.analysis.finding import pct as _pct
+from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.phase_comm import timed_comm
+from diagnostics.analysis.stats import ratio, rounded
+from diagnostics.analysis.step_measures import collective_comm_s, exposed_comm
+from diagnostics.analysis.summary import RankPhases, Summary
 from diagnostics.analysis.thresholds import (
     AMORTIZED_MIN,
+    COMM_BOUND_FRACTION,
+    COMM_SATURATION,
+    MIN_PHASE_S,
+    TOKENS_DOMINATE,
     TOKENS_MATERIAL,
+    WINDOW_AGREEMENT,
 )
 from diagnostics.kinds.comm_levers import comm_split_of, ddp_comm_hooks, onebit_adam, tensor_parallel_levers
 from diagnostics.kinds.levers import HALF, Recommendation, bigger_global, gain, lever, no_lever
+
+
+def _saturation(p: RankPhases, comm_s: float | None) -> float | None:
+    """Profiled communication per step over the backward compute it can hide behind (DDP/FSDP overlap window)."""
+    if comm_s is None or p.backward_compute_s is None or p.backward_compute_s < MIN_PHASE_S:
+        return None
+    return comm_s / p.backward_compute_s
+
+
+def token_exchange(run: RunTelemetry) -> dict[str, float] | None:
+    """Expert parallelism's all-to-alls: their share of the step, its transfer and waiting, and the transfer's share
+    of everything the phases' timed collectives moved (``of_phase_transfer``); None where none were timed."""
+    comm = timed_comm(run)
+    exchange = comm.all_to_all() if comm is not None else None
+    if comm is None or exchange is None or comm.step_s <= 0:
+        return None
+    transfer = comm.transfer_s / comm.step_s
+    of_transfer = min(1.0, exchange["transfer"] / transfer) if transfer > 0 else 0.0
+    return {**exchange, "of_phase_transfer": rounded(of_transfer, 3) or 0.0}
+
+
+def gradient_wait_timed(context: RunContext, steps: dict[int, float], timed: int) -> bool:
+    """Whether the whole run's step records measure every rank's exposed gradient communication: DDP's, whose
+    comm hook wraps every bucket, so what its all-reduce does not hide behind backward is its wait after backward,
+    timed every step. There the exposure comes from them, not from the one profile window."""
+    return context.strategy == "ddp" and timed > 0 and len(steps) == timed
+
+
+def window_agrees(steps: dict[int, float], profile: dict[int, float]) -> bool:
+    """Whether the profile window's collectives are DDP's gradients: the exposure it shows is within
+    WINDOW_AGREEMENT of what the step records time every step. Where it is far above, the window holds other
+    collectives (a metric logged with ``sync_dist``, the preemption vote), which no gradient lever removes, or a
+    profiler that stretches each call on small steps, and its collective time says nothing of the gradients'
+    saturation (benchmarks/RESULTS.md: a small classifier's window read seven times its step records, whose
+    figure keeping the gradients local confirmed)."""
+    return bool(profile) and min(profile.values()) <= WINDOW_AGREEMENT * max(min(steps.values()), MIN_PHASE_S)
+
+
+def detect(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
+    """Communication that every rank pays (minimums over ranks: fast ranks also wait for slow ones).
+
+    Two ways to be bound by it. Exposed: the step's comm wait (DDP: the wait after this rank's own backward)
+    or the profiler's communication not hidden behind compute (FSDP, whose waits happen inside backward where
+    the step timer cannot separate them), whichever is larger. Saturated: the gradients take about as long to
+    move as the backward takes to compute, so overlap has no headroom left and communication paces the step
+    even when the profiler sees it overlapped (on a CPU host whose cores the compute threads fill, the
+    overlapped communication also takes cores from the compute: then it costs its whole time).
+
+    A world of one rank moves nothing between ranks: what its profile calls collectives (FSDP2 over one rank) are
+    local copies, host work that host_overhead weighs, and no layout or batch change would make them cheaper.
+    """
+    if run.world_size <= 1:
+        return []
+    steps, profile, exposed = exposed_comm(run, phases)
+    comm_s = collective_comm_s(phases)
+    saturation = {p.rank: s for p in phases if (s := _saturation(p, comm_s)) is not None}
+    timed = len([p for p in phases if p.step_s is not None or p.profile_total_s])
+    context = RunContext.from_run(run)
+    busy = context.host_cores_busy()
+    if gradient_wait_timed(context, steps, timed):
+        exposed = dict(steps)
+        if not window_agrees(steps, profile):
+            saturation, busy = {}, False
+    floor = min(exposed.values()) if exposed and len(exposed) == timed else 0.0
+    saturated = min(saturation.values()) if saturation and len(saturation) == timed else 0.0
+    # On a host whose compute threads fill every core the overlapped collectives run on the compute's cores: all of
+    # their time is the step's (benchmarks/RESULTS.md: 4 ranks of FSDP at 26% read nothing, reshard_after_forward
+    # then gained ~11%).
+    whole = min((ratio(comm_s, p.profile_total_s) or 0.0) for p in phases) if busy and comm_s and phases else 0.0
+    crowded = whole >= COMM_BOUND_FRACTION and len(profile) == timed
+    if floor < COMM_BOUND_FRACTION and saturated < COMM_SATURATION and not crowded:
+        return []
+    evidence: dict[str, Any] = {
+        "exposed_comm_fraction": {r: rounded(f) for r, f in sorted(exposed.items())},
+        "min_over_ranks": rounded(floor),
+        "step_comm_wait_fraction": {r: rounded(f) for r, f in sorted(steps.items())},
+        "profile_exposed_comm_fraction": {r: rounded(f) for r, f in sorted(profile.items())},
+        "comm_over_backward_compute": {r: rounded(s) for r, s in sorted(saturation.items())},
+        "threshold_fraction": COMM_BOUND_FRACTION,
+        "threshold_saturation": COMM_SATURATION,
+    }
+    exchange = token_exchange(run)
+    split = comm_split(run, context)
+    if split is not None:
+        evidence["comm_split"] = split
+    moving = "gradients"
+    no_dp = context.strategy == "megatron" and context.batch.get("data_parallel_size") == 1
+    if no_dp or (split is not None and split["tensor_parallel"] >= TOKENS_DOMINATE):
+        # No data parallelism (no gradient moves between ranks), or tensor parallelism's collectives are most of
+        # the traffic: activations move, every micro-batch.
+        moving = "activations between model-parallel ranks"
+    if exchange is not None:
+        evidence["all_to_all"] = exchange
+        if exchange["of_phase_transfer"] >= TOKENS_DOMINATE:
+            moving = f"tokens between expert-parallel ranks (all-to-all: {_pct(exchange['transfer'])} of the step)"
+    headroom = [
+        p.device_memory_bytes - p.peak_reserved_bytes for p in phases if p.device_memory_bytes and p.peak_reserved_bytes
+    ]
+    if headroom:  # what a lever that holds more per rank (ZeRO-2's whole parameters) has to fit in
+        evidence["device_headroom_bytes"] = min(headroom)
+    if isinstance(params := run.meta("num_parameters"), int):
+        evidence["num_parameters"] = params
+    ranks = sorted(set(exposed) | set(saturation))
+    # Whole-run step records for every rank, or the windows of at least two ranks, must agree on the floor.
+    corroborated = len(steps) == timed or len(profile) >= 2
+    if floor >= COMM_BOUND_FRACTION:
+        basis = "exposed communication / step time, minimum over ranks (step records' comm wait or profile window)"
+        message = f"exposed communication takes at least {_pct(floor)} of every rank's step: the run is moving {moving}"
+        return [costed("comm_bound", ranks, evidence, message, floor, basis, corroborated=corroborated, metric=floor)]
+    fraction, basis = floor, "exposed communication / step time (overlapped communication runs beside compute)"
+    evidence["host_cores_busy"] = busy
+    if busy:
+        fraction = floor + max(0.0, whole - floor)
+        basis = "all profiled communication / step time: the compute threads fill every core, so it takes their time"
+    if saturated < COMM_SATURATION:  # crowded: bound by the cores the collectives take, not by the overlap window
+        evidence["all_comm_fraction"] = rounded(whole)
+        message = (
+            f"communication takes {_pct(whole)} of the step ({_pct(floor)} exposed, the rest beside compute on a "
+            f"host whose compute threads fill every core, so on the compute's cores): moving {moving} costs the step"
+        )
+        return [
+            costed("comm_bound", ranks, evidence, message, fraction, basis, corroborated=corroborated, metric=whole)
+        ]
+    message = (
+        f"communication needs {_pct(saturated)} of the backward compute it must hide behind "
+        f"({_pct(floor)} of the step is exposed): overlap has no headroom left, moving {moving} paces the step"
+    )
+    return [
+        costed("comm_bound", ranks, evidence, message, fraction, basis, corroborated=corroborated, metric=saturated)
+    ]
 
 
 def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from diagnostics.analysis import Finding
 from diagnostics.analysis.comm_split import strategy_split
 from diagnostics.analysis.context import RunContext
-from diagnostics.analysis.finding import pct
+from diagnostics.analysis.finding import Finding, pct
 from diagnostics.analysis.thresholds import (
     TP_MATERIAL,
 )

@@ -4,9 +4,71 @@ wait and the host's free cores), pinned memory and prefetching.
 
 from __future__ import annotations
 
-from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.finding import Finding, costed, ranks_verb
+from diagnostics.analysis.finding import pct as _pct
+from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.stats import rounded, steady
+from diagnostics.analysis.step_measures import phase_fractions
+from diagnostics.analysis.summary import RankPhases, Summary
+from diagnostics.analysis.thresholds import (
+    INPUT_BOUND_FRACTION,
+    INPUT_BOUND_PERSISTENCE,
+)
 from diagnostics.kinds.levers import ALL_OF_IT, Recommendation, gain, lever, no_lever
+
+
+def _persistence(run: RunTelemetry, rank: int, key: str, fraction: float) -> float:
+    """Share of a rank's steady steps in which ``key`` is at least ``fraction`` of the step."""
+    steps = [s for s in steady(run.ranks[rank].steps) if s.step_s and getattr(s, key) is not None]
+    return sum(1 for s in steps if getattr(s, key) >= fraction * (s.step_s or 0.0)) / len(steps) if steps else 0.0
+
+
+def detect(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
+    """Ranks that wait for their next batch; the job waits for the slowest loader, so that is the cost.
+
+    A rank whose batches are slow is the only one waiting in ``next(dataloader)``; the others wait for it at the
+    next collective, which this detector never counts (see kinds/straggler: they are not slow, they are waiting).
+    """
+    fractions = phase_fractions(phases, "data_wait_s")
+    flagged = sorted(r for r, f in fractions.items() if f >= INPUT_BOUND_FRACTION)
+    if not flagged:
+        return []
+    persistence = {r: _persistence(run, r, "data_wait_s", INPUT_BOUND_FRACTION) for r in flagged}
+    worst_rank = max(flagged, key=lambda r: fractions[r])
+    worst = fractions[worst_rank]
+    by_rank = {p.rank: p for p in phases}
+    evidence = {
+        "slow_phase": "data",
+        "data_wait_fraction": {r: rounded(fractions[r]) for r in flagged},
+        "data_wait_s": {r: rounded(by_rank[r].data_wait_s) for r in flagged},
+        "step_s": {r: rounded(by_rank[r].step_s) for r in flagged},
+        "steps_above_threshold": {r: rounded(persistence[r]) for r in flagged},
+        "threshold_fraction": INPUT_BOUND_FRACTION,
+    }
+    cpu = {r: share for r in flagged if (share := data_cpu_share(run, r)) is not None}
+    if cpu:
+        # Loading that computes on the training thread needs a core of its own to move to a worker; loading that
+        # waits (I/O, a sleep, workers) does not.
+        evidence["data_cpu_share"] = {r: rounded(v) for r, v in cpu.items()}
+    message = (
+        f"{ranks_verb(flagged, 'waits', 'wait')} for the next batch {_pct(worst)} of each step "
+        f"({by_rank[worst_rank].data_wait_s:.3f} s of {by_rank[worst_rank].step_s:.3f} s; slow phase: data): "
+        "the input pipeline cannot keep up"
+    )
+    basis = f"mean data wait / mean step time of rank {worst_rank} over {by_rank[worst_rank].steps} steps"
+    # One slow batch (a cache miss, a file open) is not a slow pipeline: most steps must show the wait.
+    steady_wait = persistence[worst_rank] >= INPUT_BOUND_PERSISTENCE
+    return [costed("input_bound", flagged, evidence, message, worst, basis, corroborated=steady_wait, metric=worst)]
+
+
+def data_cpu_share(run: RunTelemetry, rank: int) -> float | None:
+    """The training thread's CPU time over its wall time inside next(dataloader), over the steady steps (None where
+    the collector did not record it)."""
+    steps = [s for s in steady(run.ranks[rank].steps) if s.data_cpu_s is not None and s.data_wait_s]
+    wall = sum(s.data_wait_s or 0.0 for s in steps)
+    return min(1.0, sum(s.data_cpu_s or 0.0 for s in steps) / wall) if wall else None
+
 
 # DataLoader workers beyond ~8 per rank rarely help (each is a process with its own copy of the dataset) and
 # cost host memory; the target is the cores each rank has, at least 2 so that one batch loads while one waits.

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext, hydra_value
+from diagnostics.analysis.finding import Finding
 
 NOT_ESTIMATED = {"fraction": 0.0, "basis": "not estimated from this run's telemetry"}
 

@@ -4,9 +4,71 @@ micro-batches with the global batch kept, activation checkpointing, sharding, De
 
 from __future__ import annotations
 
-from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.finding import Finding, cost, ranks_text
+from diagnostics.analysis.load import RunTelemetry, num
+from diagnostics.analysis.stats import present, ratio, rounded
+from diagnostics.analysis.summary import RankPhases, Summary
+from diagnostics.analysis.thresholds import (
+    MEMORY_CRITICAL_FRACTION,
+    MEMORY_PRESSURE_FRACTION,
+)
 from diagnostics.kinds.levers import Recommendation, lever, smaller_micro
+
+
+def _host_memory_total(run: RunTelemetry, rank: int) -> float | None:
+    tele = run.ranks[rank]
+    for rec in (tele.memory or {}, tele.meta or {}):
+        if (total := num(rec.get("host_memory_bytes"))) is not None:
+            return total
+    return max(present(s.mem_total_bytes for s in tele.samples if s.source == "cpu"), default=None)
+
+
+def _memory_fractions(run: RunTelemetry, phases: list[RankPhases]) -> tuple[dict[int, float], dict[int, str]]:
+    fractions: dict[int, float] = {}
+    basis: dict[int, str] = {}
+    for p in phases:
+        gpu = ratio(p.peak_reserved_bytes, p.device_memory_bytes)
+        nvml = [s for s in run.ranks[p.rank].samples if s.source == "nvml"]
+        sampled = present(ratio(s.mem_used_bytes, s.mem_total_bytes) for s in nvml)
+        if gpu is not None or sampled:
+            fractions[p.rank] = max(present([gpu, *sampled]))
+            basis[p.rank] = "gpu reserved / device memory" if gpu is not None else "nvml used / total"
+    # Ranks on one host share its memory: their RSS adds up against the host total.
+    hosts: dict[str, list[RankPhases]] = {}
+    for p in phases:
+        if p.rank not in fractions and p.peak_rss_bytes is not None:
+            hosts.setdefault(p.hostname or "host", []).append(p)
+    for group in hosts.values():
+        total = _host_memory_total(run, group[0].rank)
+        if (share := ratio(sum(p.peak_rss_bytes or 0.0 for p in group), total)) is None:
+            continue
+        for p in group:
+            fractions[p.rank] = share
+            basis[p.rank] = f"sum of RSS of {len(group)} rank(s) / host memory"
+    return fractions, basis
+
+
+def detect(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
+    fractions, basis = _memory_fractions(run, phases)
+    flagged = sorted(r for r, f in fractions.items() if f >= MEMORY_PRESSURE_FRACTION)
+    if not flagged:
+        return []
+    worst = max(fractions[r] for r in flagged)
+    by_rank = {p.rank: p for p in phases}
+    evidence = {
+        "memory_fraction": {r: rounded(fractions[r]) for r in flagged},
+        "basis": {r: basis[r] for r in flagged},
+        "peak_reserved_bytes": {r: by_rank[r].peak_reserved_bytes for r in flagged if by_rank[r].peak_reserved_bytes},
+        "device_memory_bytes": {r: by_rank[r].device_memory_bytes for r in flagged if by_rank[r].device_memory_bytes},
+        "peak_rss_bytes": {r: by_rank[r].peak_rss_bytes for r in flagged if by_rank[r].peak_rss_bytes},
+        "threshold_fraction": MEMORY_PRESSURE_FRACTION,
+    }
+    # A risk, not time: nothing is lost until the OOM, which loses the run. Graded on the headroom left.
+    severity = "critical" if worst >= MEMORY_CRITICAL_FRACTION else "warning"
+    message = f"{ranks_text(flagged)} peak at {100 * worst:.0f}% of memory ({basis[flagged[0]]}): close to OOM"
+    price = cost(0.0, "no step time lost yet: a risk of running out of memory, graded on the headroom")
+    return [Finding("memory_pressure", severity, flagged, evidence, message, worst, price)]
 
 
 def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.finding import Finding
 from diagnostics.kinds.levers import Recommendation, no_lever
 
 

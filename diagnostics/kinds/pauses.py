@@ -7,14 +7,52 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext
-from diagnostics.analysis.finding import pct
-from diagnostics.analysis.pauses import INTERVAL_KEYS
+from diagnostics.analysis.finding import Finding, costed, pct, severity_of
+from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.pauses import INTERVAL_KEYS, loop_time
+from diagnostics.analysis.stats import rounded
+from diagnostics.analysis.summary import RankPhases, Summary
 from diagnostics.analysis.thresholds import (
     PAUSE_TARGET_SHARE,
+    PAUSES_MIN_SHARE,
 )
 from diagnostics.kinds.levers import Recommendation, gain, lever, no_lever
+
+
+def detect(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
+    """``pauses``: validation and checkpoint writes take at least PAUSES_MIN_SHARE of the training loop's time.
+
+    The cost is their whole share; the severity follows the part of it that rarer intervals can return, each kind
+    brought down to PAUSE_TARGET_SHARE and no further (the validation and saving the run asked for stay)."""
+    loop = loop_time(run)
+    if loop is None or loop.share < PAUSES_MIN_SHARE:
+        return []
+    kept = sum(min(p.seconds / loop.loop_s, PAUSE_TARGET_SHARE) for p in loop.paused.values())
+    reachable = max(0.0, loop.share - kept)
+    parts = [
+        f"{_what_text(what)} {p.count} times ({p.seconds / p.count:.2f} s each, {pct(p.seconds / loop.loop_s)})"
+        for what, p in sorted(loop.paused.items(), key=lambda item: -item[1].seconds)
+    ]
+    message = (
+        f"the training loop spends {pct(loop.share)} of its time outside training steps: {'; '.join(parts)} "
+        f"in {loop.steps} steps"
+    )
+    evidence = {
+        **loop.to_json(),
+        "share_by_what": {w: rounded(p.seconds / loop.loop_s) for w, p in loop.paused.items()},
+        "threshold_share": PAUSES_MIN_SHARE,
+        "reachable_share": rounded(reachable),  # what the severity is graded on
+        "source": "pause records (validation, checkpoint writes) within rank 0's first to last step",
+    }
+    basis = "validation and checkpoint seconds within the training loop (each pause's slowest rank) / the loop's time"
+    finding = costed("pauses", sorted(run.ranks), evidence, message, loop.share, basis)
+    return [replace(finding, severity=severity_of(reachable))]
+
+
+def _what_text(what: str) -> str:
+    return {"validation": "validation", "checkpoint": "checkpoint writes"}.get(what, what)
+
 
 PAUSE_NAMES = {"validation": "validations", "checkpoint": "checkpoint writes"}
 

@@ -6,9 +6,47 @@ from __future__ import annotations
 
 from typing import Any
 
-from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext
+from diagnostics.analysis.finding import Finding, costed, ranks_verb
+from diagnostics.analysis.finding import pct as _pct
+from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.stats import mean, rounded, steady
+from diagnostics.analysis.summary import RankPhases, Summary
+from diagnostics.analysis.thresholds import (
+    BUBBLE_FRACTION,
+    COST_WARNING,
+)
 from diagnostics.kinds.levers import HALF, Recommendation, bigger_global, gain, kept_global, lever
+
+
+def detect(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:
+    """Idle time inside the pipeline schedule. Its cost is the idle share every stage pays (the least idle stage's):
+    a stage that idles more than that waits for a slower peer, and that wait is the peer's cost (kinds/straggler
+    blames a stage slow outside its schedule; a stage slower inside it is an imbalance of the stages' work)."""
+    bubbles = {
+        rank: b for rank, tele in run.ranks.items() if (b := mean(s.bubble_fraction for s in steady(tele.steps)))
+    }
+    flagged = sorted(r for r, b in bubbles.items() if b >= BUBBLE_FRACTION)
+    if not flagged:
+        return []
+    every_stage = min(bubbles.values())
+    worst = max(bubbles[r] for r in flagged)
+    evidence = {
+        "bubble_fraction": {r: rounded(bubbles[r]) for r in flagged},
+        "every_stage_fraction": rounded(every_stage),
+        "threshold_fraction": BUBBLE_FRACTION,
+    }
+    message = f"{ranks_verb(flagged, 'idles', 'idle')} {_pct(worst)} of each step in the pipeline schedule"
+    if worst - every_stage >= COST_WARNING:
+        least = min(bubbles, key=lambda r: bubbles[r])
+        message += (
+            f"; {_pct(every_stage)} is the bubble every stage pays, the rest is waiting for rank {least} "
+            "(slower than the other stages)"
+        )
+    else:
+        message += "'s bubble"
+    basis = "mean idle time inside the schedule / step time, least idle stage (the bubble all pay), steady steps"
+    return [costed("pipeline_bubble", flagged, evidence, message, every_stage, basis, metric=every_stage)]
 
 
 def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:

@@ -1,27 +1,43 @@
-"""Each kind of ``ORDER`` to its module's ``recommend``: the one place that maps a finding to its levers."""
+"""Each kind of ``ORDER`` to its module's ``detect`` and ``recommend``: the one place that maps a finding kind to the
+code that finds it and the levers that act on it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import import_module
 from typing import Protocol, cast
 
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.finding import Finding
+from diagnostics.analysis.load import RunTelemetry
+from diagnostics.analysis.summary import RankPhases, Summary
 from diagnostics.kinds import ORDER
 from diagnostics.kinds.levers import Recommendation
+
+
+class Detector(Protocol):
+    def __call__(self, run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]: ...
 
 
 class Recommender(Protocol):
     def __call__(self, finding: Finding, ctx: RunContext) -> list[Recommendation]: ...
 
 
-def _recommender(kind: str) -> Recommender:
-    module = import_module(f"{__package__}.{kind}")
-    found = getattr(module, "recommend", None)
-    if not callable(found):
-        raise TypeError(f"{module.__name__} has no recommend(finding, ctx): every kind of ORDER needs one")
-    return cast(Recommender, found)
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    detect: Detector  # the findings of this kind in a loaded, summarized run ([] when the run shows none)
+    recommend: Recommender  # the ranked levers of one finding of this kind
+
+
+def _kind(name: str) -> Kind:
+    module = import_module(f"{__package__}.{name}")
+    parts = {part: getattr(module, part, None) for part in ("detect", "recommend")}
+    missing = [part for part, found in parts.items() if not callable(found)]
+    if missing:
+        raise TypeError(f"{module.__name__} has no {' or '.join(missing)}: every kind of ORDER needs both")
+    return Kind(name, cast(Detector, parts["detect"]), cast(Recommender, parts["recommend"]))
 
 
 # Imported at once, not on first use: a kind without its module fails when diagnostics load, not mid-report.
-RECOMMENDERS: dict[str, Recommender] = {kind: _recommender(kind) for kind in ORDER}
+REGISTRY: dict[str, Kind] = {name: _kind(name) for name in ORDER}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from diagnostics.analysis.detect_experts import rank_loads
 from diagnostics.analysis.load import Sample
 from diagnostics.diagnosis import Analysis
+from diagnostics.kinds.expert_imbalance import rank_loads
 from diagnostics.report.fmt import GIB
 from diagnostics.report.svg import Series, lines, stacked_bars
 

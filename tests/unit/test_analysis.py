@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from diagnostics.analysis import Finding, load_run
-from diagnostics.analysis.detect_devices import slowdown_reasons
 from diagnostics.analysis.finding import severity_of
 from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING, INPUT_BOUND_FRACTION
 from diagnostics.diagnosis import analyse
+from diagnostics.kinds.throttling import slowdown_reasons
 from diagnostics.telemetry import TelemetryWriter, telemetry_path
 from tests.diag_fixtures import SCENARIOS, T0, _timeline, write_run
 
@@ -556,7 +556,7 @@ def test_pipeline_stages_that_differ_only_inside_the_schedule_raise_no_straggler
 def test_a_rank_held_inside_its_phase_by_a_rank_already_later_is_not_blamed_for_it() -> None:
     """Gloo's broadcast tree on 4 ranks: rank 1 relays DDP's buffer broadcast to rank 3, late from its optimizer, and
     waits inside its forward while ranks 0 and 2 go on. Lateness (ms) at each segment boundary of one step."""
-    from diagnostics.analysis.detect_ranks import SEGMENTS, _growth
+    from diagnostics.kinds.straggler import SEGMENTS, _growth
 
     n = len(SEGMENTS) + 1
     forward = [name for _, name in SEGMENTS].index("forward")

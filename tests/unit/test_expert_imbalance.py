@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from diagnostics.analysis.detect_experts import waited_for_experts
 from diagnostics.diagnosis import analyse
+from diagnostics.kinds.expert_imbalance import waited_for_experts
 from diagnostics.recommend import recommend_all
 from tests.diag_fixtures import write_run
 

@@ -1,5 +1,5 @@
-"""The finding kinds' one registry: every kind of ``ORDER`` is a module of diagnostics/kinds with its ``recommend``,
-and every module there is a kind or one of the shared lever modules."""
+"""The finding kinds' one registry: every kind of ``ORDER`` is a module of diagnostics/kinds with its ``detect`` and
+``recommend``, and every module there is a kind or one of the shared lever modules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from diagnostics.analysis.finding import Finding
 from diagnostics.kinds import ORDER
-from diagnostics.kinds.registry import RECOMMENDERS
+from diagnostics.kinds.registry import REGISTRY
 from tests.conftest import REPO
 
 SHARED = {"__init__", "registry", "levers", "comm_levers", "needs"}  # not kinds: what the kinds' modules share
@@ -18,10 +18,11 @@ SHARED = {"__init__", "registry", "levers", "comm_levers", "needs"}  # not kinds
 def test_every_kind_has_its_module_and_every_module_is_a_kind() -> None:
     modules = {path.stem for path in (REPO / "diagnostics" / "kinds").glob("*.py")} - SHARED
     assert modules == set(ORDER)
-    assert list(RECOMMENDERS) == list(ORDER)
-    for kind, recommend in RECOMMENDERS.items():
-        assert recommend.__module__ == f"diagnostics.kinds.{kind}"
-        assert list(inspect.signature(recommend).parameters) == ["finding", "ctx"]
+    assert list(REGISTRY) == list(ORDER)
+    for name, kind in REGISTRY.items():
+        assert kind.detect.__module__ == kind.recommend.__module__ == f"diagnostics.kinds.{name}"
+        assert list(inspect.signature(kind.detect).parameters) == ["run", "summary", "phases"]
+        assert list(inspect.signature(kind.recommend).parameters) == ["finding", "ctx"]
 
 
 def test_a_finding_of_a_kind_outside_the_registry_is_refused() -> None:

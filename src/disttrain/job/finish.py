@@ -70,7 +70,7 @@ def conclude(
             "stopped_at_step": guard.stopped_at,
             "stop_reason": guard.stop_reason,
         }
-        if stopped:  # the report names it (diagnostics/analysis/detect_nonfinite.py)
+        if stopped:  # the report names it (diagnostics/kinds/nonfinite.py)
             manifest.nonfinite["last_good_checkpoint"] = str(last.checkpoint) if last else None
     exported = export_final_hf(run_cfg, parts.ckpt_dir, run_dir) if not stopped else None
     manifest.hf_export = str(exported) if exported is not None else None
