@@ -16,13 +16,9 @@ import contextlib
 from dataclasses import dataclass
 
 from diagnostics.analysis.stats import median
-from diagnostics.analysis.thresholds import (
-    COST_CRITICAL,
-    COST_WARNING,
-    INPUT_BOUND_FRACTION,
-    MIN_PHASE_S,
-    STRAGGLER_RATIO,
-)
+from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING, MIN_PHASE_S
+from diagnostics.kinds.input_bound import INPUT_BOUND_FRACTION
+from diagnostics.kinds.straggler import STRAGGLER_RATIO
 from diagnostics.mfu import AccountingError, flops_utilization
 
 

@@ -8,9 +8,7 @@ from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.load import RankTelemetry, RunTelemetry, Sample
 from diagnostics.analysis.stats import present, ratio, steady
 from diagnostics.analysis.summary import RankPhases
-from diagnostics.analysis.thresholds import (
-    MIN_PHASE_S,
-)
+from diagnostics.analysis.thresholds import MIN_PHASE_S
 
 
 def phase_fractions(phases: list[RankPhases], key: str) -> dict[int, float]:

@@ -16,17 +16,42 @@ from diagnostics.analysis.phase_comm import timed_comm
 from diagnostics.analysis.stats import ratio, rounded
 from diagnostics.analysis.step_measures import collective_comm_s, exposed_comm
 from diagnostics.analysis.summary import RankPhases, Summary
-from diagnostics.analysis.thresholds import (
-    AMORTIZED_MIN,
-    COMM_BOUND_FRACTION,
-    COMM_SATURATION,
-    MIN_PHASE_S,
-    TOKENS_DOMINATE,
-    TOKENS_MATERIAL,
-    WINDOW_AGREEMENT,
-)
+from diagnostics.analysis.thresholds import MIN_PHASE_S
 from diagnostics.kinds.comm_levers import comm_split_of, ddp_comm_hooks, onebit_adam, tensor_parallel_levers
 from diagnostics.kinds.levers import HALF, Recommendation, bigger_global, gain, lever, no_lever
+
+# comm_bound: exposed communication (the wait at the collective that is neither data nor local compute).
+# The *minimum* over ranks is used, because every rank pays true communication while only the fast ranks pay
+# waiting for a straggler. A quarter of the step in exposed communication is where overlap or fewer
+# all-reduces per token start to pay; below it, low_overlap reports exposed communication.
+COMM_BOUND_FRACTION = 0.25
+# ... or saturated: the profiled communication per step needs at least 80% of the backward compute it can hide
+# behind. Gradients become ready progressively, so the last buckets always trail the backward: at 80% there
+# is no headroom left and any jitter is exposed (healthy DDP runs sit well below half).
+COMM_SATURATION = 0.8
+# The all-to-alls are most of the phases' communication: token traffic, which neither accumulation nor gradient
+# compression shrinks per token (recommend.for_comm_bound).
+TOKENS_DOMINATE = 0.5
+# The all-to-alls take at least this share of the step: fewer ranks per expert group (strategy.ep) is worth an
+# A/B even while gradients are most of the traffic. moe-micro under FSDP on 2 CPU ranks: all-to-alls 14-15% of
+# the step (40% of the phases' transfer) and ep=1 measured 16-23% faster than ep=2.
+TOKENS_MATERIAL = 0.05
+# comm_bound's levers by the part of the communication each shrinks (analysis/comm_split.py). Accumulation is
+# offered when at least this share moves once per optimizer step: doubling it then saves a tenth of the exposed
+# communication or more. Under FSDP2 (every micro-batch gathers and reduces) it saves none.
+AMORTIZED_MIN = 0.2
+# Under DDP the profile window's collectives stand for the gradients' (their saturation of backward, their share of a
+# busy host's cores) only where the exposure it shows is within this factor of what the step records time every step.
+WINDOW_AGREEMENT = 2.0
+# The thresholds above, by name, for the report (report.json's ``thresholds``).
+THRESHOLDS = {
+    "COMM_BOUND_FRACTION": COMM_BOUND_FRACTION,
+    "COMM_SATURATION": COMM_SATURATION,
+    "TOKENS_DOMINATE": TOKENS_DOMINATE,
+    "TOKENS_MATERIAL": TOKENS_MATERIAL,
+    "AMORTIZED_MIN": AMORTIZED_MIN,
+    "WINDOW_AGREEMENT": WINDOW_AGREEMENT,
+}
 
 
 def _saturation(p: RankPhases, comm_s: float | None) -> float | None:

@@ -9,9 +9,7 @@ from typing import Any
 from diagnostics.analysis.comm_split import strategy_split
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.finding import Finding, pct
-from diagnostics.analysis.thresholds import (
-    TP_MATERIAL,
-)
+from diagnostics.analysis.thresholds import TP_MATERIAL
 from diagnostics.kinds.levers import HALF, Recommendation, gain, lever
 
 # PowerSGD's default rank and warm-up (conf/strategy/ddp.yaml); a matrix below this width compresses < 8x.

@@ -9,10 +9,18 @@ from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.finding import Finding
 from diagnostics.analysis.load import RunTelemetry
 from diagnostics.analysis.summary import RankPhases, Summary
-from diagnostics.analysis.thresholds import CRASHED_RUN_MIN_STEPS
 from diagnostics.crash import describe_site, primary_crash, raised_at
 from diagnostics.kinds.levers import Recommendation, no_lever
 from diagnostics.manifest import RunManifest
+
+# A run that crashed: its other findings rest on the steps before the crash. With fewer steps than this on a
+# rank (after warm-up, typically only a start-up window and at most one profiler window) they are reported as
+# info only; with more, at most as warnings: the crash is the thing to fix, the rest is measured on a run
+# that did not finish.
+CRASHED_RUN_MIN_STEPS = 10
+# The thresholds above, by name, for the report (report.json's ``thresholds``).
+THRESHOLDS = {"CRASHED_RUN_MIN_STEPS": CRASHED_RUN_MIN_STEPS}
+
 
 LOST = "the run stopped: every step after it is lost until it is fixed and resumed"
 

@@ -11,13 +11,21 @@ from diagnostics.analysis.load import RunTelemetry
 from diagnostics.analysis.stats import mean, median, ratio, rounded, steady
 from diagnostics.analysis.step_measures import phase_fractions, training_samples, unexplained_idle
 from diagnostics.analysis.summary import RankPhases, Summary, run_device, unattributed_s
-from diagnostics.analysis.thresholds import (
-    EXPLAINED_WAIT_FRACTION,
-    HOST_OVERHEAD_FRACTION,
-    LOW_DEVICE_UTIL_PCT,
-    MIN_PHASE_S,
-)
+from diagnostics.analysis.thresholds import MIN_PHASE_S
 from diagnostics.kinds.levers import HALF, Recommendation, compile_levers, gain, larger_micro, lever
+
+# host_overhead: step time that no phase accounts for (framework, Python, kernel launches), or the profiler's
+# idle time. A tenth of the step is well above Lightning's per-step cost on any real model.
+HOST_OVERHEAD_FRACTION = 0.10
+# ... or a GPU that is mostly idle (NVML utilization) while neither data nor communication explains it.
+LOW_DEVICE_UTIL_PCT = 50.0
+EXPLAINED_WAIT_FRACTION = 0.10
+# The thresholds above, by name, for the report (report.json's ``thresholds``).
+THRESHOLDS = {
+    "HOST_OVERHEAD_FRACTION": HOST_OVERHEAD_FRACTION,
+    "LOW_DEVICE_UTIL_PCT": LOW_DEVICE_UTIL_PCT,
+    "EXPLAINED_WAIT_FRACTION": EXPLAINED_WAIT_FRACTION,
+}
 
 
 def _low_util(run: RunTelemetry, phases: list[RankPhases]) -> dict[int, float]:

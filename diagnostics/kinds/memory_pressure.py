@@ -9,11 +9,17 @@ from diagnostics.analysis.finding import Finding, cost, ranks_text
 from diagnostics.analysis.load import RunTelemetry, num
 from diagnostics.analysis.stats import present, ratio, rounded
 from diagnostics.analysis.summary import RankPhases, Summary
-from diagnostics.analysis.thresholds import (
-    MEMORY_CRITICAL_FRACTION,
-    MEMORY_PRESSURE_FRACTION,
-)
 from diagnostics.kinds.levers import Recommendation, lever, smaller_micro
+
+# memory_pressure: the caching allocator above 90% of device memory fragments and retries cudaMalloc
+# (visible as slow steps); above 97% the next longer sequence or larger bucket is an OOM.
+MEMORY_PRESSURE_FRACTION = 0.90
+MEMORY_CRITICAL_FRACTION = 0.97
+# The thresholds above, by name, for the report (report.json's ``thresholds``).
+THRESHOLDS = {
+    "MEMORY_PRESSURE_FRACTION": MEMORY_PRESSURE_FRACTION,
+    "MEMORY_CRITICAL_FRACTION": MEMORY_CRITICAL_FRACTION,
+}
 
 
 def _host_memory_total(run: RunTelemetry, rank: int) -> float | None:

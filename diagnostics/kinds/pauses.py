@@ -13,11 +13,19 @@ from diagnostics.analysis.load import RunTelemetry
 from diagnostics.analysis.pauses import INTERVAL_KEYS, loop_time
 from diagnostics.analysis.stats import rounded
 from diagnostics.analysis.summary import RankPhases, Summary
-from diagnostics.analysis.thresholds import (
-    PAUSE_TARGET_SHARE,
-    PAUSES_MIN_SHARE,
-)
+from diagnostics.analysis.thresholds import COST_WARNING
 from diagnostics.kinds.levers import Recommendation, gain, lever, no_lever
+
+# pauses: validation and checkpoint writes are work the user asked for, not a fault; below the warning cost their
+# share of the loop is the price of that. Reported from PAUSES_MIN_SHARE, but graded on what rarer intervals can give
+# back: each kind is only made rarer down to PAUSE_TARGET_SHARE of the loop (a run validates and saves for a reason;
+# under 2% a rarer one saves less than two identical runs differ). The README's default run (4 validations of 8
+# batches and 2 saves in 220 steps) spends 4-5% of its loop there (5.06% on a CI box): info, since 2-3 points of
+# that are all the levers could return.
+PAUSES_MIN_SHARE = COST_WARNING
+PAUSE_TARGET_SHARE = 0.02
+# The thresholds above, by name, for the report (report.json's ``thresholds``).
+THRESHOLDS = {"PAUSES_MIN_SHARE": PAUSES_MIN_SHARE, "PAUSE_TARGET_SHARE": PAUSE_TARGET_SHARE}
 
 
 def detect(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:

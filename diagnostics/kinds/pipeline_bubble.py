@@ -12,11 +12,14 @@ from diagnostics.analysis.finding import pct as _pct
 from diagnostics.analysis.load import RunTelemetry
 from diagnostics.analysis.stats import mean, rounded, steady
 from diagnostics.analysis.summary import RankPhases, Summary
-from diagnostics.analysis.thresholds import (
-    BUBBLE_FRACTION,
-    COST_WARNING,
-)
+from diagnostics.analysis.thresholds import COST_WARNING
 from diagnostics.kinds.levers import HALF, Recommendation, bigger_global, gain, kept_global, lever
+
+# pipeline_bubble: the idle share of a pipeline schedule, (pp-1)/(m+pp-1) for GPipe/1F1B. 15% is about what
+# the common m = 4·pp microbatches cost (3/19 = 16% at pp=4); beyond it more microbatches pay.
+BUBBLE_FRACTION = 0.15
+# The thresholds above, by name, for the report (report.json's ``thresholds``).
+THRESHOLDS = {"BUBBLE_FRACTION": BUBBLE_FRACTION}
 
 
 def detect(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> list[Finding]:

@@ -1,5 +1,5 @@
-"""Each kind of ``ORDER`` to its module's ``detect`` and ``recommend``: the one place that maps a finding kind to the
-code that finds it and the levers that act on it."""
+"""Each kind of ``ORDER`` to its module's ``detect``, ``recommend`` and ``THRESHOLDS``: the one place that maps a
+finding kind to the code that finds it, the levers that act on it and the values it decides on."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class Kind:
     name: str
     detect: Detector  # the findings of this kind in a loaded, summarized run ([] when the run shows none)
     recommend: Recommender  # the ranked levers of one finding of this kind
+    thresholds: dict[str, float]  # the module's THRESHOLDS: what its detector decides on, by name
 
 
 def _kind(name: str) -> Kind:
@@ -36,7 +37,8 @@ def _kind(name: str) -> Kind:
     missing = [part for part, found in parts.items() if not callable(found)]
     if missing:
         raise TypeError(f"{module.__name__} has no {' or '.join(missing)}: every kind of ORDER needs both")
-    return Kind(name, cast(Detector, parts["detect"]), cast(Recommender, parts["recommend"]))
+    thresholds = getattr(module, "THRESHOLDS", {})
+    return Kind(name, cast(Detector, parts["detect"]), cast(Recommender, parts["recommend"]), dict(thresholds))
 
 
 # Imported at once, not on first use: a kind without its module fails when diagnostics load, not mid-report.

@@ -9,18 +9,49 @@ from diagnostics.analysis.finding import Finding, costed, ranks_text, ranks_verb
 from diagnostics.analysis.load import RunTelemetry, StepRecord
 from diagnostics.analysis.stats import interquartile_mean, mean, median, percentile, present, rounded, steady
 from diagnostics.analysis.summary import RankPhases, Summary, job_step_moved, job_step_times
-from diagnostics.analysis.thresholds import (
-    MIN_PHASE_S,
-    MIN_STALLS,
-    STALL_FRACTION,
-    STALL_MIN_COST,
-    STALL_NOISE,
-    STRAGGLER_MIN_COST,
-    STRAGGLER_PERSISTENCE,
-    STRAGGLER_RATIO,
-    STRAGGLER_SECONDARY_SHARE,
-)
+from diagnostics.analysis.thresholds import MIN_PHASE_S
 from diagnostics.kinds.levers import ALL_OF_IT, Recommendation, gain, no_lever
+
+# straggler, by order of arrival: per step, how much later than the earliest rank a rank reaches the end of each
+# phase (its lateness). A rank that is slow in a phase falls behind during that phase; a rank that only waits
+# for it at a collective never falls behind, it is caught up with. On a shared host every rank falls behind
+# now and then (on the README's default run under load: ~70 ms a step each, the scheduler's choice), so what
+# counts is how much more one rank falls behind than the others' median: at least 5% of the step (the warning
+# cost) and in at least 70% of the steps (random preemption puts a rank behind in about half of them).
+STRAGGLER_MIN_COST = 0.05
+STRAGGLER_PERSISTENCE = 0.7
+# Another rank is named beside the one that falls behind most only if it falls behind at least this share as much:
+# a much smaller lag is what waiting inside an untimed collective leaves behind (4 ranks, gloo's broadcast tree: the
+# rank relaying DDP's buffer broadcast to a late rank lagged 12 ms a step beside that rank's 79 ms) or what the
+# scheduler hands out when ranks share cores. Fixing the first shows the next.
+STRAGGLER_SECONDARY_SHARE = 1 / 3
+# An intermittent straggler (``_stalls``): a step in which one rank fell behind the others, beyond its usual excess,
+# by at least STALL_FRACTION of the typical step and STALL_NOISE times the spread of its own excess (a robust
+# standard deviation) is a stall; it takes MIN_STALLS of them to call it a pattern, not a one-off. A tenth of the
+# step, not a quarter: stalls just under a quarter still cost a run several percent. Four spreads, not five: a rank
+# stalling in a quarter of its steps widens its own spread (the seeds behind both: benchmarks/RESULTS.md,
+# "Intermittent stalls"). Shared-host noise hits every rank alike: the rank named must also lose at least twice what
+# any other rank loses to its own stalls. A pattern costing STALL_MIN_COST is reported as info below the warning
+# cost: what the run's tail steps are, even where fixing it would gain little.
+STALL_FRACTION = 0.10
+STALL_NOISE = 4.0
+MIN_STALLS = 3
+STALL_MIN_COST = 0.02
+# Records without phase start times (older collectors): a rank's local compute against the median of the other
+# ranks; identical ranks on shared CPUs differ by ~5-10% from scheduling noise, 25% is outside that band.
+STRAGGLER_RATIO = 1.25
+# The thresholds above, by name, for the report (report.json's ``thresholds``).
+THRESHOLDS = {
+    "STRAGGLER_MIN_COST": STRAGGLER_MIN_COST,
+    "STRAGGLER_PERSISTENCE": STRAGGLER_PERSISTENCE,
+    "STRAGGLER_SECONDARY_SHARE": STRAGGLER_SECONDARY_SHARE,
+    "STALL_FRACTION": STALL_FRACTION,
+    "STALL_NOISE": STALL_NOISE,
+    "MIN_STALLS": MIN_STALLS,
+    "STALL_MIN_COST": STALL_MIN_COST,
+    "STRAGGLER_RATIO": STRAGGLER_RATIO,
+}
+
 
 # (segment of the step record, its phase). DDP's comm wait is where the others catch up with a slow rank: the
 # slow rank's lateness shrinks there, so it stays a phase of its own instead of cancelling backward compute.

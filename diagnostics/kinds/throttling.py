@@ -12,10 +12,15 @@ from diagnostics.analysis.load import RunTelemetry, Sample
 from diagnostics.analysis.stats import mean, present, rounded
 from diagnostics.analysis.step_measures import training_samples
 from diagnostics.analysis.summary import RankPhases, Summary
-from diagnostics.analysis.thresholds import (
-    THROTTLE_SAMPLE_FRACTION,
-)
 from diagnostics.kinds.levers import ALL_OF_IT, Recommendation, gain, no_lever
+
+# throttling: share of a device's NVML samples that report a thermal or power clock slowdown. Brief power-cap
+# dips are normal under load; a fifth of the run is a sustained clock loss. Its cost is that share times the
+# clock lost in those samples (unknown clocks: the share itself, an upper bound).
+THROTTLE_SAMPLE_FRACTION = 0.20
+# The thresholds above, by name, for the report (report.json's ``thresholds``).
+THRESHOLDS = {"THROTTLE_SAMPLE_FRACTION": THROTTLE_SAMPLE_FRACTION}
+
 
 # NVML clocks-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*). Only these slow a busy GPU down
 # for thermal or power reasons; GpuIdle, application clock settings, sync boost and display clocks do not.

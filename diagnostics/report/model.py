@@ -15,9 +15,11 @@ from diagnostics.analysis import thresholds as thresholds_module
 from diagnostics.analysis.context import RunContext
 from diagnostics.analysis.stats import rounded
 from diagnostics.analysis.tail import tail_line
-from diagnostics.analysis.thresholds import COST_WARNING, PAUSES_MIN_SHARE
+from diagnostics.analysis.thresholds import COST_WARNING
 from diagnostics.diagnosis import Analysis
 from diagnostics.kinds.levers import Recommendation
+from diagnostics.kinds.pauses import PAUSES_MIN_SHARE
+from diagnostics.kinds.registry import REGISTRY
 from diagnostics.prediction import one_line, prediction_of
 from diagnostics.report.fmt import flatten, gib, pct, peak_memory, rate, scale_of, scale_of_rec, seconds
 
@@ -36,7 +38,9 @@ def _round_tree(value: Any) -> Any:
 
 
 def thresholds() -> dict[str, float | int]:
-    return {k: v for k, v in vars(thresholds_module).items() if k.isupper() and isinstance(v, int | float)}
+    """Every value the detectors decide on: the shared ones (analysis/thresholds.py) and each kind's own."""
+    shared = {k: v for k, v in vars(thresholds_module).items() if k.isupper() and isinstance(v, int | float)}
+    return {**shared, **{name: value for kind in REGISTRY.values() for name, value in kind.thresholds.items()}}
 
 
 def ended_run(finding: Finding) -> bool:

@@ -10,8 +10,9 @@ import pytest
 
 from diagnostics.analysis import Finding, load_run
 from diagnostics.analysis.finding import severity_of
-from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING, INPUT_BOUND_FRACTION
+from diagnostics.analysis.thresholds import COST_CRITICAL, COST_WARNING
 from diagnostics.diagnosis import analyse
+from diagnostics.kinds.input_bound import INPUT_BOUND_FRACTION
 from diagnostics.kinds.throttling import slowdown_reasons
 from diagnostics.telemetry import TelemetryWriter, telemetry_path
 from tests.diag_fixtures import SCENARIOS, T0, _timeline, write_run

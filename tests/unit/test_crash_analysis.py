@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from diagnostics.analysis.thresholds import CRASHED_RUN_MIN_STEPS
 from diagnostics.crash import (
     crash_path,
     describe_site,
@@ -19,6 +18,7 @@ from diagnostics.crash import (
     write_crash_record,
 )
 from diagnostics.diagnosis import analyse
+from diagnostics.kinds.crash import CRASHED_RUN_MIN_STEPS
 from diagnostics.recommend import recommend_all
 from diagnostics.report import diagnose_run
 from diagnostics.telemetry import TELEMETRY_DIR

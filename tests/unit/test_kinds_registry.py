@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+from importlib import import_module
 
 import pytest
 
@@ -28,3 +29,15 @@ def test_every_kind_has_its_module_and_every_module_is_a_kind() -> None:
 def test_a_finding_of_a_kind_outside_the_registry_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown finding kind 'slow_disk'"):
         Finding("slow_disk", "info", [0], {}, "x")
+
+
+def test_each_threshold_has_one_home_and_reaches_the_report() -> None:
+    from diagnostics.analysis import thresholds as shared
+    from diagnostics.report.model import thresholds
+
+    names = [name for kind in REGISTRY.values() for name in kind.thresholds]
+    assert len(names) == len(set(names)), "a threshold named by two kinds"
+    assert not set(names) & set(vars(shared)), "a kind's threshold also in analysis/thresholds.py"
+    for kind in REGISTRY.values():
+        for name, value in kind.thresholds.items():
+            assert thresholds()[name] == value == getattr(import_module(f"diagnostics.kinds.{kind.name}"), name)
