@@ -66,7 +66,7 @@ DATA_OVERRIDES = {
 MICRO_BATCH_KEY = "trainer.micro_batch_size="
 MATRIX_MICRO_BATCH = [f"{MICRO_BATCH_KEY}8"]  # diagnosis_accuracy.py's MATRIX_BASE, which every run starts from
 GRADIENT_BYTES = {"builtin": 4 * 1_828_992}  # fp32 gradients of gpt-nano, what DDP all-reduces per step
-COMM_BOUND_FRACTION = 0.25  # diagnostics/analysis/thresholds.py: a slow link below it is low_overlap
+COMM_BOUND_FRACTION = 0.25  # diagnostics/kinds/comm_bound.py: a slow link below it is low_overlap
 
 
 @dataclass(frozen=True)

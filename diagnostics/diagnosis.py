@@ -38,9 +38,8 @@ def one_per_cause(findings: list[Finding]) -> list[Finding]:
 
 def explained_by_experts(findings: list[Finding], experts: list[Finding]) -> list[Finding]:
     """``findings`` with ``experts`` added, less a straggler that is the rank holding the hot experts: its extra
-    expert work is what makes it slow, and expert_imbalance says so with levers (the straggler has none). Measured:
-    moe-micro with 768-wide experts, two hot ones on rank 0: straggler 29-31% and expert_imbalance 16% of the step;
-    the report's placement removed both (+18.8% tokens/s, 4 interleaved rounds, CI +13.2..+24.8%)."""
+    expert work is what makes it slow, and expert_imbalance says so with levers (the straggler has none; the run
+    behind this rule: benchmarks/RESULTS.md, "Expert placement explains the straggler")."""
     hot = {rank for f in experts for rank in f.ranks}
     kept = [f for f in findings if not (f.kind == "straggler" and f.ranks and set(f.ranks) <= hot)]
     dropped = [f for f in findings if f not in kept]

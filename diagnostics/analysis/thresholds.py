@@ -1,9 +1,10 @@
-"""Named thresholds of the detectors, each with the reason for its value.
+"""The thresholds every finding kind shares, each with the reason for its value; a kind's own live in its module
+(diagnostics/kinds/<kind>.py, ``THRESHOLDS``).
 
 Fractions are of the mean step time of a rank after the warm-up steps are dropped. A finding needs both a
 relative and (where noise matters) an absolute margin, so that microsecond phases of a tiny CPU run cannot
-trigger it. The per-kind thresholds below decide whether a phenomenon is there at all (beyond noise); how bad
-it is comes from its cost on the one scale that follows.
+trigger it. A kind's thresholds decide whether a phenomenon is there at all (beyond noise); how bad it is comes
+from its cost on the one scale below.
 """
 
 from __future__ import annotations
