@@ -22,15 +22,12 @@ import lightning.pytorch as pl
 import torch
 
 from diagnostics.analysis.live import DEVICE_FIELDS, RanksWindow
-from diagnostics.collect.calibrate import (
+from diagnostics.collect.calibrate import matmul_flops_per_s, memory_bandwidth_gbps
+from diagnostics.collect.calibrate_comm import collective_bandwidth, comm_overlap, sync_wait
+from diagnostics.collect.calibrate_parallel import (
     FSDP_PROBE_WIDTHS,
-    collective_bandwidth,
-    comm_overlap,
     fsdp_model_overhead,
     fsdp_unit_overhead,
-    matmul_flops_per_s,
-    memory_bandwidth_gbps,
-    sync_wait,
     tp_linear_overhead,
     tp_model_overhead,
 )

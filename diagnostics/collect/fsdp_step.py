@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from diagnostics.collect.calibrate import compute_clock, group_mesh
+from diagnostics.collect.calibrate import compute_clock
+from diagnostics.collect.calibrate_parallel import group_mesh
 
 # Linear layers of each probe unit (two parameter tensors each): the slope between them is the per-tensor cost.
 UNIT_LINEARS = (4, 12)

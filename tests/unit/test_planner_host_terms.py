@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from diagnostics.calibration import calibration_from_telemetry
-from diagnostics.collect.calibrate import (
-    compute_clock,
+from diagnostics.collect.calibrate import compute_clock, runqueue_seconds
+from diagnostics.collect.calibrate_parallel import (
     fsdp_model_overhead,
     fsdp_unit_overhead,
     group_mesh,
-    runqueue_seconds,
     tp_linear_overhead,
     tp_model_overhead,
 )
@@ -454,7 +453,7 @@ def test_time_another_process_holds_the_core_is_told_apart_from_blocking() -> No
 def test_a_collectives_latency_is_read_off_a_tensor_sized_call_not_one_element(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from diagnostics.collect import calibrate
+    from diagnostics.collect import calibrate_comm as calibrate
 
     # gloo's all-reduce on 2 CPU ranks as measured: 8 MiB in 8.6 ms, 256 KiB in 3.1 ms, one element in 0.27 ms
     timings = {8 << 20: 8.6e-3, 256 << 10: 3.1e-3}
@@ -483,7 +482,7 @@ def test_a_collectives_latency_is_read_off_a_tensor_sized_call_not_one_element(
 
 
 def test_a_cpu_host_hides_collectives_only_with_a_spare_core_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    from diagnostics.collect import calibrate
+    from diagnostics.collect import calibrate_comm as calibrate
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(calibrate.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)

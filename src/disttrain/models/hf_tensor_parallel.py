@@ -152,7 +152,7 @@ def hf_tp_probe_parts(
 ) -> dict[str, object]:
     """The run's HF model (at the parts probe's two decoder layers), plain and under its own TP plan with the run's
     loss_parallel, for the start-up probe of tensor parallelism's host cost
-    (``diagnostics.collect.calibrate.tp_model_overhead``): its decoder layers are timed inside the whole model's
+    (``calibrate_parallel.tp_model_overhead``): its decoder layers are timed inside the whole model's
     passes (their family-specific arguments only the model passes them), the rest of a pass is the edges. Without
     sequence parallelism, as the reference transformer's probe (``tensor_parallel.tp_probe_parts``)."""
     from disttrain.models.probe_parts import hf_probe_model

@@ -133,7 +133,7 @@ def apply_tensor_parallel(
 
 def tp_probe_parts(cfg: ModelConfig, tp_mesh: DeviceMesh, loss_parallel: bool, device: torch.device) -> dict:
     """The run's own layers, plain and under this plan, for the start-up probe of tensor parallelism's host cost
-    (``diagnostics.collect.calibrate.tp_model_overhead``): one transformer block, and the model without blocks (the
+    (``calibrate_parallel.tp_model_overhead``): one transformer block, and the model without blocks (the
     vocab-parallel embedding, the final norm, the LM head; the loss runs under ``loss_parallel`` as the engine's).
     Without sequence parallelism: the probe times its plan only (an SP run is timed on it too)."""
 

@@ -1,4 +1,4 @@
-"""The FSDP probe's model for a strategy=fsdp run (``diagnostics.collect.calibrate.fsdp_model_overhead``): the run's
+"""The FSDP probe's model for a strategy=fsdp run (``calibrate_parallel.fsdp_model_overhead``): the run's
 own model cut to a block or two (its edges kept), plain and wrapped in ``fully_shard`` as the run wraps it (a unit
 per block, resharded after forward as the run's are, then the root), in the run's parameter dtype.
 
