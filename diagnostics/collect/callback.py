@@ -8,13 +8,11 @@ rank, so it cannot deadlock a healthy run.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +20,6 @@ import lightning.pytorch as pl
 import torch
 
 from diagnostics.analysis.live import DEVICE_FIELDS, RanksWindow
-from diagnostics.collect.calibrate import matmul_flops_per_s, memory_bandwidth_gbps
-from diagnostics.collect.calibrate_comm import collective_bandwidth, comm_overlap, sync_wait
-from diagnostics.collect.calibrate_parallel import (
-    FSDP_PROBE_WIDTHS,
-    fsdp_model_overhead,
-    fsdp_unit_overhead,
-    tp_linear_overhead,
-    tp_model_overhead,
-)
 from diagnostics.collect.deepspeed_comm import time_deepspeed_collectives
 from diagnostics.collect.experts import (
     exchanges_tokens,
@@ -40,79 +29,16 @@ from diagnostics.collect.experts import (
     time_expert_collectives,
 )
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
-from diagnostics.collect.fsdp_step import fsdp_step_overhead
 from diagnostics.collect.lightning_comm import time_lightning_collectives
-from diagnostics.collect.parts import time_model_parts
 from diagnostics.collect.profile_window import ProfilerWindow
+from diagnostics.collect.run_facts import CollectSettings, RunFacts
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
+from diagnostics.collect.startup_calibration import StartupCalibration
 from diagnostics.collect.state_bytes import training_state_bytes
 from diagnostics.collect.steps import DataWaitProfiler, PhaseTimer, StepPhases
 from diagnostics.collect.watchdog import Watchdog
-from diagnostics.collect.zero_step import zero_overhead
 from diagnostics.mfu import flops_utilization
 from diagnostics.telemetry import TelemetryWriter
-
-
-@dataclass(frozen=True)
-class CollectSettings:
-    step_every: int = 1
-    gather_every: int = 10
-    sample_interval_s: float = 2.0
-    profile: bool = True
-    profile_wait_steps: int = 10
-    profile_active_steps: int = 3
-    calibrate: bool = True
-    hang_timeout_s: float = 600.0
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the collectors need to know about the run (typed, from the pipeline)."""
-
-    strategy: str
-    precision: str
-    compute_dtype: str
-    hw: str
-    num_parameters: int
-    # The run's unit of work: "token" for a token model; "sample" for a LightningModule, whose samples are its
-    # batches' rows. ``flops_per_token``, ``tokens_per_step`` and the telemetry's ``tokens_per_s`` are per unit of
-    # work (the names predate other units; a sample run's telemetry says ``work_unit: sample``).
-    flops_per_token: float
-    hardware_flops_per_token: float
-    tokens_per_step: int
-    micro_batch_size: int
-    accumulation: int
-    seq_len: int
-    max_steps: int
-    peak_flops: float | None  # datasheet dense peak per device for compute_dtype, None if unknown
-    tp: int = 1  # tensor-parallel degree (strategy=megatron): the DTensor dispatch probe runs only when above 1
-    d_model: int = 0  # the model's width where the planner knows its shape: the TP probe runs at the run's shapes
-    # The run's own layers, plain and tensor-parallel, for the TP probe (``parts(tp_mesh, device=...)``, see
-    # ``tp_model_overhead``): the reference transformer's; None (a user or HF model): a linear pair stands in.
-    tp_probe: Callable[..., dict] | None = None
-    # Ranks each FSDP2 unit shards over (strategy=fsdp; strategy=megatron's data parallelism, which wraps its chunks
-    # even over one rank); 0: no FSDP2. The FSDP host-cost probe runs over groups of that size, only then.
-    fsdp_shard_ranks: int = 0
-    # A small copy of the run's own model, plain and sharded as the run shards it, for the FSDP probe's per-byte
-    # cost (``parts(mesh, device=...)``, see ``fsdp_model_overhead``); None: a Linear pair stands in.
-    fsdp_probe: Callable[..., dict] | None = None
-    # Collectives issued off the training and autograd threads (DDP's PowerSGD hook, from gloo's future callbacks):
-    # only then does the profiler window profile every thread.
-    collectives_off_thread: bool = False
-    # The run's own block, edges and block optimizer for the parts probe (``parts(device)``, see
-    # ``diagnostics.collect.parts``): the reference transformer's; None (a user or HF model): not probed.
-    parts_probe: Callable[[torch.device], dict] | None = None
-    # The run's step tail over a module's gradients (``step_tail(module)()``: the non-finite guard's norm, clipping
-    # with it, the run's AdamW), for the FSDP probe's sharded-parameter cost; None: that part is not probed.
-    step_tail: Callable[[torch.nn.Module], Callable[[], None]] | None = None
-    # A small copy of the run's own model and its DeepSpeed engine for the ZeRO probe (``parts(device=...)``, see
-    # ``zero_overhead``): a strategy=deepspeed run at ZeRO-1/2 the probe can build; None: not probed.
-    zero_probe: Callable[..., dict] | None = None
-    work_unit: str = "token"
-    tokens_per_sample: int | None = None  # a sample run whose module says what a token is (its tokens per sample)
-    # FLOPs per unit counted at the first step (training/flop_count.py) where the module states none: the MFU
-    # numerator from then on (``flops_per_token`` is 0 until then).
-    counted_flops_per_unit: Callable[[], float | None] | None = None
 
 
 def _run_rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
@@ -143,7 +69,7 @@ class DiagnosticsCallback(pl.Callback):
         self.sampler: DeviceSampler | None = None
         self.profiler: ProfilerWindow | None = None
         self.watchdog: Watchdog | None = None
-        self.calibrated: float | None = None
+        self.calibration = StartupCalibration(facts, self.write, self.guarded)
         self.training_state: int | None = None  # bytes of parameters, gradients and optimizer states (once)
         self.steps_seen = 0
         # Seconds the always-on collectors spent on the training thread (hooks, records, rank gathers): their
@@ -499,86 +425,18 @@ class DiagnosticsCallback(pl.Callback):
             self.writer.flush()
 
     def calibrate(self, device: torch.device, when: str) -> None:
-        """Measure the matmul peak; keep the best of start and end (load from other processes only lowers it)."""
-        result = self.guarded("calibration", lambda: matmul_flops_per_s(device, self.facts.compute_dtype))
-        if result:
-            self.calibrated = max(self.calibrated or 0.0, result["flops_per_s"])
-            self.write("calibration", when=when, **result)
+        self.calibration.peak(device, when)
 
     def calibrate_parts(self, device: torch.device) -> None:
-        """Time the run's own block, edges and block optimizer step (what the planner composes each layout's step
-        from). Per rank, no collectives: a rank whose probe fails records the error and the others go on."""
-        f = self.facts
-        if f.parts_probe is None:
-            return
-        probe = f.parts_probe
-        result = self.guarded("parts_calibration", lambda: time_model_parts(device, probe(device), f.micro_batch_size))
-        if result:
-            self.write("parts_calibration", precision=f.precision, **result)
+        self.calibration.parts(device)
 
     def calibrate_links(self, trainer: pl.Trainer, device: torch.device) -> None:
-        """Bus bandwidth of each collective over the run's links, and this device's memory bandwidth: what the
-        planner divides by (``python -m plan calibration=RUN_DIR``). Every rank takes part in the same order; not
-        guarded per rank, since a rank that skipped a collective would leave the others waiting in it."""
-        import torch.distributed as dist
+        self.calibration.links(trainer, device)
 
-        bandwidth = self.guarded("memory_calibration", lambda: memory_bandwidth_gbps(device))
-        if bandwidth:
-            self.write("memory_calibration", bandwidth_gbps=bandwidth)
-        if not dist.is_available() or not dist.is_initialized() or trainer.world_size < 2:
-            return
-        nbytes = (256 if device.type == "cuda" else 8) * 2**20
-        groups: list[tuple[str, object | None]] = [("inter_node" if trainer.num_nodes > 1 else "intra_node", None)]
-        if trainer.num_nodes > 1 and trainer.num_devices > 1:
-            local, _ = dist.new_subgroups(group_size=trainer.num_devices)
-            groups.append(("intra_node", local))
-        ops = ["all_reduce", "all_gather", "reduce_scatter"]
-        if self.facts.tp > 1:  # DTensor's activation collectives: the functional all-reduce (see calibrate)
-            ops.append("functional_all_reduce")
-        for link, group in groups:
-            for op in ops:
-                self.write("link_calibration", link=link, **collective_bandwidth(op, group, nbytes, device))
-        self.write("sync_calibration", **sync_wait(None, device))
-        self.write("overlap_calibration", **comm_overlap(None, nbytes, device, trainer.num_devices))
-        if self.facts.tp > 1:  # the only runs with DTensor tensor parallelism (0.2-0.8 s on 2 CPU ranks)
-            f = self.facts
-            # Probes at the run's shapes build layers and activations beside the model: on a GPU that memory may be
-            # what the run needs, and the host cost they measure hides behind the kernels there (tiny pair only).
-            on_cpu = device.type == "cpu"
-            if f.tp_probe is not None and on_cpu:
-                parts = functools.partial(f.tp_probe, device=device)
-                self.write("tp_calibration", **tp_model_overhead(device, f.tp, parts, f.micro_batch_size))
-            else:
-                shapes = {"tokens": f.micro_batch_size * f.seq_len, "width": f.d_model} if f.d_model and on_cpu else {}
-                self.write("tp_calibration", **tp_linear_overhead(device, f.tp, **shapes))
-        if self.facts.fsdp_shard_ranks:  # 0.1-0.3 s on 2 CPU ranks, and 0.2-0.4 s for the step tail
-            ranks, step_tail = self.facts.fsdp_shard_ranks, self.facts.step_tail
-            # The run's own model at its micro-batch (0.5-1.5 s on 2 CPU ranks) on a CPU only: on a GPU its copy
-            # would take memory the run may need, and the host work hides behind the kernels there.
-            own_model = self.facts.fsdp_probe if device.type == "cpu" else None
-            record = fsdp_unit_overhead(device, ranks, widths=FSDP_PROBE_WIDTHS[:1] if own_model else FSDP_PROBE_WIDTHS)
-            if own_model is not None:
-                parts = functools.partial(own_model, device=device)
-                mb = self.facts.micro_batch_size
-                # A model the probe cannot copy fails alike on every rank, in its build or first plain pass (before
-                # any collective): all ranks then time the Linear pair's per-byte width instead, as before.
-                measured = self.guarded(
-                    "fsdp_model_calibration", lambda: fsdp_model_overhead(device, ranks, parts, mb, record["fixed_us"])
-                )
-                record.update(measured or fsdp_unit_overhead(device, ranks))
-            if step_tail is not None:
-                record.update(fsdp_step_overhead(device, ranks, step_tail))
-            self.write("fsdp_calibration", **record)
-        zero_probe, step_tail = self.facts.zero_probe, self.facts.step_tail
-        if zero_probe is not None and step_tail is not None and device.type == "cpu":
-            # DeepSpeed's host work on a copy of the run's model (1-2 s on 2 CPU ranks), on a CPU only (on a GPU the
-            # copy would take memory the run may need, and the host work hides behind the kernels). A model the probe
-            # cannot build fails alike on every rank, before its engine's first collective.
-            parts = functools.partial(zero_probe, device=device)
-            mb, world = self.facts.micro_batch_size, trainer.world_size
-            zero = self.guarded("zero_calibration", lambda: zero_overhead(device, parts, step_tail, mb, world))
-            if zero:
-                self.write("zero_calibration", **zero)
+    @property
+    def calibrated(self) -> float | None:
+        """The calibrated matmul peak (FLOP/s) of this device, the best of start and end; None before it ran."""
+        return self.calibration.calibrated
 
     def _throughput(self, world_size: int, tokens_per_s: float) -> None:
         f = self.facts

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+from diagnostics.collect.callback import DiagnosticsCallback
 from diagnostics.collect.intervals import intersection_total, split_window, total, union
 from diagnostics.collect.profile_window import (
     Event,
@@ -22,6 +22,7 @@ from diagnostics.collect.profile_window import (
     release_cupti_after_window,
     split_events,
 )
+from diagnostics.collect.run_facts import CollectSettings, RunFacts
 from diagnostics.collect.sampler import CpuReader, make_reader
 from diagnostics.collect.steps import PhaseTimer
 from diagnostics.collect.watchdog import (

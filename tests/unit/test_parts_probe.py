@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from diagnostics.calibration import calibration_from_telemetry
-from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+from diagnostics.collect.callback import DiagnosticsCallback
 from diagnostics.collect.parts import time_model_parts
+from diagnostics.collect.run_facts import CollectSettings, RunFacts
 from diagnostics.telemetry import RECORD_FIELDS, TelemetryWriter, telemetry_path
 from disttrain.config.schema import CUDAGRAPH_MODES, OptimizerConfig
 from disttrain.models.probe_parts import WITHOUT_GRAPHS, model_parts, probe_compiles

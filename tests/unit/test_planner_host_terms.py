@@ -504,7 +504,8 @@ def test_the_callback_times_fsdp2_on_the_runs_model_and_falls_back_to_the_pair_w
     import json
     from types import SimpleNamespace
 
-    from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+    from diagnostics.collect.callback import DiagnosticsCallback
+    from diagnostics.collect.run_facts import CollectSettings, RunFacts
     from diagnostics.telemetry import TelemetryWriter, telemetry_path
     from disttrain.config.schema import FSDPConfig
     from disttrain.strategies.fsdp_probe import fsdp_probe_parts

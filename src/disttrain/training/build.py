@@ -18,7 +18,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from diagnostics.collect.callback import CollectSettings, DiagnosticsCallback, RunFacts
+from diagnostics.collect.callback import DiagnosticsCallback
+from diagnostics.collect.run_facts import CollectSettings, RunFacts
 from diagnostics.report import diagnose_run
 from disttrain.config.hf import reference_shape
 from disttrain.config.objective import OBJECTIVES, split_objective
