@@ -12,7 +12,8 @@ from disttrain.config.experts import validate_expert_parallel
 from disttrain.config.parse import parse_run_config
 from disttrain.config.schema import ModelConfig
 from disttrain.models.accounting import count_active_parameters, count_parameters, flops_per_token, matmul_parameters
-from disttrain.models.moe import MoE, auxiliary_loss, moe_layers, regroup
+from disttrain.models.expert_exchange import regroup
+from disttrain.models.moe import MoE, auxiliary_loss, moe_layers
 from disttrain.models.transformer import apply_activation_checkpointing, build_model
 from disttrain.strategies.layout import validate_run
 from tests.conftest import compose_train, model_preset

@@ -6,7 +6,7 @@ Parameter names (what the init, the EP plan and the accounting rely on): ``block
 
 Stacked expert weights make expert parallelism a slice along dim 0 (``shard_experts``): a rank holds experts
 ``[offset, offset + E_local)``. Tokens then travel to the rank holding their expert and back by all-to-all
-(gloo implements ``all_to_all_single`` with uneven splits on CPU, NCCL on GPU).
+(models/expert_exchange.py; gloo implements ``all_to_all_single`` with uneven splits on CPU, NCCL on GPU).
 
 In training, the load-balancing loss is computed from the expert counts of the whole data-parallel batch (the
 counts are all-reduced over ``balance_group``, by default every rank: data parallelism spans the world under every
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 import math
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -30,6 +29,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from disttrain.config.schema import ModelConfig
+from disttrain.models.expert_exchange import (
+    ALL_TO_ALL_AFTER_EXPERTS,
+    AllToAll,
+    AttachAuxLoss,
+    CommObserver,
+    CopyToGroup,
+    ReduceFromGroup,
+    regroup,
+    timed_collective,
+)
 from disttrain.models.mlp import MLP
 
 
@@ -111,140 +120,6 @@ class GroupedExperts(nn.Module):
             outputs.append(a @ w2[j])
             start += n
         return torch.cat(outputs) if outputs else x[:0]
-
-
-def cumsum_exclusive(x: torch.Tensor) -> torch.Tensor:
-    return x.cumsum(0) - x
-
-
-def regroup(counts: torch.Tensor) -> torch.Tensor:
-    """Gather indices turning rows laid out in ``counts``' row-major segments into column-major segment order.
-
-    ``counts [a, b]``: segment (i, j) holds ``counts[i, j]`` consecutive rows. After an all-to-all the rows arrive
-    ordered by (source rank, local expert); the experts want them by (local expert, source rank).
-    """
-    flat = counts.reshape(-1)
-    starts = cumsum_exclusive(flat).view_as(counts).t().reshape(-1)
-    sizes = counts.t().reshape(-1)
-    total = int(flat.sum())
-    return torch.arange(total, device=counts.device) + torch.repeat_interleave(starts - cumsum_exclusive(sizes), sizes)
-
-
-# Reports the seconds of one collective an MoE layer issued: (op, seconds). Set by the diagnostics (a rank that
-# waits for a slower peer waits inside these calls, in the phase that issued them; see diagnostics/collect).
-CommObserver = Callable[[str, float], None]
-# The op name of the token exchanges that end this rank's expert compute (combine forward, the dispatch's reverse in
-# backward): a peer holding busier experts is waited for there. The other exchanges are "all_to_all".
-ALL_TO_ALL_AFTER_EXPERTS = "all_to_all_after_experts"
-
-
-def _timed(
-    observer: CommObserver | None, op: str, collective: Callable[..., object], *args: object, **kw: object
-) -> None:
-    """``collective(*args, **kw)``, its seconds told to ``observer`` (when one is set)."""
-    if observer is None:
-        collective(*args, **kw)
-        return
-    start = time.perf_counter()
-    try:
-        collective(*args, **kw)
-    finally:
-        observer(op, time.perf_counter() - start)
-
-
-class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits, differentiable (backward is the reverse exchange), each exchange
-    timed for ``observer`` (gloo and the host-synchronous backends block for the slowest rank inside the call)
-    under the op names ``ops`` gives its forward and backward calls."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        x: torch.Tensor,
-        out_splits: list[int],
-        in_splits: list[int],
-        group: object,
-        observer: CommObserver | None,
-        ops: tuple[str, str],
-    ) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.observer = (out_splits, in_splits), group, observer  # type: ignore[attr-defined]
-        ctx.backward_op = ops[1]  # type: ignore[attr-defined]
-        return _exchange(x, out_splits, in_splits, group, observer, ops[0])
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out_splits, in_splits = ctx.splits  # type: ignore[attr-defined]
-        op = ctx.backward_op  # type: ignore[attr-defined]
-        back = _exchange(grad, in_splits, out_splits, ctx.group, ctx.observer, op)  # type: ignore[attr-defined]
-        return back, None, None, None, None, None
-
-
-def _exchange(
-    x: torch.Tensor,
-    out_splits: list[int],
-    in_splits: list[int],
-    group: object,
-    observer: CommObserver | None,
-    op: str = "all_to_all",
-) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    _timed(observer, op, dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
-class CopyToGroup(torch.autograd.Function):
-    """Identity forward, gradient all-reduced over ``group`` backward (Megatron's ``f``): a replicated input whose
-    consumers on each rank see only part of the work (this rank's experts) gets the gradient of all of it."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: object, observer: CommObserver | None
-    ) -> torch.Tensor:
-        ctx.group, ctx.observer = group, observer  # type: ignore[attr-defined]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        total = grad.contiguous().clone()
-        _timed(ctx.observer, "all_reduce", dist.all_reduce, total, group=ctx.group)  # type: ignore[attr-defined]
-        return total, None, None
-
-
-class AttachAuxLoss(torch.autograd.Function):
-    """Identity on a layer's output forward; backward also sends ``scale`` as the gradient of the layer's auxiliary
-    loss (Megatron's MoEAuxLossAutoScaler). The loss then needs no path to the objective: a pipeline stage's
-    backward, which starts from the activations' gradient, trains its layers' routers too."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, out: torch.Tensor, aux: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        ctx.save_for_backward(aux)
-        ctx.scale = scale  # type: ignore[attr-defined]
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, None]:
-        (aux,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        return grad, torch.full_like(aux, ctx.scale), None  # type: ignore[attr-defined]
-
-
-class ReduceFromGroup(torch.autograd.Function):
-    """Sum over ``group`` forward, identity backward (Megatron's ``g``): each rank's experts' share of the output."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: object, observer: CommObserver | None
-    ) -> torch.Tensor:
-        total = x.contiguous().clone()
-        _timed(observer, "all_reduce", dist.all_reduce, total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad, None, None
 
 
 class ExpertLayer(nn.Module, abc.ABC):
@@ -383,7 +258,7 @@ class ExpertLayer(nn.Module, abc.ABC):
             # Per-expert assignments, then the token count: one all-reduce for both.
             assigned = torch.cat([counts.float(), counts.new_tensor([probs.shape[0]], dtype=torch.float32)])
             if self.training and dist.is_initialized() and dist.get_world_size() > 1:
-                _timed(self.comm_observer, "all_reduce", dist.all_reduce, assigned, group=self.balance_group)
+                timed_collective(self.comm_observer, "all_reduce", dist.all_reduce, assigned, group=self.balance_group)
             # 1 everywhere when balanced. Linear in P, so the ranks' mean is the global batch's loss.
             share = assigned[:-1] * self.num_experts / (assigned[-1] * self.top_k)
             loss = self.aux_loss_coef * (share * probs.mean(0)).sum()
@@ -416,7 +291,9 @@ class ExpertLayer(nn.Module, abc.ABC):
         local = self.num_local
         group, observer = self.ep_group, self.comm_observer
         received = torch.empty_like(counts)
-        _timed(observer, "all_to_all", dist.all_to_all_single, received, counts, group=group)  # [source, local expert]
+        timed_collective(
+            observer, "all_to_all", dist.all_to_all_single, received, counts, group=group
+        )  # [source, local expert]
         received = received.view(self.ep_size, local)
         send_splits = counts.view(self.ep_size, local).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
