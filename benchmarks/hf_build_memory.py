@@ -53,7 +53,8 @@ def _rank(rank: int, port: int, strategy: str, placement: str, source: str, out:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     import deepspeed
 
-    from disttrain.config.schema import FSDPConfig, HFModelConfig, PrecisionConfig
+    from disttrain.config.schema import HFModelConfig, PrecisionConfig
+    from disttrain.config.strategy_schema import FSDPConfig
     from disttrain.models import apply_activation_checkpointing
     from disttrain.models.factory import build_model_factory
     from disttrain.strategies.deepspeed import disable_shm_comm_build, partition_model

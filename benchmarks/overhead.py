@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import FSDPConfig
+from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.data.datamodule import TokenDataModule
 from disttrain.data.sampling import ResumableShardedSampler
 from disttrain.launch.local import free_port

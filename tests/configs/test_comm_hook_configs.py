@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import COMM_HOOKS, DDPConfig
+from disttrain.config.strategy_schema import COMM_HOOKS, DDPConfig
 from disttrain.models import apply_activation_checkpointing, build_model
 from disttrain.strategies.comm_hooks import bf16_hook_for_gloo
 from disttrain.strategies.ddp import HookedDDPStrategy, OneProcessStrategy, build_ddp, build_one_process

@@ -9,7 +9,8 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import MegatronConfig, RunConfig
+from disttrain.config.schema import RunConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.config.validate import BatchPlan
 from disttrain.job.describe import describe_launch
 from disttrain.models import apply_activation_checkpointing

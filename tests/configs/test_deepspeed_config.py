@@ -9,7 +9,7 @@ import pytest
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import DeepSpeedConfig
+from disttrain.config.strategy_schema import DeepSpeedConfig
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.facts import ModelFacts
 from disttrain.planner import Layout

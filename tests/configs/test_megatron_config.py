@@ -8,7 +8,7 @@ import pytest
 from disttrain.config.degrees import MegatronDegrees
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import MegatronConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.planner.plan import plan
 from disttrain.strategies.layout import validate_run, world_layout
 from tests.conftest import compose_train, compose_train_each, hw_profile, model_preset

@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from diagnostics.collect.comm_bytes import collective_bytes, profiler_options
-from disttrain.config.schema import DDPConfig, ModelConfig
+from disttrain.config.schema import ModelConfig
+from disttrain.config.strategy_schema import DDPConfig
 from disttrain.data.markov import MarkovSource
 from disttrain.models import build_model
 from disttrain.models.onebit_adam import OneBitAdam

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from disttrain.config.schema import FSDPConfig, HFModelConfig, PrecisionConfig
+from disttrain.config.schema import HFModelConfig, PrecisionConfig
+from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.models import apply_activation_checkpointing
 from disttrain.models.factory import build_model_factory
 from disttrain.models.hf import SafetensorsWeights

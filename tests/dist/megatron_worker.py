@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from disttrain.config.degrees import megatron_degrees
-from disttrain.config.schema import MegatronConfig, ModelConfig
+from disttrain.config.schema import ModelConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.launch.process_exit import finish_and_exit
 from disttrain.models.module import param_groups
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh

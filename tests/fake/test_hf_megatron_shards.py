@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from disttrain.config.degrees import megatron_degrees
 from disttrain.config.hf import hf_shape
-from disttrain.config.schema import HFModelConfig, MegatronConfig
+from disttrain.config.schema import HFModelConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.planner import model_shape
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 from tests.fake.test_megatron_shards import tp_local_shape

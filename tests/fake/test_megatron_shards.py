@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from disttrain.config.degrees import megatron_degrees
-from disttrain.config.schema import MegatronConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.planner import model_shape
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 from tests.conftest import model_preset

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from disttrain.config.schema import FSDPConfig, ModelConfig, PrecisionConfig
+from disttrain.config.schema import ModelConfig, PrecisionConfig
+from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.models import build_model
 from disttrain.planner import model_shape
 from disttrain.strategies.fsdp import apply_fsdp

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 from disttrain.config.degrees import megatron_degrees
-from disttrain.config.schema import MegatronConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.planner import Layout, Workload, comm_plan, model_shape
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 from tests.conftest import hw_profile, model_preset

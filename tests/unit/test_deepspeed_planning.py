@@ -10,7 +10,7 @@ from diagnostics.analysis import Finding
 from diagnostics.analysis.context import RunContext
 from diagnostics.recommend import recommend
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import DDPConfig, DeepSpeedConfig, FSDPConfig
+from disttrain.config.strategy_schema import DDPConfig, DeepSpeedConfig, FSDPConfig
 from disttrain.strategies.auto import auto_candidates, layout_of, predict_memory, resolve_auto
 from disttrain.strategies.layout import batch_plan, parallel_layout, validate_run, world_layout
 from tests.conftest import compose_train

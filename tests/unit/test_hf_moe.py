@@ -13,7 +13,8 @@ import torch
 from disttrain.config.errors import ConfigError
 from disttrain.config.experts import validate_expert_parallel, validate_megatron_experts
 from disttrain.config.hf import hf_shape, legacy_expert_sources, load_hf_config
-from disttrain.config.schema import HFModelConfig, MegatronConfig
+from disttrain.config.schema import HFModelConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.models.accounting import count_parameters
 from disttrain.models.hf import SafetensorsWeights, build_hf_model
 from disttrain.models.hf_moe import HFExperts

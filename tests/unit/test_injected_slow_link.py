@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.injected import SlowLink, slow_down_gradient_link
-from disttrain.config.schema import DDPConfig
+from disttrain.config.strategy_schema import DDPConfig
 from disttrain.strategies.comm_hooks import build_comm_hook
 from disttrain.strategies.ddp import HookedDDPStrategy
 from disttrain.strategies.onebit import CompressedMean

@@ -20,7 +20,8 @@ from diagnostics.analysis.summary import Summary
 from diagnostics.kinds.needs import gated
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_model
-from disttrain.config.schema import CustomDataConfig, CustomModelConfig, FSDPConfig, LightningModuleConfig
+from disttrain.config.schema import CustomDataConfig, CustomModelConfig, LightningModuleConfig
+from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.data.samples import batch_rows, rows_problem
 from disttrain.data.user_datamodule import datamodule_arguments, describe_batch_size
 from disttrain.data.user_loaders import EpochShardedSampler, sharded

@@ -194,7 +194,7 @@ def already(parts: dict) -> Callable[[object], dict]:
 def test_the_fsdp_probe_on_the_runs_own_model_counts_its_copies_as_the_planner_does(tmp_path: Path) -> None:
     import functools
 
-    from disttrain.config.schema import FSDPConfig
+    from disttrain.config.strategy_schema import FSDPConfig
     from disttrain.strategies.fsdp_probe import fsdp_probe_parts
 
     tiny = dataclasses.replace(model("gpt-nano"), d_model=32, n_heads=2, ffn_hidden=64, vocab_size=64, seq_len=16)
@@ -234,7 +234,8 @@ def test_the_fsdp_probe_on_the_runs_own_model_counts_its_copies_as_the_planner_d
 
 
 def test_the_fsdp_probe_builds_the_runs_model_only_where_its_twin_runs_the_same_math() -> None:
-    from disttrain.config.schema import CustomModelConfig, FSDPConfig, HFModelConfig, PrecisionConfig
+    from disttrain.config.schema import CustomModelConfig, HFModelConfig, PrecisionConfig
+    from disttrain.config.strategy_schema import FSDPConfig
     from disttrain.strategies.fsdp_probe import fsdp_probe_supported
     from tests.hf_fixtures import TINY_LLAMA
 
@@ -507,7 +508,7 @@ def test_the_callback_times_fsdp2_on_the_runs_model_and_falls_back_to_the_pair_w
     from diagnostics.collect.callback import DiagnosticsCallback
     from diagnostics.collect.run_facts import CollectSettings, RunFacts
     from diagnostics.telemetry import TelemetryWriter, telemetry_path
-    from disttrain.config.schema import FSDPConfig
+    from disttrain.config.strategy_schema import FSDPConfig
     from disttrain.strategies.fsdp_probe import fsdp_probe_parts
 
     tiny = dataclasses.replace(model("gpt-nano"), d_model=32, n_heads=2, ffn_hidden=64, vocab_size=64, seq_len=16)

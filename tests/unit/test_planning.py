@@ -11,7 +11,7 @@ from diagnostics.prediction import one_line
 from disttrain.config.errors import ConfigError
 from disttrain.config.hf import reference_shape
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig
+from disttrain.config.strategy_schema import DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig
 from disttrain.job.prediction import predict_run, with_measurement
 from disttrain.planner import model_shape, plan_layout
 from disttrain.strategies.auto import (

@@ -9,14 +9,8 @@ import pytest
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import (
-    AutoStrategyConfig,
-    DDPConfig,
-    DeepSpeedConfig,
-    FSDPConfig,
-    MegatronConfig,
-    RunConfig,
-)
+from disttrain.config.schema import RunConfig
+from disttrain.config.strategy_schema import AutoStrategyConfig, DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig
 from disttrain.planner import Layout
 from disttrain.strategies.auto import megatron_config_of
 from disttrain.strategies.spec import (

@@ -13,7 +13,8 @@ from diagnostics.calibration import calibration_from_telemetry
 from diagnostics.telemetry import TelemetryWriter
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import validate_profile
-from disttrain.config.schema import CustomModelConfig, DeepSpeedConfig, HFModelConfig, PrecisionConfig
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, PrecisionConfig
+from disttrain.config.strategy_schema import DeepSpeedConfig
 from disttrain.planner import Layout, Workload, model_shape, plan_layout
 from disttrain.planner.calibrated import calibrated_profile
 from disttrain.planner.step_time import zero_host_seconds

@@ -12,7 +12,7 @@ import pytest
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import DeepSpeedConfig
+from disttrain.config.strategy_schema import DeepSpeedConfig
 from disttrain.planner.memory import (
     NVME_OPTIMIZER_BUFFERS,
     NVME_PARAM_BUFFER_ELEMENTS,

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.hf import hf_sequence_parallel_problem, hf_shape, load_hf_config
-from disttrain.config.schema import CustomModelConfig, HFModelConfig, LightningModuleConfig, MegatronConfig, ModelConfig
+from disttrain.config.schema import CustomModelConfig, HFModelConfig, LightningModuleConfig, ModelConfig
+from disttrain.config.strategy_schema import MegatronConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from disttrain.config.errors import ConfigError
 from disttrain.config.hf import hf_shape
-from disttrain.config.schema import AnyModelConfig, CustomModelConfig, HFModelConfig, MegatronConfig, ModelConfig
+from disttrain.config.schema import AnyModelConfig, CustomModelConfig, HFModelConfig, ModelConfig
+from disttrain.config.strategy_schema import MegatronConfig
 
 
 def routed_experts(model: AnyModelConfig) -> int:

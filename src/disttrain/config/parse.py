@@ -20,18 +20,13 @@ from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.hardware import HardwareProfile, validate_profile
 from disttrain.config.objective import OBJECTIVES, objective_problem
 from disttrain.config.schema import (
-    AutoStrategyConfig,
     CustomDataConfig,
     CustomModelConfig,
-    DDPConfig,
-    DeepSpeedConfig,
     DiagnosticsConfig,
-    FSDPConfig,
     HFDataConfig,
     HFModelConfig,
     LightningModuleConfig,
     LoggerConfig,
-    MegatronConfig,
     ModelConfig,
     OptimizerConfig,
     PrecisionConfig,
@@ -43,6 +38,7 @@ from disttrain.config.schema import (
     TrialConfig,
     with_compile_decided,
 )
+from disttrain.config.strategy_schema import AutoStrategyConfig, DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig
 
 T = TypeVar("T")
 

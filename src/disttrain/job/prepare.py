@@ -27,13 +27,8 @@ from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.parse import parse_run_config
-from disttrain.config.schema import (
-    AutoStrategyConfig,
-    HFDataConfig,
-    LightningModuleConfig,
-    RunConfig,
-    with_compile_decided,
-)
+from disttrain.config.schema import HFDataConfig, LightningModuleConfig, RunConfig, with_compile_decided
+from disttrain.config.strategy_schema import AutoStrategyConfig
 from disttrain.config.validate import BatchPlan, WorldLayout
 from disttrain.data.corpus_check import tokenize_corpus
 from disttrain.data.hf import tokenizer_sha256

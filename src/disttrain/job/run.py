@@ -19,13 +19,8 @@ from omegaconf import DictConfig
 
 from diagnostics.collect.profile_window import release_cupti_after_window
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import (
-    CustomDataConfig,
-    CustomModelConfig,
-    FSDPConfig,
-    LightningModuleConfig,
-    token_seq_len,
-)
+from disttrain.config.schema import CustomDataConfig, CustomModelConfig, LightningModuleConfig, token_seq_len
+from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.data.user_datamodule import check_user_datamodule, describe_batch_size
 from disttrain.job.describe import describe_launch
 from disttrain.job.job import Job

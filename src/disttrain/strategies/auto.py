@@ -19,15 +19,8 @@ from disttrain.config.degrees import validate_megatron
 from disttrain.config.errors import ConfigError
 from disttrain.config.experts import validate_expert_parallel, validate_megatron_experts
 from disttrain.config.hf import reference_shape
-from disttrain.config.schema import (
-    DDPConfig,
-    DeepSpeedConfig,
-    FSDPConfig,
-    MegatronConfig,
-    RunConfig,
-    StrategyConfig,
-    token_seq_len,
-)
+from disttrain.config.schema import RunConfig, token_seq_len
+from disttrain.config.strategy_schema import DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig, StrategyConfig
 from disttrain.config.validate import BatchPlan
 from disttrain.planner import Layout, MemoryBreakdown, Workload, memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from disttrain.config.schema import DDPConfig
+from disttrain.config.strategy_schema import DDPConfig
 from disttrain.strategies.powersgd import PowerSGDComm, powersgd_hook
 
 

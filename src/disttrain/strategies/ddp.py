@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from disttrain.config.schema import DDPConfig
+from disttrain.config.strategy_schema import DDPConfig
 from disttrain.strategies.checkpointing import UniversalCheckpointing
 from disttrain.strategies.comm_hooks import build_comm_hook
 from disttrain.strategies.loaders import ForkGuardedLoaders

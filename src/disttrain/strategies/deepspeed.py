@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch import nn
 
 from disttrain.checkpoint import universal
-from disttrain.config.schema import DeepSpeedConfig
+from disttrain.config.strategy_schema import DeepSpeedConfig
 from disttrain.planner.memory import NVME_SUB_GROUP
 from disttrain.strategies import deepspeed_state as ds
 from disttrain.strategies.checkpointing import UniversalCheckpointing

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from disttrain.config.schema import FSDPConfig, PrecisionConfig
+from disttrain.config.schema import PrecisionConfig
+from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.models.transformer import _assign, canonical_name
 from disttrain.planner.shapes import expert_shard_dim
 from disttrain.strategies.checkpointing import UniversalCheckpointing

@@ -17,7 +17,8 @@ from typing import TypeGuard
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from disttrain.config.schema import FSDPConfig, HFModelConfig, ModelConfig, PrecisionConfig
+from disttrain.config.schema import HFModelConfig, ModelConfig, PrecisionConfig
+from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.models.probe_parts import PRECISIONS, dense_known_model, small_model_copy
 
 # Precisions whose FSDP2 units gather and compute in the dtype the parameters are held in (no mixed-precision

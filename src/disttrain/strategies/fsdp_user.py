@@ -22,7 +22,8 @@ from typing import Any
 from torch import nn
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import FSDPConfig, PrecisionConfig
+from disttrain.config.schema import PrecisionConfig
+from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.models.targets import resolve_target
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import AutoStrategyConfig, RunConfig, StrategyConfig
+from disttrain.config.schema import RunConfig
+from disttrain.config.strategy_schema import AutoStrategyConfig, StrategyConfig
 from disttrain.config.validate import BatchPlan, WorldLayout, validate_data_fits, validate_fields
 from disttrain.planner import Layout
 from disttrain.strategies.spec import spec_of

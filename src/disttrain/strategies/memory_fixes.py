@@ -12,12 +12,12 @@ import dataclasses
 from collections.abc import Callable
 
 from disttrain.config.errors import ConfigError
-from disttrain.config.schema import (
+from disttrain.config.schema import RunConfig
+from disttrain.config.strategy_schema import (
     AutoStrategyConfig,
     DeepSpeedConfig,
     FSDPConfig,
     MegatronConfig,
-    RunConfig,
     StrategyConfig,
 )
 from disttrain.planner import MemoryBreakdown

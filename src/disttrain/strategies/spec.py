@@ -23,19 +23,15 @@ from disttrain.config.experts import (
     validate_megatron_experts,
 )
 from disttrain.config.hf import reference_shape
-from disttrain.config.schema import (
+from disttrain.config.schema import CUDAGRAPH_MODES, HFModelConfig, LightningModuleConfig, ModelConfig, RunConfig
+from disttrain.config.strategy_schema import (
     COMM_HOOKS,
-    CUDAGRAPH_MODES,
     OFFLOAD_DEVICES,
     AutoStrategyConfig,
     DDPConfig,
     DeepSpeedConfig,
     FSDPConfig,
-    HFModelConfig,
-    LightningModuleConfig,
     MegatronConfig,
-    ModelConfig,
-    RunConfig,
     offload_device,
 )
 from disttrain.planner import Layout

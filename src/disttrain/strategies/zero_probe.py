@@ -19,7 +19,8 @@ from typing import Any, TypeGuard
 import torch
 from torch import nn
 
-from disttrain.config.schema import DeepSpeedConfig, HFModelConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from disttrain.config.schema import HFModelConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from disttrain.config.strategy_schema import DeepSpeedConfig
 from disttrain.models.probe_parts import block_optimizer, dense_known_model, small_model_copy
 from disttrain.planner.step_time import ZERO_HOST_STAGES
 from disttrain.strategies.deepspeed import deepspeed_config

@@ -25,16 +25,14 @@ from disttrain.config.hf import reference_shape
 from disttrain.config.objective import OBJECTIVES, split_objective
 from disttrain.config.schema import (
     CustomDataConfig,
-    DeepSpeedConfig,
-    FSDPConfig,
     HFModelConfig,
     LightningModuleConfig,
     LoggerConfig,
-    MegatronConfig,
     ModelConfig,
     RunConfig,
     token_seq_len,
 )
+from disttrain.config.strategy_schema import DeepSpeedConfig, FSDPConfig, MegatronConfig
 from disttrain.config.validate import BatchPlan
 from disttrain.data.batch_check import ModuleBatchCheck, UserBatchCheck
 from disttrain.data.datamodule import TokenDataModule

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from disttrain.config.degrees import MegatronDegrees, megatron_degrees
-from disttrain.config.schema import HFModelConfig, MegatronConfig, ModelConfig, PrecisionConfig
+from disttrain.config.schema import HFModelConfig, ModelConfig, PrecisionConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.strategies.megatron.engine import EngineSettings, MegatronEngine, build_mesh
 from disttrain.strategies.megatron.lightning import MegatronStrategy
 

@@ -24,7 +24,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from disttrain.config.degrees import MegatronDegrees
 from disttrain.config.hf import hf_shape, load_hf_config
-from disttrain.config.schema import HFModelConfig, MegatronConfig, ModelConfig
+from disttrain.config.schema import HFModelConfig, ModelConfig
+from disttrain.config.strategy_schema import MegatronConfig
 from disttrain.models.hf import build_hf_model
 from disttrain.models.hf_pipeline import build_hf_stage
 from disttrain.models.hf_tensor_parallel import apply_hf_tensor_parallel, hf_tp_plan
