@@ -1,8 +1,9 @@
 """One interface per strategy: what the rest of the pipeline asks of DDP, FSDP2, DeepSpeed or Megatron.
 
 Validation, the data-parallel size and schedule, the planner's layout, the loader's batch size, whether blocks are
-recomputed, and the Lightning objects all come from the strategy's ``StrategySpec``, so adding a strategy is one
-class here instead of a branch in every module. Importing this module costs no torch: ``prepare()`` and
+recomputed, and the Lightning objects all come from the strategy's ``StrategySpec``. The planner's memory,
+communication and step-time terms still switch on the strategy's name (docs/extension.md lists every file a new
+strategy touches today). Importing this module costs no torch: ``prepare()`` and
 ``python -m plan`` use it before anything is spawned, and the builders import their strategy's module lazily.
 """
 
