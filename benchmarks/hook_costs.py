@@ -1,4 +1,4 @@
-"""Where ``python -m train`` spends its training thread's CPU time per step, hook by hook (rank 0).
+r"""Where ``python -m train`` spends its training thread's CPU time per step, hook by hook (rank 0).
 
 Runs the job in this process as rank 0 (its other ranks start as usual) with every callback hook, LightningModule
 hook and strategy hook timed on the training thread's CPU clock (``time.thread_time``: time waiting for other ranks
@@ -7,7 +7,7 @@ largest first. Nested hooks are each shown with their own total (``optimizer_ste
 ``backward`` under automatic optimization), so the list says where to look, not a sum. A small model makes the
 framework's share visible: per-step costs are the same whatever the model.
 
-    python benchmarks/hook_costs.py model.n_layers=2 model.d_model=32 model.n_heads=2 model.ffn_hidden=64 \\
+    python benchmarks/hook_costs.py model.n_layers=2 model.d_model=32 model.n_heads=2 model.ffn_hidden=64 \
         model.seq_len=32 trainer.max_steps=300 diagnostics=off
 """
 
