@@ -253,8 +253,8 @@ def zero2_lever(finding: Finding, ctx: RunContext, split: dict[str, Any], tokens
     """ZeRO-3 gathers each module's parameters before its forward and again before its backward, every micro-batch
     (and its small "persistent" parameters after every step); ZeRO-2 keeps whole parameters and gathers the updated
     ones once per step. Costed on bytes: the gathers less the one ZeRO-2 keeps, 1/(2 x micro-batches) of them: a
-    lower bound. ZeRO-3's many small calls and its per-module hooks cost host time beyond the collectives' (4 CPU
-    ranks, default model: expected +17% tokens/s, --ab measured +115%, 95% CI +99..+132%). Not offered where the
+    lower bound: ZeRO-3's many small calls and its per-module hooks cost host time beyond the collectives' (an A/B
+    measured far more than this bound: benchmarks/RESULTS.md, "Figures moved from the code"). Not offered where the
     devices' measured headroom cannot hold the whole parameters (ZeRO-3 is often there because they do not fit)."""
     ev = finding.evidence
     dp = int(ctx.batch.get("data_parallel_size") or 1)

@@ -123,9 +123,8 @@ def _outside_phases(finding: Finding) -> bool:
 def recommend(finding: Finding, ctx: RunContext) -> list[Recommendation]:
     amortized = gain(finding, HALF, "the per-step overhead spread over twice the tokens")
     larger = [r.gaining(amortized) for r in larger_micro(ctx)]
-    # Outside the phases, more tokens per step amortize it: a 2-layer 32-wide model on 2 CPU ranks, 10.5% outside
-    # the phases: micro-batch 8 measured +75% tokens/s (3 interleaved rounds, CI +32..+133%), compile -2.9% (CI
-    # -29..+33%). Inside them, compile removes the gaps between small ops.
+    # Outside the phases, more tokens per step amortize it (a larger micro-batch measured far ahead of compile there:
+    # benchmarks/RESULTS.md, "Figures moved from the code"). Inside them, compile removes the gaps between small ops.
     recs = larger + compile_levers(ctx) if _outside_phases(finding) else compile_levers(ctx) + larger
     every = ctx.get("trainer.log_every_n_steps")
     if isinstance(every, int) and every < LOG_EVERY_N_STEPS:

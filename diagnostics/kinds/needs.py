@@ -57,8 +57,8 @@ CPU_BOUND_LOADING = 0.5
 
 
 # What each lever needs of the run's own evidence, in one place for every finding kind: a recommendation whose key is
-# here and whose need the run contradicts is not made (it is explained instead). Measured on 2 ranks x 1 thread on 2
-# cores: one loader worker per rank made a heavy __getitem__ run slower (46-50 ms vs 44 ms a step).
+# here and whose need the run contradicts is not made (it is explained instead): a loader worker on a host whose
+# cores all compute takes a core from the compute it feeds (benchmarks/RESULTS.md, "Figures moved from the code").
 LEVER_NEEDS: dict[str, Callable[[RunContext, Finding], str | None]] = {
     "data.num_workers": _free_cores_for_loading,
     "+data.num_workers": _free_cores_for_loading,

@@ -404,7 +404,8 @@ def _stalls(
     )
     basis = f"time lost to rank {worst}'s stalls beyond the other ranks / the run's time over {len(steps)} steps"
     # Graded on the cost less twice the rank's step-to-step noise per stall: a pattern whose cost is above the
-    # warning line only by its own noise stays info (seed 2's data stalls of 25% every 5 steps: 5.1%, measured 1%).
+    # warning line only by its own noise stays info (a matrix case: benchmarks/RESULTS.md, "Figures moved from the
+    # code").
     lower = costs[worst] - 2.0 * _excess_spread(excess) * len(stall_idx) / total
     # A rank whose loader stalls is input-bound (its levers are the loader's); any other phase makes it a straggler.
     kind = "input_bound" if phase == "data" else "straggler"

@@ -434,10 +434,9 @@ def with_compile_decided(cfg: RunConfig) -> RunConfig:
 
 def cudagraphs_by_default(cfg: RunConfig) -> bool:
     """Where compiled blocks are recorded as CUDA graphs unless ``model.compile_mode`` says otherwise: a dense model
-    on one GPU under strategy=ddp in bf16-mixed or fp8, as measured on an H200: gpt2-124m (micro-batch 16 x 1024)
-    stepped in 36.9 ms against 44.1 ms (GPU busy 96% against 52%), loss alike; llama-1b in fp8 (micro 8 x 2048)
-    trained with graphs at 77,724 tokens/s (74,359 without, another day), loss within 0.03 of bf16's. Several
-    ranks, fp16's loss scaler and MoE routing were not measured with graphs; they keep inductor's default."""
+    on one GPU under strategy=ddp in bf16-mixed or fp8, where graphs removed the host's launch gaps with the loss
+    alike (the H200 figures: benchmarks/RESULTS.md, "Figures moved from the code"). Several ranks, fp16's loss
+    scaler and MoE routing were not measured with graphs; they keep inductor's default."""
     model = cfg.model
     return (
         isinstance(model, ModelConfig)

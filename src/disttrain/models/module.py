@@ -137,8 +137,8 @@ class LanguageModelModule(pl.LightningModule):
 
         Averaged here, after backward's gradient reduction has brought the ranks together, not in training_step:
         an all-reduce inside forward makes a rank that waits there for a late peer look slow in forward itself,
-        which hides the late rank from the diagnostics' order of arrival (seed 3's stall-rank0-ddp: a stall every
-        10 steps, on the logged ones, went unreported)."""
+        which hides the late rank from the diagnostics' order of arrival (a rank stalling on logged steps went
+        unreported: benchmarks/RESULTS.md, "Figures moved from the code")."""
         # DeepSpeed's engine accumulates itself: Lightning then calls this hook after every micro-batch.
         if len(self._micro_losses) == self.accumulation:
             step_loss = torch.stack(self._micro_losses).mean()
