@@ -296,3 +296,9 @@ def test_the_loss_backward_peak_holds_three_fp32_copies_of_the_logits_the_h200_a
         workload = Workload(micro, micro, seq, "bf16-mixed")
         total = memory_per_gpu(shape, Layout(strategy, dp=1), workload, flash_attention=True).total / 2**30
         assert abs(total / peak_gib - 1) < 0.05, (name, strategy, total, peak_gib)
+
+
+def test_a_layout_of_a_strategy_the_planner_does_not_model_is_refused() -> None:
+    # Its options, label and terms would otherwise read it as Megatron's, with no error.
+    with pytest.raises(ValueError, match="unknown strategy 'cp': the planner models ddp, fsdp, deepspeed, megatron"):
+        Layout("cp", dp=2)

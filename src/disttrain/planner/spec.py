@@ -62,6 +62,8 @@ class Layout:
     onebit_adam: bool = False
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:  # options(), label() and the terms would read it as another strategy
+            raise ValueError(f"unknown strategy {self.strategy!r}: the planner models {', '.join(STRATEGIES)}")
         if self.onebit_adam and self.strategy != "ddp":
             raise ValueError(f"1-bit Adam runs under DDP only, not {self.strategy}")
         if self.dp_type not in MEGATRON_DP_TYPES + MEGATRON_LM_DP_TYPES:
