@@ -143,7 +143,8 @@ def offload_device(value: bool | str) -> str | None:
 
 @dataclass(frozen=True)
 class AutoStrategyConfig:
-    """Let the planner pick the fastest ddp/fsdp/deepspeed layout predicted to fit (resolved before launch)."""
+    """Let the planner pick the fastest layout predicted to fit, DDP, FSDP2, DeepSpeed or Megatron-style (resolved
+    before launch: strategies/auto.py)."""
 
     name: str = "auto"
 
