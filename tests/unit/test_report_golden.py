@@ -23,10 +23,12 @@ from tests.diag_fixtures import SCENARIOS, write_run
 GOLDEN = REPO / "tests" / "golden" / "reports"
 UPDATE = os.environ.get("DISTTRAIN_UPDATE_GOLDEN") == "1"
 RUN_DIR = "<run>"  # where the run dir's path stood: tmp_path differs between sessions
+CHECKOUT = "<repo>"  # where this checkout's path stood (a crash's traceback names the fixture's file)
 
 
 def rendered(run_dir: Path) -> dict[str, str]:
-    """report.json (less its time of writing) and report.md of ``run_dir``, the run dir's path replaced."""
+    """report.json (less its time of writing) and report.md of ``run_dir``, the run dir's and the checkout's paths
+    replaced."""
     report = build_report(run_dir)
     data = report.to_json()
     data.pop("generated_at")
@@ -34,7 +36,7 @@ def rendered(run_dir: Path) -> dict[str, str]:
         "json": json.dumps(data, indent=1, sort_keys=True, default=str) + "\n",
         "md": to_markdown(report, ""),
     }
-    return {kind: text.replace(str(run_dir), RUN_DIR) for kind, text in texts.items()}
+    return {kind: text.replace(str(run_dir), RUN_DIR).replace(str(REPO), CHECKOUT) for kind, text in texts.items()}
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
