@@ -84,7 +84,8 @@ def measured_from_analysis(analysis: Analysis, predicted: dict[str, Any]) -> dic
         measured["mfu"] = p_mfu * tokens_per_s / p_tps  # the same FLOPs per token and peak as the prediction
     comm = [p.profile_comm_s for p in phases if p.profile_comm_s is not None]
     # Under pipelining the profile's sends and receives last as long as a stage waits for its neighbour: the bubble,
-    # not the link time the planner predicts (a zero-bubble pp=2 run read 16.7 ms predicted vs 416.9 ms "measured").
+    # not the link time the planner predicts (a pipelined run's profile read 25 times the link time:
+    # benchmarks/RESULTS.md, "Figures moved from the code").
     pipelined = any(p.profile_collective_share < 1.0 for p in phases)
     if comm and not pipelined:
         measured["comm_s"] = min(comm)

@@ -6,13 +6,12 @@ otherwise queue for. Removing the wait then shortens the step only by the core t
 run's ranks record their CPU use (``cpu_util_pct`` samples): over its steady steps the host's cores were busy a
 share ``b`` of the time. Without the fault the same CPU work needs at least ``b`` of the step, so no fix of a
 wait can gain more than ``1 - b`` (plus the CPU work the fix removes: a slow rank's extra compute, a loader's work
-on the training thread). Measured on 4 ranks of gpt-nano-class runs on 2 cores (diagnosis_accuracy --world 4,
-seed 31): a rank 1 forward delay read 56% against 39% measured without it (the host idle 43%), an optimizer
-delay 50% against 35% (idle 39%), a loader delay 21% against 3% (idle 7.5%).
+on the training thread): without the bound, 4 ranks on 2 cores read each delay's cost at well above what
+removing it gained (benchmarks/RESULTS.md, "Figures moved from the code").
 
-A healthy run leaves cores idle too (all ranks inside the same collective: 5% for DDP, 12% for ZeRO-3 on that
-box), which the bound does not know; so the cost is graded on ``(idle - c) / (1 - c)``, with ``c`` the share of the
-step even the last rank to arrive spends in collectives (more than the natural idle: gloo's collectives use CPU).
+A healthy run leaves cores idle too (all ranks inside the same collective), which the bound does not know; so the
+cost is graded on ``(idle - c) / (1 - c)``, with ``c`` the share of the step even the last rank to arrive spends in
+collectives (more than the natural idle: gloo's collectives use CPU).
 """
 
 from __future__ import annotations

@@ -30,11 +30,11 @@ COMM_BOUND_FRACTION = 0.25
 # is no headroom left and any jitter is exposed (healthy DDP runs sit well below half).
 COMM_SATURATION = 0.8
 # The all-to-alls are most of the phases' communication: token traffic, which neither accumulation nor gradient
-# compression shrinks per token (recommend.for_comm_bound).
+# compression shrinks per token (``recommend``).
 TOKENS_DOMINATE = 0.5
 # The all-to-alls take at least this share of the step: fewer ranks per expert group (strategy.ep) is worth an
-# A/B even while gradients are most of the traffic. moe-micro under FSDP on 2 CPU ranks: all-to-alls 14-15% of
-# the step (40% of the phases' transfer) and ep=1 measured 16-23% faster than ep=2.
+# A/B even while gradients are most of the traffic (a smaller ep measured faster at far less: benchmarks/RESULTS.md,
+# "Figures moved from the code").
 TOKENS_MATERIAL = 0.05
 # comm_bound's levers by the part of the communication each shrinks (analysis/comm_split.py). Accumulation is
 # offered when at least this share moves once per optimizer step: doubling it then saves a tenth of the exposed

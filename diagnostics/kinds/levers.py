@@ -136,8 +136,7 @@ def compile_levers(ctx: RunContext) -> list[Recommendation]:
 
 def cuda_graph_levers(ctx: RunContext) -> list[Recommendation]:
     """Compiled blocks still launched kernel by kernel: CUDA graphs replay each block in one launch (DDP, dense
-    models: what the config accepts). On an H200, gpt2-124m at micro-batch 16 stepped in 36.9 ms with them against
-    44.1 ms without (GPU busy 96% against 52%)."""
+    models: what the config accepts; the H200 figures: benchmarks/RESULTS.md, "Figures moved from the code")."""
     if not ctx.on_gpu or ctx.get("strategy.name") != "ddp" or (ctx.get("model.num_experts") or 0) > 0:
         return []
     if not ctx.has("model.compile_mode"):  # a model=hf or user model: compiled whole, no mode key to set

@@ -206,8 +206,7 @@ def detect(run: RunTelemetry, summary: Summary, phases: list[RankPhases]) -> lis
     )
     if stalls and stalls[0].ranks == [worst] and stalls[0].cost_fraction > shares[worst]:
         # Behind in most steps by a little, and by a lot every few steps: the typical step's cost would hide the
-        # stalls that make up most of the loss (a forward stall of 1.4 steps every 6th step, seed 11: the median
-        # read 3%, the run lost 17%, the stalls' cost 20%).
+        # stalls that make up most of the loss (benchmarks/RESULTS.md, "Figures moved from the code").
         return stalls
     hosts = {p.rank: p.hostname for p in phases if p.rank in flagged and p.hostname}
     evidence = {

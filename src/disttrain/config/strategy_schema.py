@@ -20,8 +20,8 @@ class DDPConfig:
     name: str = "ddp"
     find_unused_parameters: bool = False
     # null: on for GPUs, where the views save a gradient-sized copy; off on CPU hosts, where the optimizer and
-    # zero_grad over bucket views measured 3-5% slower per step than over DDP's own gradients
-    # (benchmarks/overhead.py; benchmarks/RESULTS.md). true/false force it.
+    # zero_grad over bucket views ran slower than over DDP's own gradients (benchmarks/overhead.py; RESULTS.md).
+    # true/false force it.
     gradient_as_bucket_view: bool | None = None
     bucket_cap_mb: int = 25
     static_graph: bool = False
