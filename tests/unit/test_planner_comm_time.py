@@ -22,7 +22,7 @@ from disttrain.planner import (
     model_shape,
     plan_layout,
 )
-from disttrain.planner.comm import link_time
+from disttrain.planner.links import link_time
 from disttrain.planner.shapes import hardware_flops_per_token
 from disttrain.planner.step_time import model_flops
 from tests.conftest import hw_profile as hw

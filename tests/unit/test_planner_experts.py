@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 
 from disttrain.config.parse import parse_run_config
-from disttrain.planner.comm import Sync, comm_plan
+from disttrain.planner.comm import comm_plan
 from disttrain.planner.expert_shapes import dense_shape
 from disttrain.planner.experts import active_flops_per_token, expert_layouts
+from disttrain.planner.links import Sync
 from disttrain.planner.memory import memory_per_gpu
 from disttrain.planner.plan import plan, plan_layout
 from disttrain.planner.shapes import model_shape

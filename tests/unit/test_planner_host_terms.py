@@ -28,7 +28,8 @@ from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import validate_profile
 from disttrain.planner import Layout, Workload, comm_plan, model_shape, plan_layout
 from disttrain.planner.calibrated import calibrated_profile
-from disttrain.planner.comm import link_time, tp_parallel_linears_per_layer
+from disttrain.planner.comm import tp_parallel_linears_per_layer
+from disttrain.planner.links import link_time
 from disttrain.planner.memory import rank_parameters
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from disttrain.planner.step_time import fsdp_host_seconds, tp_dispatch_seconds, tp_step_seconds

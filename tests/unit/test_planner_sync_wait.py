@@ -11,7 +11,8 @@ from diagnostics.calibration import expected_max_of_normals, sync_figures
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import validate_profile
 from disttrain.planner import Layout, Workload, collective_bytes, comm_plan, model_shape, plan_layout
-from disttrain.planner.comm import LOSS_PARALLEL_COLLECTIVES, Group, Sync, link_time, tp_collectives_per_layer
+from disttrain.planner.comm import LOSS_PARALLEL_COLLECTIVES, tp_collectives_per_layer
+from disttrain.planner.links import Group, Sync, link_time
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from disttrain.planner.step_time import sync_wait_seconds
 from tests.conftest import hw_profile as hw

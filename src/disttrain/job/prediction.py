@@ -16,7 +16,7 @@ from disttrain.config.hf import reference_shape
 from disttrain.config.schema import RunConfig, token_seq_len
 from disttrain.planner import memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
-from disttrain.planner.comm import link_time
+from disttrain.planner.links import link_time
 from disttrain.planner.plan import plan_layout
 from disttrain.strategies.auto import workload
 from disttrain.strategies.layout import ParallelLayout

@@ -6,7 +6,8 @@ No torch import anywhere in this package, so ``python -m plan`` answers in well 
 
 from disttrain.planner.bubble import bubble_fraction, microbatches_in_flight
 from disttrain.planner.candidates import candidate_layouts
-from disttrain.planner.comm import CommPlan, Group, LinkBytes, collective_bytes, comm_plan
+from disttrain.planner.comm import comm_plan
+from disttrain.planner.links import CommPlan, Group, LinkBytes, collective_bytes
 from disttrain.planner.memory import (
     MemoryBreakdown,
     activation_bytes,

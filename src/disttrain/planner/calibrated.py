@@ -69,7 +69,7 @@ def calibrated_profile(hw: HardwareProfile, calibration: Calibration | None, com
 
     The measured matmul rate is what a large matmul reaches here, so it stands in for the peak and
     ``Assumptions.calibrated_compute_efficiency`` (not the datasheet's ``compute_efficiency``) scales it. The
-    link model (``planner.comm.link_time``) times a whole-world collective across nodes as its bus volume over
+    link model (``planner.links.link_time``) times a whole-world collective across nodes as its bus volume over
     the inter-node figure, so the world group's measured bus bandwidth is that figure as it is."""
     sources = {
         "peak_tflops": _source(hw.peak_flops(compute_dtype)),

@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disttrain.config.hardware import HardwareProfile
-from disttrain.planner.comm import ALL_TO_ALL_CALLS, TOKEN_EXCHANGES, LinkBytes, all_to_all_bytes, link_time
+from disttrain.planner.comm import ALL_TO_ALL_CALLS, TOKEN_EXCHANGES, all_to_all_bytes
 from disttrain.planner.expert_shapes import dense_parameters_per_rank, expert_parameters_per_rank
+from disttrain.planner.links import LinkBytes, link_time
 from disttrain.planner.shapes import ModelShape, model_flops_per_token
 from disttrain.planner.spec import Workload
 

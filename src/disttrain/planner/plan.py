@@ -13,7 +13,8 @@ from typing import Any
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import ModelConfig
 from disttrain.planner.candidates import candidate_layouts
-from disttrain.planner.comm import LinkBytes, comm_plan, comm_shares
+from disttrain.planner.comm import comm_plan
+from disttrain.planner.links import LinkBytes, comm_shares
 from disttrain.planner.measured import MeasuredParts, measured_activations
 from disttrain.planner.memory import MemoryBreakdown, memory_per_gpu
 from disttrain.planner.shapes import ModelShape, count_shape, model_shape

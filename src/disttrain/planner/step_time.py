@@ -33,8 +33,8 @@ from diagnostics.mfu import flops_utilization
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import PrecisionConfig
 from disttrain.planner.bubble import bubble_fraction
-from disttrain.planner.comm import CommPlan, Sync, link_time
 from disttrain.planner.expert_shapes import ep_shard_parameters
+from disttrain.planner.links import CommPlan, Sync, link_time
 from disttrain.planner.measured import MeasuredParts, parts_basis, parts_compute
 from disttrain.planner.memory import rank_parameters
 from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token
