@@ -20,7 +20,7 @@ from disttrain.strategies.ddp import HookedDDPStrategy, OneProcessStrategy, buil
 from disttrain.strategies.layout import parallel_layout, validate_run
 from disttrain.strategies.onebit import OneBitComm, onebit_hook
 from disttrain.strategies.powersgd import PowerSGDComm, powersgd_hook
-from disttrain.strategies.spec import build_strategy
+from disttrain.strategies.registry import build_strategy
 from tests.conftest import compose_train
 
 

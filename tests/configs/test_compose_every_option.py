@@ -19,7 +19,7 @@ from disttrain.strategies.auto import resolve_auto
 from disttrain.strategies.layout import parallel_layout, validate_run
 from disttrain.strategies.megatron import MegatronStrategy
 from disttrain.strategies.megatron.module import MegatronModule
-from disttrain.strategies.spec import build_strategy, spec_of
+from disttrain.strategies.registry import build_strategy, spec_of
 from disttrain.training.build import build_datamodule, build_trainer
 from disttrain.training.live_metrics import LiveMetrics
 from tests.conftest import compose_train, group_options

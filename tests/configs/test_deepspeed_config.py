@@ -14,7 +14,7 @@ from disttrain.models import apply_activation_checkpointing
 from disttrain.models.facts import ModelFacts
 from disttrain.planner import Layout
 from disttrain.strategies.layout import parallel_layout, validate_run
-from disttrain.strategies.spec import build_strategy
+from disttrain.strategies.registry import build_strategy
 from disttrain.training.build import build_trainer
 from tests.conftest import compose_train
 

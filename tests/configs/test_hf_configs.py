@@ -20,7 +20,7 @@ from disttrain.models.factory import model_facts
 from disttrain.planner import Workload, model_shape
 from disttrain.planner.memory import activation_bytes, layer_activation_bytes
 from disttrain.strategies.layout import validate_run
-from disttrain.strategies.spec import spec_of
+from disttrain.strategies.registry import spec_of
 from pipelines.plan import plan_from_config
 from tests.configs.test_plan_cli import compose_plan
 from tests.conftest import compose_train

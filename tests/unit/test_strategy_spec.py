@@ -13,14 +13,12 @@ from disttrain.config.schema import RunConfig
 from disttrain.config.strategy_schema import AutoStrategyConfig, DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig
 from disttrain.planner import Layout
 from disttrain.strategies.auto import megatron_config_of
-from disttrain.strategies.spec import (
-    AutoSpec,
-    DDPSpec,
-    DeepSpeedSpec,
-    FSDPSpec,
-    MegatronSpec,
-    spec_of,
-)
+from disttrain.strategies.auto_spec import AutoSpec
+from disttrain.strategies.ddp_spec import DDPSpec
+from disttrain.strategies.deepspeed_spec import DeepSpeedSpec
+from disttrain.strategies.fsdp_spec import FSDPSpec
+from disttrain.strategies.megatron_spec import MegatronSpec
+from disttrain.strategies.registry import spec_of
 from tests.conftest import compose_train
 
 
@@ -45,7 +43,7 @@ def test_every_strategy_config_has_its_spec(config: object, spec: type) -> None:
 
 def test_spec_module_loads_without_torch_or_lightning() -> None:
     code = (
-        "import sys, disttrain.strategies.spec, disttrain.strategies.auto, disttrain.config.validate; "
+        "import sys, disttrain.strategies.registry, disttrain.strategies.auto, disttrain.config.validate; "
         "assert not {'torch', 'lightning'} & set(sys.modules), sorted(m for m in sys.modules if 'torch' in m)[:5]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

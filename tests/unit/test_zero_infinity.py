@@ -21,8 +21,8 @@ from disttrain.planner.memory import (
 )
 from disttrain.strategies.auto import check_fits, predict_memory
 from disttrain.strategies.deepspeed import deepspeed_arch_list, deepspeed_config, remove_swap_files
+from disttrain.strategies.deepspeed_spec import nvme_swap_folder, with_run_swap_folder
 from disttrain.strategies.layout import parallel_layout, validate_run
-from disttrain.strategies.spec import nvme_swap_folder, with_run_swap_folder
 from tests.conftest import compose_train
 
 GPU = ["strategy=deepspeed", "hw=8xa100", "precision=bf16-mixed", "model=llama-7b", "trainer.micro_batch_size=1"]
@@ -131,7 +131,7 @@ def test_planner_times_the_nvme_swaps_at_the_nodes_shared_bandwidth() -> None:
     from disttrain.planner.step_time import estimate_step
     from disttrain.strategies.auto import workload
     from disttrain.strategies.layout import batch_plan
-    from disttrain.strategies.spec import spec_of
+    from disttrain.strategies.registry import spec_of
 
     cfg = run_config([*NVME_OPT, "strategy.offload_params=nvme", "strategy.nvme_path=/tmp"])
     layout = spec_of(cfg.strategy).planner_layout(8, 1)
@@ -166,7 +166,7 @@ def test_memory_check_refuses_swap_files_larger_than_the_drives_free_space(tmp_p
 def test_parameter_swap_buffers_fit_the_largest_parameters_partition() -> None:
     """DeepSpeed asserts, after launch, that each parameter's partition fits one offload_param buffer (1e8 elements
     by default): llama-1b's 128256 x 2048 embedding on one GPU is 262M. The buffer follows the model's shape."""
-    from disttrain.strategies.spec import nvme_param_buffer
+    from disttrain.strategies.deepspeed_spec import nvme_param_buffer
 
     one_gpu = ["hw.devices_per_node=1", "model=llama-1b", "strategy.stage=3", "strategy.offload_params=nvme"]
     cfg = run_config([*one_gpu, "strategy.nvme_path=/tmp"])

@@ -1,4 +1,5 @@
-"""One module per strategy, one ``StrategySpec`` each (spec.py): validation, layout, planner view and builders.
+"""One module per strategy and one ``StrategySpec`` each (``<name>_spec.py``, the interface in spec.py, found by
+``registry.spec_of``): validation, layout, planner view and builders.
 
-Kept free of imports so that ``disttrain.strategies.spec`` loads without torch or Lightning.
+Kept free of imports so that the specs load without torch or Lightning.
 """

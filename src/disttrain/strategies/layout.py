@@ -16,7 +16,7 @@ from disttrain.config.schema import RunConfig
 from disttrain.config.strategy_schema import AutoStrategyConfig, StrategyConfig
 from disttrain.config.validate import BatchPlan, WorldLayout, validate_data_fits, validate_fields
 from disttrain.planner import Layout
-from disttrain.strategies.spec import spec_of
+from disttrain.strategies.registry import spec_of
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,11 @@ from disttrain.models.tensor_parallel import tp_probe_parts
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.strategies.ddp import build_one_process
+from disttrain.strategies.deepspeed_spec import with_run_swap_folder
 from disttrain.strategies.fsdp_probe import fsdp_probe_parts, fsdp_probe_supported
 from disttrain.strategies.layout import ParallelLayout
-from disttrain.strategies.spec import StrategyBuild, spec_of, with_run_swap_folder
+from disttrain.strategies.registry import spec_of
+from disttrain.strategies.spec import StrategyBuild
 from disttrain.strategies.zero_probe import zero_probe_parts, zero_probe_supported
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.flop_count import FirstStepFlops
