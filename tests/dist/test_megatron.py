@@ -59,8 +59,16 @@ def _free_port() -> int:
 
 
 def run_layouts(tmp_path, world: int, model_cfg: ModelConfig, layouts: dict[str, dict]) -> list[dict]:
-    args = (world, _free_port(), json.dumps(asdict(model_cfg)), json.dumps(layouts), str(tmp_path))
-    mp.spawn(worker, args=args, nprocs=world, join=True)
+    # A free port is free only when asked: another test's ranks may bind it before these (spawned, seconds of
+    # imports later) do. That one case is retried on a new port; any other failure is the test's.
+    for attempt in range(3):
+        args = (world, _free_port(), json.dumps(asdict(model_cfg)), json.dumps(layouts), str(tmp_path))
+        try:
+            mp.spawn(worker, args=args, nprocs=world, join=True)
+            break
+        except mp.ProcessRaisedException as err:
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
