@@ -11,10 +11,11 @@ from diagnostics.calibration import expected_max_of_normals, sync_figures
 from disttrain.config.errors import ConfigError
 from disttrain.config.hardware import validate_profile
 from disttrain.planner import Layout, Workload, collective_bytes, comm_plan, model_shape, plan_layout
-from disttrain.planner.comm import LOSS_PARALLEL_COLLECTIVES, tp_collectives_per_layer
+from disttrain.planner.comm import tp_collectives_per_layer
 from disttrain.planner.links import Group, Sync, link_time
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS
 from disttrain.planner.step_time import sync_wait_seconds
+from disttrain.planner.terms.megatron import LOSS_PARALLEL_COLLECTIVES
 from tests.conftest import hw_profile as hw
 from tests.conftest import model_preset as model
 

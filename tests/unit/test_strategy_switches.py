@@ -1,10 +1,11 @@
 """No new switch on a strategy's name outside the strategies' own code, read from the source.
 
 A switch is a comparison with a strategy's name (``cfg.strategy.name == "fsdp"``, ``strategy in ("ddp", "fsdp")``)
-or a dict keyed by strategy names. Inside ``src/disttrain/strategies/`` (each strategy's spec and builder) and the
-strategy group's schema they are the point; anywhere else each one is a place a new strategy must be added by hand
-(docs/extension.md). ``KNOWN`` holds today's, per file: a new one fails, and so does a file with fewer than listed
-(the list shrinks as the planner's and the diagnosis's terms move into the strategies' specs, issue 66).
+or a dict keyed by strategy names. Inside ``src/disttrain/strategies/`` (each strategy's spec and builder),
+``src/disttrain/planner/terms/`` (each strategy's planner terms) and the strategy group's schema they are the point;
+anywhere else each one is a place a new strategy must be added by hand (docs/extension.md). ``KNOWN`` holds
+today's, per file: a new one fails, and so does a file with fewer than listed (the list shrinks as the diagnosis's
+rules move into the strategies' specs, issue 66).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.conftest import REPO
 
 NAMES = {"ddp", "fsdp", "deepspeed", "megatron"}
 AUTO = "auto"  # also a value of other keys (``dp: auto``, ``format: auto``): a switch only beside a strategy
-OWNERS = ("src/disttrain/strategies/", "src/disttrain/config/strategy_schema.py")
+OWNERS = ("src/disttrain/strategies/", "src/disttrain/planner/terms/", "src/disttrain/config/strategy_schema.py")
 ROOTS = ("src/disttrain", "diagnostics", "pipelines")
 KNOWN = {
     "diagnostics/analysis/comm_split.py": 7,
@@ -34,10 +35,6 @@ KNOWN = {
     "src/disttrain/config/parse.py": 1,
     "src/disttrain/config/schema.py": 2,
     "src/disttrain/config/validate.py": 3,
-    "src/disttrain/planner/comm.py": 1,
-    "src/disttrain/planner/memory.py": 6,
-    "src/disttrain/planner/spec.py": 11,
-    "src/disttrain/planner/step_time.py": 6,
 }
 
 

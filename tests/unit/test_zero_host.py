@@ -17,7 +17,6 @@ from disttrain.config.schema import CustomModelConfig, HFModelConfig, PrecisionC
 from disttrain.config.strategy_schema import DeepSpeedConfig
 from disttrain.planner import Layout, Workload, model_shape, plan_layout
 from disttrain.planner.calibrated import calibrated_profile
-from disttrain.planner.step_time import zero_host_seconds
 from disttrain.strategies.zero_probe import zero_probe_supported
 from tests.conftest import hw_profile as hw
 from tests.conftest import model_preset as model
@@ -56,7 +55,9 @@ def test_zero_1_2_pay_the_hooks_each_micro_batch_and_the_step_over_their_partiti
     model_bytes = 4 * shape.num_parameters
     per_micro_batch = 1000e-6 + model_bytes * 3.0e-9
     per_step = 1200e-6 + model_bytes / dp * 0.5e-9
-    assert zero_host_seconds(shape, layout, workload, MEASURED) == pytest.approx((per_micro_batch, per_step))
+    assert layout.terms.engine_host_seconds(shape, layout, workload, MEASURED) == pytest.approx(
+        (per_micro_batch, per_step)
+    )
     before = plan_layout(shape, layout, workload, CPU).estimate
     after = plan_layout(shape, layout, workload, MEASURED).estimate
     expected = accumulation * per_micro_batch + per_step
@@ -66,7 +67,8 @@ def test_zero_1_2_pay_the_hooks_each_micro_batch_and_the_step_over_their_partiti
 
 def test_only_a_zero_1_2_engine_without_offload_is_charged() -> None:
     shape, workload = model_shape(model("gpt-micro")), work(8, 16)
-    assert zero_host_seconds(shape, Layout("deepspeed", dp=2, zero_stage=2), workload, CPU) == (0.0, 0.0)
+    zero2 = Layout("deepspeed", dp=2, zero_stage=2)
+    assert zero2.terms.engine_host_seconds(shape, zero2, workload, CPU) == (0.0, 0.0)
     for layout in (
         Layout("ddp", dp=2),
         Layout("fsdp", dp=2),
@@ -74,7 +76,7 @@ def test_only_a_zero_1_2_engine_without_offload_is_charged() -> None:
         Layout("deepspeed", dp=2, zero_stage=2, offload_optimizer=True),  # the step runs on the host's Adam
         Layout("megatron", tp=2),
     ):
-        assert zero_host_seconds(shape, layout, workload, MEASURED) == (0.0, 0.0), layout
+        assert layout.terms.engine_host_seconds(shape, layout, workload, MEASURED) == (0.0, 0.0), layout
         assert plan_layout(shape, layout, workload, MEASURED).estimate.zero_host_s == 0.0
     with pytest.raises(ConfigError, match=r"hw.zero_backward_ns_per_byte: must be >= 0"):
         validate_profile(dataclasses.replace(CPU, zero_backward_ns_per_byte=-1.0))

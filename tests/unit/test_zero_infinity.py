@@ -13,7 +13,7 @@ import pytest
 from disttrain.config.errors import ConfigError
 from disttrain.config.parse import parse_run_config
 from disttrain.config.strategy_schema import DeepSpeedConfig
-from disttrain.planner.memory import (
+from disttrain.planner.terms.deepspeed import (
     NVME_OPTIMIZER_BUFFERS,
     NVME_PARAM_BUFFER_ELEMENTS,
     NVME_PARAM_BUFFERS,

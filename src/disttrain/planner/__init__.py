@@ -4,6 +4,7 @@ No torch import anywhere in this package, so ``python -m plan`` answers in well 
 ``plan(model, hw, ...)`` ranks every candidate layout; the formulas live one job per module.
 """
 
+import disttrain.planner.terms  # noqa: F401  (registers each strategy's terms: planner/spec.StrategyTerms)
 from disttrain.planner.bubble import bubble_fraction, microbatches_in_flight
 from disttrain.planner.candidates import candidate_layouts
 from disttrain.planner.comm import comm_plan

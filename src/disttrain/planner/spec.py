@@ -1,16 +1,24 @@
 """What the planner is asked about: a layout (how one step is split over the world), the workload, assumptions.
 
-A ``Layout`` is strategy-neutral on purpose: the memory, communication and time formulas read its degrees and
-flags, while ``options``/``overrides`` translate it into the config keys of the strategy that runs it.
+A ``Layout`` holds degrees and flags; what depends on the strategy that runs it (its model states, its collectives,
+the parameters it steps on the GPU, its config keys and label, the degrees it accepts) is that strategy's
+``StrategyTerms``, one subclass per strategy in ``planner/terms/<name>.py``, registered under its name when that
+module is imported. Nothing else in the planner asks which strategy a layout names: a new strategy is a new terms
+module (docs/extension.md).
 """
 
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
-STRATEGIES = ("ddp", "fsdp", "deepspeed", "megatron")
+from disttrain.config.hardware import HardwareProfile
+from disttrain.planner.breakdown import MemoryBreakdown
+from disttrain.planner.links import CommPlan, Group
+from disttrain.planner.shapes import ModelShape
+
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp16-mixed")
@@ -62,17 +70,19 @@ class Layout:
     onebit_adam: bool = False
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:  # options(), label() and the terms would read it as another strategy
-            raise ValueError(f"unknown strategy {self.strategy!r}: the planner models {', '.join(STRATEGIES)}")
-        if self.onebit_adam and self.strategy != "ddp":
-            raise ValueError(f"1-bit Adam runs under DDP only, not {self.strategy}")
+        terms = terms_of(self.strategy)  # options(), label() and every term below are the strategy's own
+        if self.onebit_adam and not terms.runs_onebit_adam:
+            raise ValueError(f"1-bit Adam runs under {_running('runs_onebit_adam')} only, not {self.strategy}")
         if self.dp_type not in MEGATRON_DP_TYPES + MEGATRON_LM_DP_TYPES:
             raise ValueError(f"unknown dp_type {self.dp_type!r}")
-        if self.ep > 1 and (self.strategy != "fsdp" or self.dp_replicate > 1 or self.dp % self.ep):
-            raise ValueError(f"ep={self.ep} runs under FSDP2 full shard over a world it divides, not {self}")
-        expected = {"fsdp": 1, "replicate": self.dp}.get(self.dp_type)
-        if self.strategy == "megatron" and expected is not None and self.dp_replicate != expected:
-            raise ValueError(f"dp_type={self.dp_type} needs dp_replicate={expected}, got {self.dp_replicate}")
+        if self.ep > 1 and not terms.runs_expert_parallel:
+            raise ValueError(f"ep={self.ep} runs under {_running('runs_expert_parallel')} only, not {self}")
+        terms.check(self)
+
+    @property
+    def terms(self) -> StrategyTerms:
+        """What the planner's formulas ask of this layout's strategy (``planner/terms/<name>.py``)."""
+        return terms_of(self.strategy)
 
     @property
     def per_schedule(self) -> int:
@@ -90,82 +100,26 @@ class Layout:
 
     def options(self) -> dict[str, Any]:
         """The strategy's own settings, named as its config keys (``strategy.<key>``)."""
-        if self.strategy == "ddp":
-            return {}
-        if self.strategy == "fsdp":
-            options: dict[str, Any] = {
-                "reshard_after_forward": self.reshard_after_forward,
-                "activation_checkpointing": self.recompute == "full",
-                "cpu_offload": self.offload_optimizer,
-            }
-            if self.dp_replicate > 1:
-                options["dp_replicate"] = self.dp_replicate
-            if self.ep > 1:
-                options["ep"] = self.ep
-            return options
-        if self.strategy == "deepspeed":
-            return {
-                "stage": self.zero_stage,
-                "offload_optimizer": _offload_value(self.offload_optimizer, self.nvme_optimizer),
-                "offload_params": _offload_value(self.offload_params, self.nvme_params),
-                "activation_checkpointing": self.recompute == "full",
-            }
-        options = {
-            "tp": self.tp,
-            "pp": self.pp,
-            "dp": self.dp,
-            "sequence_parallel": self.sequence_parallel,
-            "activation_checkpointing": self.recompute,
-        }
-        if self.dp_type != "fsdp":  # the config's default
-            options["dp_type"] = self.dp_type
-        if not self.loss_parallel:  # the config's default is true
-            options["loss_parallel"] = False
-        if self.dp_type == "hsdp":
-            options["dp_replicate"] = self.dp_replicate
-        if self.pp > 1:  # strategy=megatron ignores the schedule without pipelining
-            options["schedule"] = self.schedule
-        options["microbatches"] = self.microbatches
-        if self.schedule in ("interleaved_1f1b", "zero_bubble"):
-            options["virtual_stages"] = self.virtual_stages
-        return options
+        return self.terms.options(self)
 
     def overrides(self) -> list[str]:
-        """Hydra overrides that select this layout (Megatron's dp is derived, so it is given as ``auto``)."""
+        """Hydra overrides that select this layout (keys the strategy derives itself, such as Megatron's dp, are
+        given as ``auto``)."""
         items = [f"strategy={self.strategy}"]
         for key, value in self.options().items():
-            if self.strategy == "megatron" and key == "dp":
+            if key in self.terms.derived_options:
                 value = "auto"
             items.append(f"strategy.{key}={_hydra_value(value)}")
         return items
 
     def label(self) -> str:
         """A short human name for tables."""
-        ckpt = {"none": "", "selective": " +sel-recompute", "full": " +recompute"}[self.recompute]
-        if self.strategy == "ddp":
-            return "DDP"
-        if self.strategy == "fsdp":
-            kind = f"hybrid {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else "full shard"
-            keep = "" if self.reshard_after_forward else " no-reshard"
-            offload = " +cpu-offload" if self.offload_optimizer else ""
-            experts = f" EP{self.ep}" if self.ep > 1 else ""
-            return f"FSDP2 {kind}{experts}{keep}{offload}{ckpt}"
-        if self.strategy == "deepspeed":
-            offloads = (
-                ("opt", self.offload_optimizer, self.nvme_optimizer),
-                ("param", self.offload_params, self.nvme_params),
-            )
-            where = [name + ("->nvme" if nvme else "") for name, on, nvme in offloads if on]
-            offload = f" +offload({','.join(where)})" if where else ""
-            return f"ZeRO-{self.zero_stage}{offload}{ckpt}"
-        sp = " SP" if self.sequence_parallel else ""
-        schedule = ""
-        if self.pp > 1:
-            v = f" v{self.virtual_stages}" if self.schedule in ("interleaved_1f1b", "zero_bubble") else ""
-            schedule = f" {self.schedule}{v} m{self.microbatches}"
-        dp = {"fsdp": "", "hsdp": f" hsdp {self.dp_replicate}x{self.dp_shard}", "replicate": " replicated"}
-        dp |= {"distributed_optimizer": " Megatron-LM dist-opt", "replicated_optimizer": " Megatron-LM DDP"}
-        return f"TP{self.tp} PP{self.pp} DP{self.dp}{dp[self.dp_type]}{sp}{schedule}{ckpt}"
+        return self.terms.label(self)
+
+
+def recompute_suffix(layout: Layout) -> str:
+    """The part of a layout's label that names its activation recomputation."""
+    return {"none": "", "selective": " +sel-recompute", "full": " +recompute"}[layout.recompute]
 
 
 def _hydra_value(value: Any) -> str:
@@ -263,6 +217,76 @@ def parse_parameter_count(value: Any) -> int:
     return int(value)
 
 
-def _offload_value(on: bool, nvme: bool) -> bool | str:
-    """A DeepSpeed offload option as ``strategy.offload_*`` takes it: false, true (the host) or nvme."""
-    return "nvme" if on and nvme else on
+class StrategyTerms(ABC):
+    """The planner's formulas for one strategy; a subclass registers itself under ``name`` when it is defined."""
+
+    name: ClassVar[str]
+    # Keys of ``options()`` the trainer derives from the others: ``Layout.overrides`` gives them as ``auto``.
+    derived_options: ClassVar[frozenset[str]] = frozenset()
+    # Lightning's mixed precision over fp32 weights (autocast): the residual stream stays fp32 and matmuls save
+    # 16-bit copies of the weights for backward.
+    autocast_over_fp32_weights: ClassVar[bool] = False
+    # torch's AdamW steps the parameters: its states take the parameters' dtype (bf16 under bf16-true).
+    optimizer_states_in_param_dtype: ClassVar[bool] = False
+    runs_onebit_adam: ClassVar[bool] = False  # optimizer=onebit_adam's exchange (Layout.onebit_adam)
+    runs_expert_parallel: ClassVar[bool] = False  # Layout.ep > 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # ABCMeta marks the class abstract only after this hook: a missing formula is refused here, before the class
+        # could be registered and price layouts with the base's empty methods.
+        super().__init_subclass__(**kwargs)
+        missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
+        if missing:
+            raise TypeError(f"{cls.__name__} leaves abstract terms undefined: {', '.join(missing)}")
+        _TERMS[cls.name] = cls()
+
+    def check(self, layout: Layout) -> None:
+        """Raise ValueError for degrees this strategy cannot run (beyond the flags above); none by default."""
+        return None
+
+    @abstractmethod
+    def options(self, layout: Layout) -> dict[str, Any]:
+        """The strategy's own settings, named as its config keys (``strategy.<key>``)."""
+
+    @abstractmethod
+    def label(self, layout: Layout) -> str:
+        """A short human name for tables."""
+
+    @abstractmethod
+    def model_states(self, shape: ModelShape, layout: Layout, workload: Workload, stage: int) -> MemoryBreakdown:
+        """Parameters, gradients, optimizer states and strategy buffers on one GPU of pipeline rank ``stage``."""
+
+    @abstractmethod
+    def comm(self, shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
+        """What the layout sends per step on one GPU, phase by phase, over ``groups`` (``comm.process_groups``)."""
+
+    @abstractmethod
+    def optimizer_parameters(self, shape: ModelShape, layout: Layout) -> int:
+        """Parameters whose optimizer step runs on one GPU when nothing is offloaded."""
+
+    def engine_host_seconds(
+        self, shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile
+    ) -> tuple[float, float]:
+        """(per micro-batch, per step) host seconds the strategy's own engine adds beyond the math and collectives,
+        from what calibration measured of it; none by default."""
+        return 0.0, 0.0
+
+
+_TERMS: dict[str, StrategyTerms] = {}
+
+
+def terms_of(strategy: str) -> StrategyTerms:
+    """The registered terms of ``strategy``; ValueError naming the ones there are."""
+    if strategy not in _TERMS:
+        raise ValueError(f"unknown strategy {strategy!r}: the planner models {', '.join(_TERMS)}")
+    return _TERMS[strategy]
+
+
+def planned_strategies() -> tuple[str, ...]:
+    """Every strategy the planner has terms for, in registration order."""
+    return tuple(_TERMS)
+
+
+def _running(flag: str) -> str:
+    """The strategies whose terms set ``flag``, for an error message."""
+    return ", ".join(name.upper() for name, terms in _TERMS.items() if getattr(terms, flag))

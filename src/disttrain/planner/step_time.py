@@ -33,10 +33,8 @@ from diagnostics.mfu import flops_utilization
 from disttrain.config.hardware import HardwareProfile
 from disttrain.config.schema import PrecisionConfig
 from disttrain.planner.bubble import bubble_fraction
-from disttrain.planner.expert_shapes import ep_shard_parameters
 from disttrain.planner.links import CommPlan, Sync, link_time
 from disttrain.planner.measured import MeasuredParts, parts_basis, parts_compute
-from disttrain.planner.memory import rank_parameters
 from disttrain.planner.shapes import ModelShape, hardware_flops_per_token, model_flops_per_token
 from disttrain.planner.spec import Assumptions, Layout, Workload
 
@@ -108,29 +106,15 @@ def mfu_from_throughput(
 
 def gpu_optimizer_parameters(shape: ModelShape, layout: Layout) -> int:
     """Parameters whose optimizer step runs on this GPU (offloaded ones step on the host)."""
-    if layout.offload_optimizer:
-        return 0
-    if layout.strategy == "ddp":
-        return shape.num_parameters
-    if layout.strategy == "fsdp" and layout.ep > 1:
-        return ep_shard_parameters(shape, layout.ep, layout.dp)
-    if layout.strategy == "fsdp":
-        return shape.fsdp_shard_parameters(layout.dp_shard)
-    if layout.strategy == "deepspeed":
-        return math.ceil(shape.num_parameters / layout.dp)
-    stage = max(rank_parameters(shape, layout, rank) for rank in (0, layout.pp - 1))
-    # FSDP2 steps its dp_shard shard (the whole slice under dp_type=replicate); Megatron-LM's distributed optimizer
-    # steps its dp shard, its plain DDP the whole slice.
-    shards = {"distributed_optimizer": layout.dp, "replicated_optimizer": 1}.get(layout.dp_type, layout.dp_shard)
-    return math.ceil(stage / shards)
+    return 0 if layout.offload_optimizer else layout.terms.optimizer_parameters(shape, layout)
 
 
 def optimizer_step_seconds(shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile) -> float:
     """HBM time of the Adam step; 0 when the profile gives no memory bandwidth."""
     if not hw.hbm_bandwidth_gbps:
         return 0.0
-    # torch AdamW keeps states in the parameters' dtype: bf16 under bf16-true DDP/FSDP, fp32 otherwise.
-    state_bytes = 2 if workload.precision == "bf16-true" and layout.strategy in ("ddp", "fsdp") else 4
+    # torch AdamW keeps states in the parameters' dtype: bf16 under bf16-true where it steps them, fp32 otherwise.
+    state_bytes = 2 if workload.precision == "bf16-true" and layout.terms.optimizer_states_in_param_dtype else 4
     accessed = ADAM_STEP_ACCESSES * state_bytes * gpu_optimizer_parameters(shape, layout)
     return accessed / (hw.hbm_bandwidth_gbps * 1e9)
 
@@ -185,24 +169,6 @@ def fsdp_host_seconds(units: float, copy_bytes: float, hw: HardwareProfile) -> f
     return units * (hw.fsdp_unit_overhead_us or 0.0) * 1e-6 + copy_bytes * (hw.fsdp_copy_ns_per_byte or 0.0) * 1e-9
 
 
-# ZeRO stages whose engine the ZeRO probe times (stage 3 partitions parameters: another engine, other hooks).
-ZERO_HOST_STAGES = (1, 2)
-
-
-def zero_host_seconds(
-    shape: ModelShape, layout: Layout, workload: Workload, hw: HardwareProfile
-) -> tuple[float, float]:
-    """(per micro-batch, per step) host seconds DeepSpeed's ZeRO-1/2 engine adds beyond the math and the collectives:
-    its gradient hooks over the model's parameter bytes each micro-batch, its step over the rank's partition (the
-    measured fixed costs and per-byte rates; 0 where not measured, offloaded or another stage)."""
-    if layout.strategy != "deepspeed" or layout.zero_stage not in ZERO_HOST_STAGES or layout.offload_optimizer:
-        return 0.0, 0.0
-    model_bytes = (4 if workload.precision == "fp32" else 2) * shape.num_parameters
-    micro_batch = (hw.zero_backward_fixed_us or 0.0) * 1e-6 + model_bytes * (hw.zero_backward_ns_per_byte or 0.0) * 1e-9
-    step = (hw.zero_step_fixed_us or 0.0) * 1e-6 + model_bytes / layout.dp * (hw.zero_step_ns_per_byte or 0.0) * 1e-9
-    return micro_batch, step
-
-
 def _exposed(comm_s: float, window_s: float, overlap: float) -> float:
     return max(0.0, comm_s - overlap * window_s)
 
@@ -246,7 +212,7 @@ def estimate_step(
         comm.mb_tp_modules, hw.tp_linear_overhead_us, comm.mb_tp_edges, hw.tp_edge_overhead_us
     )
     fsdp_host = fsdp_host_seconds(comm.mb_fsdp_units, comm.mb_fsdp_copy_bytes, hw)
-    zero_mb, zero_step = zero_host_seconds(shape, layout, workload, hw)
+    zero_mb, zero_step = layout.terms.engine_host_seconds(shape, layout, workload, hw)
 
     def seconds(traffic):
         return link_time(traffic, hw, assumptions.host_link_gbps)

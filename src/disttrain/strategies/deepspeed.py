@@ -31,7 +31,7 @@ from torch import nn
 
 from disttrain.checkpoint import universal
 from disttrain.config.strategy_schema import DeepSpeedConfig
-from disttrain.planner.memory import NVME_SUB_GROUP
+from disttrain.planner.terms.deepspeed import NVME_SUB_GROUP
 from disttrain.strategies import deepspeed_state as ds
 from disttrain.strategies.checkpointing import UniversalCheckpointing
 from disttrain.strategies.deepspeed_state import full_model_state, full_optimizer_state, partition_numels
@@ -49,7 +49,7 @@ def deepspeed_config(
     Lightning fills in what the Trainer owns: ``gradient_accumulation_steps`` (from accumulate_grad_batches),
     ``gradient_clipping`` (from gradient_clip_val) and the bf16/fp16 sections (from precision).
     ``param_buffer_elements``: the swap buffers' size under parameter offload to NVMe
-    (``planner.memory.nvme_param_buffer_elements``; DeepSpeed's default where the model's shape is unknown).
+    (``planner.terms.deepspeed.nvme_param_buffer_elements``; DeepSpeed's default where the model's shape is unknown).
     """
     zero: dict[str, Any] = {
         "stage": cfg.stage,
@@ -71,7 +71,7 @@ def deepspeed_config(
     if cfg.param_offload_device == "nvme" and param_buffer_elements:
         zero["offload_param"]["buffer_size"] = param_buffer_elements
     if cfg.optimizer_offload_device == "nvme":
-        zero["sub_group_size"] = NVME_SUB_GROUP  # the size of each pinned swap buffer (planner/memory.py)
+        zero["sub_group_size"] = NVME_SUB_GROUP  # the size of each pinned swap buffer (planner/terms/deepspeed.py)
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "zero_optimization": zero,

@@ -16,8 +16,8 @@ from disttrain.config.strategy_schema import (
     offload_device,
 )
 from disttrain.planner import Layout
-from disttrain.planner.memory import nvme_param_buffer_elements
 from disttrain.planner.shapes import model_shape
+from disttrain.planner.terms.deepspeed import nvme_param_buffer_elements
 from disttrain.strategies.spec import StrategyBuild, StrategySpec, process_group_backend
 
 

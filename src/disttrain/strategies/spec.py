@@ -3,9 +3,9 @@
 Validation, the data-parallel size and schedule, the planner's layout, the loader's batch size, whether blocks are
 recomputed, and the Lightning objects all come from the strategy's ``StrategySpec``: one module each
 (``<name>_spec.py``), found from its config class in ``registry.py``. The planner's memory, communication and
-step-time terms still switch on the strategy's name (docs/extension.md lists every file a new strategy touches
-today). The specs cost no torch: ``prepare()`` and ``python -m plan`` use them before anything is spawned, and the
-builders import their strategy's module lazily.
+step-time terms of the layout a spec returns are the strategy's ``StrategyTerms`` (``planner/terms/<name>.py``, one
+layer below; docs/extension.md lists every file a new strategy touches). The specs cost no torch: ``prepare()`` and
+``python -m plan`` use them before anything is spawned, and the builders import their strategy's module lazily.
 """
 
 from __future__ import annotations

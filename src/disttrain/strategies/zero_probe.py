@@ -22,7 +22,7 @@ from torch import nn
 from disttrain.config.schema import HFModelConfig, ModelConfig, OptimizerConfig, PrecisionConfig
 from disttrain.config.strategy_schema import DeepSpeedConfig
 from disttrain.models.probe_parts import block_optimizer, dense_known_model, small_model_copy
-from disttrain.planner.step_time import ZERO_HOST_STAGES
+from disttrain.planner.terms.deepspeed import ZERO_HOST_STAGES
 from disttrain.strategies.deepspeed import deepspeed_config
 
 
