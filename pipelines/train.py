@@ -32,45 +32,41 @@ drop_import_chatter()  # before anything here imports transformers or torchao
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-def run_job(cfg: DictConfig, prepared: Prepared | None) -> float | None:
-    """One job; returns its objective (final val loss or tokens/s, ``objective=``) for a sweeper such as Optuna.
-    ``prepared``: what preflight checked in this process (None for a multirun's jobs: each prepares its own)."""
-    from disttrain.job.early_start import discard_unclaimed, forks_its_ranks, maybe_start_local_ranks
-
-    try:
-        # GPU ranks import torch/Lightning while this process does; CPU ranks are forked after it has (early_start.py).
-        hydra_cfg = HydraConfig.get()
-        run_dir = Path(hydra_cfg.runtime.output_dir)
-        forks = forks_its_ranks(prepared)
-        overrides = rank_overrides(hydra_cfg)
-        start_ranks = partial(maybe_start_local_ranks, prepared, "train", overrides, run_dir, forks)
-        if not forks:
-            start_ranks()
-        from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning import only for valid commands
-
-        if forks:
-            start_ranks()
-        return run_from_hydra(cfg, module_name="train", prepared=prepared)
-    except ConfigError as err:
-        print(f"disttrain: config error: {err}", file=sys.stderr)
-        sys.exit(USER_ERROR_EXIT_CODE)
-    except RunStopped as stop:  # a run that ended without completing (a crash, a non-finite stop, failed restarts)
-        if stop.message:
-            print(stop.message, file=sys.stderr)
-        if stop.exit_code == FAILED and HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # one failed job of a sweep: Hydra records it, runs the other jobs, then ends with the failure
-        sys.exit(stop.exit_code)
-    finally:
-        discard_unclaimed()  # ranks started early for a job that ended before run.spawn took them
-
-
 def hydra_app(prepared: Prepared | None) -> None:
-    """Hydra's app over sys.argv, running ``run_job`` with what preflight prepared (Hydra's task function takes
-    the config only, so the preflight's result rides in this closure)."""
+    """Hydra's app over sys.argv running one job; the job returns its objective (final val loss or tokens/s,
+    ``objective=``) for a sweeper such as Optuna. ``prepared``: what preflight checked in this process, riding in
+    the closure because Hydra's task function takes the config only (None for a multirun's jobs: each prepares its
+    own)."""
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
     def train(cfg: DictConfig) -> float | None:
-        return run_job(cfg, prepared)
+        from disttrain.job.early_start import discard_unclaimed, forks_its_ranks, maybe_start_local_ranks
+
+        try:
+            # GPU ranks import torch/Lightning while this process does; CPU ranks are forked after it has
+            # (early_start.py).
+            hydra_cfg = HydraConfig.get()
+            run_dir = Path(hydra_cfg.runtime.output_dir)
+            forks = forks_its_ranks(prepared)
+            start_ranks = partial(maybe_start_local_ranks, prepared, "train", rank_overrides(hydra_cfg), run_dir, forks)
+            if not forks:
+                start_ranks()
+            from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning only for valid commands
+
+            if forks:
+                start_ranks()
+            return run_from_hydra(cfg, module_name="train", prepared=prepared)
+        except ConfigError as err:
+            print(f"disttrain: config error: {err}", file=sys.stderr)
+            sys.exit(USER_ERROR_EXIT_CODE)
+        except RunStopped as stop:  # a run that ended without completing (a crash, a non-finite stop, failed restarts)
+            if stop.message:
+                print(stop.message, file=sys.stderr)
+            if stop.exit_code == FAILED and HydraConfig.get().mode == RunMode.MULTIRUN:
+                raise  # one failed job of a sweep: Hydra records it, runs the other jobs, then ends with the failure
+            sys.exit(stop.exit_code)
+        finally:
+            discard_unclaimed()  # ranks started early for a job that ended before run.spawn took them
 
     train()
 

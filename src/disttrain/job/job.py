@@ -54,6 +54,8 @@ class Job:
         self.failures = FailureReporting(self.run_dir, self.manifest, report, reports=reports)
 
     def run(self) -> None:
+        """Spawn the local ranks, build, record, fit, finish: the whole job, in the order it happens. Any failure
+        while building or fitting ends in ``failure.stop_fit`` (a dead local rank named as the cause)."""
         early = take_started_ranks()  # started before torch was imported (early_start.py), or None
         if self.failures.reports and early is None:  # an early start is a new run dir: its ranks may write already
             retire_crash_records(self.run_dir)  # a restart runs in the same run dir
@@ -63,7 +65,24 @@ class Job:
         watcher = watch_this_process(self.run_dir) if alone else None
         try:
             ranks = self.spawn(early)
-            parts, datamodule = self.fit(ranks)
+            parts: TrainerParts | None = None
+            try:
+                parts, module, datamodule = self.build()
+                self.record()
+                checkpoint = self.prepared.checkpoint
+                parts.trainer.strategy.resume_weights_only = self.prepared.run_cfg.resume_weights_only  # type: ignore[attr-defined]
+                # weights_only: a checkpoint is data, never code (rng.py keeps the RNG states loadable this way).
+                parts.trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None,
+                                  weights_only=True)  # fmt: skip
+                if ranks is not None:
+                    # Past the last collective a rank ending (even non-zero: a non-finite stop) cannot hang the others.
+                    ranks.stop_watching()
+            except BaseException as err:
+                stop_fit(err, self.failures, ranks, parts, self.role.child)
+            finally:
+                if torch.distributed.is_available() and torch.distributed.is_initialized():
+                    # Frees what DDP holds; FSDP2/DTensor groups outlive this (C++ hook cycles), see process_exit.py.
+                    torch.distributed.destroy_process_group()
             self.finish(parts, datamodule, ranks)
         finally:
             stop_watching(watcher)  # the job ended by itself, and recorded how
@@ -127,29 +146,6 @@ class Job:
         )
         if self.role.is_global_zero:
             write_start(self.manifest, self.run_dir)
-
-    def fit(self, ranks: LocalRanks | None) -> tuple[TrainerParts, pl.LightningDataModule]:
-        """Build, record and fit; any failure on the way ends in ``failure.stop_fit`` (a dead local rank named as
-        the cause)."""
-        parts: TrainerParts | None = None
-        try:
-            parts, module, datamodule = self.build()
-            self.record()
-            checkpoint = self.prepared.checkpoint
-            parts.trainer.strategy.resume_weights_only = self.prepared.run_cfg.resume_weights_only  # type: ignore[attr-defined]
-            # weights_only: a checkpoint is data, never code (rng.py keeps the RNG states loadable this way).
-            parts.trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint else None,
-                              weights_only=True)  # fmt: skip
-            if ranks is not None:
-                # Past the last collective a rank ending (even non-zero: a non-finite stop) cannot hang the others.
-                ranks.stop_watching()
-        except BaseException as err:
-            stop_fit(err, self.failures, ranks, parts, self.role.child)
-        finally:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                # Frees what DDP holds; FSDP2/DTensor groups outlive this (C++ hook cycles), see process_exit.py.
-                torch.distributed.destroy_process_group()
-        return parts, datamodule
 
     def finish(self, parts: TrainerParts, datamodule: pl.LightningDataModule, ranks: LocalRanks | None) -> None:
         """Wait for the local ranks; rank 0 concludes the run (finish.conclude), another rank of a non-finite stop
