@@ -58,6 +58,7 @@ from disttrain.strategies.spec import StrategyBuild
 from disttrain.strategies.zero_probe import zero_probe_parts, zero_probe_supported
 from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.flop_count import FirstStepFlops
+from disttrain.training.gc_freeze import FreezeStartupObjects
 from disttrain.training.live_metrics import LiveMetrics
 from disttrain.training.progress import build_progress
 from disttrain.training.pruning import TrialPruning
@@ -308,6 +309,7 @@ def build_trainer(
     pruning = TrialPruning(cfg.trial, process_role().is_global_zero, pruned_metric(cfg)) if cfg.trial.linked else None
     if pruning is not None:
         callbacks.append(pruning)
+    callbacks.append(FreezeStartupObjects())  # after the others' train-start work: what they built is frozen too
     if reliability.preemption is not None:  # last: the step it stops at has been seen by every callback above
         callbacks.append(reliability.preemption)
     else:  # ranks are launch.py's: Lightning's hint to start them with srun (wherever srun exists) does not apply
