@@ -23,6 +23,7 @@ _WRITTEN_WHEN_SET = frozenset(
     {
         "wall_time_s",
         "result",
+        "levers",
         "result_gap_to_floor",
         "nonfinite",
         "hf_export",
@@ -54,6 +55,9 @@ class RunManifest:
     # The run's unit of work and what its module is: {"unit": "token" | "sample", "lightning_module": bool,
     # "automatic_optimization": bool, "tokens_per_sample": int | None}; the levers a recommendation may use read it.
     work: dict[str, Any] | None = None
+    # The trainer's lever catalogue: one {key, lever, changes, keeps_math} per config key a recommendation may set
+    # (disttrain.config.levers), so a copied run dir says which keys its trainer took as levers.
+    levers: list[dict[str, Any]] | None = None
     versions: dict[str, str] = field(default_factory=dict)
     git: dict[str, Any] | None = None
     resumed_from: str | None = None
@@ -166,6 +170,6 @@ def _fits(name: str, value: Any) -> bool:
         return isinstance(value, str)
     if name in _NUMBERS:
         return isinstance(value, int | float) and not isinstance(value, bool)
-    if name in ("command", "hung_ranks", "attempts"):
+    if name in ("command", "hung_ranks", "attempts", "levers"):
         return isinstance(value, list)
     return True  # hw, world, batch, result, strategy_resolved: any JSON value, read with _get

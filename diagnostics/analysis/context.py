@@ -27,6 +27,12 @@ def hydra_value(value: Any) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def _lever_keys(levers: list[dict[str, Any]] | None) -> frozenset[str] | None:
+    if levers is None:
+        return None
+    return frozenset(str(entry["key"]) for entry in levers if isinstance(entry, dict) and "key" in entry)
+
+
 @dataclass(frozen=True)
 class RunContext:
     """The current values the recommendations change, read from run.json (empty when it is absent)."""
@@ -37,6 +43,9 @@ class RunContext:
     num_threads: int | None = None  # torch intra-op threads per rank (meta; not in every collector version)
     ranks_per_host: int | None = None  # ranks that reported the same hostname
     work: dict[str, Any] | None = None  # run.json's unit of work and module kind (a user's LightningModule or not)
+    # The config keys the run's trainer takes as levers (run.json's catalogue); None for a run dir recorded before
+    # the trainer wrote one, where nothing is checked against it.
+    lever_keys: frozenset[str] | None = None
 
     @classmethod
     def from_run(cls, run: RunTelemetry) -> RunContext:
@@ -54,6 +63,7 @@ class RunContext:
             threads if isinstance(threads, int) and not isinstance(threads, bool) else None,
             max(hosts.values()) if hosts else None,
             manifest.work if manifest is not None else None,
+            _lever_keys(manifest.levers if manifest is not None else None),
         )
 
     def host_cores_busy(self) -> bool | None:

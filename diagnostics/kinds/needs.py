@@ -72,10 +72,22 @@ LEVER_NEEDS: dict[str, Callable[[RunContext, Finding], str | None]] = {
 }
 
 
+def _not_a_lever_of_this_trainer(ctx: RunContext, key: str | None) -> str | None:
+    """Why ``key`` cannot be recommended for this run: the trainer that recorded it lists its levers in run.json,
+    and an override it does not list is one its config may refuse (a run dir from another version)."""
+    if key is None or ctx.lever_keys is None or key.lstrip("+~") in ctx.lever_keys:
+        return None
+    return f"{key.lstrip('+~')} is not among the levers the trainer that recorded this run lists (run.json levers)"
+
+
 def gated(recs: list[Recommendation], ctx: RunContext, finding: Finding) -> list[Recommendation]:
-    """``recs`` without the levers the run's evidence rules out, each replaced by the reason it is not made."""
+    """``recs`` without the levers the run's evidence rules out, each replaced by the reason it is not made, and
+    without an override the run's own trainer does not list as a lever."""
     out: list[Recommendation] = []
     for rec in recs:
+        if (unknown := _not_a_lever_of_this_trainer(ctx, rec.key)) is not None:
+            out.append(no_lever(f"{rec.key}={rec.value} is not offered: {unknown}", "-"))
+            continue
         need = LEVER_NEEDS.get(rec.key or "")
         reason = need(ctx, finding) if need is not None else None
         if reason is None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from diagnostics.telemetry import telemetry_path
+from disttrain.config.levers import catalogue_record
 from tests.conftest import load_checkpoint, read_manifest, run_cli
 from tests.dist.test_parity_and_resume import train_losses
 from tests.logged import tensorboard_scalars, wandb_history
@@ -52,6 +53,7 @@ def test_default_run_reaches_the_floor_and_records_everything(tmp_path: Path) ->
     assert manifest["flops_per_token"] > 6 * 1_828_992 * 0.9
     assert manifest["hw"]["name"] == "cpu"
     assert {"torch", "lightning", "hydra", "python"} <= set(manifest["versions"])
+    assert manifest["levers"] == catalogue_record()  # the trainer's lever catalogue, for a report off this machine
     assert manifest["wall_time_s"] > 0
     assert manifest["config"]["strategy"]["name"] == "ddp"
 

@@ -9,11 +9,11 @@ import pytest
 
 from disttrain.planner import Layout
 from disttrain.planner.spec import StrategyTerms, planned_strategies, terms_of
-from disttrain.strategies.registry import _SPECS
+from disttrain.strategies.registry import built_strategies
 
 
 def test_every_strategy_the_trainer_builds_has_planner_terms_and_no_other() -> None:
-    built = {spec.name for spec in _SPECS.values() if spec.name != "auto"}
+    built = set(built_strategies()) - {"auto"}
     assert set(planned_strategies()) == built
     assert planned_strategies() == ("ddp", "fsdp", "deepspeed", "megatron")  # the order tables and messages use
 
@@ -60,3 +60,13 @@ def test_derived_options_are_given_as_auto_in_the_overrides() -> None:
     overrides = Layout("megatron", dp=2, tp=2).overrides()
     assert "strategy.dp=auto" in overrides and "strategy.tp=2" in overrides
     assert Layout("ddp", dp=2).overrides() == ["strategy=ddp"]
+
+
+def test_a_second_class_for_a_strategy_is_refused_not_swapped_in() -> None:
+    ddp = terms_of("ddp")
+    with pytest.raises(TypeError, match="strategy 'ddp' has terms already"):
+
+        class AnotherDDP(type(ddp)):  # type: ignore[misc]
+            pass
+
+    assert terms_of("ddp") is ddp

@@ -16,6 +16,7 @@ from diagnostics.diagnosis import analyse
 from diagnostics.kinds.input_bound import share_hidden_by_workers
 from diagnostics.kinds.needs import gated
 from diagnostics.recommend import ab_tests, recommend, recommend_all
+from disttrain.config.levers import catalogue_record
 from disttrain.config.parse import parse_run_config
 from disttrain.config.validate import BatchPlan
 from disttrain.strategies.layout import validate_run
@@ -380,3 +381,21 @@ def test_comm_bound_without_data_parallelism_moves_activations_and_offers_half_t
     recs = recommend(overlap, ctx)
     assert recs[0].key == "strategy.tp" and recs[0].expected_gain["fraction"] == pytest.approx(0.23 * kept, abs=1e-4)
     assert recs[-1].key is None  # and why overlap cannot help here
+
+
+def test_a_lever_the_recording_trainer_does_not_list_is_explained_not_made() -> None:
+    """run.json's lever catalogue is the trainer's word on which overrides it takes: a report of a run dir whose
+    trainer lists levers never recommends one it lacks; a run dir recorded before the catalogue is not checked."""
+    overrides = ["strategy=ddp"]
+    batch = {"global_batch_size": 16, "data_parallel_size": 2}
+    unchecked = RunContext(composed(overrides), batch, 2)
+    made = [r.override for r in gated(recommend(_comm_bound(), unchecked), unchecked, _comm_bound())]
+    assert "optimizer=onebit_adam" in made
+    every = frozenset(r["key"] for r in catalogue_record())
+    listed = RunContext(composed(overrides), batch, 2, lever_keys=every)
+    assert [r.override for r in gated(recommend(_comm_bound(), listed), listed, _comm_bound())] == made
+    older = RunContext(composed(overrides), batch, 2, lever_keys=every - {"optimizer"})
+    recs = gated(recommend(_comm_bound(), older), older, _comm_bound())
+    assert "optimizer=onebit_adam" not in [r.override for r in recs]
+    (told,) = [r for r in recs if r.key is None and "optimizer=onebit_adam is not offered" in r.why]
+    assert "run.json levers" in told.why

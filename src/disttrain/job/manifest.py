@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from diagnostics.manifest import RunManifest, read_manifest
+from disttrain.config.levers import catalogue_record
 from disttrain.config.schema import HFDataConfig, LightningModuleConfig, RunConfig
 from disttrain.data.hf import tokenizer_sha256
 from disttrain.job.redaction import redact, redact_yaml_files
@@ -81,6 +82,7 @@ def record_start(
         "automatic_optimization": facts.automatic_optimization,
         "tokens_per_sample": facts.tokens_per_sample,
     }
+    manifest.levers = catalogue_record()
     manifest.versions, manifest.git = versions(), git_commit()
     manifest.resumed_from = str(checkpoint) if checkpoint else None
     manifest.restart_attempt = attempt

@@ -238,6 +238,10 @@ class StrategyTerms(ABC):
         missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
         if missing:
             raise TypeError(f"{cls.__name__} leaves abstract terms undefined: {', '.join(missing)}")
+        if cls.name in _TERMS:  # a second class of the same name would silently replace the first one's formulas
+            raise TypeError(
+                f"{cls.__name__}: strategy {cls.name!r} has terms already ({type(_TERMS[cls.name]).__name__})"
+            )
         _TERMS[cls.name] = cls()
 
     def check(self, layout: Layout) -> None:

@@ -26,6 +26,11 @@ _SPECS: dict[type, type[StrategySpec]] = {
 }
 
 
+def built_strategies() -> tuple[str, ...]:
+    """The names of the strategies the trainer builds (``auto`` among them: it resolves to one of the others)."""
+    return tuple(spec.name for spec in _SPECS.values())
+
+
 def spec_of(strategy: object) -> StrategySpec:
     """The spec of a typed ``strategy`` config."""
     return _SPECS[type(strategy)](strategy)

@@ -14,47 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# Keys -> lever class; a class in PRESERVING keeps the training math (with the adjustments in ``classify``).
-KEY_CLASSES = {
-    "data.num_workers": "loader",
-    "data.pin_memory": "loader",
-    "data.prefetch_factor": "loader",
-    "strategy.bucket_cap_mb": "buckets",
-    "strategy.reduce_bucket_size": "buckets",
-    "strategy.overlap_comm": "buckets",
-    "strategy.comm_hook": "comm_hook",
-    "strategy.powersgd_rank": "comm_hook",
-    "strategy.powersgd_warmup_steps": "comm_hook",
-    "strategy.activation_checkpointing": "checkpointing",
-    "strategy.reshard_after_forward": "resharding",
-    "strategy.stage": "resharding",
-    "strategy.cpu_offload": "resharding",
-    "strategy.offload_optimizer": "resharding",
-    "model.compile": "compile",
-    "trainer.log_every_n_steps": "logging",
-    "trainer.micro_batch_size": "micro_batch",
-    "strategy": "layout",
-    "strategy.tp": "layout",
-    "strategy.pp": "layout",
-    "strategy.microbatches": "layout",
-    "strategy.schedule": "layout",
-    "strategy.virtual_stages": "layout",
-    "trainer.global_batch_size": "global_batch",
-    "precision": "precision",
-    "trainer.val_every_n_steps": "pauses",
-    "trainer.ckpt_every_n_steps": "pauses",
-}
-PRESERVING = (
-    "loader",
-    "buckets",
-    "comm_hook",
-    "checkpointing",
-    "resharding",
-    "compile",
-    "logging",
-    "micro_batch",
-    "layout",
-)
+from disttrain.config.levers import CATALOGUE, PRESERVING
+
+# Keys -> lever class (the trainer's catalogue, config/levers.py); a class in PRESERVING keeps the training math
+# (with the adjustments in ``classify``).
+KEY_CLASSES = {lever.key: lever.lever for lever in CATALOGUE}
 # What ``tune.allow`` may open: the classes that change what the optimizer computes.
 MATH_CHANGING = ("global_batch", "precision", "lossy_comm", "other")
 # Comm hooks that round gradients with no error feedback to carry the rounding into the next step.
