@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+import disttrain.strategies.auto as auto
 from diagnostics.calibration import Calibration
 from diagnostics.prediction import one_line
 from disttrain.config.errors import ConfigError
@@ -242,3 +243,20 @@ def test_offloaded_states_are_checked_against_the_hosts_memory() -> None:
         model_shape(reference_shape(small.model)), layout, workload(small, validate_run(small)), small.hw
     )
     assert not planned.fits and any("hw.host_memory_gib" in note for note in planned.notes)
+
+
+def test_auto_names_the_layouts_it_could_not_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout whose link has no bandwidth is left out of the ranking, and the choice says so (not silently)."""
+    real = auto.plan_layout
+
+    def no_deepspeed_link(shape, layout, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if layout.strategy == "deepspeed":
+            raise ValueError("hw=8xa100 gives no bandwidth for the link deepspeed needs")
+        return real(shape, layout, *args, **kwargs)
+
+    _, complete = resolved(["strategy=auto", *LLAMA7B_8XA100])
+    assert "could not be timed" not in complete
+    monkeypatch.setattr(auto, "plan_layout", no_deepspeed_link)
+    cfg, why = resolved(["strategy=auto", *LLAMA7B_8XA100])
+    assert not isinstance(cfg.strategy, DeepSpeedConfig)
+    assert "more could not be timed (hw=8xa100 gives no bandwidth for the link deepspeed needs)" in why

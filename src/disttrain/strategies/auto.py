@@ -238,11 +238,13 @@ def resolve_auto(
         options, megatron = [o for o in options if o.name in ("ddp", "fsdp")], []
     layouts = [(option, layout_of(option, world, batch)) for option in options]
     scored = []
+    untimed: list[str] = []  # why each layout that could not be timed was left out: the choice names them
     for option, layout in [*layouts, *megatron]:
         try:
             predicted = plan_layout(shape, layout, work, profile.hw, assumptions, profile.parts)
-        except ValueError:
-            continue  # a link this layout needs has no bandwidth (datasheet or measured): it cannot be timed
+        except ValueError as error:  # a link this layout needs has no bandwidth (datasheet or measured)
+            untimed.append(str(error))
+            continue
         scored.append((not predicted.fits, predicted.estimate.step_time_s, option, predicted))
     if not scored:
         return ddp, f"hw={cfg.hw.name} gives no link bandwidth to time any layout; ddp replicas communicate least"
@@ -268,4 +270,6 @@ def resolve_auto(
     )
     if profile.measured:
         why += f" (measured speeds of {profile.calibration.source})"  # type: ignore[union-attr]
+    if untimed:
+        why += f"; {len(untimed)} more could not be timed ({untimed[0]})"
     return dataclasses.replace(cfg, strategy=chosen), why
