@@ -7,7 +7,6 @@ Kept thin on purpose: Hydra in, typed config out, and a user's mistake becomes o
 from __future__ import annotations
 
 import sys
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,22 +39,18 @@ def hydra_app(prepared: Prepared | None) -> None:
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
     def train(cfg: DictConfig) -> float | None:
-        from disttrain.job.early_start import discard_unclaimed, forks_its_ranks, maybe_start_local_ranks
+        from disttrain.job.launcher import Launcher
 
+        hydra_cfg = HydraConfig.get()
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        launcher = Launcher.of_this_process(prepared, run_dir, "train", rank_overrides(hydra_cfg))
         try:
-            # GPU ranks import torch/Lightning while this process does; CPU ranks are forked after it has
-            # (early_start.py).
-            hydra_cfg = HydraConfig.get()
-            run_dir = Path(hydra_cfg.runtime.output_dir)
-            forks = forks_its_ranks(prepared)
-            start_ranks = partial(maybe_start_local_ranks, prepared, "train", rank_overrides(hydra_cfg), run_dir, forks)
-            if not forks:
-                start_ranks()
+            # GPU ranks import torch/Lightning while this process does; CPU ranks are forked after it has.
+            launcher.start_before_imports()
             from disttrain.job.run import run_from_hydra  # imported late: torch/Lightning only for valid commands
 
-            if forks:
-                start_ranks()
-            return run_from_hydra(cfg, module_name="train", prepared=prepared)
+            launcher.start_after_imports()
+            return run_from_hydra(cfg, launcher)
         except ConfigError as err:
             print(f"disttrain: config error: {err}", file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)
@@ -66,7 +61,7 @@ def hydra_app(prepared: Prepared | None) -> None:
                 raise  # one failed job of a sweep: Hydra records it, runs the other jobs, then ends with the failure
             sys.exit(stop.exit_code)
         finally:
-            discard_unclaimed()  # ranks started early for a job that ended before run.spawn took them
+            launcher.discard()  # ranks started early for a job that ended before it took them
 
     train()
 

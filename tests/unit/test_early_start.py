@@ -1,4 +1,5 @@
-"""Local ranks started before rank 0 imports torch (job/early_start.py): which jobs, which environment, no orphans."""
+"""Local ranks started before rank 0 imports torch (job/launcher.py): which jobs, which environment, no orphans;
+what kind of launcher each process is."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.job import early_start
-from disttrain.job.early_start import discard_unclaimed, maybe_start_local_ranks, should_start_early, take_started_ranks
+from disttrain.job import launcher as launcher_module
+from disttrain.job.launcher import Launcher, LaunchKind
 from disttrain.job.preflight import preflight
+from disttrain.job.prepare import Prepared
 from disttrain.launch.env import CHILD_ENV_FLAG, PARENT_PID_ENV, process_role
 from disttrain.launch.local import start_local_ranks
 from tests.conftest import CONF, TINY_MODEL
@@ -24,6 +26,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment of a process the user started (no launcher variables from the test runner)."""
     for key in (*RANK_ZERO_KEYS, CHILD_ENV_FLAG, PARENT_PID_ENV, "SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "RANK"):
         monkeypatch.delenv(key, raising=False)
+
+
+def launcher_of(prepared: Prepared | None, run_dir: Path) -> Launcher:
+    return Launcher.of_this_process(prepared, run_dir, "train", [])
 
 
 @pytest.mark.parametrize(
@@ -39,8 +45,8 @@ def test_only_a_plain_local_launch_starts_its_ranks_early(
     clean_env: None, tmp_path: Path, overrides: list[str], early: bool
 ) -> None:
     prepared = preflight([*TINY_MODEL, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], CONF).prepared
-    assert should_start_early(prepared) is early
-    assert should_start_early(None) is False  # a multirun job or restart attempt prepares its own
+    assert launcher_of(prepared, tmp_path).starts_early() is early
+    assert launcher_of(None, tmp_path).starts_early() is False  # a multirun job or restart attempt prepares its own
 
 
 @pytest.mark.parametrize("launcher", [{"SLURM_NTASKS": "2"}, {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}])
@@ -50,7 +56,8 @@ def test_a_cluster_task_never_starts_ranks(
     prepared = preflight([*TINY_MODEL, f"hydra.run.dir={tmp_path / 'run'}"], CONF).prepared
     for key, value in launcher.items():
         monkeypatch.setenv(key, value)
-    assert should_start_early(prepared) is False
+    assert launcher_of(prepared, tmp_path).starts_early() is False
+    assert launcher_of(prepared, tmp_path).kind() is LaunchKind.CLUSTER_TASK
 
 
 def env_dump_command(path: Path) -> list[str]:
@@ -82,15 +89,49 @@ def test_ranks_of_a_job_that_ends_before_taking_them_are_killed(
 ) -> None:
     prepared = preflight([*TINY_MODEL, f"hydra.run.dir={tmp_path / 'run'}"], CONF).prepared
     monkeypatch.setattr(
-        early_start, "child_command", lambda *args: [sys.executable, "-c", "import time; time.sleep(60)"]
+        launcher_module, "child_command", lambda *args: [sys.executable, "-c", "import time; time.sleep(60)"]
     )
-    ranks = maybe_start_local_ranks(prepared, "train", [], tmp_path / "run")
+    monkeypatch.setattr(launcher_module, "pools_untouched", lambda: False)  # started now, as new interpreters
+    launcher = launcher_of(prepared, tmp_path / "run")
+    launcher.start_before_imports()
+    ranks = launcher._early
     assert ranks is not None and len(ranks.procs) == 1 and ranks.procs[0].poll() is None
-    discard_unclaimed()
-    assert ranks.procs[0].returncode == -9 and take_started_ranks() is None
-    # Taken ranks belong to the job (run.spawn): discarding leaves them alone.
-    ranks = maybe_start_local_ranks(prepared, "train", [], tmp_path / "run")
-    assert take_started_ranks() is ranks
-    discard_unclaimed()
-    assert ranks is not None and ranks.procs[0].poll() is None
-    ranks.kill()
+    assert launcher.took_early_ranks() and launcher.kind() is LaunchKind.EXEC
+    launcher.discard()
+    assert ranks.procs[0].returncode == -9 and not launcher.took_early_ranks()
+    # Taken ranks belong to the job (Job.spawn): discarding leaves them alone.
+    launcher = launcher_of(prepared, tmp_path / "run")
+    launcher.start_before_imports()
+    assert prepared is not None
+    ranks = launcher.join(prepared)
+    try:
+        assert ranks is not None and ranks is not launcher._early and os.environ["LOCAL_RANK"] == "0"
+        launcher.discard()
+        assert ranks.procs[0].poll() is None
+    finally:
+        assert ranks is not None
+        ranks.kill()  # restores this process's environment
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "kind"),
+    [
+        ([], {}, LaunchKind.EXEC),  # (forked only when asked before the imports: test_fork.py)
+        (["hw.devices_per_node=1"], {}, LaunchKind.ONE_PROCESS),
+        (["trainer.max_restarts=2"], {}, LaunchKind.SUPERVISOR),
+        (["trainer.max_restarts=2"], {"DISTTRAIN_RESTART_ATTEMPT": "1"}, LaunchKind.EXEC),  # an attempt spawns
+        ([], {CHILD_ENV_FLAG: "1"}, LaunchKind.SPAWNED_RANK),
+        (["trainer.max_restarts=2"], {"SLURM_NTASKS": "2"}, LaunchKind.CLUSTER_TASK),
+    ],
+)
+def test_each_process_is_one_kind_of_launcher(
+    clean_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], env: dict, kind: LaunchKind
+) -> None:
+    prepared = preflight([*TINY_MODEL, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], CONF).prepared
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    launcher = launcher_of(None, tmp_path)  # as a process that prepares its job after the imports
+    assert prepared is not None and launcher.kind(prepared) is kind
+    if kind not in (LaunchKind.FORK, LaunchKind.EXEC):
+        assert launcher.join(prepared) is None  # only a local launch of several ranks starts any
+    assert launcher.watch_alone(prepared) is None or kind is LaunchKind.ONE_PROCESS

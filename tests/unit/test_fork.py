@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from disttrain.job import early_start
+from disttrain.job import launcher as launcher_module
+from disttrain.job.launcher import Launcher, LaunchKind
 from disttrain.job.preflight import preflight
 from disttrain.launch import fork
 from disttrain.launch.fork import ForkedProcess, fork_module, pools_untouched
@@ -119,9 +120,19 @@ def test_only_a_cpu_job_whose_process_has_not_touched_a_pool_forks_its_ranks(
     assert prepared is not None
     run_cfg = prepared.run_cfg
     prepared = replace(prepared, run_cfg=replace(run_cfg, hw=replace(run_cfg.hw, accelerator=accelerator)))
-    monkeypatch.setattr(early_start, "pools_untouched", lambda: pools)
-    assert early_start.forks_its_ranks(prepared) is forks
-    assert early_start.forks_its_ranks(None) is False
+    monkeypatch.setattr(launcher_module, "pools_untouched", lambda: pools)
+    monkeypatch.setattr(launcher_module, "start_local_ranks", lambda *args: pytest.fail("started as new interpreters"))
+    launcher = Launcher.of_this_process(prepared, tmp_path, "train", [])
+    if forks:  # the ranks wait for this process's imports
+        launcher.start_before_imports()
+        assert launcher.forks and launcher.kind() is LaunchKind.FORK
+    else:
+        with pytest.raises(pytest.fail.Exception, match="new interpreters"):
+            launcher.start_before_imports()
+        assert not launcher.forks and launcher.kind() is LaunchKind.EXEC
+    unchecked = Launcher.of_this_process(None, tmp_path, "train", [])
+    unchecked.start_before_imports()  # a multirun's job: its ranks start when it spawns them
+    assert not unchecked.forks
 
 
 # In a fresh process: check a command as the launcher does, then say whether a fork-unsafe pool could exist.

@@ -15,15 +15,15 @@ import torch
 
 from diagnostics.crash import retire_crash_records
 from diagnostics.manifest import RunManifest
-from disttrain.job.early_start import take_started_ranks
 from disttrain.job.failure import FailureReporting, record_hang, stop_fit, stop_for_failure
 from disttrain.job.finish import conclude
-from disttrain.job.launcher_death import stop_watching, watch_this_process
+from disttrain.job.launcher import Launcher
+from disttrain.job.launcher_death import stop_watching
 from disttrain.job.manifest import record_start, write_start
 from disttrain.job.prepare import Prepared
 from disttrain.launch.env import ProcessRole, cpu_threads, say
 from disttrain.launch.exit_codes import NONFINITE, RunStopped
-from disttrain.launch.local import LocalRanks, spawn_local_ranks
+from disttrain.launch.local import LocalRanks
 from disttrain.models.facts import ModelFacts
 from disttrain.reliability.nan_guard import agreed_stop, retire_stop_markers, write_stop_marker
 from disttrain.training.build import build_run
@@ -44,7 +44,7 @@ class Job:
     run_dir: Path
     role: ProcessRole
     started: float
-    command_for_rank: partial
+    launcher: Launcher  # who starts the local ranks and watches whom (launcher.py)
     manifest: RunManifest = field(default_factory=RunManifest)  # run.json; a rank that dies marks it failed
     failures: FailureReporting = field(init=False)
 
@@ -56,15 +56,14 @@ class Job:
     def run(self) -> None:
         """Spawn the local ranks, build, record, fit, finish: the whole job, in the order it happens. Any failure
         while building or fitting ends in ``failure.stop_fit`` (a dead local rank named as the cause)."""
-        early = take_started_ranks()  # started before torch was imported (early_start.py), or None
-        if self.failures.reports and early is None:  # an early start is a new run dir: its ranks may write already
+        early = self.launcher.took_early_ranks()  # started before the job was built (launcher.py)
+        if self.failures.reports and not early:  # an early start is a new run dir: its ranks may write already
             retire_crash_records(self.run_dir)  # a restart runs in the same run dir
             retire_stop_markers(self.run_dir)
         # A 1-process run has no rank to record its death (SIGKILL, the OOM killer): a torch-free process waits on it.
-        alone = self.failures.reports and self.prepared.parallel.world_size == 1 and not self.role.supervised
-        watcher = watch_this_process(self.run_dir) if alone else None
+        watcher = self.launcher.watch_alone(self.prepared)
         try:
-            ranks = self.spawn(early)
+            ranks = self.spawn()
             parts: TrainerParts | None = None
             try:
                 parts, module, datamodule = self.build()
@@ -87,16 +86,12 @@ class Job:
         finally:
             stop_watching(watcher)  # the job ended by itself, and recorded how
 
-    def spawn(self, early: LocalRanks | None) -> LocalRanks | None:
-        """Local ranks 1..n-1 as children of this process, watched: one dying stops the job (None: nothing to
-        spawn). ``early``: the ranks early_start.py already started (this process then only joins as rank 0)."""
-        if self.prepared.parallel.world_size == 1 or self.role.child or self.role.cluster:
+    def spawn(self) -> LocalRanks | None:
+        """Local ranks 1..n-1, this process joined as rank 0 (the launcher's, started early or now), watched: one
+        dying stops the job (None: nothing to spawn)."""
+        ranks = self.launcher.join(self.prepared)
+        if ranks is None:
             return None
-        if early is not None:
-            early.become_rank_zero()
-            ranks = early
-        else:
-            ranks = spawn_local_ranks(self.prepared.parallel.devices_per_node, self.command_for_rank, cwd=os.getcwd())
         ranks.agreed_stop = partial(agreed_stop, self.run_dir)  # a rank ending the agreed non-finite stop
 
         def abort(rank: int, code: int) -> None:

@@ -9,12 +9,9 @@ here instead.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-from functools import partial
 from pathlib import Path
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from diagnostics.collect.profile_window import release_cupti_after_window
@@ -24,13 +21,11 @@ from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.data.user_datamodule import check_user_datamodule, describe_batch_size
 from disttrain.job.describe import describe_launch
 from disttrain.job.job import Job
-from disttrain.job.launcher_death import report_launcher_death
+from disttrain.job.launcher import Launcher, LaunchKind
 from disttrain.job.prepare import Prepared, check_launchable, prepare
 from disttrain.launch.console import route_library_output_to_log_file
-from disttrain.launch.env import ProcessRole, process_role, say
+from disttrain.launch.env import ProcessRole, say
 from disttrain.launch.exit_codes import RunStopped
-from disttrain.launch.local import child_command, die_with_parent, rank_overrides
-from disttrain.launch.supervise import supervise
 from disttrain.models.factory import model_facts
 from disttrain.models.facts import ModelFacts
 from disttrain.models.user_module import check_manual_optimization, resolve_model_kind
@@ -40,21 +35,17 @@ from disttrain.strategies.fsdp_user import wrap_classes
 from disttrain.sweep.objective import objective_value
 
 
-def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None = None) -> float | None:
+def run_from_hydra(cfg: DictConfig, launcher: Launcher) -> float | None:
     """Run the job; returns its objective (``objective=``, for a Hydra sweeper) where this process can read it.
 
-    ``prepared``: what ``preflight`` prepared and checked in this process (None: prepare here)."""
+    ``launcher``: this process's part in the launch (launcher.py), with what preflight prepared and checked here
+    (``checked``; None: prepare here)."""
     started = time.time()
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    task_overrides = rank_overrides(hydra_cfg)
-    # Read once, before anything is spawned: spawning sets this process's NODE_RANK (it then looks like a cluster
-    # task). A spawned rank or restart attempt must not outlive the process that started it; a rank spawned by an
-    # unsupervised rank 0 also records rank 0's death (nobody else can); under the supervisor, the supervisor does.
-    role = process_role()
-    die_with_parent(partial(report_launcher_death, run_dir) if role.child and not role.supervised else None)
+    run_dir, task_overrides, role = launcher.run_dir, launcher.task_overrides, launcher.role
+    launcher.watch_own_launcher()
     route_library_output_to_log_file()
     release_cupti_after_window()  # before anything in this process can initialise Kineto
+    prepared = launcher.checked
     if prepared is None:  # a process preflight did not see: a local rank, a restart attempt, a multirun job
         prepared = prepare(cfg, run_dir, task_overrides)
         check_launchable(prepared)
@@ -84,18 +75,15 @@ def run_from_hydra(cfg: DictConfig, module_name: str, prepared: Prepared | None 
                 say(f"warning: a real launch would be refused: {err}")
             say("dry run: configuration is valid; nothing was launched")
         return None
-    restarts = run_cfg.trainer.max_restarts
-    if restarts and role.starts_the_job:
+    if launcher.kind(prepared) is LaunchKind.SUPERVISOR:
         # Restarts need a process that is not itself a rank: this one becomes the supervisor (supervise.py).
-        code = supervise(module_name, task_overrides, run_dir, restarts, os.getcwd())
+        code = launcher.supervise(run_cfg.trainer.max_restarts)
         if code:
             raise RunStopped(code)
         return objective_value(run_dir, run_cfg.objective)  # the attempts wrote run.json
     if role.is_global_zero:
         announce_attempt(prepared, role, run_dir)
-    job = Job(
-        prepared, facts, run_dir, role, started, partial(child_command, module_name, task_overrides, str(run_dir))
-    )
+    job = Job(prepared, facts, run_dir, role, started, launcher)
     world = {"world_size": prepared.parallel.world_size, "global_batch": prepared.parallel.batch.global_batch_size,
              "accumulation": prepared.parallel.batch.accumulation}  # fmt: skip
     with slurm_attempt(run_dir, role.is_global_zero, prepared.checkpoint, world):  # under SLURM: rendezvous, requeue

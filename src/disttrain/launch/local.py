@@ -268,7 +268,7 @@ def start_local_ranks(
     """Start local ranks 1..n-1 and leave this process's environment as it is until ``become_rank_zero``.
 
     Split from ``spawn_local_ranks`` so that rank 0 can start its children as soon as the job is checked, and they
-    import torch/Lightning while it does (``job/early_start.py``); its own role (``process_role``) must not change
+    import torch/Lightning while it does (``job/launcher.py``); its own role (``process_role``) must not change
     before it reaches the point where it joins the job as rank 0 (``NODE_RANK`` would make it a cluster task).
     ``fork_reset``: fork the ranks from this process (it has imported what they need: launch/fork.py) where it
     safely can, running this first in each; a new interpreter otherwise."""
