@@ -1,0 +1,34 @@
+"""A user's module in training as the planner takes it: bytes of one replica and FLOPs per sample, measured from
+the module (``training/footprint.py``), with the reason for each part that could not be."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModuleFootprint:
+    """Bytes of one replica of a module in training, and its FLOPs per sample; None where not measured."""
+
+    num_parameters: int
+    parameter_bytes: int
+    gradient_bytes: int  # trainable parameters only
+    buffer_bytes: int
+    optimizer_state_bytes: int | None  # None: configure_optimizers or its step did not run on meta
+    activation_bytes: int | None  # saved for backward at ``micro_batch_size`` rows
+    micro_batch_size: int | None  # the rows of the measured batch
+    flops_per_sample: float | None
+    unmeasured: tuple[str, ...] = ()  # why a None above is None
+
+    @property
+    def optimizer_states_per_parameter_byte(self) -> float | None:
+        """The optimizer's bytes per byte of trainable parameter (Adam 2, SGD with momentum 1, plain SGD 0)."""
+        if self.optimizer_state_bytes is None or not self.gradient_bytes:
+            return None
+        return self.optimizer_state_bytes / self.gradient_bytes
+
+    def activation_bytes_at(self, micro_batch_size: int) -> float | None:
+        """Activations at another micro-batch: saved tensors grow with the rows of the batch."""
+        if self.activation_bytes is None or not self.micro_batch_size:
+            return None
+        return self.activation_bytes * micro_batch_size / self.micro_batch_size
