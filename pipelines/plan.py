@@ -15,8 +15,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
+from disttrain.config.schema import CustomDataConfig, LightningModuleConfig
 from disttrain.launch.console import drop_import_chatter
 from disttrain.planner import Plan, plan
+from disttrain.planner.footprint import ModuleFootprint
 from disttrain.planner.render import json_payload, print_plan
 from disttrain.planner.request import PlanRequest, measured_tokens_per_s, parse_plan_request
 
@@ -29,9 +31,18 @@ PLAN_ONLY = ("output", "limit", "num_parameters", "headroom", "throughput", "ass
 PLAN_ONLY_MODEL = ("model.head_dim",)
 
 
+def measure_module(
+    model: LightningModuleConfig, data: CustomDataConfig | None, micro_batch_size: int
+) -> ModuleFootprint:
+    """A user's LightningModule measured on meta (training/footprint.py); torch is imported only for one."""
+    from disttrain.training.footprint import measure_footprint
+
+    return measure_footprint(model, data, micro_batch_size)
+
+
 def plan_from_config(cfg: DictConfig) -> Plan:
     """Typed request from the composed ``conf/plan.yaml``, then the plan; ConfigError on bad input."""
-    return plan_request(parse_plan_request(cfg))
+    return plan_request(parse_plan_request(cfg, measure_module))
 
 
 def plan_request(request: PlanRequest) -> Plan:
@@ -59,7 +70,9 @@ def train_prefix() -> str | None:
     """``python -m train`` with this command's model/hw/precision choices and its model/hw/trainer overrides;
     None when a plan-only model key (``model.head_dim``) shapes a model train cannot build."""
     hydra_cfg = HydraConfig.get()
-    choices = [f"{group}={hydra_cfg.runtime.choices[group]}" for group in ("model", "hw", "precision")]
+    chosen = hydra_cfg.runtime.choices
+    # A group the command deleted (``~model`` for a LightningModule's ``+model._target_=``) has no choice.
+    choices = [f"{group}={chosen[group]}" for group in ("model", "hw", "precision") if chosen.get(group)]
     kept = [o for o in hydra_cfg.overrides.task if o.lstrip("+~").split("=")[0].split(".")[0] not in PLAN_ONLY]
     kept = [o for o in kept if o.split("=")[0] not in ("model", "hw", "precision", "trainer.global_batch_size")]
     if any(o.lstrip("+~").split("=")[0] in PLAN_ONLY_MODEL for o in kept):
@@ -70,7 +83,7 @@ def train_prefix() -> str | None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="plan")
 def main(cfg: DictConfig) -> None:
     try:
-        request = parse_plan_request(cfg)
+        request = parse_plan_request(cfg, measure_module)
         result = plan_request(request)
         tokens_per_s = measured_tokens_per_s(cfg)
     except ConfigError as err:
@@ -82,9 +95,10 @@ def main(cfg: DictConfig) -> None:
     from rich.console import Console
 
     # A raw count or a plan-only shape names no model train could build: give the strategy overrides alone.
-    prefix = (train_prefix() if result.shape.known else None) or "strategy overrides:"
+    trainable = result.shape.known or result.shape.measured_module
+    prefix = (train_prefix() if trainable else None) or "strategy overrides:"
     console = Console(width=None if sys.stdout.isatty() else 220)
-    print_plan(console, result, prefix, cfg.limit, tokens_per_s, request.sources)
+    print_plan(console, result, prefix, cfg.limit, tokens_per_s, request.sources, request.notes)
     if request.precision.fp8:
         print("precision=fp8: planned as bf16-mixed (same states and traffic; step time an upper bound), ddp/fsdp only")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disttrain.planner.shapes import ModelShape
+
 
 @dataclass(frozen=True)
 class ModuleFootprint:
@@ -32,3 +34,30 @@ class ModuleFootprint:
         if self.activation_bytes is None or not self.micro_batch_size:
             return None
         return self.activation_bytes * micro_batch_size / self.micro_batch_size
+
+
+def footprint_shape(name: str, footprint: ModuleFootprint) -> ModelShape:
+    """The planner's shape of a measured module: a parameter count without layers (no tensor or pipeline plan, no
+    formula for activations), its optimizer's states, activations and FLOPs per sample as measured, and the sample
+    as its unit of work (``seq_len`` 1). Unmeasured activations and FLOPs count as 0 (the plan's notes say so)."""
+    states = footprint.optimizer_states_per_parameter_byte
+    per_sample = footprint.activation_bytes_at(1)
+    return ModelShape(
+        name=name,
+        num_parameters=footprint.num_parameters,
+        seq_len=1,
+        optimizer_states=2.0 if states is None else states,
+        activation_bytes_per_sample=per_sample if per_sample is not None else 0.0,
+        flops_per_sample=footprint.flops_per_sample or 0.0,
+    )
+
+
+def footprint_notes(footprint: ModuleFootprint) -> tuple[str, ...]:
+    """What the plan of a measured module stands on, and what it could not measure."""
+    notes = ["measured on meta from the module (parameters, its optimizer's states, saved activations, FLOPs)"]
+    if footprint.optimizer_state_bytes is None:
+        notes.append("optimizer states not measured: AdamW's two moments assumed")
+    if footprint.flops_per_sample is None:
+        notes.append("no matmul or convolution FLOPs counted: compute time is not predicted (0)")
+    notes.extend(footprint.unmeasured)
+    return tuple(notes)

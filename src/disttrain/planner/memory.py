@@ -138,7 +138,8 @@ def activation_bytes(
     ways under tensor parallelism like the formula's.
     """
     if not shape.known:
-        return 0.0
+        # A measured module's saved tensors grow with its rows; a raw parameter count has none to measure.
+        return (shape.activation_bytes_per_sample or 0.0) * workload.micro_batch_size
     precision = workload.precision
     act, res = compute_bytes(precision), residual_bytes(layout.terms.autocast_over_fp32_weights, precision)
     tp, sp, pp = layout.tp, layout.sequence_parallel, layout.pp

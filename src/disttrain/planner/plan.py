@@ -132,6 +132,7 @@ class Plan:
             }
         return {
             "model": self.shape.name,
+            "unit": self.shape.unit,  # what tokens_per_s counts: a measured module's samples
             "num_parameters": self.shape.num_parameters,
             "activations_known": self.shape.known,
             "hw": self.hw.name,

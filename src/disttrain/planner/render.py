@@ -55,7 +55,7 @@ def plan_table(result: Plan, limit: int | None = None) -> Table:
         ("comm/step GB intra+inter", "right"),
         ("bubble", "right"),
         ("step s", "right"),
-        ("tokens/s", "right"),
+        (f"{result.shape.unit}s/s", "right"),
         ("MFU", "right"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -81,13 +81,17 @@ def plan_table(result: Plan, limit: int | None = None) -> Table:
 def summary_lines(result: Plan, train_prefix: str, limit: int | None) -> list[str]:
     """The lines printed under the table: what was planned, the recommendation and how to run it."""
     w, shape = result.workload, result.shape
+    batch = (
+        f"micro-batch {w.micro_batch_size} samples, global batch {w.global_batch_size} samples"
+        if shape.measured_module
+        else f"micro-batch {w.micro_batch_size} x {w.seq_len} tokens, global batch {w.global_batch_size} sequences"
+    )
     lines = [
-        f"{shape.num_parameters:,} parameters, {result.hw.world_size} x {result.hw.device_type}, {w.precision}, "
-        f"micro-batch {w.micro_batch_size} x {w.seq_len} tokens, global batch {w.global_batch_size} sequences",
+        f"{shape.num_parameters:,} parameters, {result.hw.world_size} x {result.hw.device_type}, {w.precision}, {batch}"
     ]
     if limit is not None and len(result.candidates) > limit:
         lines.append(f"({len(result.candidates) - limit} more candidates not shown; output=json lists all)")
-    if not shape.known:
+    if not shape.known and not shape.measured_module:
         lines.append("raw parameter count: memory is model states only (activations and working buffers unknown)")
     best = result.recommended
     if best is None:
@@ -178,8 +182,10 @@ def print_plan(
     limit: int | None,
     tokens_per_s: float | None,
     sources: dict[str, str] | None = None,
+    notes: tuple[str, ...] = (),
 ) -> None:
-    """The table, then the summary lines (soft-wrapped: the train command must stay one copyable line)."""
+    """The table, then the summary lines (soft-wrapped: the train command must stay one copyable line); ``notes``:
+    what a measured module's plan stands on."""
     console.print(plan_table(result, limit))
     lines = summary_lines(result, train_prefix, limit)
     if sources:
@@ -187,5 +193,6 @@ def print_plan(
     lines.insert(2 if sources else 1, compute_line(result))
     if tokens_per_s is not None:
         lines.append(throughput_line(result, tokens_per_s))
+    lines[1:1] = [f"note: {note}" for note in notes]
     for line in lines:
         console.print(line, highlight=False, markup=False, soft_wrap=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -17,15 +18,25 @@ from disttrain.config.calibration import load_calibration
 from disttrain.config.errors import ConfigError, did_you_mean
 from disttrain.config.hardware import HardwareProfile, validate_profile
 from disttrain.config.hf import reference_shape
-from disttrain.config.parse import GROUPS, PRECISIONS, TOP_LEVEL, build_dataclass, parse_model, to_container
-from disttrain.config.schema import HFModelConfig, LightningModuleConfig, PrecisionConfig, TrainerConfig
+from disttrain.config.parse import GROUPS, PRECISIONS, TOP_LEVEL, build_dataclass, parse_data, parse_model, to_container
+from disttrain.config.schema import (
+    CustomDataConfig,
+    HFModelConfig,
+    LightningModuleConfig,
+    PrecisionConfig,
+    TrainerConfig,
+)
 from disttrain.config.validate import validate_model
 from disttrain.planner import Assumptions, ModelShape, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
+from disttrain.planner.footprint import ModuleFootprint, footprint_notes, footprint_shape
 from disttrain.planner.measured import MeasuredParts
 from disttrain.planner.spec import assumption_problems, parse_parameter_count
 
 OUTPUTS = ("table", "json")
+# Measures a user's LightningModule on its datamodule's batch at a micro-batch (training/footprint.py): passed in
+# from the edge, since measuring runs the module (torch) and the planner does not import it.
+Measure = Callable[[LightningModuleConfig, CustomDataConfig | None, int], ModuleFootprint]
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,7 @@ class PlanRequest:
     seq_len: int
     sources: dict[str, str]  # hw figure -> measured | datasheet | none
     parts: MeasuredParts | None = None  # calibration=RUN_DIR's measured block, edges and optimizer step
+    notes: tuple[str, ...] = ()  # what a measured module's plan stands on (planner/footprint.py)
 
 
 def _check_hw(hw: HardwareProfile, precision: PrecisionConfig) -> None:
@@ -99,8 +111,9 @@ def check_top_level_keys(cfg: DictConfig) -> None:
             )
 
 
-def parse_plan_request(cfg: DictConfig) -> PlanRequest:
-    """The typed request of a composed ``conf/plan.yaml``; ConfigError names the key and the fix on bad input."""
+def parse_plan_request(cfg: DictConfig, measure: Measure | None = None) -> PlanRequest:
+    """The typed request of a composed ``conf/plan.yaml``; ConfigError names the key and the fix on bad input.
+    ``measure``: how a LightningModule of the user's is measured (without it, one is refused)."""
     check_top_level_keys(cfg)
     if cfg.output not in OUTPUTS:
         raise ConfigError("output", f"'{cfg.output}' is not one of {list(OUTPUTS)}", "use output=table or output=json")
@@ -126,11 +139,7 @@ def parse_plan_request(cfg: DictConfig) -> PlanRequest:
     head_dim = _head_dim(model_values)
     model = parse_model(model_values)
     if isinstance(model, LightningModuleConfig):
-        raise ConfigError(
-            "model._target_",
-            "python -m plan does not plan a LightningModule of yours yet: its parts are not measured before a launch",
-            "train it (python -m train ...): its report gives the measured step time, samples/s, MFU and memory",
-        )
+        return _module_request(cfg, model, hw, precision, trainer, assumptions, measure)
     validate_model(model)
     sequence_parallel = _sequence_parallel(cfg)
     target: ModelShape | int
@@ -159,6 +168,41 @@ def parse_plan_request(cfg: DictConfig) -> PlanRequest:
         model.seq_len,
         profile.sources,
         profile.parts,
+    )
+
+
+def _module_request(
+    cfg: DictConfig,
+    model: LightningModuleConfig,
+    hw: HardwareProfile,
+    precision: PrecisionConfig,
+    trainer: TrainerConfig,
+    assumptions: Assumptions,
+    measure: Measure | None,
+) -> PlanRequest:
+    """A user's LightningModule, measured at the planned micro-batch on its datamodule's batch (``data._target_``)."""
+    if measure is None:
+        raise ConfigError(
+            "model._target_",
+            "this caller of the planner cannot measure a LightningModule (it does not run torch)",
+            "plan it with python -m plan ~model +model._target_=... ~data +data._target_=...",
+        )
+    if cfg.num_parameters is not None:
+        raise ConfigError("num_parameters", "sizes a model the planner does not know; yours is counted", "drop it")
+    data = parse_data(to_container(cfg.data, "data")) if "data" in cfg else None
+    footprint = measure(model, data if isinstance(data, CustomDataConfig) else None, trainer.micro_batch_size)
+    profile = calibrated_profile(hw, load_calibration(cfg.get("calibration"), hw), precision.compute_dtype)
+    _check_hw(profile.hw, precision)
+    return PlanRequest(
+        footprint_shape(model.target, footprint),
+        profile.hw,
+        precision,
+        trainer,
+        assumptions_for(profile, assumptions),
+        sequence_parallel=None,
+        seq_len=1,
+        sources=profile.sources,
+        notes=footprint_notes(footprint),
     )
 
 

@@ -98,6 +98,13 @@ class ModelShape:
     shared_experts: bool = False  # an MoE layer's shared experts (one dense MLP beside the routed ones)
     # Whether strategy=megatron can run this shape's MoE layers (the built-in model's; not transformers' blocks).
     megatron_experts: bool = True
+    # The optimizer's state bytes per byte of parameter: AdamW's two moments, or what a measured module's own
+    # optimizer holds (planner/footprint.py: SGD with momentum 1, plain SGD 0).
+    optimizer_states: float = 2.0
+    # A module measured as it is (``footprint_shape``): no layers to write formulas over; its unit of work is the
+    # sample (``seq_len`` 1, so a "token" of the formulas is a sample), its activations and FLOPs per sample measured.
+    activation_bytes_per_sample: float | None = None
+    flops_per_sample: float | None = None
 
     @cached_property
     def expert_parameters(self) -> int:
@@ -110,6 +117,16 @@ class ModelShape:
         if not self.num_experts:
             return self.block_parameters
         return self.block_parameters - self.expert_parameters + self.expert_parameters * self.top_k // self.num_experts
+
+    @property
+    def measured_module(self) -> bool:
+        """A module measured as it is (planner/footprint.py): its unit of work is the sample."""
+        return self.activation_bytes_per_sample is not None
+
+    @property
+    def unit(self) -> str:
+        """What a "token" of the formulas is: a token, or a measured module's sample."""
+        return "sample" if self.measured_module else "token"
 
     @property
     def known(self) -> bool:
@@ -328,8 +345,11 @@ def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str) ->
 
     Full recomputation repeats every block's forward (2 FLOPs per block parameter plus the forward attention
     matmuls, a third of 12 L H Q T); selective recomputation repeats only the attention core (Korthikanti et
-    al. 2022). A raw parameter count has no attention term and no blocks to recompute.
+    al. 2022). A raw parameter count has no attention term and no blocks to recompute; a measured module's FLOPs
+    are its sample's, counted (its "token" is the sample, and it plans no recomputation).
     """
+    if shape.flops_per_sample is not None:
+        return shape.flops_per_sample
     flops = model_flops_per_token(shape.matmul_parameters, shape.n_layers, shape.n_heads, shape.head_dim, seq_len)
     attention_forward = 4.0 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
     if recompute == "full":

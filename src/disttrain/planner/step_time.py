@@ -82,7 +82,9 @@ def peak_flops(hw: HardwareProfile, precision: str) -> float:
 
 
 def model_flops(shape: ModelShape, seq_len: int) -> float:
-    """Model FLOPs per token of ``shape`` at ``seq_len``."""
+    """Model FLOPs per token of ``shape`` at ``seq_len`` (a measured module's: per sample, as counted)."""
+    if shape.flops_per_sample is not None:
+        return shape.flops_per_sample
     return model_flops_per_token(shape.matmul_parameters, shape.n_layers, shape.n_heads, shape.head_dim, seq_len)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from disttrain.planner.breakdown import MemoryBreakdown
 from disttrain.planner.comm import onebit_exchange_bytes
 from disttrain.planner.links import CommPlan, Group, collective_bytes
-from disttrain.planner.memory import ADAM_STATES, autocast_copy_bytes
+from disttrain.planner.memory import autocast_copy_bytes
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, StrategyTerms, Workload
 
@@ -39,7 +39,8 @@ class DDPTerms(StrategyTerms):
         # gradient_as_bucket_view (the default on GPUs) makes DDP's buckets the gradients themselves: no extra copy.
         # torch's foreach AdamW materializes sqrt(v) for all parameters at once in the step.
         copies = autocast_copy_bytes(shape, precision)
-        return MemoryBreakdown(p * n, p * n, ADAM_STATES * p * n, 0, copies, step_temporaries=p * n)
+        optimizer = round(shape.optimizer_states * p * n)
+        return MemoryBreakdown(p * n, p * n, optimizer, 0, copies, step_temporaries=p * n)
 
     def comm(self, shape: ModelShape, layout: Layout, workload: Workload, groups: dict[str, Group]) -> CommPlan:
         if layout.onebit_adam:

@@ -92,12 +92,13 @@ class DeepSpeedTerms(StrategyTerms):
         """
         precision = workload.precision
         n, dp, zero_stage = shape.num_parameters, layout.dp, layout.zero_stage
+        moments = round(shape.optimizer_states * 4)  # the optimizer's fp32 states (AdamW: momentum and variance)
         if precision == "fp32":
-            p16, g16, k, fp32_grads = 4, 4, 2 * 4, 0  # no master copy: K = 8 (momentum, variance)
+            p16, g16, k, fp32_grads = 4, 4, moments, 0  # no master copy: K = 8 under AdamW
         else:
-            p16, g16, k, fp32_grads = 2, 2, 12, 4  # K = 12: fp32 master, momentum, variance
+            p16, g16, k, fp32_grads = 2, 2, 4 + moments, 4  # K = 12 under AdamW: fp32 master, momentum, variance
         if zero_stage == 3 and precision == "fp32":
-            k = 3 * 4  # the fp32 master partition is a copy of the parameter partition, then momentum and variance
+            k = 4 + moments  # the fp32 master partition is a copy of the parameter partition, then the states
         shard = math.ceil(n / dp)
         persistent = shape.small_parameters(layout.persistence_threshold) if zero_stage == 3 else 0
         params = p16 * (shard + persistent if zero_stage == 3 else n)

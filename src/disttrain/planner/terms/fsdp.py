@@ -20,7 +20,7 @@ from disttrain.planner.expert_shapes import (
     local_expert_parameters,
 )
 from disttrain.planner.links import ZERO, CommPlan, Group, LinkBytes, Sync, collective_bytes, combine
-from disttrain.planner.memory import ADAM_STATES, compute_bytes
+from disttrain.planner.memory import compute_bytes
 from disttrain.planner.shapes import ModelShape
 from disttrain.planner.spec import Layout, StrategyTerms, Workload, recompute_suffix
 
@@ -74,7 +74,8 @@ class FSDPTerms(StrategyTerms):
             # A raw count has no layers, but without resharding every parameter stays gathered from its forward to its
             # backward: the whole model in the compute dtype is a lower bound that follows from the count alone.
             working = shape.num_parameters * gather
-        states = MemoryBreakdown(p * shard, p * shard, ADAM_STATES * p * shard, 0, working, step_temporaries=p * shard)
+        optimizer = round(shape.optimizer_states * p * shard)
+        states = MemoryBreakdown(p * shard, p * shard, optimizer, 0, working, step_temporaries=p * shard)
         if layout.offload_optimizer:  # CPUOffloadPolicy: sharded parameters, gradients and the step live on the host
             host = states.params + states.grads + states.optimizer_states
             return MemoryBreakdown(0, 0, 0, 0, working, host=host)
