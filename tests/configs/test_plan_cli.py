@@ -273,3 +273,13 @@ def test_the_plan_of_a_lightning_module_prints_a_train_command_train_accepts(tmp
     )  # fmt: skip
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "dry run: configuration is valid; nothing was launched" in dry.stdout
+    assert "memory       predicted " in dry.stdout and "fits in 72.0 GiB usable" in dry.stdout
+    # The same module under DDP: the launch's memory check (the module measured on meta) would refuse it.
+    ddp = subprocess.run(
+        [sys.executable, "-m", "train", *BIG_RECOMMENDER, "hw=8xa100", "strategy=ddp", "dry_run=true",
+         f"hydra.run.dir={tmp_path / 'ddp'}"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    refused = next(line for line in ddp.stdout.splitlines() if line.startswith("warning: a real launch would be"))
+    assert "predicted 242.1 GiB per GPU with strategy=ddp exceeds the 72.0 GiB usable on hw=8xa100" in refused
+    assert "python -m plan" in refused and "strategy=auto" not in refused

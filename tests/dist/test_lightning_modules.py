@@ -160,6 +160,14 @@ def test_reports_speak_samples_and_counted_flops(project: str, layout: str, runs
     # The split of the step: every rank's communication measured beside its compute.
     shares = summary["step_shares"]
     assert shares["compute"] > 0 and shares["communication"] > 0
+    # The planner's prediction from the module measured on meta at launch (job/run.py), beside the measurement: the
+    # training state (parameters, gradients, the module's own optimizer's states) of this layout's rank 0.
+    prediction = read_manifest(run_dir)["prediction"]
+    assert abs(prediction["error"]["state_bytes"]) <= 0.10, prediction
+    if project == "recommender":  # no compute counted: no step time is predicted from communication alone
+        assert "step_time_s" not in prediction["predicted"] and "no FLOPs were counted" in prediction["unpredicted"]
+    else:
+        assert prediction["predicted"]["step_time_s"] > 0 and "step_time_s" in prediction["error"]
 
 
 @pytest.mark.parametrize("layout", sorted(BF16))

@@ -23,6 +23,7 @@ from disttrain.job.prediction import predict_and_measure
 from disttrain.job.report import say_report
 from disttrain.launch.env import say
 from disttrain.launch.exit_codes import NONFINITE, RunStopped
+from disttrain.planner import ModelShape
 from disttrain.strategies.layout import ParallelLayout
 from disttrain.training.step_loss import logged_step_loss
 
@@ -39,7 +40,7 @@ def conclude(
     run_dir: Path,
     manifest: RunManifest,
     started: float,
-    planned: tuple[ParallelLayout, Calibration | None],
+    planned: tuple[ParallelLayout, Calibration | None, ModelShape | None],
 ) -> None:
     """Rank 0, every rank done: complete run.json, print the summary and write the report; a non-finite stop
     ends in RunStopped naming the last good checkpoint."""

@@ -157,5 +157,5 @@ class Job:
                 raise RunStopped(NONFINITE)
             return
         p = self.prepared
-        planned = (p.parallel, p.calibration)
+        planned = (p.parallel, p.calibration, p.planner_shape)
         conclude(p.run_cfg, parts, datamodule, self.run_dir, self.manifest, self.started, planned)

@@ -7,6 +7,7 @@ per number. The comparison itself (``diagnostics.prediction``) is shared with th
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from diagnostics.calibration import Calibration, write_calibration
 from diagnostics.prediction import compare
 from disttrain.config.hf import reference_shape
 from disttrain.config.schema import RunConfig, token_seq_len
-from disttrain.planner import memory_per_gpu, model_shape
+from disttrain.planner import ModelShape, memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.links import link_time
 from disttrain.planner.plan import plan_layout
@@ -25,28 +26,39 @@ if TYPE_CHECKING:
     from disttrain.training.build import TrainerParts
 
 
-def predict_run(cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None) -> dict[str, Any] | None:
-    """Predicted memory, step time, communication, tokens/s and MFU of this run; None for a user model (the
-    planner cannot see its shape). Step-time figures are absent, with the reason, when no peak is known."""
-    reference = reference_shape(cfg.model)
+def predict_run(
+    cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None, shape: ModelShape | None = None
+) -> dict[str, Any] | None:
+    """Predicted memory, step time, communication, tokens/s and MFU of this run; None for a user model the planner
+    cannot see into. ``shape``: a measured module's (planner/footprint.py), whose samples are its tokens. Step-time
+    figures are absent, with the reason, when no peak is known."""
+    if shape is None:
+        reference = reference_shape(cfg.model)
+        shape = model_shape(reference) if reference is not None else None
     layout = parallel.mesh
-    if reference is None or layout is None:
+    if shape is None or layout is None:
         return None
     profile = calibrated_profile(cfg.hw, calibration, cfg.precision.compute_dtype)
     assumptions = assumptions_for(profile)
-    shape, work = model_shape(reference), workload(cfg, parallel.batch)
+    work = workload(cfg, parallel.batch)
     record: dict[str, Any] = {
         "basis": profile.basis(shape, work),
         "calibration": calibration.source if calibration is not None else None,
         "layout": layout.label(),
     }
     predicted: dict[str, Any] = {}
-    try:
-        candidate = plan_layout(shape, layout, work, profile.hw, assumptions, profile.parts)
-    except ValueError as err:  # no peak FLOP/s or no bandwidth for a link this layout uses
-        # Without a peak the run could have measured its own (diagnostics on with calibrate) or been given one.
-        fix = "" if calibration is not None else " and no calibration measured one (diagnostics.calibrate=true)"
-        record["unpredicted"] = f"{err}{fix}"
+    candidate = None
+    if shape.measured_module and not shape.flops_per_sample:
+        # Its compute would be 0: a step time of communication alone is no prediction.
+        record["unpredicted"] = "no FLOPs were counted for this module's step (no matmul or convolution ran)"
+    else:
+        try:
+            candidate = plan_layout(shape, layout, work, profile.hw, assumptions, profile.parts)
+        except ValueError as err:  # no peak FLOP/s or no bandwidth for a link this layout uses
+            # Without a peak the run could have measured its own (diagnostics on with calibrate) or been given one.
+            fix = "" if calibration is not None else " and no calibration measured one (diagnostics.calibrate=true)"
+            record["unpredicted"] = f"{err}{fix}"
+    if candidate is None:
         memory = memory_per_gpu(shape, layout, work, assumptions.flash_attention)
     else:
         memory, estimate = candidate.memory, candidate.estimate
@@ -95,14 +107,17 @@ def predict_and_measure(
     run_cfg: RunConfig,
     parts: TrainerParts,
     run_dir: Path,
-    planned: tuple[ParallelLayout, Calibration | None],
+    planned: tuple[ParallelLayout, Calibration | None, ModelShape | None],
     peak_memory_bytes: int,
 ) -> dict | None:
     """The planner's prediction for this run (with this run's own start-up calibration, else ``calibration=``,
     else datasheet numbers) beside what rank 0 measured; writes RUN_DIR/calibration.json when it measured any."""
-    parallel, given = planned
+    parallel, given, shape = planned
+    if shape is not None and shape.measured_module and not shape.flops_per_sample and parts.diagnostics is not None:
+        # A module's FLOPs are counted at its first step (training/flop_count.py), after the launch measured it.
+        shape = dataclasses.replace(shape, flops_per_sample=parts.diagnostics.flops_per_unit or None)
     own = write_calibration(run_dir) if run_cfg.diagnostics.enabled and run_cfg.diagnostics.calibrate else None
-    record = predict_run(run_cfg, parallel, own or given)
+    record = predict_run(run_cfg, parallel, own or given, shape)
     if record is None:
         return None
     measured: dict = {}

@@ -34,7 +34,8 @@ from disttrain.data.corpus_check import tokenize_corpus
 from disttrain.data.hf import tokenizer_sha256
 from disttrain.job.claim import RUN_MARKERS, holder, refuse_taken
 from disttrain.launch.env import process_role
-from disttrain.planner import MemoryBreakdown
+from disttrain.planner import MemoryBreakdown, ModelShape
+from disttrain.planner.footprint import ModuleFootprint, footprint_shape
 from disttrain.strategies.auto import check_fits, predict_memory, resolve_auto
 from disttrain.strategies.layout import ParallelLayout, parallel_layout, world_layout
 
@@ -53,6 +54,17 @@ class Prepared:
     warmup_note: str | None = None  # said at launch when the default warmup was shortened to fit max_steps
     calibration: Calibration | None = None  # calibration=RUN_DIR: measured speeds for auto and the prediction
     elastic_note: str | None = None  # said at launch when a restart found another world size and adapted to it
+    # A LightningModule's parameters, gradients and optimizer states measured on meta (rank 0, job/run.py): the
+    # planner's shape of it for the memory check and run.json's prediction.
+    footprint: ModuleFootprint | None = None
+
+    @property
+    def planner_shape(self) -> ModelShape | None:
+        """The measured module's shape for the planner (None: the planner reads the model's own config)."""
+        model = self.run_cfg.model
+        if self.footprint is None or not isinstance(model, LightningModuleConfig):
+            return None
+        return footprint_shape(model.target, self.footprint)
 
     @property
     def checkpoint(self) -> Path | None:

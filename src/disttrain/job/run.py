@@ -30,9 +30,10 @@ from disttrain.models.factory import model_facts
 from disttrain.models.facts import ModelFacts
 from disttrain.models.user_module import check_manual_optimization, resolve_model_kind
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
-from disttrain.strategies.auto import check_fits, describe_memory
+from disttrain.strategies.auto import check_fits, describe_memory, predict_memory
 from disttrain.strategies.fsdp_user import wrap_classes
 from disttrain.sweep.objective import objective_value
+from disttrain.training.footprint import measure_footprint
 
 
 def run_from_hydra(cfg: DictConfig, launcher: Launcher) -> float | None:
@@ -64,6 +65,9 @@ def run_from_hydra(cfg: DictConfig, launcher: Launcher) -> float | None:
     if isinstance(run_cfg.model, LightningModuleConfig) and isinstance(run_cfg.strategy, FSDPConfig):
         wrap_classes(run_cfg.strategy)  # a class path that does not import: one line now, not on every rank
     if role.is_global_zero:
+        prepared = with_module_states(prepared)
+        if not run_cfg.dry_run:  # a dry run warns instead (below)
+            check_fits(run_cfg, prepared.memory, run_cfg.check_memory)
         announce(prepared, facts)
         if manual_note:
             say(manual_note)
@@ -103,6 +107,21 @@ def with_user_model_resolved(prepared: Prepared) -> Prepared:
     return dataclasses.replace(prepared, run_cfg=dataclasses.replace(prepared.run_cfg, model=resolved))
 
 
+def with_module_states(prepared: Prepared) -> Prepared:
+    """A LightningModule's parameters, gradients and optimizer states measured on meta (training/footprint.py), and
+    the memory they predict per device: the memory line, the launch's memory check and run.json's prediction take
+    them. Its activations are not measured here: that needs a batch, and the datamodule is not built twice (the
+    run builds it; ``python -m plan`` measures them)."""
+    model = prepared.run_cfg.model
+    if not isinstance(model, LightningModuleConfig) or prepared.parallel.mesh is None:
+        return prepared
+    footprint = measure_footprint(model, None, prepared.parallel.batch.micro_batch_size)
+    measured = dataclasses.replace(prepared, footprint=footprint)
+    return dataclasses.replace(
+        measured, memory=predict_memory(measured.run_cfg, measured.parallel, measured.planner_shape)
+    )
+
+
 def announce(prepared: Prepared, facts: ModelFacts) -> None:
     """The launch lines: layout, batch and model, then what prepare decided for the user (warmup, elastic world,
     the auto strategy's pick) and the predicted memory."""
@@ -114,7 +133,8 @@ def announce(prepared: Prepared, facts: ModelFacts) -> None:
         if note:
             say(note)
     if prepared.memory is not None:
-        say(describe_memory(run_cfg, prepared.memory))
+        states_only = "; activations not included (python -m plan measures them)" if prepared.footprint else ""
+        say(describe_memory(run_cfg, prepared.memory) + states_only)
 
 
 def announce_attempt(prepared: Prepared, role: ProcessRole, run_dir: Path) -> None:

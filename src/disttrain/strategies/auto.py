@@ -22,7 +22,7 @@ from disttrain.config.hf import reference_shape
 from disttrain.config.schema import RunConfig, token_seq_len
 from disttrain.config.strategy_schema import DDPConfig, DeepSpeedConfig, FSDPConfig, MegatronConfig, StrategyConfig
 from disttrain.config.validate import BatchPlan
-from disttrain.planner import Layout, MemoryBreakdown, Workload, memory_per_gpu, model_shape
+from disttrain.planner import Layout, MemoryBreakdown, ModelShape, Workload, memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.candidates import megatron_layouts
 from disttrain.planner.plan import DEFAULT_ASSUMPTIONS, host_memory_limit, memory_limit, plan_layout
@@ -41,14 +41,16 @@ def workload(cfg: RunConfig, batch: BatchPlan) -> Workload:
     return Workload(batch.micro_batch_size, batch.global_batch_size, tokens, cfg.precision.planner)
 
 
-def predict_memory(cfg: RunConfig, parallel: ParallelLayout) -> MemoryBreakdown | None:
+def predict_memory(cfg: RunConfig, parallel: ParallelLayout, shape: ModelShape | None = None) -> MemoryBreakdown | None:
     """Predicted peak bytes per device for this run, or None for a user model the planner cannot see into (or an
-    unresolved strategy=auto)."""
-    shape = reference_shape(cfg.model)
+    unresolved strategy=auto). ``shape``: a measured module's (planner/footprint.py) instead of the config's."""
+    if shape is None:
+        reference = reference_shape(cfg.model)
+        shape = model_shape(reference) if reference is not None else None
     if shape is None or parallel.mesh is None:
         return None
     work = workload(cfg, parallel.batch)
-    return memory_per_gpu(model_shape(shape), parallel.mesh, work, DEFAULT_ASSUMPTIONS.flash_attention)
+    return memory_per_gpu(shape, parallel.mesh, work, DEFAULT_ASSUMPTIONS.flash_attention)
 
 
 def describe_memory(cfg: RunConfig, memory: MemoryBreakdown) -> str:
@@ -122,8 +124,10 @@ def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: boo
             "strategy",
             f"predicted {memory.total / GIB:.1f} GiB per GPU with strategy={cfg.strategy.name} exceeds the "
             f"{limit / GIB:.1f} GiB usable on hw={cfg.hw.name}",
-            f"{same_layout}run `python -m plan` with the same model/hw/trainer overrides for other layouts that fit "
-            "(or strategy=auto), or add check_memory=false to launch anyway",
+            f"{same_layout}run `python -m plan` with the same model/hw/trainer overrides for other layouts that fit"
+            # strategy=auto does not size a LightningModule (it falls back to DDP): only plan's table does.
+            f"{' (or strategy=auto)' if reference_shape(cfg.model) is not None else ''}, or add check_memory=false to "
+            "launch anyway",
         )
 
 
