@@ -282,4 +282,15 @@ def test_the_plan_of_a_lightning_module_prints_a_train_command_train_accepts(tmp
     )  # fmt: skip
     refused = next(line for line in ddp.stdout.splitlines() if line.startswith("warning: a real launch would be"))
     assert "predicted 242.1 GiB per GPU with strategy=ddp exceeds the 72.0 GiB usable on hw=8xa100" in refused
-    assert "python -m plan" in refused and "strategy=auto" not in refused
+    assert "python -m plan" in refused and "(or strategy=auto)" in refused
+    # strategy=auto sizes the module the same way: DDP does not fit, a sharded layout is chosen, said why.
+    auto = subprocess.run(
+        [sys.executable, "-m", "train", *BIG_RECOMMENDER, "hw=8xa100", "strategy=auto", "dry_run=true",
+         f"hydra.run.dir={tmp_path / 'auto'}"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    chose = next(line for line in auto.stdout.splitlines() if line.startswith("strategy=auto chose "))
+    assert chose.startswith(("strategy=auto chose FSDP2", "strategy=auto chose ZeRO")), chose
+    assert "ddp/fsdp/deepspeed layouts that fit" in chose and "your module measured on meta" in chose
+    assert "warning: a real launch would be refused" not in auto.stdout

@@ -122,13 +122,30 @@ def fit_default_warmup(run_cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
     return dataclasses.replace(run_cfg, optimizer=dataclasses.replace(o, **fitted)), "; ".join(notes)
 
 
+def module_states_shape(
+    run_cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None
+) -> ModelShape | None:
+    """A user's LightningModule, for strategy=auto: its parameters and optimizer states measured on meta (every rank
+    measures the same, so every rank picks the same layout). Only where auto times layouts at all (a peak FLOP/s,
+    from the hw profile or a calibration): measuring imports the module and torch before this process starts its
+    ranks, which then start as new interpreters (launch/fork.py)."""
+    model = run_cfg.model
+    if not isinstance(model, LightningModuleConfig):
+        return None
+    if run_cfg.hw.peak_flops(run_cfg.precision.compute_dtype) is None and calibration is None:
+        return None
+    from disttrain.training.footprint import measure_footprint  # torch, for this case only
+
+    return footprint_shape(model.target, measure_footprint(model, None, parallel.batch.micro_batch_size))
+
+
 def resolve_strategy(
     run_cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None = None
 ) -> tuple[RunConfig, ParallelLayout, str | None]:
     """``strategy=auto`` replaced by the layout the planner picks, validated again as that strategy."""
     if not isinstance(run_cfg.strategy, AutoStrategyConfig):
         return run_cfg, parallel, None
-    run_cfg, reason = resolve_auto(run_cfg, parallel, calibration)
+    run_cfg, reason = resolve_auto(run_cfg, parallel, calibration, module_states_shape(run_cfg, parallel, calibration))
     run_cfg = with_compile_decided(run_cfg)
     return run_cfg, parallel_layout(run_cfg), reason
 

@@ -124,10 +124,8 @@ def check_fits(cfg: RunConfig, memory: MemoryBreakdown | None, check_memory: boo
             "strategy",
             f"predicted {memory.total / GIB:.1f} GiB per GPU with strategy={cfg.strategy.name} exceeds the "
             f"{limit / GIB:.1f} GiB usable on hw={cfg.hw.name}",
-            f"{same_layout}run `python -m plan` with the same model/hw/trainer overrides for other layouts that fit"
-            # strategy=auto does not size a LightningModule (it falls back to DDP): only plan's table does.
-            f"{' (or strategy=auto)' if reference_shape(cfg.model) is not None else ''}, or add check_memory=false to "
-            "launch anyway",
+            f"{same_layout}run `python -m plan` with the same model/hw/trainer overrides for other layouts that fit "
+            "(or strategy=auto), or add check_memory=false to launch anyway",
         )
 
 
@@ -216,18 +214,22 @@ def megatron_candidates(cfg: RunConfig, batch: BatchPlan) -> list[tuple[Megatron
 
 
 def resolve_auto(
-    cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None = None
+    cfg: RunConfig, parallel: ParallelLayout, calibration: Calibration | None = None, shape: ModelShape | None = None
 ) -> tuple[RunConfig, str]:
     """Replace ``strategy=auto`` by the fastest predicted layout that fits; returns the new config and why.
 
     With a ``calibration`` (``calibration=RUN_DIR``) the predictions use that run's measured matmul rate and link
-    bandwidths, which is what lets auto choose on a machine without datasheet numbers (this CPU box)."""
+    bandwidths, which is what lets auto choose on a machine without datasheet numbers (this CPU box). ``shape``: a
+    user's LightningModule measured on meta (planner/footprint.py): its data-parallel layouts without recomputation
+    (its activations are not measured before the launch, so recomputing them would save nothing the planner sees)."""
     ddp = dataclasses.replace(cfg, strategy=DDPConfig().for_accelerator(cfg.hw.accelerator))
-    reference = reference_shape(cfg.model)
-    if reference is None:
-        return ddp, "a user model: the planner cannot size it, using ddp"
+    if shape is None:
+        reference = reference_shape(cfg.model)
+        if reference is None:
+            return ddp, "a user model: the planner cannot size it, using ddp"
+        shape = model_shape(reference)
     world, batch = parallel.world, parallel.batch
-    shape, work = model_shape(reference), workload(cfg, batch)
+    work = workload(cfg, batch)
     profile = calibrated_profile(cfg.hw, calibration, cfg.precision.compute_dtype)
     assumptions = assumptions_for(profile)
     if profile.hw.peak_flops(cfg.precision.compute_dtype) is None:
@@ -237,7 +239,9 @@ def resolve_auto(
             "choose by measured speeds); ddp replicas communicate least"
         )
     options = auto_candidates(cfg)
-    megatron = megatron_candidates(cfg, batch)
+    megatron = megatron_candidates(cfg, batch) if not shape.measured_module else []
+    if shape.measured_module:  # no layers to recompute or split: the data-parallel layouts as they are
+        options = [o for o in options if not getattr(o, "activation_checkpointing", False)]
     if cfg.precision.fp8:  # fp8 composes with DDP and FSDP2 only (config/validate.py)
         options, megatron = [o for o in options if o.name in ("ddp", "fsdp")], []
     layouts = [(option, layout_of(option, world, batch)) for option in options]
@@ -267,13 +271,15 @@ def resolve_auto(
             "lower trainer.micro_batch_size or model.seq_len, or use more devices (see `python -m plan`)",
         )
     fitting = sum(1 for item in scored if not item[0])
+    families = "ddp/fsdp/deepspeed" if shape.measured_module else "ddp/fsdp/deepspeed/megatron"
     why = (
         f"strategy=auto chose {predicted.label}: fastest predicted step ({step_time:.3g} s, "
-        f"{predicted.memory.total / GIB:.1f} GiB per GPU) among {fitting} of {len(scored)} "
-        "ddp/fsdp/deepspeed/megatron layouts that fit"
+        f"{predicted.memory.total / GIB:.1f} GiB per GPU) among {fitting} of {len(scored)} {families} layouts that fit"
     )
     if profile.measured:
         why += f" (measured speeds of {profile.calibration.source})"  # type: ignore[union-attr]
     if untimed:
         why += f"; {len(untimed)} more could not be timed ({untimed[0]})"
+    if shape.measured_module:
+        why += "; your module measured on meta: its states (its activations and FLOPs are not counted before launch)"
     return dataclasses.replace(cfg, strategy=chosen), why
