@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
+from disttrain.config.errors import ConfigError
 from disttrain.config.schema import CustomDataConfig, LightningModuleConfig
 from disttrain.training.footprint import measure_footprint, optimizers_of, saved_activation_bytes
 
@@ -132,3 +133,16 @@ def test_the_recommender_holds_adam_moments_over_its_embedding_tables() -> None:
     assert footprint.optimizer_state_bytes == 2 * footprint.parameter_bytes
     assert footprint.activation_bytes is not None and footprint.activation_bytes < footprint.parameter_bytes / 100
     assert footprint.flops_per_sample is None  # lookups and products, no matmul or convolution to count
+
+
+class BrokenData(TinyData):
+    def train_dataloader(self) -> DataLoader:
+        raise FileNotFoundError("/data/train.parquet")
+
+
+def test_a_datamodule_that_gives_no_batch_is_one_line_naming_the_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        measure_footprint(
+            LightningModuleConfig(target=HERE + "TinyMLP"), CustomDataConfig(target=HERE + "BrokenData"), 4
+        )
+    assert err.value.key == "data._target_" and "FileNotFoundError: /data/train.parquet" in str(err.value)

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from disttrain.config.errors import ConfigError
 from disttrain.config.schema import CustomDataConfig, LightningModuleConfig
 from disttrain.data.samples import batch_rows
 from disttrain.data.user_datamodule import datamodule_arguments
@@ -98,12 +99,20 @@ def optimizer_state_bytes(module: pl.LightningModule) -> int:
 
 
 def first_batch(data: CustomDataConfig, micro_batch_size: int) -> Any:
-    """The datamodule's first training batch, built as the run builds it (``batch_size`` the micro-batch)."""
+    """The datamodule's first training batch, built as the run builds it (``batch_size`` the micro-batch); a
+    datamodule that cannot give one is one line naming ``data._target_``."""
     cls = resolve_target(data.target, "data._target_")
-    datamodule = cls(**datamodule_arguments(data, micro_batch_size, None))  # type: ignore[operator]
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    return next(iter(datamodule.train_dataloader()))
+    try:
+        datamodule = cls(**datamodule_arguments(data, micro_batch_size, None))  # type: ignore[operator]
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        return next(iter(datamodule.train_dataloader()))
+    except Exception as err:  # the user's datamodule: its own error, named
+        raise ConfigError(
+            "data._target_",
+            f"{data.target} gave no training batch: {type(err).__name__}: {err}",
+            "give data the keys its constructor takes; its train_dataloader() must yield a batch on this machine",
+        ) from None
 
 
 @contextlib.contextmanager
@@ -159,12 +168,12 @@ def measure_footprint(
     if data is None:
         unmeasured.append("activations and FLOPs: no datamodule to take a batch from (data._target_)")
     else:
+        batch = first_batch(data, micro_batch_size)  # a data._target_ that does not import: one line, not a note
         try:
-            batch = first_batch(data, micro_batch_size)
             rows = batch_rows(batch)
             activations, total_flops = saved_activation_bytes(module, to_meta(batch))
             flops = total_flops / rows if rows and total_flops > 0 else None
-        except Exception as err:  # data-dependent code on meta, a datamodule that reads what is not here
+        except Exception as err:  # data-dependent code on meta (.item(), control flow on values)
             activations, rows = None, None
             unmeasured.append(f"activations and FLOPs: {type(err).__name__}: {err}")
     return ModuleFootprint(
