@@ -451,3 +451,21 @@ def test_a_module_with_compiled_code_is_counted_on_its_second_micro_batch_and_st
     assert counters["stats"]["unique_graphs"] >= 1  # the head was compiled, not left eager
     # per sample: forward 2 x (36 + 12); backward the weight gradients of both (2 x 48) and the head's input's (24)
     assert counted.flops_per_sample == pytest.approx(2 * 48 + 2 * 48 + 2 * 12)
+
+
+class TooBigForTheHost(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+            "allocate 25600000000 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+
+def test_a_module_too_big_for_the_host_is_told_so_not_to_fix_its_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_lightning_module(LightningModuleConfig(f"{__name__}.TooBigForTheHost"))
+    message = str(err.value)
+    assert err.value.key == "model._target_" and "can't allocate memory" in message
+    assert "does not fit this host's memory" in message and "python -m plan" in message
+    assert "give model the keys" not in message

@@ -75,6 +75,22 @@ def hydra_node(model: LightningModuleConfig) -> dict[str, Any]:
     return {"_target_": model.target, **model.kwargs}
 
 
+# Each local rank builds the whole module on the host before the strategy shards it (models/user_module.py).
+OUT_OF_MEMORY_FIX = (
+    "the module does not fit this host's memory as built: each local rank builds all of it before the strategy "
+    "shards it; use a host with more memory or fewer local ranks (hw.devices_per_node), and see its memory per "
+    "layout with python -m plan (the same ~model/~data overrides)"
+)
+
+
+def out_of_memory(error: BaseException | None) -> bool:
+    """An allocation that failed (host or device), however the allocator said so."""
+    if isinstance(error, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
 def build_lightning_module(model: LightningModuleConfig, device: str | None = None) -> pl.LightningModule:
     """The user's module as Hydra builds it (nested ``_target_`` nodes and ``_partial_`` included), on ``device``
     (``meta``: shapes and counts only). Import and call errors are one line naming the key."""
@@ -91,7 +107,8 @@ def build_lightning_module(model: LightningModuleConfig, device: str | None = No
         cause = err.__cause__
         first = str(err).splitlines()[0].rstrip(":")
         said = f"{first}: {type(cause).__name__}: {cause}" if cause is not None else first
-        raise ConfigError("model._target_", said, "give model the keys its signature takes") from None
+        fix = OUT_OF_MEMORY_FIX if out_of_memory(cause) else "give model the keys its signature takes"
+        raise ConfigError("model._target_", said, fix) from None
     if not isinstance(module, pl.LightningModule):
         raise ConfigError(
             "model._target_",
