@@ -63,13 +63,22 @@ class GradientVote:
         return summed.then(split)
 
 
+def host_flags_to(device: torch.device, flags: list[float]) -> torch.Tensor:
+    """Host values as one tensor on ``device``. To a GPU through pinned memory: a copy from pageable memory waits for
+    every kernel queued before it (a device sync per step, which the deferred verdict exists to avoid)."""
+    values = torch.tensor(flags, dtype=torch.float32)
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 def slots_of(
     world: int, rank: int, loss_bad: torch.Tensor, riders: list[float], device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
     """This rank's part: the loss flag (0/1), then ``world x len(riders)`` slots, its own riders in its row."""
-    row = torch.zeros(world, len(riders), dtype=dtype)
-    row[rank] = torch.tensor(riders, dtype=dtype)
-    flags = torch.cat([torch.zeros(1, dtype=dtype), row.flatten()]).to(device)
+    values = [0.0] * (1 + world * len(riders))
+    values[1 + rank * len(riders) : 1 + (rank + 1) * len(riders)] = riders
+    flags = host_flags_to(device, values).to(dtype)
     flags[0] = loss_bad.to(device=device, dtype=dtype)
     return flags
 

@@ -52,7 +52,7 @@ import torch
 
 from disttrain.launch.env import say_once
 from disttrain.launch.exit_codes import NONFINITE
-from disttrain.reliability.gradient_vote import GradientVote, slots_of, verdict_of
+from disttrain.reliability.gradient_vote import GradientVote, host_flags_to, slots_of, verdict_of
 
 STOP_MARKER = "stopping_rank{rank}.json"
 # 2^16 (GradScaler's start) halved 30 times is 2^-14: an fp16 gradient still overflowing there is not a scale search.
@@ -185,15 +185,6 @@ class PendingVerdict:
         if self.ready is not None:
             self.ready.synchronize()  # waits for this step's vote only, not for the work queued since
         return self.host.tolist()
-
-
-def host_flags_to(device: torch.device, flags: list[float]) -> torch.Tensor:
-    """Host values as one tensor on ``device``. To a GPU through pinned memory: a copy from pageable memory waits for
-    every kernel queued before it (a device sync per step, which the deferred verdict exists to avoid)."""
-    values = torch.tensor(flags, dtype=torch.float32)
-    if device.type != "cuda":
-        return values.to(device)
-    return values.pin_memory().to(device, non_blocking=True)
 
 
 def defers_verdict(optimizer: Any, device: torch.device, scaler_enabled: bool) -> bool:
