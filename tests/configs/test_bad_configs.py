@@ -94,6 +94,20 @@ def test_cli_reports_user_error_in_one_line_with_exit_code_2(tmp_path: Path) -> 
                       "trainer.micro_batch_size to a value > 0"]  # fmt: skip
 
 
+def test_cli_refuses_checkpoints_the_disk_cannot_hold_before_training(tmp_path: Path) -> None:
+    """The default model's checkpoints (~22 MiB each, every step of 10^8 kept) against the free space under the run
+    dir: one line naming trainer.keep_last_n with a value that fits, exit 2, no checkpoint started."""
+    run_dir = tmp_path / "run"
+    result = run_cli(["trainer.max_steps=100000000", "trainer.ckpt_every_n_steps=1", f"hydra.run.dir={run_dir}"],
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("disttrain: config error")]
+    assert error.startswith("disttrain: config error: trainer.keep_last_n: 100000000 checkpoints of 20.9 MiB each")
+    assert "Fix: set trainer.keep_last_n=" in error and f"free at '{run_dir}'" in error
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "run.json").exists()
+
+
 def test_cli_refuses_gpu_profile_on_this_machine_at_once(tmp_path: Path) -> None:
     result = run_cli(["hw=8xa100", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert result.returncode == 2

@@ -15,7 +15,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from diagnostics.collect.profile_window import release_cupti_after_window
+from disttrain.checkpoint.space import check_checkpoint_space, checkpoint_space
 from disttrain.config.errors import ConfigError
+from disttrain.config.hf import reference_shape
 from disttrain.config.schema import CustomDataConfig, CustomModelConfig, LightningModuleConfig, token_seq_len
 from disttrain.config.strategy_schema import FSDPConfig
 from disttrain.data.user_datamodule import check_user_datamodule, describe_batch_size
@@ -29,6 +31,7 @@ from disttrain.launch.exit_codes import RunStopped
 from disttrain.models.factory import model_facts
 from disttrain.models.facts import ModelFacts
 from disttrain.models.user_module import check_manual_optimization, resolve_model_kind
+from disttrain.planner.shapes import model_shape
 from disttrain.reliability.preemption import keep_previous_metrics, slurm_attempt
 from disttrain.strategies.auto import check_fits, describe_memory, predict_memory
 from disttrain.strategies.fsdp_user import wrap_classes
@@ -68,6 +71,7 @@ def run_from_hydra(cfg: DictConfig, launcher: Launcher) -> float | None:
         prepared = with_module_states(prepared)
         if not run_cfg.dry_run:  # a dry run warns instead (below)
             check_fits(run_cfg, prepared.memory, run_cfg.check_memory)
+            check_room_for_checkpoints(prepared, run_dir)  # this machine's disk: not a dry run's (it may run elsewhere)
         announce(prepared, facts)
         if manual_note:
             say(manual_note)
@@ -120,6 +124,18 @@ def with_module_states(prepared: Prepared) -> Prepared:
     return dataclasses.replace(
         measured, memory=predict_memory(measured.run_cfg, measured.parallel, measured.planner_shape)
     )
+
+
+def check_room_for_checkpoints(prepared: Prepared, run_dir: Path) -> None:
+    """The run's checkpoints against the free space under its run dir (checkpoint/space.py), for any model whose
+    parameters are known before it is built: the planner's shape of the built-in and HF models, a LightningModule's
+    measured one."""
+    shape = prepared.planner_shape
+    if shape is None:
+        reference = reference_shape(prepared.run_cfg.model)
+        shape = model_shape(reference) if reference is not None else None
+    if shape is not None:
+        check_checkpoint_space(checkpoint_space(shape, prepared.run_cfg.trainer, Path(run_dir) / "checkpoints"))
 
 
 def announce(prepared: Prepared, facts: ModelFacts) -> None:
