@@ -177,16 +177,24 @@ PARTS_SECONDS_KEYS = (
 )
 
 
+def _timed_keys(record: dict) -> tuple[str, ...]:
+    """The times a complete parts record has: a whole module's (a user's LightningModule, timed as one piece) has
+    no block of its own, only the module's passes ("edges") and its optimizer step."""
+    if record.get("whole_module"):
+        return ("edges_forward_s", "edges_backward_s", "optimizer_step_s")
+    return PARTS_SECONDS_KEYS
+
+
 def parts_figures(records: list[dict]) -> dict[str, Any] | None:
     """The ranks' parts records as one: each time the median over ranks; the shape of the first complete record
     (records of another shape, which a rank cannot have measured in the same run, are left out). None without a
     complete record."""
-    complete = [r for r in records if all(_positive(r.get(k)) for k in PARTS_SECONDS_KEYS)]
+    complete = [r for r in records if all(_positive(r.get(k)) for k in _timed_keys(r))]
     if not complete:
         return None
     shape = {k: complete[0].get(k) for k in PARTS_SHAPE_KEYS}
     same = [r for r in complete if all(r.get(k) == v for k, v in shape.items())]
-    figures = {**shape, **{k: statistics.median(float(r[k]) for r in same) for k in PARTS_SECONDS_KEYS}}
+    figures = {**shape, **{k: statistics.median(float(r.get(k) or 0.0) for r in same) for k in PARTS_SECONDS_KEYS}}
     for key in PARTS_MEMORY_KEYS:  # a GPU's allocator bytes; a CPU's records have none
         measured = [float(r[key]) for r in same if _positive(r.get(key))]
         if measured:

@@ -30,6 +30,7 @@ from diagnostics.collect.experts import (
 )
 from diagnostics.collect.fsdp_comm import time_fsdp_collectives
 from diagnostics.collect.lightning_comm import time_lightning_collectives
+from diagnostics.collect.module_timing import ModuleTiming
 from diagnostics.collect.profile_window import ProfilerWindow
 from diagnostics.collect.run_facts import CollectSettings, RunFacts
 from diagnostics.collect.sampler import DeviceSampler, make_reader, rss_bytes
@@ -76,6 +77,7 @@ class DiagnosticsCallback(pl.Callback):
         # direct cost, which an A/B of whole runs on a shared machine measures only through its noise.
         self.own_s = 0.0
         self._last_step = -1
+        self.module_timing = ModuleTiming(facts, settings.calibrate)  # a user's module timed after training
         # FSDP2's and DeepSpeed's collectives are timed per phase (collect/fsdp_comm, collect/deepspeed_comm).
         self.times_collectives = False
         self.times_all_to_all = False  # and expert parallelism's all-to-alls, apart (collect/experts)
@@ -231,7 +233,8 @@ class DiagnosticsCallback(pl.Callback):
             self.own_s += time.perf_counter() - start
 
     # -- per step -------------------------------------------------------------------------------------------
-    def on_train_batch_start(self, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        self.module_timing.batch_started(batch)
         self.timed(self.timer.batch_start)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -403,6 +406,7 @@ class DiagnosticsCallback(pl.Callback):
         self.timer.pause_ended()
         self._record_pauses(trainer)
         self.teardown_collectors()
+        self.module_timing.run(trainer, pl_module, self.guarded, self.write)
         memory: dict[str, Any] = {"peak_rss_bytes": rss_bytes()}
         if self.training_state:
             memory["training_state_bytes"] = self.training_state

@@ -235,3 +235,53 @@ def time_model_parts(device: torch.device, parts: dict, micro_batch: int, repeat
         # probe and the run is what its prediction error follows (benchmarks/plan_accuracy.py prints both).
         "cpu_share": (clock() - cpu_start) / max(time.perf_counter() - start, 1e-9) if device.type == "cpu" else None,
     }
+
+
+def time_module_parts(device: torch.device, parts: dict, micro_batch: int, precision: str, repeats: int = 3) -> dict:
+    """Seconds of a whole module's training step on one micro-batch, its backward and its optimizer step
+    (``disttrain.training.module_probe.module_parts``), as the parts record the planner reads: the module is all
+    "edges" (no blocks: it has no layers the planner knows), its sample the unit (``seq_len`` 1), its parameters the
+    optimizer's. Each part is the median of ``repeats`` after the CPU's warm-up passes."""
+    start = time.perf_counter()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    forward, backward, step = parts["forward"], parts["backward"], parts["optimizer"]
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    warmup = CPU_WARMUP_PASSES if device.type == "cpu" else 1
+    for i in range(warmup + repeats):
+        sync()
+        t0 = time.perf_counter()
+        loss = forward()
+        sync()
+        t1 = time.perf_counter()
+        backward(loss)
+        sync()
+        t2 = time.perf_counter()
+        step()
+        sync()
+        t3 = time.perf_counter()
+        if i >= warmup:
+            for name, seconds in (("forward", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2)):
+                times[name].append(seconds)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the copy's blocks are not the run's
+    return {
+        "micro_batch": micro_batch,
+        "seq_len": 1,
+        "d_model": 0,
+        "vocab_size": 0,
+        "block_numel": parts["numel"],
+        "block_forward_s": 0.0,
+        "block_backward_s": 0.0,
+        "edges_forward_s": statistics.median(times["forward"]),
+        "edges_backward_s": statistics.median(times["backward"]),
+        "optimizer_step_s": statistics.median(times["optimizer"]),
+        "block_activation_bytes": None,
+        "edges_peak_bytes": None,
+        "precision": precision,
+        "repeats": repeats,
+        "compiled": None,
+        "clock": "wall",
+        "whole_module": True,
+        "wall_s": time.perf_counter() - start,
+        "cpu_share": None,
+    }

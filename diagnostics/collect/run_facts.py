@@ -65,6 +65,10 @@ class RunFacts:
     # ``zero_overhead``): a strategy=deepspeed run at ZeRO-1/2 the probe can build; None: not probed.
     zero_probe: Callable[..., dict] | None = None
     work_unit: str = "token"
+    # A user's LightningModule timed whole on a copy at the run's real micro-batch (``module_probe(module, batch,
+    # trainer)`` gives the parts ``diagnostics.collect.parts.time_module_parts`` times, or None where it cannot be
+    # probed); None: not probed (the built-in models have ``parts_probe``; sharded strategies shard the module).
+    module_probe: Callable[..., dict | None] | None = None
     tokens_per_sample: int | None = None  # a sample run whose module says what a token is (its tokens per sample)
     # FLOPs per unit counted at the first step (training/flop_count.py) where the module states none: the MFU
     # numerator from then on (``flops_per_token`` is 0 until then).

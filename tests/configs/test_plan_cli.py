@@ -294,3 +294,40 @@ def test_the_plan_of_a_lightning_module_prints_a_train_command_train_accepts(tmp
     assert chose.startswith(("strategy=auto chose FSDP2", "strategy=auto chose ZeRO")), chose
     assert "ddp/fsdp/deepspeed layouts that fit" in chose and "your module measured on meta" in chose
     assert "warning: a real launch would be refused" not in auto.stdout
+
+
+CLASSIFIER = [
+    "~model",
+    "+model._target_=tests.lightning_projects.classifier.LitClassifier",
+    "+model.net._target_=tests.lightning_projects.classifier.ConvNet",
+    "~data",
+    "+data._target_=tests.lightning_projects.classifier.DigitsData",
+    "hw=cpu",
+    "precision=fp32",
+]
+
+
+@pytest.mark.parametrize(("micro", "basis", "scale"), [(64, "measured", 1.0), (128, "scaled", 2.0)])
+def test_a_run_that_timed_the_module_gives_the_plan_its_compute(
+    micro: int, basis: str, scale: float, tmp_path: Path
+) -> None:
+    """``calibration=RUN_DIR`` of a run that timed this module whole (training/module_probe.py): every layout's
+    compute is its forward and backward, at another micro-batch scaled by samples."""
+    from diagnostics.telemetry import TelemetryWriter
+    from tests.unit.test_calibration import write_calibration_run
+
+    run = tmp_path / "run"
+    write_calibration_run(run)
+    for rank in (0, 1):
+        writer = TelemetryWriter(run, rank)
+        writer.write(
+            "parts_calibration", micro_batch=64, seq_len=1, d_model=0, vocab_size=0, block_numel=7018,
+            block_forward_s=0.0, block_backward_s=0.0, edges_forward_s=0.002, edges_backward_s=0.003,
+            optimizer_step_s=0.0004, precision="fp32", whole_module=True,
+        )  # fmt: skip
+        writer.close()
+    result = plan_from_config(compose_plan([*CLASSIFIER, f"trainer.micro_batch_size={micro}", f"calibration={run}"]))
+    assert result.shape.num_parameters == 7018  # the module the run timed
+    ddp = next(c for c in result.candidates if c.strategy == "ddp")
+    assert ddp.estimate.compute_basis == basis
+    assert ddp.estimate.compute_s == pytest.approx(0.005 * scale)

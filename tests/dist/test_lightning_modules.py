@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diagnostics.telemetry import telemetry_path
 from tests.conftest import REPO, load_checkpoint, read_manifest, run_cli
 
 pytestmark = pytest.mark.dist
@@ -168,6 +169,14 @@ def test_reports_speak_samples_and_counted_flops(project: str, layout: str, runs
         assert "step_time_s" not in prediction["predicted"] and "no FLOPs were counted" in prediction["unpredicted"]
     else:
         assert prediction["predicted"]["step_time_s"] > 0 and "step_time_s" in prediction["error"]
+    # Under DDP every rank holds the module whole: each times it on a copy after training (training/module_probe.py)
+    # and the step is composed from those parts; sharded layouts keep the FLOPs-based step.
+    probed = layout == "ddp"
+    for rank in (0, 1):
+        records = [json.loads(line) for line in telemetry_path(run_dir, rank).read_text().splitlines()]
+        timed = [r for r in records if r["kind"] == "parts_calibration"]
+        assert len(timed) == int(probed) and all(r["whole_module"] for r in timed)
+    assert (prediction["basis"]["edges_forward_backward"] == "measured") == probed, prediction["basis"]
 
 
 @pytest.mark.parametrize("layout", sorted(BF16))

@@ -46,7 +46,9 @@ def conclude(
     ends in RunStopped naming the last good checkpoint."""
     guard = parts.nonfinite
     stopped = guard is not None and guard.stopped
-    peak_memory = measured_peak_memory()
+    # The run's peak before the module probe's copy of it (diagnostics.collect.module_timing), where one ran.
+    probed_after = parts.diagnostics.module_timing.peak_before if parts.diagnostics is not None else None
+    peak_memory = probed_after if probed_after is not None else measured_peak_memory()
     try:
         prediction = predict_and_measure(run_cfg, parts, run_dir, planned, peak_memory)
     except Exception as err:  # a layout the planner cannot model must not turn a finished run into a failure

@@ -18,6 +18,7 @@ from disttrain.config.schema import RunConfig, token_seq_len
 from disttrain.planner import ModelShape, memory_per_gpu, model_shape
 from disttrain.planner.calibrated import assumptions_for, calibrated_profile
 from disttrain.planner.links import link_time
+from disttrain.planner.measured import parts_basis
 from disttrain.planner.plan import plan_layout
 from disttrain.strategies.auto import workload
 from disttrain.strategies.layout import ParallelLayout
@@ -48,9 +49,11 @@ def predict_run(
     }
     predicted: dict[str, Any] = {}
     candidate = None
-    if shape.measured_module and not shape.flops_per_sample:
-        # Its compute would be 0: a step time of communication alone is no prediction.
-        record["unpredicted"] = "no FLOPs were counted for this module's step (no matmul or convolution ran)"
+    if shape.measured_module and not shape.flops_per_sample and parts_basis(profile.parts, shape, work) is None:
+        # Its compute would be 0 (no FLOPs counted, the module not timed): communication alone is no prediction.
+        record["unpredicted"] = (
+            "no FLOPs were counted for this module's step (no matmul or convolution ran) and it was not timed"
+        )
     else:
         try:
             candidate = plan_layout(shape, layout, work, profile.hw, assumptions, profile.parts)

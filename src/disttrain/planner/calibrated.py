@@ -44,7 +44,8 @@ class CalibratedProfile:
         activations = measured_activations(self.parts, shape, workload) is not None
         return {
             **self.sources,
-            "block_forward_backward": how or "flops",
+            # A whole module timed as one piece has no block: its passes are the edges' figure.
+            "block_forward_backward": "none" if how and self.parts and self.parts.whole_module else how or "flops",
             "edges_forward_backward": how or "flops",
             "optimizer_step": how or "memory_bandwidth",
             # A GPU probe's allocator bytes (block kept, edges' peak), or the activation formula.

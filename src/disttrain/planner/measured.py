@@ -13,6 +13,9 @@ separately: ``hw.tp_linear_overhead_us``). The optimizer step costs the measured
 parameters the rank steps (all of them under DDP, its shard under FSDP2/ZeRO, its stage's under PP). FSDP2's and
 ZeRO's sharding does not change a rank's compute (the parameters are gathered whole).
 
+A user's LightningModule is timed whole (its training step, backward and optimizer step: no blocks the planner
+knows), and those parts stand in for that module only, scaled by samples to another micro-batch.
+
 Parts measured on another model or workload (``calibration=RUN_DIR`` of a different run) are scaled by FLOPs:
 each part's seconds per FLOP on that device class, times the planned part's FLOPs. That carries the device's
 measured efficiency on the non-matmul work over, and is said in the basis (``scaled``) as the assumption it is.
@@ -78,6 +81,12 @@ class MeasuredParts:
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
 
+    @property
+    def whole_module(self) -> bool:
+        """Timed as one piece (a user's LightningModule: disttrain.training.module_probe): no block, no edges of
+        its own; its passes stand as the edges, its sample as the token."""
+        return self.d_model == 0 and self.seq_len == 1 and self.block_forward_s == 0.0
+
 
 def _optional_float(value: object) -> float | None:
     return None if value is None else float(value)  # type: ignore[arg-type]
@@ -131,7 +140,13 @@ def precision_matches(parts: MeasuredParts, precision: str) -> bool:
 def parts_basis(parts: MeasuredParts | None, shape: ModelShape, workload: Workload) -> str | None:
     """``measured`` when the parts were timed on this model at this micro-batch and sequence length, ``scaled`` when
     on another (scaled by FLOPs), None when they cannot stand in (none, another precision, a raw parameter count)."""
-    if parts is None or not shape.known or not precision_matches(parts, workload.precision):
+    if parts is None or not precision_matches(parts, workload.precision):
+        return None
+    if shape.measured_module or parts.whole_module:
+        if not (shape.measured_module and parts.whole_module and parts.block_numel == shape.num_parameters):
+            return None  # a module's parts stand in for that module only: no formula carries them to another
+        return "measured" if parts.micro_batch == workload.micro_batch_size else "scaled"
+    if not shape.known:
         return None
     same = (
         parts.d_model == shape.d_model
@@ -155,6 +170,12 @@ def parts_compute(
     basis = parts_basis(parts, shape, workload)
     if basis is None:
         raise ValueError("measured parts stand in only for a known shape at the precision they were measured in")
+    optimizer = parts.optimizer_step_s / parts.block_numel * optimizer_parameters
+    if parts.whole_module:
+        # Another micro-batch scales the module's passes by its samples (the data-parallel layouts a module runs
+        # under split no layer, so every rank runs the whole module on its rows).
+        samples = workload.micro_batch_size / parts.micro_batch
+        return PartsCompute(parts.edges_forward_s * samples, parts.edges_backward_s * samples, optimizer, basis)
     tokens = workload.micro_batch_size * workload.seq_len
     # The probe's block as the same formula sees it (its attention width is its d_model: the reference's heads).
     probe_block = parts.tokens * block_flops_per_token(parts.block_numel, parts.d_model, parts.seq_len)
@@ -169,7 +190,6 @@ def parts_compute(
     recomputed = recompute_share(shape, workload.seq_len, layout.recompute)
     forward = blocks * block_forward + parts.edges_forward_s * edges_scale / layout.tp
     backward = blocks * (block_backward + recomputed * block_forward) + parts.edges_backward_s * edges_scale / layout.tp
-    optimizer = parts.optimizer_step_s / parts.block_numel * optimizer_parameters
     return PartsCompute(forward, backward, optimizer, basis)
 
 

@@ -162,6 +162,9 @@ def compute_line(result: Plan) -> str:
     FLOPs over the peak x the assumed efficiency (each an assumption of its own, said so)."""
     basis = result.candidates[0].estimate.compute_basis if result.candidates else "flops"
     parts = result.parts
+    if parts is not None and parts.whole_module and basis in ("measured", "scaled"):
+        how = "as measured" if basis == "measured" else f"scaled by samples from micro-batch {parts.micro_batch}"
+        return f"compute: this module's training step, backward and optimizer step timed by a run, {how}"
     if basis == "measured" and parts is not None:
         return "compute: the measured parts of this model (one block, the edges, a block's optimizer step)"
     if basis == "scaled" and parts is not None:

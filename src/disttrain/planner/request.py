@@ -202,6 +202,7 @@ def _module_request(
         sequence_parallel=None,
         seq_len=1,
         sources=profile.sources,
+        parts=profile.parts,  # a run's timing of this very module (training/module_probe.py); another's stand out
         notes=footprint_notes(footprint),
     )
 

@@ -15,6 +15,7 @@ from disttrain.strategies.spec import StrategyBuild, StrategySpec, process_group
 class DDPSpec(StrategySpec):
     name = "ddp"
     wraps_one_process = False  # one process needs no replica synchronisation: Lightning's single-device strategy
+    ranks_hold_the_whole_module = True
 
     def validate(self, cfg: RunConfig) -> None:
         """Bucket size and communication hook: a hook that cannot help this run is refused, not silently ignored."""

@@ -50,6 +50,9 @@ class StrategySpec:
     norm_clipped_by_torch: ClassVar[bool] = True
     # optimizer.fused=null may pick torch's fused AdamW (models/module.py: where every parameter is on a GPU).
     fused_optimizer_ok: ClassVar[bool] = True
+    # Every rank holds the whole module as plain tensors: a copy of it runs with no collective of the strategy's
+    # (the module probe, training/module_probe.py). Sharding strategies hold a shard.
+    ranks_hold_the_whole_module: ClassVar[bool] = False
 
     def __init__(self, config: Any) -> None:
         self.config = config

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import LearningRateMonitor
@@ -60,6 +61,7 @@ from disttrain.training.callbacks import FinalValidation, Throughput
 from disttrain.training.flop_count import FirstStepFlops
 from disttrain.training.gc_freeze import FreezeStartupObjects
 from disttrain.training.live_metrics import LiveMetrics
+from disttrain.training.module_probe import module_parts
 from disttrain.training.progress import build_progress
 from disttrain.training.pruning import TrialPruning
 from disttrain.training.step_loss import StepLoss
@@ -173,6 +175,18 @@ def parts_probe(cfg: RunConfig) -> Callable[..., dict] | None:
     return None
 
 
+def module_probe(cfg: RunConfig) -> Callable[..., dict | None] | None:
+    """A user's LightningModule timed whole on a copy (training/module_probe.py) where every rank holds it whole
+    (the strategy's spec says: DDP, and one process). A shard's copy would run the strategy's collectives."""
+    if not isinstance(cfg.model, LightningModuleConfig) or not spec_of(cfg.strategy).ranks_hold_the_whole_module:
+        return None
+
+    def probe(module: pl.LightningModule, batch: Any, trainer: pl.Trainer) -> dict | None:
+        return module_parts(module, batch, trainer.precision_plugin.train_step_context)
+
+    return probe
+
+
 def report_hang(run_dir: Path, hang: dict) -> None:
     """What the watchdog does once it declared a hang: the report, from the telemetry written so far."""
     diagnose_run(run_dir)
@@ -249,6 +263,7 @@ def build_diagnostics(
         fsdp_probe=fsdp_probe(cfg),
         step_tail=functools.partial(step_tail, optimizer=cfg.optimizer),
         zero_probe=zero_probe(cfg, plan),
+        module_probe=module_probe(cfg),
     )
     return DiagnosticsCallback(
         settings, run_facts, run_dir, lambda: throughput.units_per_s, on_hang=functools.partial(report_hang, run_dir)
