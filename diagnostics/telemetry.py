@@ -131,12 +131,20 @@ class TelemetryWriter:
         self.path = telemetry_path(run_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1, encoding="utf-8")
+        # A write the disk refused (full, gone, read-only): later records are dropped. The run's failure path names
+        # the cause once; a telemetry error raised from every hook after it would bury that line in tracebacks.
+        self.failed: OSError | None = None
 
     def write(self, kind: str, **fields: Any) -> None:
         if kind not in RECORD_FIELDS:
             raise ValueError(f"unknown telemetry record kind {kind!r}")
+        if self.failed is not None:
+            return
         record = {"kind": kind, "rank": self.rank, "t": time.time(), **fields}
-        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        try:
+            self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        except OSError as err:
+            self.failed = err
 
     def flush(self) -> None:
         self._file.flush()
@@ -144,7 +152,10 @@ class TelemetryWriter:
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as err:  # the buffered tail on a full disk
+                self.failed = self.failed or err
 
 
 def _jsonable(value: Any) -> Any:

@@ -17,7 +17,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from diagnostics.crash import (
     describe_site,
@@ -30,6 +30,7 @@ from diagnostics.crash import (
 )
 from diagnostics.manifest import RunManifest
 from disttrain.config.errors import USER_ERROR_EXIT_CODE, ConfigError
+from disttrain.job.disk_full import disk_full_failure
 from disttrain.job.report import say_report
 from disttrain.job.sweeps import TRACEBACK_CHARS, write_failure
 from disttrain.launch.env import process_role, say
@@ -107,7 +108,11 @@ def stop_for_failure(
     cause = primary_crash(read_crash_records(run_dir))
     if cause is not None and cause.get("user_error"):
         return stop_for_user_error(failure_reporting, cause, own_error)
-    if cause is not None:
+    details: dict[str, Any]
+    full = disk_full_failure(own_error, run_dir)
+    if full is not None:  # the disk, not a rank: every rank failed writing, and none could record why
+        rank, error, trace, details, failure = own_rank, full, "", {"exception": "OSError"}, full
+    elif cause is not None:
         rank, error, trace = cause["rank"], cause["error"], cause.get("traceback") or ""
         site = describe_site(cause.get("step"), cause.get("phase"))
         failure = f"rank {rank} raised " + (f"{site}: " if site else "") + error

@@ -55,6 +55,9 @@ def route_library_output_to_log_file() -> None:
     # Kineto (the profiler window) prints "USDT: ... profiler_start/stop" from C++ straight to the console on every
     # rank; its levels below 6 all include those lines. A user's own KINETO_LOG_LEVEL wins.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # A log file on a disk that fills or vanishes mid-run must not print a "--- Logging error ---" traceback for every
+    # record that follows: the run's own failure path names the cause once.
+    logging.raiseExceptions = False
     root = logging.getLogger()
     files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
     for name in LIBRARY_LOGGERS:
