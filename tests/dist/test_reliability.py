@@ -239,9 +239,9 @@ NAN_MODEL = [
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_nonfinite_stop_keeps_last_good_checkpoint(strategy: str, tmp_path: Path) -> None:
-    """The loss turns NaN on rank 1 only; every rank stops (under FSDP by the guard's vote, under DDP by the flag
-    that rode in the gradient all-reduce). Rank 0's teardown is slow (SlowTeardownData), so rank 1 has exited 4
-    before the launcher has finished fit: a stopping rank must not be taken for a dead one."""
+    """The loss turns NaN on rank 1 only; every rank stops, by the guard's vote. Rank 0's teardown is slow
+    (SlowTeardownData), so rank 1 has exited 4 before the launcher has finished fit: a stopping rank must not be taken
+    for a dead one."""
     run_dir = tmp_path / "run"
     slow_teardown = ["~data", "+data._target_=tests.plugins.SlowTeardownData"]
     args = [*TRAIN, *slow_teardown, f"strategy={strategy}", *NAN_MODEL, "+model.inf_steps=[5]"]

@@ -2,8 +2,7 @@
 
 Every micro-batch's loss is checked as it enters backward, every gradient before the optimizer step (and
 before clipping, which would spread a NaN to every parameter). The verdict is all-reduced (max) so every rank
-agrees: under FSDP a rank sees only its own gradient shard, and ranks that disagreed would diverge or hang. Under
-DDP the flags ride in the gradient all-reduce instead (reliability/gradient_vote.py): no collective of its own.
+agrees: under FSDP a rank sees only its own gradient shard, and ranks that disagreed would diverge or hang.
 
 On a bad step every gradient is dropped (``grad = None``): torch optimizers skip parameters without a
 gradient, so the weights, the moments and Adam's step count stay exactly as they were. The step still counts
@@ -52,7 +51,6 @@ import torch
 
 from disttrain.launch.env import say_once
 from disttrain.launch.exit_codes import NONFINITE
-from disttrain.reliability.gradient_vote import GradientVote, host_flags_to, slots_of, verdict_of
 
 STOP_MARKER = "stopping_rank{rank}.json"
 # 2^16 (GradScaler's start) halved 30 times is 2^-14: an fp16 gradient still overflowing there is not a scale search.
@@ -187,6 +185,15 @@ class PendingVerdict:
         return self.host.tolist()
 
 
+def host_flags_to(device: torch.device, flags: list[float]) -> torch.Tensor:
+    """Host values as one tensor on ``device``. To a GPU through pinned memory: a copy from pageable memory waits for
+    every kernel queued before it (a device sync per step, which the deferred verdict exists to avoid)."""
+    values = torch.tensor(flags, dtype=torch.float32)
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 def defers_verdict(optimizer: Any, device: torch.device, scaler_enabled: bool) -> bool:
     """Whether the guard can skip a bad step on the device and read its verdict a step late: on a GPU, with an
     optimizer that honours ``found_inf`` (torch's fused Adam/AdamW), plain (not DTensor) parameters, and no loss
@@ -227,7 +234,6 @@ class NonFiniteGuard(pl.Callback):
         self.stop_reason: str | None = None
         self._bad_loss: torch.Tensor | None = None
         self.riders: list[VoteRider] = []  # the same on every rank: the vote's length must agree
-        self.gradient_vote: GradientVote | None = None  # DDP: the vote rides in the gradients (carry_in)
         # None: decided at the first optimizer step (defers_verdict); tests force True/False.
         self.defer: bool | None = None
         self._pending: PendingVerdict | None = None
@@ -240,20 +246,7 @@ class NonFiniteGuard(pl.Callback):
     def stopped(self) -> bool:
         return self.stopped_at is not None
 
-    def carry_in(self, gradient_vote: GradientVote) -> None:
-        """Under DDP: the loss flag and the riders' flags travel in the gradient all-reduce (reliability/
-        gradient_vote.py) instead of a collective of the guard's own."""
-        self.gradient_vote = gradient_vote
-        gradient_vote.flags = self._carried_flags
-
-    def _carried_flags(self, world: int, rank: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        bad_loss = self._bad_loss if self._bad_loss is not None else torch.tensor(False)
-        trainer = self._trainer
-        riders = [rider.flag(trainer) for rider in self.riders] if trainer is not None else [0.0] * len(self.riders)
-        return slots_of(world, rank, bad_loss, riders, device, dtype)
-
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._trainer = trainer  # the riders' flags read it when they ride in the gradients (in backward)
         # Kept as a tensor: no host sync per micro-batch, one per optimizer step below.
         bad = (~torch.isfinite(local_tensor(loss.detach()))).any()  # vocab-parallel losses are DTensors
         self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
@@ -277,15 +270,11 @@ class NonFiniteGuard(pl.Callback):
         norm_bad = (~torch.isfinite(local_tensor(check))).any() if check is not None else torch.tensor(False)
         bad_loss = self._bad_loss if self._bad_loss is not None else torch.tensor(False)
         self._bad_loss = None
+        # The riders' host flags cross to the device as one tensor: one copy per step, not one per rider.
+        riders = host_flags_to(device, [rider.flag(trainer) for rider in self.riders]).unbind()
         # No norm is -1: the vote's length agrees on every rank whatever it holds.
         norm_value = local_tensor(norm.detach()) if norm is not None else torch.full((), -1.0, device=device)
-        carried = self.gradient_vote.take() if self.gradient_vote is not None else None
-        if carried is not None:  # the loss and riders came summed in the gradients; the norm is the same everywhere
-            verdict = verdict_of(carried, len(self.riders), norm_bad, norm_value)
-        else:
-            # The riders' host flags cross to the device as one tensor: one copy per step, not one per rider.
-            riders = host_flags_to(device, [rider.flag(trainer) for rider in self.riders]).unbind()
-            verdict = cast_vote([bad_loss.to(device), norm_bad.to(device), norm_value.to(device), *riders])
+        verdict = cast_vote([bad_loss.to(device), norm_bad.to(device), norm_value.to(device), *riders])
         if self.defer:
             # Skipped on the device when the vote says so (or when the previous step's verdict stopped the run).
             found = torch.ones((), device=device) if stop_now else verdict[:2].max()

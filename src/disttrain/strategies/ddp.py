@@ -1,7 +1,6 @@
 """strategy=ddp: a full replica per rank, gradients all-reduced in buckets overlapped with backward.
 
 ``strategy.comm_hook`` registers one of torch's DDP communication hooks (``optimizer=onebit_adam`` its own).
-Without one, the all-reduce is a hook of the non-finite guard's that carries its per-step vote (``carry_guard_vote``).
 Lightning's DDPStrategy registers hooks only on CUDA (a torch 1.8 restriction that no longer holds: gloo runs
 them), so ``HookedDDPStrategy`` registers them on every device, and keeps a stateful hook's per-rank state
 (PowerSGD's, 1-bit Adam's) beside each checkpoint.
@@ -25,8 +24,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.config.strategy_schema import DDPConfig
-from disttrain.reliability.gradient_vote import GradientVote
-from disttrain.reliability.nan_guard import NonFiniteGuard
 from disttrain.strategies.checkpointing import UniversalCheckpointing
 from disttrain.strategies.comm_hooks import build_comm_hook
 from disttrain.strategies.loaders import ForkGuardedLoaders
@@ -105,16 +102,6 @@ class HookedDDPStrategy(ForkGuardedLoaders, RankStateCheckpointing, UniversalChe
 
     def _register_ddp_hooks(self) -> None:
         register_comm_hook(self.model, self._ddp_comm_state, self._ddp_comm_hook)  # type: ignore[arg-type]
-
-    def carry_guard_vote(self, guard: NonFiniteGuard) -> bool:
-        """Under DDP's plain all-reduce, the non-finite guard's flags ride in it (reliability/gradient_vote.py);
-        a compression hook, PowerSGD or 1-bit Adam leaves the guard its own vote. True where they ride."""
-        if getattr(self, "_ddp_comm_hook", None) is not None:  # set by DDPStrategy.__init__ (untyped there)
-            return False
-        carrier = GradientVote()
-        guard.carry_in(carrier)
-        self._ddp_comm_hook = carrier.hook
-        return True
 
 
 class OneProcessStrategy(ForkGuardedLoaders, RankStateCheckpointing, UniversalCheckpointing, SingleDeviceStrategy):

@@ -50,7 +50,7 @@ from disttrain.models.targets import resolve_target
 from disttrain.models.tensor_parallel import tp_probe_parts
 from disttrain.reliability.callbacks import build_reliability
 from disttrain.reliability.nan_guard import NonFiniteGuard
-from disttrain.strategies.ddp import HookedDDPStrategy, build_one_process
+from disttrain.strategies.ddp import build_one_process
 from disttrain.strategies.deepspeed_spec import with_run_swap_folder
 from disttrain.strategies.fsdp_probe import fsdp_probe_parts, fsdp_probe_supported
 from disttrain.strategies.layout import ParallelLayout
@@ -292,8 +292,6 @@ def build_trainer(
     slurm = current_task()
     clip_norm = t.grad_clip if guard_clips else None
     reliability = build_reliability(t, ckpt_dir, clip_norm=clip_norm, preemptible=slurm is not None)
-    if isinstance(strategy.strategy, HookedDDPStrategy):
-        strategy.strategy.carry_guard_vote(reliability.guard)  # no collective of the guard's own a step
     work = work_of(cfg, plan, facts, None)
     throughput = Throughput(
         work.units_per_step,
